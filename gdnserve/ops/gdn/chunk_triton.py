@@ -1,0 +1,265 @@
+"""Triton kernels of the chunked gated-delta-rule prefill (gdn_kernels.md §2), three launches:
+
+1. ``chunk_prep_kernel``   grid (chunk rows, H): per chunk and *key* head, l2-normalise k, form
+   K Kᵀ once, then per value head of the group: gates, chunk-local cumsum, the strictly lower
+   𝒜 = diag(β) (Γᵢ/Γₘ ⊙ K Kᵀ), 𝒯 = (I + 𝒜)⁻¹, 𝒲 = 𝒯 diag(βΓ) K, Ũ = 𝒯 diag(β) V.
+   No state is read: producers and consumers of one step run together here.
+2. ``chunk_state_kernel``  grid (V tiles, N·HV): the only sequential stage. Loads the initial state
+   tile from ``pool[src]`` (or zeros, or replays the parent sequence's chunks first), walks the
+   sequence's chunks writing the chunk-start snapshots h and U = Ũ − 𝒲 S, and stores the final
+   state to ``pool[dst]``: no gather/scatter, no boolean masks.
+3. ``chunk_output_kernel`` grid (V tiles, chunk rows, HV): O = s·[diag(Γ) Q S₀ᵀ + (M ⊙ Q Kᵀ) U].
+
+𝒯 is built blockwise: the four 16×16 diagonal blocks of 𝒜 are inverted by forward substitution
+(batched as one [4, 16, 16] tensor), then with D = blockdiag(those inverses) and N = D·𝒜_offdiag
+(nilpotent, N⁴ = 0): 𝒯 = (I − N + N² − N³)·D — three 64×64 products, all on tensor cores.
+Exponentials are natural-base and always of non-positive arguments (selected before exp).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gdnserve.ops.gdn.chunk_workspace import ChunkWorkspace
+from gdnserve.ops.tl_compat import cast, mma
+from gdnserve.ops.varlen import CHUNK, VarlenMeta
+
+
+@triton.jit
+def _l2norm_rows(p_x, o_rows, m_rows, stride_t, o_k, m_k):
+    """Load rows [C, BK] of one head and l2-normalise them in fp32 (x * rsqrt(sum x² + 1e-6))."""
+    b_x = tl.load(p_x + o_rows[:, None].to(tl.int64) * stride_t + o_k[None, :],
+                  mask=m_rows[:, None] & m_k[None, :], other=0.).to(tl.float32)
+    return b_x * tl.rsqrt(tl.sum(b_x * b_x, 1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _gates(p_a, p_b, o_rows, m_rows, stride_a, stride_b, A_log, dt_bias):
+    b_a = tl.load(p_a + o_rows * stride_a, mask=m_rows, other=0.).to(tl.float32) + dt_bias
+    sp = tl.where(b_a > 20., b_a, tl.log(1. + tl.exp(tl.minimum(b_a, 20.))))
+    b_g = tl.where(m_rows, -tl.exp(A_log) * sp, 0.)
+    b_beta = tl.where(m_rows, tl.sigmoid(tl.load(p_b + o_rows * stride_b, mask=m_rows, other=0.).to(tl.float32)), 0.)
+    return b_g, b_beta
+
+
+@triton.jit
+def chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, gcum, w, u,
+                      s_kt, s_kh, s_vt, s_vh, s_at, s_ah, s_bt, s_bh,
+                      R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr):
+    i_row, i_h = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices + 2 * i_row)
+    if i_n < 0:
+        return
+    i_c = tl.load(chunk_indices + 2 * i_row + 1)
+    bos = tl.load(cu_seqlens + i_n)
+    L = tl.load(cu_seqlens + i_n + 1) - bos
+    o_c = tl.arange(0, C)
+    o_rows = bos + i_c * C + o_c
+    m_rows = i_c * C + o_c < L
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = tl.arange(0, BV)
+    m_v = o_v < V
+
+    b_k = _l2norm_rows(k + i_h * s_kh, o_rows, m_rows, s_kt, o_k, m_k)          # [C, BK] fp32
+    b_kk = mma(b_k, tl.trans(b_k), DOT_PREC)                # [C, C]
+
+    # block structure of a 64x64 matrix seen as [4, 16, 4, 16]
+    o_blk = tl.arange(0, 4)
+    o_16 = tl.arange(0, 16)
+    eye16 = (o_16[:, None] == o_16[None, :]).to(tl.float32)
+    same_blk = (o_blk[:, None, None, None] == o_blk[None, None, :, None])     # [4,1,4,1]
+    strict = o_c[:, None] > o_c[None, :]
+    eye = (o_c[:, None] == o_c[None, :]).to(tl.float32)
+
+    for jj in range(R):
+        i_hv = i_h * R + jj
+        b_g, b_beta = _gates(a + i_hv * s_ah, b + i_hv * s_bh, o_rows, m_rows, s_at, s_bt,
+                             tl.load(A_log + i_hv), tl.load(dt_bias + i_hv).to(tl.float32))
+        b_gc = tl.cumsum(b_g, 0)
+        tl.store(gcum + o_rows * HV + i_hv, b_gc, mask=m_rows)
+        diff = tl.where(strict, b_gc[:, None] - b_gc[None, :], 0.)
+        b_A = tl.where(strict, b_kk * b_beta[:, None] * tl.exp(diff), 0.)       # strictly lower [C, C]
+
+        # --- inverse of (I + A) ---
+        b_A4 = tl.reshape(b_A, (4, 16, 4, 16))
+        b_Ad = tl.sum(tl.where(same_blk, b_A4, 0.), 2)                         # diagonal blocks [4, 16, 16]
+        b_Ti = tl.broadcast_to(eye16[None, :, :], (4, 16, 16))
+        for i in tl.static_range(1, 16):
+            sel = (o_16 == i)[None, :, None]
+            row = tl.sum(tl.where(sel, b_Ad, 0.), 1)                            # [4, 16] = A[blk, i, :]
+            upd = tl.sum(row[:, :, None] * b_Ti, 1)                             # [4, 16]
+            b_Ti = tl.where(sel, b_Ti - upd[:, None, :], b_Ti)
+        b_D = tl.reshape(tl.where(same_blk, tl.expand_dims(b_Ti, 2), 0.), (C, C))   # blockdiag
+        b_Ao = tl.reshape(tl.where(same_blk, 0., b_A4), (C, C))                # block-strictly-lower part
+        b_N = mma(b_D, b_Ao, DOT_PREC)
+        b_X = eye - b_N
+        b_X = eye - mma(b_N, b_X, DOT_PREC)
+        b_X = eye - mma(b_N, b_X, DOT_PREC)
+        b_T = mma(b_X, b_D, DOT_PREC)                        # (I + A)^-1
+
+        b_kb = b_k * (b_beta * tl.exp(b_gc))[:, None]
+        b_w = mma(b_T, b_kb, DOT_PREC)
+        p_w = w + (o_rows[:, None].to(tl.int64) * HV + i_hv) * K + o_k[None, :]
+        tl.store(p_w, cast(b_w, w.dtype.element_ty), mask=m_rows[:, None] & m_k[None, :])
+        b_v = tl.load(v + o_rows[:, None].to(tl.int64) * s_vt + i_hv * s_vh + o_v[None, :],
+                      mask=m_rows[:, None] & m_v[None, :], other=0.).to(tl.float32)
+        b_u = mma(b_T, b_v * b_beta[:, None], DOT_PREC)
+        p_u = u + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :]
+        tl.store(p_u, cast(b_u, u.dtype.element_ty), mask=m_rows[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _state_step(b_S, k, w, u, gcum, vnew, t0, n_valid, i_h, i_hv, s_kt, s_kh,
+                o_c, o_k, m_k, o_v, m_v,
+                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STORE: tl.constexpr, DOT_PREC: tl.constexpr,
+                STATE_F32: tl.constexpr):
+    """One chunk of the state pass on a [BV, BK] tile of Sᵀ. Returns the state after the chunk."""
+    m_rows = o_c < n_valid
+    o_rows = t0 + o_c
+    b_k = _l2norm_rows(k + i_h * s_kh, o_rows, m_rows, s_kt, o_k, m_k)
+    b_w = tl.load(w + (o_rows[:, None].to(tl.int64) * HV + i_hv) * K + o_k[None, :],
+                  mask=m_rows[:, None] & m_k[None, :], other=0.)
+    b_u = tl.load(u + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :],
+                  mask=m_rows[:, None] & m_v[None, :], other=0.).to(tl.float32)
+    b_gc = tl.load(gcum + o_rows * HV + i_hv, mask=m_rows, other=0.)
+    g_last = tl.load(gcum + (t0 + n_valid - 1) * HV + i_hv)
+    # U = u - w S  (S rounded to the intermediate dtype for the tensor-core product, as fla does)
+    if STATE_F32:   # tf32 products on the fp32 state: the recurrence carries no 16-bit rounding
+        b_U = b_u - mma(b_w.to(tl.float32), tl.trans(b_S), "tf32" if DOT_PREC == "tf32" else DOT_PREC)
+    else:           # fla's choice: state rounded to the activation dtype for the product
+        b_U = b_u - mma(b_w, tl.trans(cast(b_S, w.dtype.element_ty)), DOT_PREC)
+    if STORE:
+        tl.store(vnew + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :],
+                 cast(b_U, vnew.dtype.element_ty), mask=m_rows[:, None] & m_v[None, :])
+    b_Uw = tl.where(m_rows[:, None], b_U * tl.exp(tl.where(m_rows, g_last - b_gc, 0.))[:, None], 0.)
+    if STATE_F32:
+        b_S = b_S * tl.exp(g_last) + mma(tl.trans(b_Uw), b_k, DOT_PREC)
+    else:
+        b_S = b_S * tl.exp(g_last) + mma(tl.trans(cast(b_Uw, w.dtype.element_ty)), cast(b_k, w.dtype.element_ty),
+                                         DOT_PREC)
+    return b_S
+
+
+@triton.jit
+def chunk_state_kernel(k, w, u, gcum, vnew, h, pool, cu_seqlens, chunk_offsets, src_slots, dst_slots, parents,
+                       s_kt, s_kh,
+                       R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                       HAS_PARENT: tl.constexpr, DOT_PREC: tl.constexpr, STATE_F32: tl.constexpr):
+    i_vt, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n = i_nh // HV
+    i_hv = i_nh % HV
+    i_h = i_hv // R
+    o_c = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_vt * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_s = m_v[:, None] & m_k[None, :]
+    o_s = (i_hv * V + o_v[:, None]).to(tl.int64) * K + o_k[None, :]            # offset inside a slot
+    SLOT: tl.constexpr = HV * V * K
+
+    i_p = -1
+    if HAS_PARENT:
+        i_p = tl.load(parents + i_n)
+    i_first = tl.where(i_p >= 0, i_p, i_n)
+    s_src = tl.load(src_slots + i_first)
+    b_S = tl.zeros([BV, BK], dtype=tl.float32)
+    if s_src >= 0:
+        b_S = tl.load(pool + s_src.to(tl.int64) * SLOT + o_s, mask=m_s, other=0.).to(tl.float32)
+    if HAS_PARENT:
+        if i_p >= 0:
+            # replay the parent's chunks (the parent's own program writes its outputs)
+            p_bos = tl.load(cu_seqlens + i_p)
+            p_L = tl.load(cu_seqlens + i_p + 1) - p_bos
+            for i_c in range(tl.cdiv(p_L, C)):
+                b_S = _state_step(b_S, k, w, u, gcum, vnew, p_bos + i_c * C, tl.minimum(C, p_L - i_c * C),
+                                  i_h, i_hv, s_kt, s_kh, o_c, o_k, m_k, o_v, m_v, HV, K, V, False, DOT_PREC, STATE_F32)
+            b_S = cast(b_S, pool.dtype.element_ty).to(tl.float32)   # as if stored to a slot and read back
+    bos = tl.load(cu_seqlens + i_n)
+    L = tl.load(cu_seqlens + i_n + 1) - bos
+    off = tl.load(chunk_offsets + i_n)
+    for i_c in range(tl.cdiv(L, C)):
+        tl.store(h + ((off + i_c).to(tl.int64) * HV * V * K) + o_s, cast(b_S, h.dtype.element_ty), mask=m_s)
+        b_S = _state_step(b_S, k, w, u, gcum, vnew, bos + i_c * C, tl.minimum(C, L - i_c * C),
+                          i_h, i_hv, s_kt, s_kh, o_c, o_k, m_k, o_v, m_v, HV, K, V, True, DOT_PREC, STATE_F32)
+    s_dst = tl.load(dst_slots + i_n)
+    if s_dst >= 0:
+        tl.store(pool + s_dst.to(tl.int64) * SLOT + o_s, cast(b_S, pool.dtype.element_ty), mask=m_s)
+
+
+@triton.jit
+def chunk_output_kernel(q, k, gcum, vnew, h, o, cu_seqlens, chunk_indices, scale,
+                        s_qt, s_qh, s_kt, s_kh,
+                        R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                        BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr):
+    i_vt, i_row, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n = tl.load(chunk_indices + 2 * i_row)
+    if i_n < 0:
+        return
+    i_c = tl.load(chunk_indices + 2 * i_row + 1)
+    i_h = i_hv // R
+    bos = tl.load(cu_seqlens + i_n)
+    L = tl.load(cu_seqlens + i_n + 1) - bos
+    o_c = tl.arange(0, C)
+    o_rows = bos + i_c * C + o_c
+    m_rows = i_c * C + o_c < L
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_vt * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    # fp32 operands (tf32 products): the output stage is parallel and memory-bound, so the wider
+    # products cost no time and keep q, k, q·kᵀ out of 16-bit rounding.
+    b_q = _l2norm_rows(q + i_h * s_qh, o_rows, m_rows, s_qt, o_k, m_k)
+    b_k = _l2norm_rows(k + i_h * s_kh, o_rows, m_rows, s_kt, o_k, m_k)
+    b_gc = tl.load(gcum + o_rows * HV + i_hv, mask=m_rows, other=0.)
+    b_h = tl.load(h + (i_row.to(tl.int64) * HV * V * K) + (i_hv * V + o_v[:, None]).to(tl.int64) * K + o_k[None, :],
+                  mask=m_v[:, None] & m_k[None, :], other=0.).to(tl.float32)
+    b_U = tl.load(vnew + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :],
+                  mask=m_rows[:, None] & m_v[None, :], other=0.).to(tl.float32)
+    incl = (o_c[:, None] >= o_c[None, :]) & m_rows[:, None]   # row valid => column valid
+    b_qk = mma(b_q, tl.trans(b_k), DOT_PREC)
+    b_qk = tl.where(incl, b_qk * tl.exp(tl.where(incl, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
+    b_o = mma(b_q, tl.trans(b_h), DOT_PREC) * tl.exp(b_gc)[:, None]
+    b_o += mma(b_qk, b_U, DOT_PREC)
+    tl.store(o + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :], cast((b_o * scale), o.dtype.element_ty),
+             mask=m_rows[:, None] & m_v[None, :])
+
+
+# Fixed launch configs (tuned offline on the H200; see docs/kernels.md). No autotuning at call time.
+PREP_WARPS, STATE_BV, STATE_WARPS, OUT_BV, OUT_WARPS = 8, 64, 4, 64, 4
+STATE_F32 = True
+
+
+def chunk_gdn_triton(q, k, v, a, b, A_log, dt_bias, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, parents,
+                     scale: float, out: torch.Tensor, workspace: ChunkWorkspace | None) -> torch.Tensor:
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    R = HV // H
+    dt = v.dtype
+    if workspace is None or not workspace.fits(T, meta.num_chunk_rows, HV, K, V, dt):
+        workspace = ChunkWorkspace.empty(T, meta.num_chunk_rows, HV, K, V, dt, q.device)
+    ws = workspace
+    BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
+    prec = "ieee" if dt == torch.float32 else "tf32"
+    nrows = meta.num_chunk_rows
+    chunk_prep_kernel[(nrows, H)](
+        q, k, v, a, b, A_log, dt_bias, meta.cu_seqlens, meta.chunk_indices, ws.gcum, ws.w, ws.u,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        R=R, HV=HV, K=K, V=V, BK=BK, BV=BV, C=CHUNK, DOT_PREC=prec, num_warps=PREP_WARPS)
+    sbv = min(STATE_BV, BV)
+    has_parent = parents is not None
+    chunk_state_kernel[(triton.cdiv(V, sbv), meta.num_seqs * HV)](
+        k, ws.w, ws.u, ws.gcum, ws.vnew, ws.h, ssm_pool, meta.cu_seqlens, meta.chunk_offsets, src_slots, dst_slots,
+        parents if has_parent else src_slots, k.stride(0), k.stride(1),
+        R=R, HV=HV, K=K, V=V, BK=BK, BV=sbv, C=CHUNK, HAS_PARENT=has_parent, DOT_PREC=prec, STATE_F32=STATE_F32,
+        num_warps=STATE_WARPS)
+    obv = min(OUT_BV, BV)
+    chunk_output_kernel[(triton.cdiv(V, obv), nrows, HV)](
+        q, k, ws.gcum, ws.vnew, ws.h, out, meta.cu_seqlens, meta.chunk_indices, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        R=R, HV=HV, K=K, V=V, BK=BK, BV=obv, C=CHUNK, DOT_PREC=prec, num_warps=OUT_WARPS)
+    return out
