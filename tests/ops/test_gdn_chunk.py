@@ -42,7 +42,9 @@ def test_varlen_against_reference(backend, dtype, H, HV, K, V, device):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("regime", ["strong", "mild", "slow", "extreme"])
 def test_gate_regimes(backend, regime, device):
-    H, HV, K, V = 2, 4, 16, 16
+    # head dim 64: §6.4's bf16 bar (5e-3) is calibrated at K = 60..128; at K = 16 the bf16 rounding of
+    # q·k sums over too few terms to average out, so tiny heads sit above it for fla's design too.
+    H, HV, K, V = 2, 4, 64, 64
     lens = [200, 65]
     q, k, v, a, b, A_log, dt_bias = gdn_inputs(sum(lens), H, HV, K, V, torch.bfloat16, device, regime)
     pool = random_pool(4, HV, V, K, torch.float32, device)

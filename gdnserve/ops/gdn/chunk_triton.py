@@ -47,7 +47,8 @@ def _gates(p_a, p_b, o_rows, m_rows, stride_a, stride_b, A_log, dt_bias):
 def chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, gcum, w, u,
                       s_kt, s_kh, s_vt, s_vh, s_at, s_ah, s_bt, s_bh,
                       R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr):
+                      BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
+                      INV_MODE: tl.constexpr, PREP_BF16: tl.constexpr):
     i_row, i_h = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + 2 * i_row)
     if i_n < 0:
@@ -64,7 +65,11 @@ def chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, 
     m_v = o_v < V
 
     b_k = _l2norm_rows(k + i_h * s_kh, o_rows, m_rows, s_kt, o_k, m_k)          # [C, BK] fp32
-    b_kk = mma(b_k, tl.trans(b_k), DOT_PREC)                # [C, C]
+    if PREP_BF16:
+        b_kd = cast(b_k, w.dtype.element_ty)
+        b_kk = mma(b_kd, tl.trans(b_kd), DOT_PREC)                              # [C, C]
+    else:
+        b_kk = mma(b_k, tl.trans(b_k), DOT_PREC)
 
     # block structure of a 64x64 matrix seen as [4, 16, 4, 16]
     o_blk = tl.arange(0, 4)
@@ -83,30 +88,45 @@ def chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, 
         diff = tl.where(strict, b_gc[:, None] - b_gc[None, :], 0.)
         b_A = tl.where(strict, b_kk * b_beta[:, None] * tl.exp(diff), 0.)       # strictly lower [C, C]
 
-        # --- inverse of (I + A) ---
-        b_A4 = tl.reshape(b_A, (4, 16, 4, 16))
-        b_Ad = tl.sum(tl.where(same_blk, b_A4, 0.), 2)                         # diagonal blocks [4, 16, 16]
-        b_Ti = tl.broadcast_to(eye16[None, :, :], (4, 16, 16))
-        for i in tl.static_range(1, 16):
-            sel = (o_16 == i)[None, :, None]
-            row = tl.sum(tl.where(sel, b_Ad, 0.), 1)                            # [4, 16] = A[blk, i, :]
-            upd = tl.sum(row[:, :, None] * b_Ti, 1)                             # [4, 16]
-            b_Ti = tl.where(sel, b_Ti - upd[:, None, :], b_Ti)
-        b_D = tl.reshape(tl.where(same_blk, tl.expand_dims(b_Ti, 2), 0.), (C, C))   # blockdiag
-        b_Ao = tl.reshape(tl.where(same_blk, 0., b_A4), (C, C))                # block-strictly-lower part
-        b_N = mma(b_D, b_Ao, DOT_PREC)
-        b_X = eye - b_N
-        b_X = eye - mma(b_N, b_X, DOT_PREC)
-        b_X = eye - mma(b_N, b_X, DOT_PREC)
-        b_T = mma(b_X, b_D, DOT_PREC)                        # (I + A)^-1
+        # --- T = (I + A)^-1 ---
+        if INV_MODE == 0:
+            b_A4 = tl.reshape(b_A, (4, 16, 4, 16))
+            b_Ad = tl.sum(tl.where(same_blk, b_A4, 0.), 2)                     # diagonal blocks [4, 16, 16]
+            b_Ti = tl.broadcast_to(eye16[None, :, :], (4, 16, 16))
+            for i in tl.static_range(1, 16):
+                sel = (o_16 == i)[None, :, None]
+                row = tl.sum(tl.where(sel, b_Ad, 0.), 1)                        # [4, 16] = A[blk, i, :]
+                upd = tl.sum(row[:, :, None] * b_Ti, 1)                         # [4, 16]
+                b_Ti = tl.where(sel, b_Ti - upd[:, None, :], b_Ti)
+            b_D = tl.reshape(tl.where(same_blk, tl.expand_dims(b_Ti, 2), 0.), (C, C))   # blockdiag
+            b_Ao = tl.reshape(tl.where(same_blk, 0., b_A4), (C, C))            # block-strictly-lower part
+            b_N = mma(b_D, b_Ao, DOT_PREC)
+            b_X = eye - b_N
+            b_X = eye - mma(b_N, b_X, DOT_PREC)
+            b_X = eye - mma(b_N, b_X, DOT_PREC)
+            b_T = mma(b_X, b_D, DOT_PREC)
+        else:
+            # product form: (I + A)^-1 = prod_j (I + (-A)^(2^j)), A nilpotent (A^64 = 0)
+            b_P = -b_A
+            b_T = eye + b_P
+            for _ in tl.static_range(5):
+                b_P = mma(b_P, b_P, DOT_PREC)
+                b_T = b_T + mma(b_T, b_P, DOT_PREC)
 
         b_kb = b_k * (b_beta * tl.exp(b_gc))[:, None]
-        b_w = mma(b_T, b_kb, DOT_PREC)
+        if PREP_BF16:
+            b_Td = cast(b_T, w.dtype.element_ty)
+            b_w = mma(b_Td, cast(b_kb, w.dtype.element_ty), DOT_PREC)
+        else:
+            b_w = mma(b_T, b_kb, DOT_PREC)
         p_w = w + (o_rows[:, None].to(tl.int64) * HV + i_hv) * K + o_k[None, :]
         tl.store(p_w, cast(b_w, w.dtype.element_ty), mask=m_rows[:, None] & m_k[None, :])
         b_v = tl.load(v + o_rows[:, None].to(tl.int64) * s_vt + i_hv * s_vh + o_v[None, :],
                       mask=m_rows[:, None] & m_v[None, :], other=0.).to(tl.float32)
-        b_u = mma(b_T, b_v * b_beta[:, None], DOT_PREC)
+        if PREP_BF16:
+            b_u = mma(b_Td, cast(b_v * b_beta[:, None], w.dtype.element_ty), DOT_PREC)
+        else:
+            b_u = mma(b_T, b_v * b_beta[:, None], DOT_PREC)
         p_u = u + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :]
         tl.store(p_u, cast(b_u, u.dtype.element_ty), mask=m_rows[:, None] & m_v[None, :])
 
@@ -128,7 +148,7 @@ def _state_step(b_S, k, w, u, gcum, vnew, t0, n_valid, i_h, i_hv, s_kt, s_kh,
     g_last = tl.load(gcum + (t0 + n_valid - 1) * HV + i_hv)
     # U = u - w S  (S rounded to the intermediate dtype for the tensor-core product, as fla does)
     if STATE_F32:   # tf32 products on the fp32 state: the recurrence carries no 16-bit rounding
-        b_U = b_u - mma(b_w.to(tl.float32), tl.trans(b_S), "tf32" if DOT_PREC == "tf32" else DOT_PREC)
+        b_U = b_u - mma(b_w.to(tl.float32), tl.trans(b_S), DOT_PREC)
     else:           # fla's choice: state rounded to the activation dtype for the product
         b_U = b_u - mma(b_w, tl.trans(cast(b_S, w.dtype.element_ty)), DOT_PREC)
     if STORE:
@@ -195,7 +215,8 @@ def chunk_state_kernel(k, w, u, gcum, vnew, h, pool, cu_seqlens, chunk_offsets, 
 def chunk_output_kernel(q, k, gcum, vnew, h, o, cu_seqlens, chunk_indices, scale,
                         s_qt, s_qh, s_kt, s_kh,
                         R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr):
+                        BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
+                        OUT_F32: tl.constexpr):
     i_vt, i_row, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n = tl.load(chunk_indices + 2 * i_row)
     if i_n < 0:
@@ -211,55 +232,87 @@ def chunk_output_kernel(q, k, gcum, vnew, h, o, cu_seqlens, chunk_indices, scale
     m_k = o_k < K
     o_v = i_vt * BV + tl.arange(0, BV)
     m_v = o_v < V
-    # fp32 operands (tf32 products): the output stage is parallel and memory-bound, so the wider
-    # products cost no time and keep q, k, q·kᵀ out of 16-bit rounding.
     b_q = _l2norm_rows(q + i_h * s_qh, o_rows, m_rows, s_qt, o_k, m_k)
     b_k = _l2norm_rows(k + i_h * s_kh, o_rows, m_rows, s_kt, o_k, m_k)
     b_gc = tl.load(gcum + o_rows * HV + i_hv, mask=m_rows, other=0.)
     b_h = tl.load(h + (i_row.to(tl.int64) * HV * V * K) + (i_hv * V + o_v[:, None]).to(tl.int64) * K + o_k[None, :],
-                  mask=m_v[:, None] & m_k[None, :], other=0.).to(tl.float32)
+                  mask=m_v[:, None] & m_k[None, :], other=0.)
     b_U = tl.load(vnew + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :],
-                  mask=m_rows[:, None] & m_v[None, :], other=0.).to(tl.float32)
+                  mask=m_rows[:, None] & m_v[None, :], other=0.)
     incl = (o_c[:, None] >= o_c[None, :]) & m_rows[:, None]   # row valid => column valid
-    b_qk = mma(b_q, tl.trans(b_k), DOT_PREC)
-    b_qk = tl.where(incl, b_qk * tl.exp(tl.where(incl, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
-    b_o = mma(b_q, tl.trans(b_h), DOT_PREC) * tl.exp(b_gc)[:, None]
-    b_o += mma(b_qk, b_U, DOT_PREC)
+    if OUT_F32:
+        # fp32 operands (tf32 products): keeps q, k, q·kᵀ out of 16-bit rounding
+        b_qk = mma(b_q, tl.trans(b_k), DOT_PREC)
+        b_qk = tl.where(incl, b_qk * tl.exp(tl.where(incl, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
+        b_o = mma(b_q, tl.trans(b_h.to(tl.float32)), DOT_PREC) * tl.exp(b_gc)[:, None]
+        b_o += mma(b_qk, b_U.to(tl.float32), DOT_PREC)
+    else:
+        DT = vnew.dtype.element_ty
+        b_qd = cast(b_q, DT)
+        b_qk = mma(b_qd, tl.trans(cast(b_k, DT)), DOT_PREC)
+        b_qk = tl.where(incl, b_qk * tl.exp(tl.where(incl, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
+        b_o = mma(b_qd, tl.trans(b_h), DOT_PREC) * tl.exp(b_gc)[:, None]
+        b_o += mma(cast(b_qk, DT), b_U, DOT_PREC)
     tl.store(o + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :], cast((b_o * scale), o.dtype.element_ty),
              mask=m_rows[:, None] & m_v[None, :])
 
 
 # Fixed launch configs (tuned offline on the H200; see docs/kernels.md). No autotuning at call time.
-PREP_WARPS, STATE_BV, STATE_WARPS, OUT_BV, OUT_WARPS = 8, 64, 4, 64, 4
-STATE_F32 = True
+# Measured on the H200 (benchmarks/tune_chunk.py, results in benchmarks/results/): per-stage medians at
+# 1x32768 — prep 1701 us (INV_MODE=1, 4 warps) vs 1909 (blockwise, 4) / 2396-2896 (8 warps); state 959 us
+# (bf16 products, BV=32, 4 warps) vs 1634 (tf32 products); output 612 us (bf16, BV=128) vs 1006 (tf32).
+PREP_WARPS, STATE_BV, STATE_WARPS, OUT_BV, OUT_WARPS = 4, 32, 4, 128, 4
+STATE_F32 = False
+INV_MODE = 1
+OUT_F32 = False
+PREP_BF16 = True
+
+
+def launch_prep(q, k, v, a, b, A_log, dt_bias, meta: VarlenMeta, ws: ChunkWorkspace):
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    prec = "ieee" if v.dtype == torch.float32 else "tf32"
+    chunk_prep_kernel[(meta.num_chunk_rows, H)](
+        q, k, v, a, b, A_log, dt_bias, meta.cu_seqlens, meta.chunk_indices, ws.gcum, ws.w, ws.u,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        R=HV // H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), C=CHUNK,
+        DOT_PREC=prec, INV_MODE=INV_MODE, PREP_BF16=PREP_BF16 and v.dtype != torch.float32,
+        num_warps=PREP_WARPS)
+
+
+def launch_state(k, v, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, parents, ws: ChunkWorkspace):
+    T, H, K = k.shape
+    HV, V = v.shape[1], v.shape[2]
+    prec = "ieee" if v.dtype == torch.float32 else "tf32"
+    sbv = min(STATE_BV, triton.next_power_of_2(V))
+    has_parent = parents is not None
+    chunk_state_kernel[(triton.cdiv(V, sbv), meta.num_seqs * HV)](
+        k, ws.w, ws.u, ws.gcum, ws.vnew, ws.h, ssm_pool, meta.cu_seqlens, meta.chunk_offsets, src_slots, dst_slots,
+        parents if has_parent else src_slots, k.stride(0), k.stride(1),
+        R=HV // H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=sbv, C=CHUNK, HAS_PARENT=has_parent,
+        DOT_PREC=prec, STATE_F32=STATE_F32, num_warps=STATE_WARPS)
+
+
+def launch_output(q, k, v, meta: VarlenMeta, scale: float, out, ws: ChunkWorkspace):
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    prec = "ieee" if v.dtype == torch.float32 else "tf32"
+    obv = min(OUT_BV, triton.next_power_of_2(V))
+    chunk_output_kernel[(triton.cdiv(V, obv), meta.num_chunk_rows, HV)](
+        q, k, ws.gcum, ws.vnew, ws.h, out, meta.cu_seqlens, meta.chunk_indices, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        R=HV // H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=obv, C=CHUNK, DOT_PREC=prec,
+        OUT_F32=OUT_F32, num_warps=OUT_WARPS)
 
 
 def chunk_gdn_triton(q, k, v, a, b, A_log, dt_bias, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, parents,
                      scale: float, out: torch.Tensor, workspace: ChunkWorkspace | None) -> torch.Tensor:
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
-    R = HV // H
-    dt = v.dtype
-    if workspace is None or not workspace.fits(T, meta.num_chunk_rows, HV, K, V, dt):
-        workspace = ChunkWorkspace.empty(T, meta.num_chunk_rows, HV, K, V, dt, q.device)
     ws = workspace
-    BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
-    prec = "ieee" if dt == torch.float32 else "tf32"
-    nrows = meta.num_chunk_rows
-    chunk_prep_kernel[(nrows, H)](
-        q, k, v, a, b, A_log, dt_bias, meta.cu_seqlens, meta.chunk_indices, ws.gcum, ws.w, ws.u,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        R=R, HV=HV, K=K, V=V, BK=BK, BV=BV, C=CHUNK, DOT_PREC=prec, num_warps=PREP_WARPS)
-    sbv = min(STATE_BV, BV)
-    has_parent = parents is not None
-    chunk_state_kernel[(triton.cdiv(V, sbv), meta.num_seqs * HV)](
-        k, ws.w, ws.u, ws.gcum, ws.vnew, ws.h, ssm_pool, meta.cu_seqlens, meta.chunk_offsets, src_slots, dst_slots,
-        parents if has_parent else src_slots, k.stride(0), k.stride(1),
-        R=R, HV=HV, K=K, V=V, BK=BK, BV=sbv, C=CHUNK, HAS_PARENT=has_parent, DOT_PREC=prec, STATE_F32=STATE_F32,
-        num_warps=STATE_WARPS)
-    obv = min(OUT_BV, BV)
-    chunk_output_kernel[(triton.cdiv(V, obv), nrows, HV)](
-        q, k, ws.gcum, ws.vnew, ws.h, out, meta.cu_seqlens, meta.chunk_indices, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        R=R, HV=HV, K=K, V=V, BK=BK, BV=obv, C=CHUNK, DOT_PREC=prec, num_warps=OUT_WARPS)
+    if ws is None or not ws.fits(T, meta.num_chunk_rows, HV, K, V, v.dtype):
+        ws = ChunkWorkspace.empty(T, meta.num_chunk_rows, HV, K, V, v.dtype, q.device)
+    launch_prep(q, k, v, a, b, A_log, dt_bias, meta, ws)
+    launch_state(k, v, ssm_pool, meta, src_slots, dst_slots, parents, ws)
+    launch_output(q, k, v, meta, scale, out, ws)
     return out

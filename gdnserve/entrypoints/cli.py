@@ -1,0 +1,96 @@
+"""The ``gdnserve`` command line.
+
+    gdnserve bench ops [--device auto|cpu|cuda[:N]] [--quick] [--out DIR] [--no-fla]
+
+One ``_add_*`` function per command registers its parser and sets ``func``, a handler that takes the
+parsed arguments and returns an exit code; ``serve``, ``generate``, ``score`` and
+``bench grouped-prefill`` slot in the same way beside ``bench ops``. Heavy imports (torch, the
+benchmarks) happen inside handlers, so ``--help`` is instant and works while the ops are in progress.
+
+The benchmarks live in the repository's ``benchmarks/`` folder, not in the package. The CLI finds
+them beside the package directory: an editable install (``pip install -e .``) leaves the package in
+the checkout. A non-editable install has no ``benchmarks/``, and the CLI says so.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_RESULTS = REPO_ROOT / "benchmarks" / "results"
+
+
+class BenchmarkNotFound(RuntimeError):
+    pass
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """Import ``benchmarks.<name>`` from the checkout that holds this package."""
+    path = REPO_ROOT / "benchmarks" / f"{name}.py"
+    if not path.is_file():
+        raise BenchmarkNotFound(
+            f"benchmark '{name}' not found: expected {path}. The benchmarks ship with the repository, not "
+            f"the wheel; run from a clone installed with `pip install -e .`.")
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    module = importlib.import_module(f"benchmarks.{name}")
+    found = Path(getattr(module, "__file__", "") or "").resolve()
+    if found != path.resolve():
+        raise BenchmarkNotFound(f"`benchmarks.{name}` resolved to {found}, not {path}: another package named "
+                                f"`benchmarks` shadows the repository's; run `python -m benchmarks.{name}` "
+                                f"from {REPO_ROOT} instead.")
+    return module
+
+
+def add_bench_ops_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``bench ops``; ``python -m benchmarks.bench_ops`` takes the same ones."""
+    p.add_argument("--device", default="auto",
+                   help="auto (default: cuda if available, else cpu), cpu, cuda or cuda:N. On CPU the "
+                        "workloads are tiny (H=2, HV=4, K=V=32), PyTorch path only, no fla")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer iterations; on CUDA only the shapes the targets name")
+    p.add_argument("--out", type=Path, default=DEFAULT_RESULTS,
+                   help=f"folder for ops_<device>_<date>.json and .md (default: {DEFAULT_RESULTS})")
+    p.add_argument("--no-fla", dest="fla", action="store_false",
+                   help="skip the flash-linear-attention (fla-core 0.6.0) comparison rows")
+
+
+def _bench_ops(args: argparse.Namespace) -> int:
+    return load_benchmark("bench_ops").run_from_args(args)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (write JSON + markdown under benchmarks/results/)",
+                           description="Benchmarks; each writes JSON and a markdown table.")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{ops}", required=True)
+    ops = bench_sub.add_parser(
+        "ops", help="op benchmarks: conv + chunked prefill, decode, verify; ours vs fla",
+        description="Time gdnserve's ops (conv + chunked GDN prefill, decode, verify) against fla 0.6.0 at the "
+                    "Qwen3.5-35B-A3B GDN shape, print the roofline, and write JSON + markdown to --out.")
+    add_bench_ops_arguments(ops)
+    ops.set_defaults(func=_bench_ops)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gdnserve", description="gdnserve: an inference engine for hybrid "
+                                     "Gated-DeltaNet + attention models.")
+    sub = parser.add_subparsers(dest="command", metavar="{bench}", required=True)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except BenchmarkNotFound as e:
+        print(f"gdnserve: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

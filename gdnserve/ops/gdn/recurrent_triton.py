@@ -1,0 +1,240 @@
+"""Triton kernels for the recurrent gated delta rule over a slot-indexed SSM pool (decode, verify,
+pending-token replay) and the commit copy of verify's intermediate states. Contracts and shapes are
+documented on the public functions in ``recurrent.py``; the launchers here do no validation.
+
+One program owns (V-tile, value head j, request n): a ``[BV, BK]`` fp32 tile of ``S^T`` (pool
+layout ``[S, HV, V, K]``, K contiguous) that stays in registers for the whole call, so a call reads
+the state once and writes it at most once per target. Both per-token reductions (``S^T k`` and
+``S^T q``) run along K inside the tile, which is why the whole (padded) K row is held.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+try:  # the lean launch path below relies on Triton >= 3.4 internals; older versions take the jit call
+    from triton import knobs
+except ImportError:  # pragma: no cover
+    knobs = None
+
+from gdnserve.ops.gdn import gates
+
+# jit'ed code may read globals only as constexpr
+SOFTPLUS_THRESHOLD = tl.constexpr(gates.SOFTPLUS_THRESHOLD)
+L2_EPS = tl.constexpr(gates.L2_EPS)
+MAX_GRID_Z = 65535  # CUDA grid limit of the request axis
+
+
+@triton.jit
+def _l2norm(b_x):
+    return b_x * tl.math.rsqrt(tl.sum(b_x * b_x, 0) + L2_EPS)
+
+
+@triton.jit
+def _decay(b_a, b_dt, b_A):
+    """g = -exp(A_log) * softplus(a + dt_bias), with b_A = -exp(A_log); all fp32 scalars."""
+    b_x = b_a + b_dt
+    # clamp before exp: the untaken branch of the select must not overflow
+    b_sp = tl.where(b_x > SOFTPLUS_THRESHOLD, b_x, tl.log(1.0 + tl.exp(tl.minimum(b_x, SOFTPLUS_THRESHOLD))))
+    return b_A * b_sp
+
+
+@triton.jit
+def _delta_step(b_h, b_k, b_v, b_g, b_beta):
+    """St <- exp(g) St; u = beta (v - St k); St <- St + u k^T. b_h [BV, BK], b_k [BK] (normalised)."""
+    b_h = b_h * tl.exp(b_g)
+    b_u = b_beta * (b_v - tl.sum(b_h * b_k[None, :], 1))
+    return b_h + b_u[:, None] * b_k[None, :]
+
+
+_STRIDES = ["s_qt", "s_qh", "s_kt", "s_kh", "s_vt", "s_vh", "s_at", "s_bt", "s_ot", "s_oh"]
+
+
+@triton.jit(do_not_specialize=_STRIDES)
+def gdn_recurrent_fwd_kernel(
+    q, k, v, a, b, A_log, dt_bias, o, pool, slots,
+    scratch, scratch_rows,
+    pk, pv, pa, pb, pending_in_rows, num_pending, pending_out_rows,
+    scale,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_at, s_bt, s_ot, s_oh,
+    L: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    LS: tl.constexpr, LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_SCRATCH: tl.constexpr, PENDING_IN: tl.constexpr, PENDING_OUT: tl.constexpr,
+    WRITE_AFTER_PENDING: tl.constexpr, WRITE_FINAL: tl.constexpr,
+):
+    i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    mask_k = o_k < K
+    mask_v = o_v < V
+    mask_h = mask_v[:, None] & mask_k[None, :]
+    bos = i_n.to(tl.int64) * L
+    p_o = o + bos * s_ot + i_hv * s_oh + o_v
+
+    slot = tl.load(slots + i_n).to(tl.int64)
+    if slot < 0:  # padding row: zero outputs, touch nothing else
+        for t in tl.static_range(L):
+            tl.store(p_o + t * s_ot, tl.zeros([BV], dtype=o.dtype.element_ty), mask=mask_v)
+        return
+
+    # within one slot offsets fit int32; the slot stride (HV*V*K) times the slot id may not
+    o_h = i_hv * (V * K) + o_v[:, None] * K + o_k[None, :]
+    p_h = pool + slot * (HV * V * K) + o_h
+    b_h = tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
+    b_A = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    b_dt = tl.load(dt_bias + i_hv).to(tl.float32)
+
+    if PENDING_IN:
+        # replay the accepted tokens of the previous verify (outputs discarded)
+        i_pin = tl.load(pending_in_rows + i_n)
+        n_pend = tl.where(i_pin >= 0, tl.load(num_pending + i_n), 0)
+        for t in range(n_pend):
+            i_pt = i_pin.to(tl.int64) * LP + t
+            b_k = tl.load(pk + (i_pt * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
+            b_v = tl.load(pv + (i_pt * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
+            b_g = _decay(tl.load(pa + i_pt * HV + i_hv).to(tl.float32), b_dt, b_A)
+            b_beta = tl.sigmoid(tl.load(pb + i_pt * HV + i_hv).to(tl.float32))
+            b_h = _delta_step(b_h, _l2norm(b_k), b_v, b_g, b_beta)
+        if WRITE_AFTER_PENDING:
+            if n_pend > 0:  # nothing applied: the slot already holds this state bit for bit
+                tl.store(p_h, b_h.to(pool.dtype.element_ty), mask=mask_h)
+
+    if HAS_SCRATCH:
+        i_srow = tl.load(scratch_rows + i_n).to(tl.int64)
+        p_s = scratch + i_srow * (LS * HV * V * K) + o_h
+        mask_s = mask_h & (i_srow >= 0)
+    if PENDING_OUT:
+        # raw-input copies: every program writes its own v tile; a/b go to the V-tile-0 program of
+        # each value head and the k row (shared by r value heads) to the first head of the group
+        i_pout = tl.load(pending_out_rows + i_n).to(tl.int64)
+        own_v = i_pout >= 0
+        own_ab = own_v & (i_v == 0)
+        own_k = own_ab & (i_hv % (HV // H) == 0)
+
+    for t in tl.static_range(L):  # L is small (decode 1, verify num_spec + 1): unrolled
+        i_t = bos + t
+        b_q = tl.load(q + i_t * s_qt + i_h * s_qh + o_k, mask=mask_k, other=0)
+        b_kr = tl.load(k + i_t * s_kt + i_h * s_kh + o_k, mask=mask_k, other=0)
+        b_vr = tl.load(v + i_t * s_vt + i_hv * s_vh + o_v, mask=mask_v, other=0)
+        b_ar = tl.load(a + i_t * s_at + i_hv)
+        b_br = tl.load(b + i_t * s_bt + i_hv)
+        if PENDING_OUT:
+            i_pt = i_pout * LP + t
+            tl.store(pk + (i_pt * H + i_h) * K + o_k, b_kr, mask=mask_k & own_k)
+            tl.store(pv + (i_pt * HV + i_hv) * V + o_v, b_vr, mask=mask_v & own_v)
+            tl.store(pa + i_pt * HV + i_hv, b_ar, mask=own_ab)
+            tl.store(pb + i_pt * HV + i_hv, b_br, mask=own_ab)
+        b_g = _decay(b_ar.to(tl.float32), b_dt, b_A)
+        b_beta = tl.sigmoid(b_br.to(tl.float32))
+        b_h = _delta_step(b_h, _l2norm(b_kr.to(tl.float32)), b_vr.to(tl.float32), b_g, b_beta)
+        b_q = _l2norm(b_q.to(tl.float32)) * scale
+        b_o = tl.sum(b_h * b_q[None, :], 1)
+        tl.store(p_o + t * s_ot, b_o.to(o.dtype.element_ty), mask=mask_v)
+        if HAS_SCRATCH:
+            tl.store(p_s + t * (HV * V * K), b_h.to(scratch.dtype.element_ty), mask=mask_s)
+
+    if WRITE_FINAL:
+        tl.store(p_h, b_h.to(pool.dtype.element_ty), mask=mask_h)
+
+
+def _pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
+def _cdiv(x: int, y: int) -> int:  # plain ints: triton.cdiv costs ~3 us of host time per call
+    return -(-x // y)
+
+
+def _tile(B: int, HV: int, K: int, V: int) -> tuple[int, int, int]:
+    """Fixed (BK, BV, num_warps): the whole K row per tile; 32 value rows and 4 warps when the grid
+    fills the GPU, 16 rows and 2 warps for small batches (more programs, shorter latency chains).
+    K > 128 halves the rows to keep the fp32 tile at <= 32 registers per thread."""
+    BK = _pow2(K)
+    BV, nw = (32, 4) if B * HV * _cdiv(V, 32) >= 2048 else (16, 2)
+    if BK > 128:
+        BV //= 2
+    return BK, min(BV, max(_pow2(V), 8)), nw
+
+
+# Lean launch path. Triton's per-call binder specialises every argument (~0.2 us each, ~45 here), so
+# the launchers key a cache of compiled kernels on exactly what Triton specialises on -- constexprs,
+# pointer dtypes and 16-byte alignment, None-ness, the int width of the (do_not_specialize) strides,
+# the device -- and launch the cached kernel directly. The first call of a key, the interpreter and
+# launches with profiler hooks go through the ordinary jit call.
+_compiled: dict[tuple, object] = {}
+
+
+def _hooked(hook) -> bool:
+    return bool(getattr(hook, "calls", hook))  # Triton 3.6: a HookChain, empty unless a profiler is on
+
+
+def _launch(fn, grid, key, args, num_warps):
+    kern = _compiled.get(key)
+    if kern is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        kern = fn[grid](*args, num_warps=num_warps)
+        if knobs is not None and isinstance(fn, JITFunction):
+            _compiled[key] = kern
+        return
+    stream = driver.active.get_current_stream(driver.active.get_current_device())
+    kern.run(grid[0], grid[1], grid[2], stream, kern.function, kern.packed_metadata, None, None, None, *args)
+
+
+def _ptr_key(t):
+    return None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
+
+
+def gdn_recurrent_fwd(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per_req, write_state,
+                      scratch, scratch_rows, pending, pending_in_rows, num_pending, pending_out_rows,
+                      scale, out):
+    """Launcher of ``gdn_recurrent_fwd_kernel``; arguments as ``recurrent.gdn_recurrent``, already
+    validated (scale a float, out allocated)."""
+    B = slots.shape[0]
+    _, HV, V, K = ssm_pool.shape
+    H = k.shape[1]
+    BK, BV, nw = _tile(B, HV, K, V)
+    if pending is None:
+        pk = pv = pa = pb = None
+        LP = 0
+    else:
+        pk, pv, pa, pb = pending.k, pending.v, pending.a, pending.b
+        LP = pk.shape[1]
+    LS = 0 if scratch is None else scratch.shape[1]
+    strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], a.stride(0), b.stride(0), *out.stride()[:2])
+    ptrs = (q, k, v, a, b, A_log, dt_bias, out, ssm_pool, slots, scratch, scratch_rows,
+            pk, pv, pa, pb, pending_in_rows, num_pending, pending_out_rows)
+    consts = (tokens_per_req, H, HV, K, V, LS, LP, BK, BV,
+              scratch is not None, pending_in_rows is not None, pending_out_rows is not None,
+              write_state == "after_pending", write_state == "final")
+    key = (0, ssm_pool.device.index, nw, max(strides) >> 31, *consts, *map(_ptr_key, ptrs))
+    _launch(gdn_recurrent_fwd_kernel, (_cdiv(V, BV), HV, B), key, (*ptrs, scale, *strides, *consts), nw)
+    return out
+
+
+@triton.jit
+def gdn_commit_fwd_kernel(pool, scratch, scratch_rows, slots, num_accepted,
+                          LS: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr):
+    """pool[slot] = scratch[row, num_accepted - 1] for one request; N = HV*V*K elements."""
+    i_b, i_n = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slots + i_n).to(tl.int64)
+    n_acc = tl.load(num_accepted + i_n).to(tl.int64)
+    i_row = tl.load(scratch_rows + i_n).to(tl.int64)
+    if (slot < 0) | (n_acc < 1) | (i_row < 0):
+        return
+    o_x = i_b * BLOCK + tl.arange(0, BLOCK)
+    mask = o_x < N
+    b_x = tl.load(scratch + (i_row * LS + n_acc - 1) * N + o_x, mask=mask)
+    tl.store(pool + slot * N + o_x, b_x.to(pool.dtype.element_ty), mask=mask)
+
+
+def gdn_commit_fwd(ssm_pool: torch.Tensor, scratch: torch.Tensor, scratch_rows: torch.Tensor,
+                   slots: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    """Launcher of ``gdn_commit_fwd_kernel`` (validated arguments)."""
+    _, HV, V, K = ssm_pool.shape
+    N, BLOCK, LS = HV * V * K, 4096, scratch.shape[1]
+    ptrs = (ssm_pool, scratch, scratch_rows, slots, num_accepted)
+    key = (1, ssm_pool.device.index, LS, N, *map(_ptr_key, ptrs))
+    _launch(gdn_commit_fwd_kernel, (_cdiv(N, BLOCK), slots.shape[0], 1), key, (*ptrs, LS, N, BLOCK), 4)
