@@ -722,7 +722,7 @@ def run(device: torch.device, quick: bool, out_dir: Path, use_fla: bool) -> dict
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
     if cuda:
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device.index if device.index is not None else 0)
     try:
         ours = load_ours()
     except Exception as e:  # noqa: BLE001

@@ -57,13 +57,15 @@ def main():
         have_fla = True
     except Exception as e:  # pragma: no cover
         print("no fla:", e); have_fla = False
-    base = dict(PREP_WARPS=8, INV_MODE=0, STATE_F32=True, STATE_BV=64, STATE_WARPS=4, OUT_F32=True, OUT_BV=64,
-                OUT_WARPS=4)
-    prep_vars = [dict(INV_MODE=m, PREP_WARPS=w) for m, w in itertools.product([0, 1], [4, 8])]
+    base = {kk: getattr(ct, kk) for kk in ('PREP_WARPS', 'INV_MODE', 'PREP_BF16', 'STATE_F32', 'STATE_BV', 'STATE_WARPS',
+                                         'OUT_F32', 'OUT_BV', 'OUT_WARPS')}
+    prep_vars = [dict(INV_MODE=m, PREP_WARPS=w, PREP_BF16=bf) for m, w, bf in itertools.product([0, 1], [4, 8], [True, False])]
     state_vars = [dict(STATE_F32=f, STATE_BV=bv, STATE_WARPS=w) for f, bv, w in
                   itertools.product([True, False], [16, 32, 64], [4, 8])]
     out_vars = [dict(OUT_F32=f, OUT_BV=bv, OUT_WARPS=w) for f, bv, w in itertools.product([True, False], [64, 128], [4, 8])]
-    for lens in [[32768], [256] * 64, [512] + [64] * 16]:
+    stages = os.environ.get("STAGES", "prep,state,out").split(",")
+    shapes = [[32768], [256] * 64, [512] + [64] * 16][:int(os.environ.get("NSHAPES", "3"))]
+    for lens in shapes:
         T, N = sum(lens), len(lens)
         q, k, v, a, b, A_log, dt_bias = inputs(lens)
         pool = torch.randn(2 * N + 2, HV, V, K, device=dev) * 0.1
@@ -86,6 +88,8 @@ def main():
             ("state", state_vars, lambda p: ct.launch_state(k, v, p, meta, src, dst, None, ws)),
             ("out", out_vars, lambda p: ct.launch_output(q, k, v, meta, K ** -0.5, o, ws)),
         ]:
+            if stage not in stages:
+                continue
             for var in vars_:
                 setv(base); setv(var)
                 name = stage + ":" + ",".join(f"{kk}={int(vv) if isinstance(vv, bool) else vv}" for kk, vv in var.items())

@@ -258,10 +258,15 @@ def chunk_output_kernel(q, k, gcum, vnew, h, o, cu_seqlens, chunk_indices, scale
 
 
 # Fixed launch configs (tuned offline on the H200; see docs/kernels.md). No autotuning at call time.
-# Measured on the H200 (benchmarks/tune_chunk.py, results in benchmarks/results/): per-stage medians at
-# 1x32768 — prep 1701 us (INV_MODE=1, 4 warps) vs 1909 (blockwise, 4) / 2396-2896 (8 warps); state 959 us
-# (bf16 products, BV=32, 4 warps) vs 1634 (tf32 products); output 612 us (bf16, BV=128) vs 1006 (tf32).
-PREP_WARPS, STATE_BV, STATE_WARPS, OUT_BV, OUT_WARPS = 4, 32, 4, 128, 4
+# Measured on the H200 (benchmarks/tune_chunk.py; benchmarks/results/tune_chunk_h200_2026-11-29_run1.json):
+# per-stage medians at 1x32768 with fp32-operand products — prep 1701 us (INV_MODE=1, 4 warps) vs 1909
+# (blockwise, 4 warps) and 2396-2896 (8 warps); state 959 us (bf16 products, BV=32, 4 warps) vs 1634 (tf32);
+# output 612 us (bf16, BV=128) vs 1006 (tf32). bf16 operands in the prep (PREP_BF16) then took the whole
+# conv+prefill at 1x32768 to 0.89x fla's GPU time (benchmarks/results/ops_h200_2026-11-29.md).
+# PREP_BF16 with 4 prep warps hit an illegal memory access at K=16..64 on the H200 (Triton 3.6; the same
+# addresses are fine with fp32 operands or 8 warps: benchmarks/results/diag_chunk_configs_h200.log), so
+# the prep runs 8 warps.
+PREP_WARPS, STATE_BV, STATE_WARPS, OUT_BV, OUT_WARPS = 8, 32, 4, 128, 4
 STATE_F32 = False
 INV_MODE = 1
 OUT_F32 = False
