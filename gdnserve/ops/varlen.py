@@ -41,41 +41,51 @@ class VarlenMeta:
         return len(self.seqlens)
 
     @staticmethod
-    def build(seqlens: Sequence[int], device: torch.device | str, pad_chunks_to: int | None = None) -> "VarlenMeta":
+    def host_vectors(seqlens: Sequence[int], pad_chunks_to: int | None = None) -> list[int]:
+        """The int32 vectors of a meta, flattened on the host: cu_seqlens (N+1), chunk_offsets (N+1),
+        chunk_indices (2 * rows). A plan builder concatenates several of these into one staging
+        buffer and makes the metas with :meth:`from_device` after a single host-to-device copy."""
         if len(seqlens) == 0:
             raise ValueError("seqlens: need at least one sequence")
         lens = [int(x) for x in seqlens]
         if any(x < 0 for x in lens):
             raise ValueError(f"seqlens: lengths must be >= 0, got {lens}")
-        cu = [0]
-        offs = [0]
-        rows: list[int] = []
+        cu, offs, rows = [0], [0], []
         for n, L in enumerate(lens):
             cu.append(cu[-1] + L)
             nc = num_chunks(L)
             offs.append(offs[-1] + nc)
             for c in range(nc):
                 rows += [n, c]
-        nt = offs[-1]
-        nrows = nt
         if pad_chunks_to is not None:
-            if pad_chunks_to < nt:
-                raise ValueError(f"pad_chunks_to={pad_chunks_to} < needed chunk rows {nt}")
-            rows += [-1, -1] * (pad_chunks_to - nt)
-            nrows = pad_chunks_to
-        # One pinned staging buffer and one host-to-device copy for all three vectors.
-        host = torch.tensor(cu + offs + rows, dtype=INDEX_DTYPE)
-        if torch.device(device).type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(device, non_blocking=True)
+            if pad_chunks_to < offs[-1]:
+                raise ValueError(f"pad_chunks_to={pad_chunks_to} < needed chunk rows {offs[-1]}")
+            rows += [-1, -1] * (pad_chunks_to - offs[-1])
+        return cu + offs + rows
+
+    @staticmethod
+    def from_device(vec: torch.Tensor, seqlens: Sequence[int]) -> "VarlenMeta":
+        """Views into ``vec``, a device int32 copy of :meth:`host_vectors` (same seqlens and padding)."""
+        lens = tuple(int(x) for x in seqlens)
         n = len(lens)
+        nt = sum(num_chunks(L) for L in lens)
+        nrows = (vec.numel() - 2 * n - 2) // 2
         return VarlenMeta(
-            cu_seqlens=dev[: n + 1],
-            chunk_offsets=dev[n + 1: 2 * n + 2],
-            chunk_indices=dev[2 * n + 2:].view(nrows, 2),
-            seqlens=tuple(lens),
-            num_tokens=cu[-1],
+            cu_seqlens=vec[: n + 1],
+            chunk_offsets=vec[n + 1: 2 * n + 2],
+            chunk_indices=vec[2 * n + 2: 2 * n + 2 + 2 * nrows].view(nrows, 2),
+            seqlens=lens,
+            num_tokens=sum(lens),
             num_chunks=nt,
             num_chunk_rows=nrows,
             max_len=max(lens),
         )
+
+    @staticmethod
+    def build(seqlens: Sequence[int], device: torch.device | str, pad_chunks_to: int | None = None) -> "VarlenMeta":
+        """Standalone meta with its own host-to-device copy (ops tests, benchmarks); the engine packs
+        every meta of a step into one copy instead (engine/step_plan.py)."""
+        host = torch.tensor(VarlenMeta.host_vectors(seqlens, pad_chunks_to), dtype=INDEX_DTYPE)
+        if torch.device(device).type == "cuda":
+            host = host.pin_memory()
+        return VarlenMeta.from_device(host.to(device, non_blocking=True), seqlens)
