@@ -51,7 +51,7 @@ def test_plan_invariants(case):
     real = stager.upload
     stager.upload = lambda vals: uploads.append(len(vals)) or real(vals)
     plan = build_step_plan(segs, mode, stager, is_ready=lambda s: s in ready)
-    assert uploads == [plan.host_ints], "exactly one host-to-device copy per step
+    assert uploads == [plan.host_ints], "exactly one host-to-device copy per step"
     pf = plan.prefill
     T = sum(s.num_tokens for s in segs)
     assert sorted(plan.order) == list(range(len(segs)))
