@@ -1,10 +1,11 @@
 """The ``gdnserve`` command line.
 
     gdnserve bench ops [--device auto|cpu|cuda[:N]] [--quick] [--out DIR] [--no-fla]
+    gdnserve bench grouped-prefill [--device ...] [--quick] [--out DIR] [--no-fla] [--modes M1,M2,...]
 
 One ``_add_*`` function per command registers its parser and sets ``func``, a handler that takes the
-parsed arguments and returns an exit code; ``serve``, ``generate``, ``score`` and
-``bench grouped-prefill`` slot in the same way beside ``bench ops``. Heavy imports (torch, the
+parsed arguments and returns an exit code; ``serve``, ``generate`` and ``score``
+slot in the same way beside ``bench ops`` and ``bench grouped-prefill``. Heavy imports (torch, the
 benchmarks) happen inside handlers, so ``--help`` is instant and works while the ops are in progress.
 
 The benchmarks live in the repository's ``benchmarks/`` folder, not in the package. The CLI finds
@@ -59,20 +60,48 @@ def add_bench_ops_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the flash-linear-attention (fla-core 0.6.0) comparison rows")
 
 
+def add_bench_grouped_prefill_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``bench grouped-prefill``; ``python -m benchmarks.bench_grouped_prefill`` takes the same."""
+    p.add_argument("--device", default="auto",
+                   help="auto (default: cuda if available, else cpu), cpu, cuda or cuda:N. On CPU the shapes are "
+                        "tiny (H=2, HV=4, K=V=16), fewer workloads, PyTorch path only, no fla")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer iterations; on CUDA only the workloads the targets name")
+    p.add_argument("--out", type=Path, default=DEFAULT_RESULTS,
+                   help=f"folder for grouped_prefill_<device>_<date>.json, .md and .png (default: {DEFAULT_RESULTS})")
+    p.add_argument("--no-fla", dest="fla", action="store_false",
+                   help="skip fla's two-phase path (fla-core 0.6.0), the peer measured in the same run")
+    p.add_argument("--modes", default="serial,two_phase,two_phase_indexed,fused",
+                   help="comma-separated executors to time (default: all four); serial always runs, it is the "
+                        "baseline of the speedup and of the correctness column")
+
+
 def _bench_ops(args: argparse.Namespace) -> int:
     return load_benchmark("bench_ops").run_from_args(args)
+
+
+def _bench_grouped_prefill(args: argparse.Namespace) -> int:
+    return load_benchmark("bench_grouped_prefill").run_from_args(args)
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks (write JSON + markdown under benchmarks/results/)",
                            description="Benchmarks; each writes JSON and a markdown table.")
-    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{ops}", required=True)
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{ops,grouped-prefill}", required=True)
     ops = bench_sub.add_parser(
         "ops", help="op benchmarks: conv + chunked prefill, decode, verify; ours vs fla",
         description="Time gdnserve's ops (conv + chunked GDN prefill, decode, verify) against fla 0.6.0 at the "
                     "Qwen3.5-35B-A3B GDN shape, print the roofline, and write JSON + markdown to --out.")
     add_bench_ops_arguments(ops)
     ops.set_defaults(func=_bench_ops)
+    gp = bench_sub.add_parser(
+        "grouped-prefill", help="grouped prefill (1 prefix, N continuations): the four executors vs fla's two-phase",
+        description="Time one GDN layer's prefill core for shared-prefix workloads (1P512+{1..16}C64, "
+                    "1P4096+{16,64}C256, 4Px8C) with each grouped-prefill executor (serial, two_phase, "
+                    "two_phase_indexed, fused) and fla's two-phase path, check they agree, print the targets, and "
+                    "write JSON + markdown + a PNG plot to --out.")
+    add_bench_grouped_prefill_arguments(gp)
+    gp.set_defaults(func=_bench_grouped_prefill)
 
 
 def build_parser() -> argparse.ArgumentParser:

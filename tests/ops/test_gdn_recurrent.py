@@ -394,12 +394,12 @@ def test_strided_views(backend):
 def test_cached_launch_path_matches():
     """The Triton launchers re-launch cached compiled kernels; a repeat call, and a call whose
     pointers lose 16-byte alignment (a different specialisation), must still be right."""
-    from gdnserve.ops.gdn import recurrent_triton
+    from gdnserve.ops import launch
     B, H, HV, K, V = 5, 2, 4, 32, 32
     x = make_inputs(B, H, HV, K, V)
     pool = rand_pool(6, HV, V, K)
     slots = idx(4, 0, -1, 2, 5)
-    recurrent_triton._compiled.clear()
+    launch._compiled.clear()
     p1, p2, p3 = pool.clone(), pool.clone(), pool.clone()
     o1 = gdn_decode(*qkvab(x), x["A_log"], x["dt_bias"], p1, slots, backend="triton")   # jit call
     o2 = gdn_decode(*qkvab(x), x["A_log"], x["dt_bias"], p2, slots, backend="triton")   # cached
@@ -410,7 +410,7 @@ def test_cached_launch_path_matches():
     o3 = gdn_decode(q_odd, *qkvab(x)[1:], x["A_log"], x["dt_bias"], p3, slots, backend="triton")
     # another compiled variant: the load layout of q may change the reduction order, not the result
     assert rel_rms(o3, o1) <= 1e-3 and rel_rms(p3, p1) <= 1e-6  # o3: a rare bf16 rounding flip
-    assert len(recurrent_triton._compiled) == 2
+    assert len(launch._compiled) == 2
 
 
 def _valid_call():

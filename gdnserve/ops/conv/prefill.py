@@ -14,6 +14,7 @@ import triton.language as tl
 
 from gdnserve.ops.backend import Backend, resolve
 from gdnserve.ops.checks import ACT_DTYPES, check_contiguous, check_index, check_tensor
+from gdnserve.ops.launch import cdiv, launch, pow2
 from gdnserve.ops.varlen import CHUNK, VarlenMeta
 
 ACTIVATIONS = ("silu", None)
@@ -85,20 +86,19 @@ def conv_prefill_kernel(x, weight, conv_pool, y, cu_seqlens, chunk_indices, src_
             tl.store(p_s, b_s, mask=(o_h < W - 1)[:, None] & mask_d[None, :])
 
 
+
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, y: torch.Tensor,
                  meta: VarlenMeta, src_slots: torch.Tensor, dst_slots: torch.Tensor,
                  parents: torch.Tensor | None, silu: bool) -> None:
     T, D = x.shape
     W = weight.shape[1]
-    BD = min(128, max(16, triton.next_power_of_2(D)))
+    BD = min(128, max(16, pow2(D)))
     # A zero-token call still copies histories; substitute a live buffer for empty x/y (never read).
     xa, ya = (x, y) if T > 0 else (conv_pool, conv_pool)
-    grid = (meta.num_chunk_rows, triton.cdiv(D, BD))
-    conv_prefill_kernel[grid](
+    launch(conv_prefill_kernel, (meta.num_chunk_rows, cdiv(D, BD)), (
         xa, weight, conv_pool, ya, meta.cu_seqlens, meta.chunk_indices, src_slots, dst_slots, parents,
-        x.stride(0), weight.stride(0), y.stride(0), D=D, W=W, BT=CHUNK, BD=BD,
-        BH=triton.next_power_of_2(W - 1), HAS_PARENTS=parents is not None, SILU=silu,
-        num_warps=8 if CHUNK * BD >= 8192 else 4)
+        x.stride(0), weight.stride(0), y.stride(0), D, W, CHUNK, BD, pow2(W - 1), parents is not None, silu),
+        8 if CHUNK * BD >= 8192 else 4)
 
 
 def silu_fp32(v: torch.Tensor) -> torch.Tensor:

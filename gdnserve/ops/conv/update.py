@@ -18,6 +18,7 @@ import triton.language as tl
 from gdnserve.ops.backend import Backend, resolve
 from gdnserve.ops.checks import check_contiguous, check_index, check_tensor
 from gdnserve.ops.conv.prefill import check_conv_common, silu_fp32
+from gdnserve.ops.launch import cdiv, launch, pow2
 
 WriteState = Literal["final", "after_pending", "none"]
 WRITE_STATES = {"none": 0, "final": 1, "after_pending": 2}
@@ -110,14 +111,14 @@ def conv_update(x: torch.Tensor, weight: torch.Tensor | None, conv_pool: torch.T
     B, W, D = slots.shape[0], conv_pool.shape[1] + 1, conv_pool.shape[2]
     if B == 0:
         return
-    BD = min(256, max(16, triton.next_power_of_2(D)))
+    BD = min(256, max(16, pow2(D)))
     # Lq == 0 (fold): x, y and weight are never touched; pass a live buffer for them.
     xa, ya, wa = (x, y, weight) if Lq > 0 else (conv_pool, conv_pool, conv_pool)
-    conv_update_kernel[(B, triton.cdiv(D, BD))](
+    launch(conv_update_kernel, (B, cdiv(D, BD)), (
         xa, wa, conv_pool, ya, slots, pending_x, pending_in_rows, num_pending, pending_out_rows,
-        x.stride(0), 0 if weight is None else weight.stride(0), y.stride(0), D=D, W=W, LQ=Lq,
-        LP=0 if pending_x is None else pending_x.shape[1], BD=BD, HAS_PIN=pending_in_rows is not None,
-        HAS_POUT=pending_out_rows is not None, WRITE=write, SILU=silu, num_warps=2)
+        x.stride(0), 0 if weight is None else weight.stride(0), y.stride(0), D, W, Lq,
+        0 if pending_x is None else pending_x.shape[1], BD, pending_in_rows is not None,
+        pending_out_rows is not None, write, silu), 2)
 
 
 def conv_update_torch(x: torch.Tensor, weight: torch.Tensor | None, conv_pool: torch.Tensor, y: torch.Tensor,

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from gdnserve.ops.gdn.chunk_workspace import ChunkWorkspace
+from gdnserve.ops.launch import cdiv, launch, pow2
 from gdnserve.ops.tl_compat import cast, mma
 from gdnserve.ops.varlen import CHUNK, VarlenMeta
 
@@ -273,41 +274,38 @@ OUT_F32 = False
 PREP_BF16 = True
 
 
+def _prec(v: torch.Tensor) -> str:
+    return "ieee" if v.dtype == torch.float32 else "tf32"
+
+
 def launch_prep(q, k, v, a, b, A_log, dt_bias, meta: VarlenMeta, ws: ChunkWorkspace):
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
-    prec = "ieee" if v.dtype == torch.float32 else "tf32"
-    chunk_prep_kernel[(meta.num_chunk_rows, H)](
+    launch(chunk_prep_kernel, (meta.num_chunk_rows, H), (
         q, k, v, a, b, A_log, dt_bias, meta.cu_seqlens, meta.chunk_indices, ws.gcum, ws.w, ws.u,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        R=HV // H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=triton.next_power_of_2(V), C=CHUNK,
-        DOT_PREC=prec, INV_MODE=INV_MODE, PREP_BF16=PREP_BF16 and v.dtype != torch.float32,
-        num_warps=PREP_WARPS)
+        HV // H, HV, K, V, pow2(K), pow2(V), CHUNK, _prec(v), INV_MODE, PREP_BF16 and v.dtype != torch.float32),
+        PREP_WARPS)
 
 
 def launch_state(k, v, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, parents, ws: ChunkWorkspace):
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
-    prec = "ieee" if v.dtype == torch.float32 else "tf32"
-    sbv = min(STATE_BV, triton.next_power_of_2(V))
-    has_parent = parents is not None
-    chunk_state_kernel[(triton.cdiv(V, sbv), meta.num_seqs * HV)](
+    sbv = min(STATE_BV, pow2(V))
+    launch(chunk_state_kernel, (cdiv(V, sbv), meta.num_seqs * HV), (
         k, ws.w, ws.u, ws.gcum, ws.vnew, ws.h, ssm_pool, meta.cu_seqlens, meta.chunk_offsets, src_slots, dst_slots,
-        parents if has_parent else src_slots, k.stride(0), k.stride(1),
-        R=HV // H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=sbv, C=CHUNK, HAS_PARENT=has_parent,
-        DOT_PREC=prec, STATE_F32=STATE_F32, num_warps=STATE_WARPS)
+        parents if parents is not None else src_slots, k.stride(0), k.stride(1),
+        HV // H, HV, K, V, pow2(K), sbv, CHUNK, parents is not None, _prec(v), STATE_F32), STATE_WARPS)
 
 
 def launch_output(q, k, v, meta: VarlenMeta, scale: float, out, ws: ChunkWorkspace):
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
-    prec = "ieee" if v.dtype == torch.float32 else "tf32"
-    obv = min(OUT_BV, triton.next_power_of_2(V))
-    chunk_output_kernel[(triton.cdiv(V, obv), meta.num_chunk_rows, HV)](
+    obv = min(OUT_BV, pow2(V))
+    launch(chunk_output_kernel, (cdiv(V, obv), meta.num_chunk_rows, HV), (
         q, k, ws.gcum, ws.vnew, ws.h, out, meta.cu_seqlens, meta.chunk_indices, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        R=HV // H, HV=HV, K=K, V=V, BK=triton.next_power_of_2(K), BV=obv, C=CHUNK, DOT_PREC=prec,
-        OUT_F32=OUT_F32, num_warps=OUT_WARPS)
+        HV // H, HV, K, V, pow2(K), obv, CHUNK, _prec(v), OUT_F32), OUT_WARPS)
 
 
 def chunk_gdn_triton(q, k, v, a, b, A_log, dt_bias, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, parents,

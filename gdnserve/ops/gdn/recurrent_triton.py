@@ -12,15 +12,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime import driver
-from triton.runtime.jit import JITFunction
-
-try:  # the lean launch path below relies on Triton >= 3.4 internals; older versions take the jit call
-    from triton import knobs
-except ImportError:  # pragma: no cover
-    knobs = None
-
 from gdnserve.ops.gdn import gates
+from gdnserve.ops.launch import cdiv, launch, pow2
 
 # jit'ed code may read globals only as constexpr
 SOFTPLUS_THRESHOLD = tl.constexpr(gates.SOFTPLUS_THRESHOLD)
@@ -141,49 +134,18 @@ def gdn_recurrent_fwd_kernel(
         tl.store(p_h, b_h.to(pool.dtype.element_ty), mask=mask_h)
 
 
-def _pow2(x: int) -> int:
-    return 1 << (x - 1).bit_length()
-
-
-def _cdiv(x: int, y: int) -> int:  # plain ints: triton.cdiv costs ~3 us of host time per call
-    return -(-x // y)
-
-
 def _tile(B: int, HV: int, K: int, V: int) -> tuple[int, int, int]:
     """Fixed (BK, BV, num_warps): the whole K row per tile; 32 value rows and 4 warps when the grid
     fills the GPU, 16 rows and 2 warps for small batches (more programs, shorter latency chains).
     K > 128 halves the rows to keep the fp32 tile at <= 32 registers per thread."""
-    BK = _pow2(K)
-    BV, nw = (32, 4) if B * HV * _cdiv(V, 32) >= 2048 else (16, 2)
+    BK = pow2(K)
+    BV, nw = (32, 4) if B * HV * cdiv(V, 32) >= 2048 else (16, 2)
     if BK > 128:
         BV //= 2
-    return BK, min(BV, max(_pow2(V), 8)), nw
+    return BK, min(BV, max(pow2(V), 8)), nw
 
 
-# Lean launch path. Triton's per-call binder specialises every argument (~0.2 us each, ~45 here), so
-# the launchers key a cache of compiled kernels on exactly what Triton specialises on -- constexprs,
-# pointer dtypes and 16-byte alignment, None-ness, the int width of the (do_not_specialize) strides,
-# the device -- and launch the cached kernel directly. The first call of a key, the interpreter and
-# launches with profiler hooks go through the ordinary jit call.
-_compiled: dict[tuple, object] = {}
-
-
-def _hooked(hook) -> bool:
-    return bool(getattr(hook, "calls", hook))  # Triton 3.6: a HookChain, empty unless a profiler is on
-
-
-def _launch(fn, grid, key, args, num_warps):
-    kern = _compiled.get(key)
-    if kern is None or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
-        kern = fn[grid](*args, num_warps=num_warps)
-        if knobs is not None and isinstance(fn, JITFunction):
-            _compiled[key] = kern
-        return
-    stream = driver.active.get_current_stream(driver.active.get_current_device())
-    kern.run(grid[0], grid[1], grid[2], stream, kern.function, kern.packed_metadata, None, None, None, *args)
-
-
-def _ptr_key(t):
+def _ptr_key(t):  # the specialisation of a pointer argument (see ops/launch.py)
     return None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
 
 
@@ -209,8 +171,8 @@ def gdn_recurrent_fwd(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per
     consts = (tokens_per_req, H, HV, K, V, LS, LP, BK, BV,
               scratch is not None, pending_in_rows is not None, pending_out_rows is not None,
               write_state == "after_pending", write_state == "final")
-    key = (0, ssm_pool.device.index, nw, max(strides) >> 31, *consts, *map(_ptr_key, ptrs))
-    _launch(gdn_recurrent_fwd_kernel, (_cdiv(V, BV), HV, B), key, (*ptrs, scale, *strides, *consts), nw)
+    key = (max(strides) >> 31, *consts, *map(_ptr_key, ptrs))
+    launch(gdn_recurrent_fwd_kernel, (cdiv(V, BV), HV, B), (*ptrs, scale, *strides, *consts), nw, key=key)
     return out
 
 
@@ -236,5 +198,5 @@ def gdn_commit_fwd(ssm_pool: torch.Tensor, scratch: torch.Tensor, scratch_rows: 
     _, HV, V, K = ssm_pool.shape
     N, BLOCK, LS = HV * V * K, 4096, scratch.shape[1]
     ptrs = (ssm_pool, scratch, scratch_rows, slots, num_accepted)
-    key = (1, ssm_pool.device.index, LS, N, *map(_ptr_key, ptrs))
-    _launch(gdn_commit_fwd_kernel, (_cdiv(N, BLOCK), slots.shape[0], 1), key, (*ptrs, LS, N, BLOCK), 4)
+    key = (LS, N, *map(_ptr_key, ptrs))
+    launch(gdn_commit_fwd_kernel, (cdiv(N, BLOCK), slots.shape[0], 1), (*ptrs, LS, N, BLOCK), 4, key=key)
