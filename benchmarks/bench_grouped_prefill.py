@@ -166,7 +166,7 @@ def make_setup(cuda: bool, quick: bool) -> Setup:
         return Setup(QWEN35_GDN, tuple(short + long + multi), *it, backend="auto")
     n_c = (1, 4) if quick else (1, 4, 16)
     wl = [Workload(1, n, 64, 16) for n in n_c] + [Workload(2, 2 if quick else 4, 64, 16)]
-    return Setup(CPU_DIMS, tuple(wl), *((3, 1, 3) if quick else (5, 1, 5)), backend="torch")
+    return Setup(CPU_DIMS, tuple(wl), *((5, 1, 5) if quick else (10, 2, 10)), backend="torch")
 
 
 def essential_bytes(d: Dims, segs: list[Any], T: int, s_a: int, s_c: int, s_s: int) -> int:
@@ -419,7 +419,7 @@ def _t(row: dict[str, Any], impl: str, kind: str = "call_us") -> str:
     if "error" in r:
         return "error"
     if kind == "gpu_us" and r.get("gpu_method") != "cuda_graph":
-        return "— (no graph)"
+        return "—" if r.get("gpu_method") == "cpu_wall" else "— (capture failed)"
     return _pct(r[kind])
 
 
@@ -559,6 +559,22 @@ def run(device: torch.device, quick: bool, out_dir: Path, use_fla: bool,
     torch.manual_seed(seed)
     if cuda:
         torch.cuda.set_device(device.index if device.index is not None else 0)
+    else:
+        # One intra-op thread: at these tiny shapes more threads only add OpenMP wake-ups, which made
+        # the same call vary from 8 to 700 ms on a 2-core machine.
+        notes.append(f"CPU: torch.set_num_threads(1) for the run (was {torch.get_num_threads()})")
+    threads = torch.get_num_threads()
+    try:
+        if not cuda:
+            torch.set_num_threads(1)
+        return _run(device, setup, quick, out_dir, use_fla, modes, notes, errors, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(device: torch.device, setup: Setup, quick: bool, out_dir: Path, use_fla: bool, modes: tuple[str, ...],
+         notes: list[str], errors: list[dict[str, str]], seed: int) -> dict[str, Any]:
+    cuda = device.type == "cuda"
     fla = None
     if use_fla and not cuda:
         notes.append("fla not run on CPU (its kernels need CUDA)")
