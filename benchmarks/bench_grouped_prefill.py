@@ -512,32 +512,51 @@ def to_markdown(res: dict[str, Any]) -> str:
 
 
 def write_plot(res: dict[str, Any], path: Path) -> str | None:
-    """Latency vs total consumers, one panel per (producers, prefix, suffix) family, one line per
-    executor (+ fla, + fused as a graph). Returns a note if it could not be drawn."""
+    """Latency vs total consumers, one panel per (prefix, suffix) family: one line per executor (+ fla,
+    + fused as a graph) over the single-producer workloads; multi-producer workloads as crosses at
+    their total consumer count. Returns a note if it could not be drawn."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return "no PNG plot: matplotlib is not installed (pip install -e '.[bench]')"
-    fams: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
+    fams: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for r in res["rows"]:
-        fams.setdefault((r["producers"], r["prefix"], r["suffix"]), []).append(r)
-    fig, axes = plt.subplots(1, len(fams), figsize=(5.5 * len(fams), 4.2), squeeze=False)
+        fams.setdefault((r["prefix"], r["suffix"]), []).append(r)
+    if not fams:
+        return "no PNG plot: no rows"
+    fig, axes = plt.subplots(1, len(fams), figsize=(6 * len(fams), 4.5), squeeze=False)
     series = [(m, "call_us", "-o") for m in res["modes"]] + [("fla two-phase", "call_us", "-s"),
                                                              ("fused", "gpu_us", "--^")]
-    for ax, ((P, lp, ls), rows) in zip(axes[0], sorted(fams.items())):
-        rows = sorted(rows, key=lambda r: r["consumers"])
+
+    def point(r: dict[str, Any], impl: str, kind: str) -> float | None:
+        t = r["times"].get(impl, {})
+        ok = kind in t and (kind == "call_us" or t.get("gpu_method") == "cuda_graph")
+        return t[kind]["p50"] if ok else None
+
+    for ax, ((lp, ls), rows) in zip(axes[0], sorted(fams.items())):
+        single = sorted((r for r in rows if r["producers"] == 1), key=lambda r: r["consumers"])
+        multi = [r for r in rows if r["producers"] > 1]
         for impl, kind, style in series:
-            pts = [(r["consumers"], r["times"][impl][kind]["p50"]) for r in rows if kind in r["times"].get(impl, {})
-                   and (kind == "call_us" or r["times"][impl].get("gpu_method") == "cuda_graph")]
-            if pts:
-                ax.plot(*zip(*pts), style, label=impl + (" (graph)" if kind == "gpu_us" else ""))
+            label = impl + (" (CUDA graph)" if kind == "gpu_us" else "")
+            pts = [(r["consumers"], v) for r in single if (v := point(r, impl, kind)) is not None]
+            color = ax.plot(*zip(*pts), style, label=label)[0].get_color() if pts else None
+            for r in multi:
+                v = point(r, impl, kind)
+                if v is not None:
+                    ax.scatter([r["consumers"]], [v], marker="x", s=60, color=color,
+                               label=None if pts else label)
+        for r in multi:
+            v = point(r, "fused", "call_us") or point(r, "serial", "call_us")
+            if v is not None:
+                ax.annotate(r["workload"], (r["consumers"], v), textcoords="offset points", xytext=(4, -12),
+                            fontsize=8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("consumers")
-        ax.set_ylabel("µs per GDN layer (median)")
-        ax.set_title(f"{P} producer(s) x {lp} tokens, consumers of {ls} tokens", fontsize=10)
+        ax.set_xlabel("consumers (total)")
+        ax.set_ylabel("µs per GDN layer, median" + (" (eager call)" if res["device_slug"] != "cpu" else ""))
+        ax.set_title(f"producers of {lp} tokens, consumers of {ls} tokens (x: several producers)", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"Grouped prefill, one GDN layer — {res['device']}, {res['date']}", fontsize=11)

@@ -85,13 +85,17 @@ def gdn_recurrent_fwd_kernel(
         # replay the accepted tokens of the previous verify (outputs discarded)
         i_pin = tl.load(pending_in_rows + i_n)
         n_pend = tl.where(i_pin >= 0, tl.load(num_pending + i_n), 0)
-        for t in range(n_pend):
+        # Unrolled over the LP pending rows with predicated loads, not a loop over n_pend: every load is
+        # independent of the state, so all of them can be in flight before the first update (a runtime
+        # loop serialises load latency per token). Rows past n_pend compute and are discarded.
+        for t in tl.static_range(LP):
+            live = t < n_pend
             i_pt = i_pin.to(tl.int64) * LP + t
-            b_k = tl.load(pk + (i_pt * H + i_h) * K + o_k, mask=mask_k, other=0).to(tl.float32)
-            b_v = tl.load(pv + (i_pt * HV + i_hv) * V + o_v, mask=mask_v, other=0).to(tl.float32)
-            b_g = _decay(tl.load(pa + i_pt * HV + i_hv).to(tl.float32), b_dt, b_A)
-            b_beta = tl.sigmoid(tl.load(pb + i_pt * HV + i_hv).to(tl.float32))
-            b_h = _delta_step(b_h, _l2norm(b_k), b_v, b_g, b_beta)
+            b_k = tl.load(pk + (i_pt * H + i_h) * K + o_k, mask=mask_k & live, other=0).to(tl.float32)
+            b_v = tl.load(pv + (i_pt * HV + i_hv) * V + o_v, mask=mask_v & live, other=0).to(tl.float32)
+            b_g = _decay(tl.load(pa + i_pt * HV + i_hv, mask=live, other=0).to(tl.float32), b_dt, b_A)
+            b_beta = tl.sigmoid(tl.load(pb + i_pt * HV + i_hv, mask=live, other=0).to(tl.float32))
+            b_h = tl.where(live, _delta_step(b_h, _l2norm(b_k), b_v, b_g, b_beta), b_h)
         if WRITE_AFTER_PENDING:
             if n_pend > 0:  # nothing applied: the slot already holds this state bit for bit
                 tl.store(p_h, b_h.to(pool.dtype.element_ty), mask=mask_h)
