@@ -141,9 +141,9 @@ class Workload:
         """Producers (zeros -> checkpoint slot slot0 + p), then consumers (producer -> private slot)."""
         from gdnserve.engine.step_plan import InitFrom, PrefillSegment
         segs = [PrefillSegment(self.prefix, InitFrom.ZEROS, slot0 + p, request=f"P{p}") for p in range(self.producers)]
-        segs += [PrefillSegment(self.suffix, InitFrom.PRODUCER, slot0 + self.producers + j, producer=j // self.consumers,
-                                request=f"P{j // self.consumers}C{j % self.consumers}")
-                 for j in range(self.total_consumers)]
+        C = self.consumers
+        segs += [PrefillSegment(self.suffix, InitFrom.PRODUCER, slot0 + self.producers + j, producer=j // C,
+                                request=f"P{j // C}C{j % C}") for j in range(self.total_consumers)]
         return segs
 
 
@@ -195,7 +195,6 @@ def stager_capacity(wl: Workload) -> int:
 class Impl:
     name: str                              # serial | two_phase | ... | plain | fla two-phase
     fn: Callable[[Any], Any]
-    ours: bool
 
 
 @dataclass
@@ -233,14 +232,16 @@ def build_case(wl: Workload, setup: Setup, modes: tuple[str, ...], device: torch
                             x=torch.randn(T, d.D, device=dev).to(ACT), a=torch.randn(T, d.HV, device=dev).to(ACT),
                             b=torch.randn(T, d.HV, device=dev).to(ACT),
                             o=torch.empty(T, d.HV, d.V, device=dev, dtype=ACT),
-                            y=torch.empty(T, d.D, device=dev, dtype=ACT), plans={})
-        for mode in modes:
-            sp = build_step_plan(segs, mode, IndexStager(cap, dev))
+                            y=torch.empty(T, d.D, device=dev, dtype=ACT), plans={}, stagers=[])
+        for mode in modes:   # each plan keeps its own stager (and its pinned staging) alive
+            s.stagers.append(IndexStager(cap, dev))
+            sp = build_step_plan(segs, mode, s.stagers[-1])
             if sp.order != tuple(range(n_seg)):
                 raise RuntimeError(f"{wl.label} {mode}: unexpected token order {sp.order}")
             s.plans[mode] = sp.prefill
+        s.stagers.append(IndexStager(64 + 4 * -(-T // 64), dev))
         s.plans["plain"] = build_step_plan([PrefillSegment(T, InitFrom.ZEROS, i * n_seg)], "fused",
-                                           IndexStager(64 + 4 * -(-T // 64), dev)).prefill
+                                           s.stagers[-1]).prefill
         sets.append(s)
 
     def run(plan_name: str) -> Callable[[Any], torch.Tensor]:
@@ -249,7 +250,7 @@ def build_case(wl: Workload, setup: Setup, modes: tuple[str, ...], device: torch
                                     conv_out=s.y, workspace=ws, backend=setup.backend)
         return fn
 
-    impls = [Impl(m, run(m), True) for m in modes] + [Impl("plain", run("plain"), True)]
+    impls = [Impl(m, run(m)) for m in modes] + [Impl("plain", run("plain"))]
     scratch = IndexStager(cap, dev)
     plan_fns = {m: (lambda m=m: build_step_plan(sets[0].segs, m, scratch)) for m in modes}
 
@@ -279,7 +280,7 @@ def build_case(wl: Workload, setup: Setup, modes: tuple[str, ...], device: torch
             return o_p, o_c
 
         fla_fn = fla_two_phase
-        impls.append(Impl("fla two-phase", fla_fn, False))
+        impls.append(Impl("fla two-phase", fla_fn))
 
     def check() -> dict[str, Any]:
         """Every mode on set 0 from the same pool contents: max |Δ| to serial; fused vs fla."""
@@ -294,9 +295,8 @@ def build_case(wl: Workload, setup: Setup, modes: tuple[str, ...], device: torch
             got[m] = (s.o.clone(), conv_pool[s.slots].clone(), ssm_pool[s.slots].clone())
         out: dict[str, Any] = {"max_abs_diff_vs_serial": {}}
         for m in modes[1:]:
-            diffs = []
-            for a, b in zip(got[m], got["serial"]):
-                diffs.append(float("inf") if not torch.isfinite(a).all() else (a.double() - b.double()).abs().max().item())
+            diffs = [float("inf") if not torch.isfinite(a).all() else (a.double() - b.double()).abs().max().item()
+                     for a, b in zip(got[m], got["serial"])]
             out["max_abs_diff_vs_serial"][m] = max(diffs)
         out["serial_finite"] = all(bool(torch.isfinite(t).all()) for t in got["serial"])
         if fla_fn is not None and "fused" in got:
@@ -485,8 +485,9 @@ def to_markdown(res: dict[str, Any]) -> str:
               "(the reference method), same run. rel-RMS: our fused consumer outputs against fla's. floor: "
               "max(essential bytes / copy rate, FLOPs / bf16 rate) (module docstring); TB/s: essential bytes over "
               "the fused median (eager / graph), % of the copy ceiling.", "",
-              "| Workload | fused µs | fused graph µs | plain µs | fused ÷ plain | fla two-phase µs | fused ÷ fla "
-              "| rel-RMS vs fla | MB | floor µs | TB/s eager (% copy) | TB/s graph (% copy) | ×floor graph |",
+              "| Workload | fused µs | fused graph µs | plain µs | fused ÷ plain | fla two-phase µs "
+              "| fused ÷ fla | rel-RMS vs fla | MB | floor µs | TB/s eager (% copy) | TB/s graph (% copy) "
+              "| ×floor graph |",
               "| --- |" + " --- |" * 12]
         for r in res["rows"]:
             tb = lambda tag: (f"{r[f'fused_{tag}_TBps']:.3g} ({r[f'fused_{tag}_pct_copy']:.0f} %)"  # noqa: E731
@@ -569,7 +570,8 @@ def write_plot(res: dict[str, Any], path: Path) -> str | None:
         ax.set_yscale("log")
         ax.set_xlabel("consumers (total)")
         ax.set_ylabel("µs per GDN layer, median" + (" (eager call)" if res["device_slug"] != "cpu" else ""))
-        ax.set_title(f"producers of {lp} tokens, consumers of {ls} tokens (x: several producers)", fontsize=10)
+        ax.set_title(f"producers of {lp} tokens, consumers of {ls} tokens" + (" (x: several producers)" if multi
+                                                                              else ""), fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"Grouped prefill, one GDN layer — {res['device']}, {res['date']}", fontsize=11)
@@ -586,6 +588,8 @@ def run(device: torch.device, quick: bool, out_dir: Path, use_fla: bool,
     setup = make_setup(cuda, quick)
     notes: list[str] = []
     errors: list[dict[str, str]] = []
+    if "serial" not in modes:
+        notes.append("serial added to --modes: it is the baseline of the speedup and the correctness column")
     modes = tuple(m for m in ALL_MODES if m in modes or m == "serial")
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
@@ -599,13 +603,14 @@ def run(device: torch.device, quick: bool, out_dir: Path, use_fla: bool,
     try:
         if not cuda:
             torch.set_num_threads(1)
-        return _run(device, setup, quick, out_dir, use_fla, modes, notes, errors, seed)
+        return _measure_and_write(device, setup, quick, out_dir, use_fla, modes, notes, errors, seed)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(device: torch.device, setup: Setup, quick: bool, out_dir: Path, use_fla: bool, modes: tuple[str, ...],
-         notes: list[str], errors: list[dict[str, str]], seed: int) -> dict[str, Any]:
+def _measure_and_write(device: torch.device, setup: Setup, quick: bool, out_dir: Path, use_fla: bool,
+                       modes: tuple[str, ...], notes: list[str], errors: list[dict[str, str]],
+                       seed: int) -> dict[str, Any]:
     cuda = device.type == "cuda"
     fla = None
     if use_fla and not cuda:
@@ -650,8 +655,8 @@ def _run(device: torch.device, setup: Setup, quick: bool, out_dir: Path, use_fla
         if bad:
             notes.append(f"{r['workload']}: executors differ from serial: {bad}")
     notes.append("Reference (vLLM PR 55876, L40S, per GDN forward): 1P+16C serial 12,699 µs, two-phase 1,675 µs "
-                 "(7.58x). fla anchor on an H200 (../shared/anchors): 1P512+16C64 serial 23,174 µs, two-phase 3,037 µs "
-                 "(chunk indices prepared inside each call there, precomputed here).")
+                 "(7.58x). fla anchor on an H200 (../shared/anchors): 1P512+16C64 serial 23,174 µs, two-phase "
+                 "3,037 µs (chunk indices prepared inside each call there, precomputed here).")
     res: dict[str, Any] = {
         "schema": 1, "bench": "grouped_prefill", "device": device_name(device), "device_slug": device_slug(device),
         "date": _dt.date.today().isoformat(), **_versions(), "fla": fla.version if fla else None,
@@ -662,7 +667,7 @@ def _run(device: torch.device, setup: Setup, quick: bool, out_dir: Path, use_fla
         "errors": errors, "notes": notes,
         "targets": evaluate_targets(rows, cuda and setup.dims == QWEN35_GDN),
     }
-    if not any("fused" in r["times"] or "serial" in r["times"] for r in rows):
+    if not any("call_us" in t for r in rows for t in r["times"].values()):
         errors.append({"where": "run", "error": "no executor was timed"})
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"grouped_prefill_{res['device_slug']}_{res['date']}"
