@@ -67,7 +67,8 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.bench_ops import (QWEN35_GDN, Dims, Fla, _err, _git, _layer_params, _pct, _versions, chunk_cost,
-                                  conv_cost, device_name, device_slug, rel_rms, resolve_device, split_qkv)
+                                  conv_cost, device_name, device_slug, load_fla, rel_rms, resolve_device,
+                                  split_qkv)
 from benchmarks.timing import host_time, measure_ceilings, time_call
 
 ACT, STATE, CONV = torch.bfloat16, torch.float32, torch.bfloat16
@@ -612,16 +613,7 @@ def _measure_and_write(device: torch.device, setup: Setup, quick: bool, out_dir:
                        modes: tuple[str, ...], notes: list[str], errors: list[dict[str, str]],
                        seed: int) -> dict[str, Any]:
     cuda = device.type == "cuda"
-    fla = None
-    if use_fla and not cuda:
-        notes.append("fla not run on CPU (its kernels need CUDA)")
-    elif use_fla:
-        try:
-            fla = Fla()
-        except Exception as e:  # noqa: BLE001
-            notes.append(f"fla not importable ({_err(e)}): no peer column. Install fla-core==0.6.0 "
-                         f"(pip install -e '.[bench]') or pass --no-fla")
-            log(notes[-1])
+    fla = load_fla(use_fla, cuda, notes, missing="no peer column")
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 << 20) if cuda else 0
     progress = Progress(len(setup.workloads) * (len(modes) + 4 + (fla is not None)))
     log(f"{device_name(device)}: measuring ceilings; modes {', '.join(modes)}")

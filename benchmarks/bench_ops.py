@@ -713,6 +713,22 @@ def _versions() -> dict[str, Any]:
             "python": platform.python_version()}
 
 
+def load_fla(use_fla: bool, cuda: bool, notes: list[str], cpu_note: str = "", missing: str = "no fla rows"):
+    """The fla peer, or None with the reason appended to ``notes`` (also used by bench_grouped_prefill)."""
+    if not use_fla:
+        return None
+    if not cuda:
+        notes.append("fla not run on CPU (its kernels need CUDA)" + cpu_note)
+        return None
+    try:
+        return Fla()
+    except Exception as e:  # noqa: BLE001
+        notes.append(f"fla not importable ({_err(e)}): {missing}. Install fla-core==0.6.0 "
+                     f"(pip install -e '.[bench]') or pass --no-fla")
+        log(notes[-1])
+        return None
+
+
 def run(device: torch.device, quick: bool, out_dir: Path, use_fla: bool) -> dict[str, Any]:
     """Run every case, write the JSON and markdown, return the result dict (with ``paths``)."""
     cuda = device.type == "cuda"
@@ -729,16 +745,8 @@ def run(device: torch.device, quick: bool, out_dir: Path, use_fla: bool) -> dict
         ours = None
         errors.append({"where": "import gdnserve ops", "error": _err(e)})
         log(f"gdnserve ops not importable: {_err(e)} — timing fla only")
-    fla = None
-    if use_fla and not cuda:
-        notes.append("fla not run on CPU (its kernels need CUDA); rel-RMS is against the float64 reference")
-    elif use_fla:
-        try:
-            fla = Fla()
-        except Exception as e:  # noqa: BLE001
-            notes.append(f"fla not importable ({_err(e)}): no comparison rows. Install fla-core==0.6.0 "
-                         f"(pip install -e '.[bench]') or pass --no-fla")
-            log(notes[-1])
+    fla = load_fla(use_fla, cuda, notes, cpu_note="; rel-RMS is against the float64 reference",
+                   missing="no comparison rows")
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 << 20) if cuda else 0
     ctx = Ctx(plan, device, ours, fla, l2)
 

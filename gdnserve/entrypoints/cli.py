@@ -47,30 +47,27 @@ def load_benchmark(name: str) -> ModuleType:
     return module
 
 
+def _add_bench_common(p: argparse.ArgumentParser, cpu_shapes: str, what: str, files: str, fla_help: str) -> None:
+    p.add_argument("--device", default="auto",
+                   help=f"auto (default: cuda if available, else cpu), cpu, cuda or cuda:N. On CPU {cpu_shapes}, "
+                        "PyTorch path only, no fla")
+    p.add_argument("--quick", action="store_true", help=f"fewer iterations; on CUDA only the {what} the targets name")
+    p.add_argument("--out", type=Path, default=DEFAULT_RESULTS,
+                   help=f"folder for {files} (default: {DEFAULT_RESULTS})")
+    p.add_argument("--no-fla", dest="fla", action="store_false", help=fla_help)
+
+
 def add_bench_ops_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``bench ops``; ``python -m benchmarks.bench_ops`` takes the same ones."""
-    p.add_argument("--device", default="auto",
-                   help="auto (default: cuda if available, else cpu), cpu, cuda or cuda:N. On CPU the "
-                        "workloads are tiny (H=2, HV=4, K=V=32), PyTorch path only, no fla")
-    p.add_argument("--quick", action="store_true",
-                   help="fewer iterations; on CUDA only the shapes the targets name")
-    p.add_argument("--out", type=Path, default=DEFAULT_RESULTS,
-                   help=f"folder for ops_<device>_<date>.json and .md (default: {DEFAULT_RESULTS})")
-    p.add_argument("--no-fla", dest="fla", action="store_false",
-                   help="skip the flash-linear-attention (fla-core 0.6.0) comparison rows")
+    _add_bench_common(p, "the workloads are tiny (H=2, HV=4, K=V=32)", "shapes", "ops_<device>_<date>.json and .md",
+                      "skip the flash-linear-attention (fla-core 0.6.0) comparison rows")
 
 
 def add_bench_grouped_prefill_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``bench grouped-prefill``; ``python -m benchmarks.bench_grouped_prefill`` takes the same."""
-    p.add_argument("--device", default="auto",
-                   help="auto (default: cuda if available, else cpu), cpu, cuda or cuda:N. On CPU the shapes are "
-                        "tiny (H=2, HV=4, K=V=16), fewer workloads, PyTorch path only, no fla")
-    p.add_argument("--quick", action="store_true",
-                   help="fewer iterations; on CUDA only the workloads the targets name")
-    p.add_argument("--out", type=Path, default=DEFAULT_RESULTS,
-                   help=f"folder for grouped_prefill_<device>_<date>.json, .md and .png (default: {DEFAULT_RESULTS})")
-    p.add_argument("--no-fla", dest="fla", action="store_false",
-                   help="skip fla's two-phase path (fla-core 0.6.0), the peer measured in the same run")
+    _add_bench_common(p, "the shapes are tiny (H=2, HV=4, K=V=16), fewer workloads", "workloads",
+                      "grouped_prefill_<device>_<date>.json, .md and .png",
+                      "skip fla's two-phase path (fla-core 0.6.0), the peer measured in the same run")
     p.add_argument("--modes", default="serial,two_phase,two_phase_indexed,fused",
                    help="comma-separated executors to time (default: all four); serial always runs, it is the "
                         "baseline of the speedup and of the correctness column")

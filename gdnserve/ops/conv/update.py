@@ -25,6 +25,16 @@ WRITE_STATES = {"none": 0, "final": 1, "after_pending": 2}
 
 
 @triton.jit
+def _store_history(p_pool, b_h1, b_h2, b_h3, mask_d, D: tl.constexpr, W: tl.constexpr):
+    """The slot's W-1 rows, oldest first: (h1, h2, h3) for W = 4, (h2, h3) for 3, (h3) for 2."""
+    tl.store(p_pool + (W - 2) * D, b_h3, mask=mask_d)
+    if W >= 3:
+        tl.store(p_pool + (W - 3) * D, b_h2, mask=mask_d)
+    if W >= 4:
+        tl.store(p_pool + (W - 4) * D, b_h1, mask=mask_d)
+
+
+@triton.jit
 def conv_update_kernel(x, weight, conv_pool, y, slots, pending_x, pending_in_rows, num_pending, pending_out_rows,
                        stride_x, stride_w, stride_y, D: tl.constexpr, W: tl.constexpr, LQ: tl.constexpr,
                        LP: tl.constexpr, BD: tl.constexpr, HAS_PIN: tl.constexpr, HAS_POUT: tl.constexpr,
@@ -62,11 +72,7 @@ def conv_update_kernel(x, weight, conv_pool, y, slots, pending_x, pending_in_row
     if WRITE == 2:
         # In place: all threads must have read the slot before any overwrites it.
         tl.debug_barrier()
-        tl.store(p_pool + (W - 2) * D, b_h3, mask=mask_d)
-        if W >= 3:
-            tl.store(p_pool + (W - 3) * D, b_h2, mask=mask_d)
-        if W >= 4:
-            tl.store(p_pool + (W - 4) * D, b_h1, mask=mask_d)
+        _store_history(p_pool, b_h1, b_h2, b_h3, mask_d, D, W)
 
     b_w1 = tl.zeros([BD], dtype=tl.float32)
     b_w2 = tl.zeros([BD], dtype=tl.float32)
@@ -97,11 +103,7 @@ def conv_update_kernel(x, weight, conv_pool, y, slots, pending_x, pending_in_row
 
     if WRITE == 1:
         tl.debug_barrier()
-        tl.store(p_pool + (W - 2) * D, b_h3, mask=mask_d)
-        if W >= 3:
-            tl.store(p_pool + (W - 3) * D, b_h2, mask=mask_d)
-        if W >= 4:
-            tl.store(p_pool + (W - 4) * D, b_h1, mask=mask_d)
+        _store_history(p_pool, b_h1, b_h2, b_h3, mask_d, D, W)
 
 
 def conv_update(x: torch.Tensor, weight: torch.Tensor | None, conv_pool: torch.Tensor, y: torch.Tensor,

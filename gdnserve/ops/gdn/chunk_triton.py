@@ -45,21 +45,27 @@ def _gates(p_a, p_b, o_rows, m_rows, stride_a, stride_b, A_log, dt_bias):
 
 
 @triton.jit
+def _chunk_rows(chunk_indices, cu_seqlens, i_row, C: tl.constexpr):
+    """Chunk row -> (sequence, token offsets of the chunk's rows, row mask); sequence -1 = sentinel row."""
+    i_n = tl.load(chunk_indices + 2 * i_row)
+    i_c = tl.load(chunk_indices + 2 * i_row + 1)
+    bos = tl.load(cu_seqlens + tl.maximum(i_n, 0))
+    L = tl.load(cu_seqlens + tl.maximum(i_n, 0) + 1) - bos
+    o_c = tl.arange(0, C)
+    return i_n, bos + i_c * C + o_c, i_c * C + o_c < L
+
+
+@triton.jit
 def chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, gcum, w, u,
                       s_kt, s_kh, s_vt, s_vh, s_at, s_ah, s_bt, s_bh,
                       R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
                       INV_MODE: tl.constexpr, PREP_BF16: tl.constexpr):
     i_row, i_h = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(chunk_indices + 2 * i_row)
+    i_n, o_rows, m_rows = _chunk_rows(chunk_indices, cu_seqlens, i_row, C)
     if i_n < 0:
         return
-    i_c = tl.load(chunk_indices + 2 * i_row + 1)
-    bos = tl.load(cu_seqlens + i_n)
-    L = tl.load(cu_seqlens + i_n + 1) - bos
     o_c = tl.arange(0, C)
-    o_rows = bos + i_c * C + o_c
-    m_rows = i_c * C + o_c < L
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = tl.arange(0, BV)
@@ -219,16 +225,11 @@ def chunk_output_kernel(q, k, gcum, vnew, h, o, cu_seqlens, chunk_indices, scale
                         BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
                         OUT_F32: tl.constexpr):
     i_vt, i_row, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n = tl.load(chunk_indices + 2 * i_row)
+    i_n, o_rows, m_rows = _chunk_rows(chunk_indices, cu_seqlens, i_row, C)
     if i_n < 0:
         return
-    i_c = tl.load(chunk_indices + 2 * i_row + 1)
     i_h = i_hv // R
-    bos = tl.load(cu_seqlens + i_n)
-    L = tl.load(cu_seqlens + i_n + 1) - bos
     o_c = tl.arange(0, C)
-    o_rows = bos + i_c * C + o_c
-    m_rows = i_c * C + o_c < L
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_vt * BV + tl.arange(0, BV)
