@@ -55,6 +55,7 @@ class StepPlan:
     order: tuple[int, ...]             # segment indices in token-buffer order
     reference: ReferenceVectors | None
     decode_slots: torch.Tensor | None  # [B] int32
+    extra: dict[str, torch.Tensor]     # caller's own int32 vectors, uploaded in the same copy
     host_ints: int                     # how many int32 went up in the step's one copy
 
 
@@ -102,13 +103,21 @@ class _Packer:
 
 def build_step_plan(segments: Sequence[PrefillSegment], mode: str, stager: IndexStager, *,
                     is_ready: Callable[[int], bool] = lambda slot: False,
-                    decode_slots: Sequence[int] = ()) -> StepPlan:
+                    decode_slots: Sequence[int] = (), extra: dict[str, Sequence[int]] | None = None) -> StepPlan:
     """Validate the segments against the ownership contract and build all device vectors of the step.
-    ``is_ready(slot)``: True for READY checkpoint slots (CheckpointIndex)."""
+    ``is_ready(slot)``: True for READY checkpoint slots (CheckpointIndex). ``extra``: more int32 vectors of
+    the step (attention metadata, positions) that ride in the same single upload."""
     if mode not in PREFILL_MODES:
         raise PlanError(f"mode must be one of {PREFILL_MODES}, got {mode!r}")
     segs = list(segments)
     _validate(segs, mode, is_ready)
+    if not segs:
+        pk = _Packer()
+        dec = pk.add(decode_slots)
+        extra_r = {name: pk.add(v) for name, v in (extra or {}).items()}
+        dev = stager.upload(pk.vals)
+        return StepPlan(None, (), None, dev[dec[0]:dec[1]] if decode_slots else None,
+                        {name: dev[r[0]:r[1]] for name, r in extra_r.items()}, len(pk.vals))
     producers = {s.producer for s in segs if s.init is InitFrom.PRODUCER}
     phase1 = [i for i, s in enumerate(segs) if i in producers or s.init in (InitFrom.ZEROS, InitFrom.OWN_SLOT)]
     phase2 = [i for i, s in enumerate(segs) if i not in producers and s.init in (InitFrom.CHECKPOINT, InitFrom.PRODUCER)]
@@ -156,6 +165,7 @@ def build_step_plan(segments: Sequence[PrefillSegment], mode: str, stager: Index
     ref = (pk.add([x for i in phase1 if i in producers for x in tok[i]]), pk.add([x for i in cons for x in tok[i]]),
            pk.add([shared_source(i) for i in cons]), pk.add([segs[i].dst_slot for i in cons]))
     dec = pk.add(decode_slots)
+    extra_r = {name: pk.add(v) for name, v in (extra or {}).items()}
     dev = stager.upload(pk.vals)
 
     def view(r: tuple[int, int]) -> torch.Tensor:
@@ -169,7 +179,8 @@ def build_step_plan(segments: Sequence[PrefillSegment], mode: str, stager: Index
         copy = StateCopy(before_group=len(groups) - 1, src=view(ref[2]).long(), dst=view(ref[3]).long())
     prefill = PrefillPlan(mode, start[-1], groups, copy) if segs else None
     reference = ReferenceVectors(view(ref[0]).view(-1, 2), view(ref[1]).view(-1, 2), view(ref[2]), view(ref[3]))
-    return StepPlan(prefill, tuple(order), reference, view(dec) if decode_slots else None, len(pk.vals))
+    return StepPlan(prefill, tuple(order), reference, view(dec) if decode_slots else None,
+                    {name: view(r) for name, r in extra_r.items()}, len(pk.vals))
 
 
 def _validate(segs: list[PrefillSegment], mode: str, is_ready: Callable[[int], bool]) -> None:

@@ -1,0 +1,157 @@
+"""Runs one step of the hybrid model: turns the step's work (prefill segments, with same-step
+producer/consumer pairs, and decode tokens) into a StepPlan + attention metadata (one upload), binds
+nothing per step (pools are bound to the layers once), and returns the logits of each request's last
+token. The scheduler (engine loop) decides what goes into a step; this module only executes it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gdnserve.engine.page_pool import PagePool, PagePoolConfig, PageTable
+from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
+from gdnserve.engine.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan
+from gdnserve.layers.forward_context import AttnMeta, ForwardContext, forward_context
+
+
+@dataclass(eq=False)
+class SeqState:
+    """A live sequence: its GDN running slot, its attention pages, and how many tokens it has."""
+    slot: int
+    pages: PageTable
+    length: int = 0
+
+
+@dataclass
+class PrefillItem:
+    seq: SeqState
+    tokens: list[int]
+    producer: int = -1          # index of a same-step PrefillItem whose final state and KV prefix this continues
+
+
+@dataclass
+class RunnerConfig:
+    num_slots: int = 32
+    num_pages: int = 512
+    page_size: int = 16
+    prefill_mode: str = "fused"
+    backend: str = "auto"
+    staging_ints: int = 1 << 20
+
+
+class ModelRunner:
+    def __init__(self, model, rc: RunnerConfig | None = None):
+        rc = rc or RunnerConfig()
+        self.model, self.rc = model, rc
+        cfg = model.cfg
+        w = model.embed_tokens.weight
+        self.device, self.dtype = w.device, w.dtype
+        gdn, attn = model.gdn_layers(), model.attention_layers()
+        g, a = cfg.gdn, cfg.attn
+        self.state = StatePool(StatePoolConfig(
+            num_layers=max(1, len(gdn)), num_slots=rc.num_slots, HV=g.num_v_heads, K=g.head_k_dim, V=g.head_v_dim,
+            conv_dim=2 * g.num_k_heads * g.head_k_dim + g.num_v_heads * g.head_v_dim, conv_width=g.conv_kernel,
+            ssm_dtype=torch.float32, conv_dtype=self.dtype, device=self.device))
+        self.pages = PagePool(PagePoolConfig(num_layers=max(1, len(attn)), num_pages=rc.num_pages,
+                                             page_size=rc.page_size, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                                             dtype=self.dtype, device=self.device))
+        for i, layer in enumerate(gdn):
+            layer.bind_state(self.state.conv(i), self.state.ssm(i))
+            layer.backend = rc.backend
+        for i, layer in enumerate(attn):
+            layer.bind_cache(self.pages.k_cache(i), self.pages.v_cache(i))
+            layer.backend = rc.backend
+        self.stager = IndexStager(rc.staging_ints, self.device)
+
+    def new_seq(self) -> SeqState:
+        seq = SeqState(-1, PageTable(self.pages))
+        seq.slot = self.state.allocate(SlotKind.RUNNING, seq)
+        return seq
+
+    def free_seq(self, seq: SeqState) -> None:
+        self.state.free(seq.slot)
+        seq.pages.release()
+
+    @torch.inference_mode()
+    def step(self, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]]) -> torch.Tensor:
+        """Returns fp32 logits [len(prefills) + len(decodes), vocab]: the last token of each prefill item,
+        then each decode token, in the order given."""
+        segs = []
+        for i, it in enumerate(prefills):
+            if not it.tokens:
+                raise ValueError(f"prefill {i}: no tokens")
+            if it.producer >= 0:
+                if it.seq.length != 0:
+                    raise ValueError(f"prefill {i}: a consumer of a same-step producer must be a fresh sequence")
+                segs.append(PrefillSegment(len(it.tokens), InitFrom.PRODUCER, it.seq.slot, producer=it.producer))
+            elif it.seq.length > 0:
+                segs.append(PrefillSegment(len(it.tokens), InitFrom.OWN_SLOT, it.seq.slot, init_slot=it.seq.slot))
+            else:
+                segs.append(PrefillSegment(len(it.tokens), InitFrom.ZEROS, it.seq.slot))
+        # plan.order is producers first; compute it the same way build_step_plan does
+        order = [i for i, it in enumerate(prefills) if it.producer < 0] + \
+                [i for i, it in enumerate(prefills) if it.producer >= 0]
+        ids: list[int] = []
+        pos: list[int] = []
+        slot_map: list[int] = []
+        dup_rows: list[int] = []
+        dup_slots: list[int] = []
+        cu, kv_lens, tables = [0], [], []
+        last_row: dict[int, int] = {}
+        start_row: dict[int, int] = {}
+        for i in order:
+            it = prefills[i]
+            seq, n = it.seq, len(it.tokens)
+            if it.producer >= 0:
+                prod = prefills[it.producer].seq
+                child, cow = prod.pages.fork(prod.length)
+                seq.pages, seq.length = child, prod.length
+                if cow is not None:
+                    # The consumer's private copy of the prefix's partial tail page: positions stored in earlier
+                    # steps are copied now (they are final); the producer's positions of this step are written
+                    # into both pages by one store_kv (duplicated slot_mapping rows).
+                    p_before = prod.length - len(prefills[it.producer].tokens)
+                    if p_before > cow.first_position:
+                        self.pages.copy_pages([cow.src_page], [cow.dst_page])
+                    for o, (_, dst) in enumerate(cow.slot_pairs()):
+                        p = cow.first_position + o
+                        if p >= p_before:
+                            dup_rows.append(start_row[it.producer] + p - p_before)
+                            dup_slots.append(dst)
+            row0 = len(ids)
+            start_row[i] = row0
+            p0 = seq.length
+            slot_map += seq.pages.append_tokens(n)
+            seq.length += n
+            ids += it.tokens
+            pos += range(p0, p0 + n)
+            cu.append(len(ids))
+            kv_lens.append(seq.length)
+            tables.append(seq.pages)
+            last_row[i] = len(ids) - 1
+        num_prefill = len(ids)
+        for seq, tok in decodes:
+            p0 = seq.length
+            slot_map += seq.pages.append_tokens(1)
+            seq.length += 1
+            ids.append(tok)
+            pos.append(p0)
+            cu.append(len(ids))
+            kv_lens.append(seq.length)
+            tables.append(seq.pages)
+        width = max(1, max((len(t.pages) for t in tables), default=1))
+        rows = [last_row[i] for i in range(len(prefills))] + list(range(num_prefill, len(ids)))
+        extra = {"ids": ids, "pos": pos, "slots": slot_map + dup_slots, "cu": cu, "kv": kv_lens,
+                 "table": [p for t in tables for p in t.page_row(width, pad=0)], "rows": rows}
+        if dup_rows:
+            extra["tok"] = list(range(len(ids))) + dup_rows
+        plan = build_step_plan(segs, self.rc.prefill_mode, self.stager, decode_slots=[s.slot for s, _ in decodes],
+                               extra=extra)
+        assert plan.order == tuple(order) or not segs, "token layout must follow the plan"
+        x = plan.extra
+        attn = AttnMeta(x["cu"], x["kv"], x["table"].view(len(tables), width), x["slots"].long(),
+                        x["tok"].long() if dup_rows else None)
+        ctx = ForwardContext(x["pos"].long(), num_prefill, plan.prefill, plan.decode_slots, attn)
+        with forward_context(ctx):
+            return self.model(x["ids"].long(), x["rows"].long())

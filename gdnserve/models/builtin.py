@@ -1,0 +1,44 @@
+"""The embedded default model: a tiny Qwen3.5-architecture config (weights come from a fixed seed in the
+model builder) paired with the built-in byte tokenizer, so the engine runs with nothing downloaded.
+
+4 layers, GDN, GDN, GDN, attention; hidden 256; GDN H=2, HV=4 (r=2), K=V=64, W=4; attention 4 heads /
+2 KV heads of 64 with a quarter of each head rotated; dense MLP 512; tied embeddings.
+``builtin_hf_config_dict()`` is the same model as an HF config.json, so tests can build it with
+transformers' own Qwen3_5ForCausalLM and compare.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from gdnserve.models.config import AttnConfig, GDNConfig, MLPConfig, ModelConfig, MTPConfig
+from gdnserve.models.tokenizer import BYTE_VOCAB_SIZE, ByteTokenizer
+
+_LAYER_TYPES = ("linear_attention", "linear_attention", "linear_attention", "full_attention")
+_ROPE_THETA = 10000.0
+_MAX_POSITIONS = 32768
+
+
+def builtin_config() -> ModelConfig:
+    return ModelConfig(
+        family="qwen3_5", vocab_size=BYTE_VOCAB_SIZE, hidden_size=256, num_layers=4, layer_types=_LAYER_TYPES,
+        rms_norm_eps=1e-6, tie_word_embeddings=True, torch_dtype="float32",
+        gdn=GDNConfig(num_k_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64, conv_kernel=4),
+        attn=AttnConfig(num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=_ROPE_THETA, partial_rotary_factor=0.25,
+                        rotary_dim=16, output_gate=True, max_position_embeddings=_MAX_POSITIONS, rope_scaling=None),
+        mlp=MLPConfig(intermediate_size=512), mtp=MTPConfig(0), hf_model_type="qwen3_5_text")
+
+
+def builtin_hf_config_dict() -> dict[str, Any]:
+    """The HF config.json of the embedded model (model_type ``qwen3_5_text``)."""
+    tok = ByteTokenizer()
+    return {
+        "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"], "dtype": "float32",
+        "vocab_size": BYTE_VOCAB_SIZE, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+        "layer_types": list(_LAYER_TYPES), "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "attention_bias": False,
+        "max_position_embeddings": _MAX_POSITIONS,
+        "rope_parameters": {"rope_type": "default", "rope_theta": _ROPE_THETA, "partial_rotary_factor": 0.25},
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
+        "eos_token_id": list(tok.eos_token_ids), "pad_token_id": None, "bos_token_id": None,
+    }

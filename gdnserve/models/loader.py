@@ -1,0 +1,145 @@
+"""Load HF-format checkpoints (config.json + sharded safetensors) into HybridLM.
+
+Checkpoint names are mapped to our fused parameters: ``in_proj = [in_proj_qkv | in_proj_z | in_proj_b |
+in_proj_a]`` (Qwen3.5) or the de-interleaved ``in_proj_qkvz`` / ``in_proj_ba`` (Qwen3-Next, per key-head
+group ``[q_g | k_g | v_g | z_g]`` and ``[b_g | a_g]``); ``qkv_proj = [q_proj | k_proj | v_proj]``;
+``gate_up_proj = [gate_proj | up_proj]``; ``conv1d.weight [D, 1, W] -> conv_weight [D, W]``. A missing,
+unexpected or mis-shaped tensor fails with its name and the expected shape.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+
+from gdnserve.models.config import ModelConfig
+
+PREFIXES = ("model.language_model.", "model.", "")   # multimodal wrapper, CausalLM, bare
+SKIP = ("mtp.", "model.visual.", "visual.")          # kept elsewhere (MTP) or not ours (vision)
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def checkpoint_tensors(folder: str | Path) -> dict[str, Callable[[], torch.Tensor]]:
+    """name -> lazy loader over model.safetensors or the shards named by model.safetensors.index.json."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no .safetensors files")
+    out: dict[str, Callable[[], torch.Tensor]] = {}
+    for f in files:
+        with safe_open(str(folder / f), framework="pt") as h:
+            for name in h.keys():
+                out[name] = (lambda f=f, name=name: _read(folder / f, name))
+    return out
+
+
+def _read(path: Path, name: str) -> torch.Tensor:
+    with safe_open(str(path), framework="pt") as h:
+        return h.get_tensor(name)
+
+
+def _deinterleave_qkvz(w: torch.Tensor, H: int, HV: int, K: int, V: int) -> torch.Tensor:
+    """Qwen3-Next in_proj_qkvz rows per key-head group g: [q_g K | k_g K | v_g rV | z_g rV] -> [Q|K|V|Z]."""
+    r = HV // H
+    g = w.view(H, 2 * K + 2 * r * V, -1)
+    q, k, v, z = torch.split(g, [K, K, r * V, r * V], dim=1)
+    return torch.cat([t.reshape(-1, w.shape[-1]) for t in (q, k, v, z)], 0)
+
+
+def _deinterleave_ba(w: torch.Tensor, H: int, HV: int) -> torch.Tensor:
+    r = HV // H
+    g = w.view(H, 2 * r, -1)
+    b, a = torch.split(g, [r, r], dim=1)
+    return torch.cat([b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])], 0)
+
+
+def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Callable[[], torch.Tensor]],
+                 dtype: torch.dtype) -> None:
+    """Copy every parameter of ``model`` from ``tensors`` (see module docstring for the mapping)."""
+    names = {n for n in tensors if not n.startswith(SKIP)}
+    prefix = next((p for p in PREFIXES if f"{p}embed_tokens.weight" in names), None)
+    if prefix is None:
+        raise CheckpointError("checkpoint has no embed_tokens.weight under any of "
+                              + ", ".join(f"'{p}'" for p in PREFIXES))
+    used: set[str] = set()
+
+    def get(name: str) -> torch.Tensor:
+        full = prefix + name if not name.startswith("lm_head") else name
+        if full not in tensors:
+            raise CheckpointError(f"missing tensor {full}")
+        used.add(full)
+        return tensors[full]()
+
+    g = cfg.gdn
+    plan: dict[str, Callable[[], torch.Tensor]] = {"embed_tokens.weight": lambda: get("embed_tokens.weight"),
+                                                  "norm.weight": lambda: get("norm.weight")}
+    if not cfg.tie_word_embeddings:
+        plan["lm_head.weight"] = lambda: get("lm_head.weight")
+    for i, kind in enumerate(cfg.layer_types):
+        L = f"layers.{i}."
+        plan[L + "input_layernorm.weight"] = lambda L=L: get(L + "input_layernorm.weight")
+        plan[L + "post_attention_layernorm.weight"] = lambda L=L: get(L + "post_attention_layernorm.weight")
+        plan[L + "mlp.gate_up_proj.weight"] = lambda L=L: torch.cat([get(L + "mlp.gate_proj.weight"),
+                                                                     get(L + "mlp.up_proj.weight")], 0)
+        plan[L + "mlp.down_proj.weight"] = lambda L=L: get(L + "mlp.down_proj.weight")
+        if kind == "linear_attention":
+            A = L + "linear_attn."
+            if cfg.family == "qwen3_next":
+                plan[L + "mixer.in_proj.weight"] = lambda A=A: torch.cat([
+                    _deinterleave_qkvz(get(A + "in_proj_qkvz.weight"), g.num_k_heads, g.num_v_heads, g.head_k_dim,
+                                       g.head_v_dim),
+                    _deinterleave_ba(get(A + "in_proj_ba.weight"), g.num_k_heads, g.num_v_heads)], 0)
+            else:
+                plan[L + "mixer.in_proj.weight"] = lambda A=A: torch.cat(
+                    [get(A + n + ".weight") for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")], 0)
+            plan[L + "mixer.conv_weight"] = lambda A=A: get(A + "conv1d.weight").squeeze(1)
+            plan[L + "mixer.A_log"] = lambda A=A: get(A + "A_log")
+            plan[L + "mixer.dt_bias"] = lambda A=A: get(A + "dt_bias")
+            plan[L + "mixer.norm.weight"] = lambda A=A: get(A + "norm.weight")
+            plan[L + "mixer.out_proj.weight"] = lambda A=A: get(A + "out_proj.weight")
+        else:
+            A = L + "self_attn."
+            plan[L + "mixer.qkv_proj.weight"] = lambda A=A: torch.cat(
+                [get(A + n + ".weight") for n in ("q_proj", "k_proj", "v_proj")], 0)
+            for n in ("o_proj.weight", "q_norm.weight", "k_norm.weight"):
+                plan[L + "mixer." + n] = lambda A=A, n=n: get(A + n)
+    params = dict(model.named_parameters())
+    missing_params = sorted(set(params) - set(plan))
+    if missing_params:
+        raise CheckpointError(f"no checkpoint mapping for parameters {missing_params}")
+    with torch.no_grad():
+        for name, fetch in plan.items():
+            p = params[name]
+            t = fetch()
+            if tuple(t.shape) != tuple(p.shape):
+                raise CheckpointError(f"{name}: checkpoint tensor has shape {list(t.shape)}, expected {list(p.shape)}")
+            # A_log stays fp32 (the decay rate; fp16/bf16 would make exp(A_log) coarse)
+            p.data = t.to(device=p.device, dtype=torch.float32 if name.endswith("A_log") else dtype)
+    unexpected = sorted(n for n in names - used if not (cfg.tie_word_embeddings and n == "lm_head.weight"))
+    if unexpected:
+        raise CheckpointError(f"unexpected tensors in checkpoint: {unexpected[:8]}"
+                              + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
+
+
+def load_model(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
+    """config.json + safetensors -> (HybridLM on ``device`` in ``dtype``, ModelConfig). Built on the meta
+    device, so no memory is spent on initial weights."""
+    from gdnserve.models.qwen3_5 import HybridLM
+    cfg = ModelConfig.from_hf(Path(folder))
+    with torch.device("meta"):
+        model = HybridLM(cfg)
+    model = model.to_empty(device=device)
+    load_weights(model, cfg, checkpoint_tensors(folder), dtype)
+    for attn in model.attention_layers():            # non-persistent buffers are not in checkpoints
+        attn.rotary.reset_buffers()
+    return model.eval(), cfg

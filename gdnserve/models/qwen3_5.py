@@ -1,0 +1,65 @@
+"""The hybrid decoder of Qwen3.5 text models and Qwen3-Next (dense MLP; MoE to come): embeddings ->
+layers of [zero-centred RMSNorm -> GDN or gated attention -> residual -> RMSNorm -> MLP -> residual]
+-> final norm -> lm head (tied to the embeddings when the config says so). Packed tokens [T] in, all
+per-step metadata from the forward context."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gdnserve.layers.attention import GatedAttention
+from gdnserve.layers.gdn_mixer import GatedDeltaNet
+from gdnserve.layers.mlp import MLP
+from gdnserve.layers.norm import RMSNorm
+from gdnserve.models.config import ModelConfig
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__()
+        self.kind = cfg.layer_types[i]
+        eps = cfg.rms_norm_eps
+        if self.kind == "linear_attention":
+            g = cfg.gdn
+            self.mixer: nn.Module = GatedDeltaNet(cfg.hidden_size, g.num_k_heads, g.num_v_heads, g.head_k_dim,
+                                                  g.head_v_dim, g.conv_kernel, eps)
+        else:
+            a = cfg.attn
+            self.mixer = GatedAttention(cfg.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim,
+                                        a.rope_theta, eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.mlp.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.mixer(self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class HybridLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.mlp.num_experts:
+            raise NotImplementedError(f"{cfg.family}: MoE models are not supported yet (num_experts="
+                                      f"{cfg.mlp.num_experts})")
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def gdn_layers(self) -> list[GatedDeltaNet]:
+        return [l.mixer for l in self.layers if isinstance(l.mixer, GatedDeltaNet)]
+
+    def attention_layers(self) -> list[GatedAttention]:
+        return [l.mixer for l in self.layers if isinstance(l.mixer, GatedAttention)]
+
+    def forward(self, input_ids: torch.Tensor, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids: [T] packed tokens of the step; logits_rows: [R] rows whose logits are wanted
+        (None = all). Returns [R, vocab] in fp32."""
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        h = self.norm(h if logits_rows is None else h[logits_rows])
+        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(h, w).float()

@@ -1,0 +1,78 @@
+"""gdnserve's model against HF transformers (the test-only reference) on tiny random checkpoints saved
+with save_pretrained: logits of a prompt, of every teacher-forced decode step, and of a prefix with
+several suffixes run as one grouped step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig  # noqa: E402
+from gdnserve.models.loader import load_model  # noqa: E402
+from gdnserve.ops.numerics import rel_rms  # noqa: E402
+
+TOL = 1e-4
+
+
+def tiny_qwen35(tmp_path, *, H=2, HV=4, K=16, V=16, layer_types=("linear_attention", "linear_attention",
+                                                                 "full_attention", "linear_attention"), seed=0):
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    torch.manual_seed(seed)
+    cfg = Qwen3_5TextConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=len(layer_types),
+                            layer_types=list(layer_types), num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            linear_num_key_heads=H, linear_num_value_heads=HV, linear_key_head_dim=K,
+                            linear_value_head_dim=V, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                            rms_norm_eps=1e-6, max_position_embeddings=256)
+    model = Qwen3_5ForCausalLM(cfg).float().eval()
+    with torch.no_grad():          # every parameter random (HF initialises norms to 0/1 and A_log to a range)
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p).uniform_(1, 16)))
+            elif "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0))
+            else:
+                p.copy_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return model
+
+
+def test_prompt_and_teacher_forced_decode_match_hf(tmp_path):
+    hf = tiny_qwen35(tmp_path)
+    ours, _ = load_model(tmp_path, dtype=torch.float32)
+    runner = ModelRunner(ours, RunnerConfig(backend="torch", page_size=8))
+    ids = torch.randint(0, 97, (1, 60))
+    with torch.no_grad():
+        ref = hf(ids).logits[0].float()
+    P = 37
+    seq = runner.new_seq()
+    got = runner.step([PrefillItem(seq, ids[0, :P].tolist())], [])
+    assert rel_rms(got[0], ref[P - 1]) < TOL
+    for t in range(P, ids.shape[1]):
+        got = runner.step([], [(seq, int(ids[0, t]))])
+        assert rel_rms(got[0], ref[t]) < TOL, f"decode step at position {t}"
+
+
+@pytest.mark.parametrize("mode", ["serial", "two_phase", "two_phase_indexed", "fused"])
+def test_prefix_with_suffixes_in_one_grouped_step(tmp_path, mode):
+    hf = tiny_qwen35(tmp_path, HV=6, H=2)           # r = 3
+    ours, _ = load_model(tmp_path, dtype=torch.float32)
+    runner = ModelRunner(ours, RunnerConfig(backend="torch", page_size=8, prefill_mode=mode))
+    prefix = torch.randint(0, 97, (21,)).tolist()   # ends inside a page: copy-on-write tail
+    suffixes = [torch.randint(0, 97, (n,)).tolist() for n in (5, 1, 16, 9)]
+    prod = runner.new_seq()
+    items = [PrefillItem(prod, prefix)] + [PrefillItem(runner.new_seq(), s, producer=0) for s in suffixes]
+    got = runner.step(items, [])
+    with torch.no_grad():
+        assert rel_rms(got[0], hf(torch.tensor([prefix])).logits[0, -1]) < TOL
+        for i, s in enumerate(suffixes):
+            ref = hf(torch.tensor([prefix + s])).logits[0, -1]
+            assert rel_rms(got[1 + i], ref) < TOL, f"suffix {i}"
+    # the consumers continue decoding from their own state and pages
+    seq = items[3].seq
+    nxt = int(got[3].argmax())
+    out = runner.step([], [(seq, nxt)])
+    with torch.no_grad():
+        ref = hf(torch.tensor([prefix + suffixes[2] + [nxt]])).logits[0, -1]
+    assert rel_rms(out[0], ref) < TOL
+    assert runner.state.check_integrity() == [] and runner.pages.check_integrity() == []
