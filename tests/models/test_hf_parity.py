@@ -25,6 +25,28 @@ def tiny_qwen35(tmp_path, *, H=2, HV=4, K=16, V=16, layer_types=("linear_attenti
                             linear_value_head_dim=V, linear_conv_kernel_dim=4, tie_word_embeddings=False,
                             rms_norm_eps=1e-6, max_position_embeddings=256)
     model = Qwen3_5ForCausalLM(cfg).float().eval()
+    _randomise(model)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return model
+
+
+def tiny_qwen3_next(tmp_path, *, H=2, HV=4, K=16, V=16, seed=0):
+    """Dense Qwen3-Next (num_experts=0): exercises the interleaved in_proj_qkvz / in_proj_ba layout."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                          layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=H,
+                          linear_num_value_heads=HV, linear_key_head_dim=K, linear_value_head_dim=V,
+                          linear_conv_kernel_dim=4, num_experts=0, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                          max_position_embeddings=256)
+    model = Qwen3NextForCausalLM(cfg).float().eval()
+    _randomise(model)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return model
+
+
+def _randomise(model):
     with torch.no_grad():          # every parameter random (HF initialises norms to 0/1 and A_log to a range)
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
@@ -33,12 +55,11 @@ def tiny_qwen35(tmp_path, *, H=2, HV=4, K=16, V=16, layer_types=("linear_attenti
                 p.copy_(torch.randn_like(p) * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0))
             else:
                 p.copy_(torch.randn_like(p) * 0.2)
-    model.save_pretrained(tmp_path, safe_serialization=True)
-    return model
 
 
-def test_prompt_and_teacher_forced_decode_match_hf(tmp_path):
-    hf = tiny_qwen35(tmp_path)
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_prompt_and_teacher_forced_decode_match_hf(tmp_path, family):
+    hf = tiny_qwen35(tmp_path) if family == "qwen3_5" else tiny_qwen3_next(tmp_path, HV=6)
     ours, _ = load_model(tmp_path, dtype=torch.float32)
     runner = ModelRunner(ours, RunnerConfig(backend="torch", page_size=8))
     ids = torch.randint(0, 97, (1, 60))
