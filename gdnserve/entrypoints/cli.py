@@ -2,6 +2,7 @@
 
     gdnserve bench ops [--device auto|cpu|cuda[:N]] [--quick] [--out DIR] [--no-fla]
     gdnserve bench grouped-prefill [--device ...] [--quick] [--out DIR] [--no-fla] [--modes M1,M2,...]
+    gdnserve generate PROMPT [--model DIR] [--max-tokens N] [--device ...] [--dtype ...]
 
 One ``_add_*`` function per command registers its parser and sets ``func``, a handler that takes the
 parsed arguments and returns an exit code; ``serve``, ``generate`` and ``score``
@@ -101,11 +102,19 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     gp.set_defaults(func=_bench_grouped_prefill)
 
 
+def _add_generate(sub) -> None:
+    from gdnserve.entrypoints.generate import add_generate_arguments, run_generate
+    p = sub.add_parser("generate", help="greedy continuation of a prompt (embedded model by default)")
+    add_generate_arguments(p)
+    p.set_defaults(func=run_generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gdnserve", description="gdnserve: an inference engine for hybrid "
                                      "Gated-DeltaNet + attention models.")
-    sub = parser.add_subparsers(dest="command", metavar="{bench}", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="{bench,generate}", required=True)
     _add_bench(sub)
+    _add_generate(sub)
     return parser
 
 

@@ -42,3 +42,33 @@ def builtin_hf_config_dict() -> dict[str, Any]:
         "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
         "eos_token_id": list(tok.eos_token_ids), "pad_token_id": None, "bos_token_id": None,
     }
+
+
+def build_builtin_model(seed: int = 0, dtype=None, device="cpu"):
+    """The embedded model with deterministic random weights (a fixed-seed generator, the same on every
+    machine): N(0, 0.02) projections and embeddings, norms at their identity (zero-centred 0, gated 1),
+    A_log = log U(1, 16), dt_bias 1, conv N(0, 0.3)."""
+    import math
+
+    import torch
+
+    from gdnserve.models.qwen3_5 import HybridLM
+
+    gen = torch.Generator().manual_seed(seed)
+    model = HybridLM(builtin_config())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.rand(p.shape, generator=gen) * 15 + 1))
+            elif name.endswith("dt_bias"):
+                p.fill_(1.0)
+            elif name.endswith("conv_weight"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+            elif "norm" in name:
+                p.fill_(1.0 if name.endswith("mixer.norm.weight") else 0.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.02 if p.dim() > 1 else 1 / math.sqrt(p.numel())))
+    model = model.to(device=device, dtype=dtype or torch.float32)
+    for layer in model.gdn_layers():
+        layer.A_log.data = layer.A_log.data.float()
+    return model.eval()

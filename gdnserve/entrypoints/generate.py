@@ -1,0 +1,59 @@
+"""``gdnserve generate``: greedy continuation of one prompt on the embedded default model or an HF
+checkpoint folder, through the ModelRunner (prefill, then decode step by step). Sampling, batching and
+streaming come with the engine loop; this is the smallest end-to-end path through every layer."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--model", default=None, help="HF checkpoint folder (config.json + safetensors + tokenizer.json); "
+                                                  "default: the embedded tiny model (random weights)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu or cuda[:N]")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights/activations dtype (default: bfloat16 on CUDA, float32 on CPU)")
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
+    from gdnserve.models.builtin import build_builtin_model
+    from gdnserve.models.loader import load_model
+    from gdnserve.models.tokenizer import load_tokenizer
+
+    if args.max_tokens < 1:
+        print("gdnserve generate: --max-tokens must be >= 1", file=sys.stderr)
+        return 2
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.model is None:
+        model = build_builtin_model(dtype=dtype, device=device)
+    else:
+        model, _ = load_model(args.model, dtype=dtype, device=device)
+    tok = load_tokenizer(args.model)
+    ids = tok.encode(args.prompt)
+    if not ids:
+        print("gdnserve generate: the prompt encodes to no tokens", file=sys.stderr)
+        return 2
+    runner = ModelRunner(model, RunnerConfig(num_slots=2, num_pages=-(-(len(ids) + args.max_tokens) // 16) + 2))
+    seq = runner.new_seq()
+    t0 = time.perf_counter()
+    logits = runner.step([PrefillItem(seq, ids)], [])
+    out: list[int] = []
+    eos = set(tok.eos_token_ids)
+    for _ in range(args.max_tokens):
+        nxt = int(logits[0].argmax())
+        out.append(nxt)
+        if nxt in eos:
+            break
+        logits = runner.step([], [(seq, nxt)])
+    dt = time.perf_counter() - t0
+    print(tok.decode(out))
+    print(f"[{len(ids)} prompt + {len(out)} generated tokens in {dt * 1e3:.0f} ms on {device}, {dtype}; "
+          f"{'embedded model' if args.model is None else args.model}]", file=sys.stderr)
+    return 0

@@ -1,0 +1,146 @@
+"""Sparse MoE block of Qwen3-Next / Qwen3.5-MoE: softmax top-k router, SwiGLU experts stored as stacked 3-D
+weights, and a dense shared expert scaled by a sigmoid gate.
+
+Rounding follows HF's ``Qwen3NextSparseMoeBlock`` / ``Qwen3_5MoeSparseMoeBlock``: router logits in the
+activation dtype, softmax and the top-k renormalisation in fp32, routing weights cast back to the activation
+dtype; each expert's output is scaled in the activation dtype and added into an activation-dtype buffer in
+ascending expert order (with top_k > 2 a token's sum is not associative in bf16, so the order matters).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gdnserve.layers.mlp import MLP
+
+
+class SparseMoE(nn.Module):
+    """Parameters: ``gate.weight [E, hidden]`` (router), ``experts_gate_up [E, 2I, hidden]`` (rows
+    ``[gate I | up I]``), ``experts_down [E, hidden, I]``, ``shared_expert`` (an ``MLP``) and
+    ``shared_expert_gate.weight [1, hidden]``; the last two are None when ``shared_intermediate == 0``."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, moe_intermediate: int,
+                 shared_intermediate: int, norm_topk_prob: bool):
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
+        self.moe_intermediate, self.shared_intermediate = moe_intermediate, shared_intermediate
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * moe_intermediate, hidden))
+        self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, moe_intermediate))
+        if shared_intermediate > 0:
+            self.shared_expert: MLP | None = MLP(hidden, shared_intermediate)
+            self.shared_expert_gate: nn.Linear | None = nn.Linear(hidden, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (weights [T, top_k] in x.dtype, experts [T, top_k] int64)."""
+        logits = F.linear(x, self.gate.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            w = w / w.sum(dim=-1, keepdim=True)
+        return w.to(logits.dtype), idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]."""
+        if x.dim() != 2 or x.shape[1] != self.hidden:
+            raise ValueError(f"x: expected [T, {self.hidden}], got {list(x.shape)}")
+        weights, experts = self.route(x)
+        k, I = self.top_k, self.moe_intermediate
+        # Group the T*k (token, expert) pairs by expert; stable so each group keeps token order.
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        pair_w = weights.flatten()[order, None]
+        xs = x.index_select(0, token)
+        # The one host read: per-expert counts to split the groups. A GPU path must not do this (it syncs and
+        # cannot be captured in a graph): it needs a grouped GEMM that takes the device-side offsets instead.
+        counts = torch.bincount(flat, minlength=self.num_experts).cpu().tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sl = slice(start, start + n)
+            start += n
+            gu = F.linear(xs[sl], self.experts_gate_up[e])
+            y = F.linear(F.silu(gu[:, :I]) * gu[:, I:], self.experts_down[e]) * pair_w[sl]
+            # One add per token per call (top-k experts are distinct), in ascending expert order as HF does.
+            out.index_add_(0, token[sl], y)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix: str,
+                     dtype: torch.dtype) -> set[str]:
+    """Fill ``moe`` from an HF checkpoint accessor ``get(name)`` (raises KeyError or ValueError when the name
+    is absent). ``prefix`` is the MoE block's own prefix, e.g. ``"model.layers.3.mlp."``.
+
+    Experts are read from either layout, chosen per tensor:
+    fused (transformers >= 5, and on-disk Qwen3.5-MoE) ``{prefix}experts.gate_up_proj [E, 2I, hidden]`` with
+    rows ``[gate | up]`` and ``{prefix}experts.down_proj [E, hidden, I]``; or per expert (on-disk Qwen3-Next)
+    ``{prefix}experts.{e}.{gate,up,down}_proj.weight``. Also ``{prefix}gate.weight`` and, when the block has a
+    shared expert, ``{prefix}shared_expert.{gate,up,down}_proj.weight`` and ``{prefix}shared_expert_gate.weight``.
+    Returns the names consumed; a missing or mis-shaped tensor raises ValueError naming it.
+    """
+    E, I, H, S = moe.num_experts, moe.moe_intermediate, moe.hidden, moe.shared_intermediate
+    used: set[str] = set()
+
+    def fetch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = _try_get(get, name)
+        if t is None:
+            raise ValueError(f"missing tensor {name} (expected shape {list(shape)})")
+        _check(name, t, shape)
+        used.add(name)
+        return t
+
+    def experts(fused: str, shape: tuple[int, ...], parts: tuple[str, ...], part_shape: tuple[int, ...]):
+        t = _try_get(get, prefix + fused)
+        if t is not None:
+            _check(prefix + fused, t, shape)
+            used.add(prefix + fused)
+            return t
+        first = f"{prefix}experts.0.{parts[0]}.weight"
+        if _try_get(get, first) is None:
+            raise ValueError(f"missing tensor {prefix + fused} (expected shape {list(shape)}) "
+                             f"or per-expert {first} (expected shape {list(part_shape)})")
+        return torch.stack([torch.cat([fetch(f"{prefix}experts.{e}.{p}.weight", part_shape) for p in parts], 0)
+                            for e in range(E)])
+
+    plan: dict[str, torch.Tensor] = {
+        "gate.weight": fetch(prefix + "gate.weight", (E, H)),
+        "experts_gate_up": experts("experts.gate_up_proj", (E, 2 * I, H), ("gate_proj", "up_proj"), (I, H)),
+        "experts_down": experts("experts.down_proj", (E, H, I), ("down_proj",), (H, I)),
+    }
+    if moe.shared_expert is not None:
+        s = prefix + "shared_expert."
+        plan["shared_expert.gate_up_proj.weight"] = torch.cat(
+            [fetch(s + "gate_proj.weight", (S, H)), fetch(s + "up_proj.weight", (S, H))], 0)
+        plan["shared_expert.down_proj.weight"] = fetch(s + "down_proj.weight", (H, S))
+        plan["shared_expert_gate.weight"] = fetch(prefix + "shared_expert_gate.weight", (1, H))
+    params = dict(moe.named_parameters())
+    with torch.no_grad():
+        for name, t in plan.items():
+            p = params[name]
+            p.data = t.to(device=p.device, dtype=dtype)
+    return used
+
+
+def _try_get(get: Callable[[str], torch.Tensor], name: str) -> torch.Tensor | None:
+    try:
+        return get(name)
+    except (KeyError, ValueError):
+        return None
+
+
+def _check(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: checkpoint tensor has shape {list(t.shape)}, expected {list(shape)}")
