@@ -11,7 +11,7 @@ import torch
 
 from gdnserve.engine.page_pool import PagePool, PagePoolConfig, PageTable
 from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
-from gdnserve.engine.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan
+from gdnserve.engine.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan, segment_phases
 from gdnserve.layers.forward_context import AttnMeta, ForwardContext, forward_context
 
 
@@ -89,9 +89,8 @@ class ModelRunner:
                 segs.append(PrefillSegment(len(it.tokens), InitFrom.OWN_SLOT, it.seq.slot, init_slot=it.seq.slot))
             else:
                 segs.append(PrefillSegment(len(it.tokens), InitFrom.ZEROS, it.seq.slot))
-        # plan.order is producers first; compute it the same way build_step_plan does
-        order = [i for i, it in enumerate(prefills) if it.producer < 0] + \
-                [i for i, it in enumerate(prefills) if it.producer >= 0]
+        phase1, phase2 = segment_phases(segs)
+        order = phase1 + phase2                       # the token layout every executor expects
         ids: list[int] = []
         pos: list[int] = []
         slot_map: list[int] = []
@@ -148,7 +147,6 @@ class ModelRunner:
             extra["tok"] = list(range(len(ids))) + dup_rows
         plan = build_step_plan(segs, self.rc.prefill_mode, self.stager, decode_slots=[s.slot for s, _ in decodes],
                                extra=extra)
-        assert plan.order == tuple(order) or not segs, "token layout must follow the plan"
         x = plan.extra
         attn = AttnMeta(x["cu"], x["kv"], x["table"].view(len(tables), width), x["slots"].long(),
                         x["tok"].long() if dup_rows else None)

@@ -101,6 +101,16 @@ class _Packer:
         return start, len(self.vals)
 
 
+def segment_phases(segments: Sequence[PrefillSegment]) -> tuple[list[int], list[int]]:
+    """Segment indices of phase 1 (plain prefills, continuations, every producer) and phase 2 (consumers
+    of a same-step producer or of a READY checkpoint). ``phase1 + phase2`` is the step's token layout."""
+    producers = {s.producer for s in segments if s.init is InitFrom.PRODUCER}
+    consumer = (InitFrom.CHECKPOINT, InitFrom.PRODUCER)
+    phase1 = [i for i, s in enumerate(segments) if i in producers or s.init not in consumer]
+    phase2 = [i for i, s in enumerate(segments) if i not in producers and s.init in consumer]
+    return phase1, phase2
+
+
 def build_step_plan(segments: Sequence[PrefillSegment], mode: str, stager: IndexStager, *,
                     is_ready: Callable[[int], bool] = lambda slot: False,
                     decode_slots: Sequence[int] = (), extra: dict[str, Sequence[int]] | None = None) -> StepPlan:
@@ -119,8 +129,7 @@ def build_step_plan(segments: Sequence[PrefillSegment], mode: str, stager: Index
         return StepPlan(None, (), None, dev[dec[0]:dec[1]] if decode_slots else None,
                         {name: dev[r[0]:r[1]] for name, r in extra_r.items()}, len(pk.vals))
     producers = {s.producer for s in segs if s.init is InitFrom.PRODUCER}
-    phase1 = [i for i, s in enumerate(segs) if i in producers or s.init in (InitFrom.ZEROS, InitFrom.OWN_SLOT)]
-    phase2 = [i for i, s in enumerate(segs) if i not in producers and s.init in (InitFrom.CHECKPOINT, InitFrom.PRODUCER)]
+    phase1, phase2 = segment_phases(segs)
     order = phase1 + phase2
     pos = {seg: p for p, seg in enumerate(order)}
     start = [0]
