@@ -3,7 +3,8 @@
 Checkpoint names are mapped to our fused parameters: ``in_proj = [in_proj_qkv | in_proj_z | in_proj_b |
 in_proj_a]`` (Qwen3.5) or the de-interleaved ``in_proj_qkvz`` / ``in_proj_ba`` (Qwen3-Next, per key-head
 group ``[q_g | k_g | v_g | z_g]`` and ``[b_g | a_g]``); ``qkv_proj = [q_proj | k_proj | v_proj]``;
-``gate_up_proj = [gate_proj | up_proj]``; ``conv1d.weight [D, 1, W] -> conv_weight [D, W]``. A missing,
+``gate_up_proj = [gate_proj | up_proj]``; ``conv1d.weight [D, 1, W] -> conv_weight [D, W]``; sparse MoE
+blocks through ``layers.moe.load_moe_from_hf`` (per-expert or fused expert tensors). A missing,
 unexpected or mis-shaped tensor fails with its name and the expected shape.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
+from gdnserve.layers.moe import load_moe_from_hf
 from gdnserve.models.config import ModelConfig
 
 PREFIXES = ("model.language_model.", "model.", "")   # multimodal wrapper, CausalLM, bare
@@ -85,13 +87,17 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
                                                   "norm.weight": lambda: get("norm.weight")}
     if not cfg.tie_word_embeddings:
         plan["lm_head.weight"] = lambda: get("lm_head.weight")
+    moe_layers: list[int] = []
     for i, kind in enumerate(cfg.layer_types):
         L = f"layers.{i}."
         plan[L + "input_layernorm.weight"] = lambda L=L: get(L + "input_layernorm.weight")
         plan[L + "post_attention_layernorm.weight"] = lambda L=L: get(L + "post_attention_layernorm.weight")
-        plan[L + "mlp.gate_up_proj.weight"] = lambda L=L: torch.cat([get(L + "mlp.gate_proj.weight"),
-                                                                     get(L + "mlp.up_proj.weight")], 0)
-        plan[L + "mlp.down_proj.weight"] = lambda L=L: get(L + "mlp.down_proj.weight")
+        if cfg.is_moe_layer(i):
+            moe_layers.append(i)
+        else:
+            plan[L + "mlp.gate_up_proj.weight"] = lambda L=L: torch.cat([get(L + "mlp.gate_proj.weight"),
+                                                                         get(L + "mlp.up_proj.weight")], 0)
+            plan[L + "mlp.down_proj.weight"] = lambda L=L: get(L + "mlp.down_proj.weight")
         if kind == "linear_attention":
             A = L + "linear_attn."
             if cfg.family == "qwen3_next":
@@ -114,7 +120,8 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
             for n in ("o_proj.weight", "q_norm.weight", "k_norm.weight"):
                 plan[L + "mixer." + n] = lambda A=A, n=n: get(A + n)
     params = dict(model.named_parameters())
-    missing_params = sorted(set(params) - set(plan))
+    moe_params = {n for n in params if any(n.startswith(f"layers.{i}.mlp.") for i in moe_layers)}
+    missing_params = sorted(set(params) - set(plan) - moe_params)
     if missing_params:
         raise CheckpointError(f"no checkpoint mapping for parameters {missing_params}")
     with torch.no_grad():
@@ -125,6 +132,11 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
                 raise CheckpointError(f"{name}: checkpoint tensor has shape {list(t.shape)}, expected {list(p.shape)}")
             # A_log stays fp32 (the decay rate; fp16/bf16 would make exp(A_log) coarse)
             p.data = t.to(device=p.device, dtype=torch.float32 if name.endswith("A_log") else dtype)
+    for i in moe_layers:
+        try:
+            load_moe_from_hf(model.layers[i].mlp, get, f"layers.{i}.mlp.", dtype)
+        except (KeyError, ValueError) as e:
+            raise CheckpointError(str(e)) from e
     unexpected = sorted(n for n in names - used if not (cfg.tie_word_embeddings and n == "lm_head.weight"))
     if unexpected:
         raise CheckpointError(f"unexpected tensors in checkpoint: {unexpected[:8]}"

@@ -1,5 +1,5 @@
-"""The hybrid decoder of Qwen3.5 text models and Qwen3-Next (dense MLP; MoE to come): embeddings ->
-layers of [zero-centred RMSNorm -> GDN or gated attention -> residual -> RMSNorm -> MLP -> residual]
+"""The hybrid decoder of Qwen3.5 text models (dense and MoE) and Qwen3-Next: embeddings -> layers of
+[zero-centred RMSNorm -> GDN or gated attention -> residual -> RMSNorm -> MLP or sparse MoE -> residual]
 -> final norm -> lm head (tied to the embeddings when the config says so). Packed tokens [T] in, all
 per-step metadata from the forward context."""
 from __future__ import annotations
@@ -10,6 +10,7 @@ from torch import nn
 from gdnserve.layers.attention import GatedAttention
 from gdnserve.layers.gdn_mixer import GatedDeltaNet
 from gdnserve.layers.mlp import MLP
+from gdnserve.layers.moe import SparseMoE
 from gdnserve.layers.norm import RMSNorm
 from gdnserve.models.config import ModelConfig
 
@@ -27,7 +28,13 @@ class DecoderLayer(nn.Module):
             a = cfg.attn
             self.mixer = GatedAttention(cfg.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim,
                                         a.rope_theta, eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.mlp.intermediate_size)
+        m = cfg.mlp
+        if cfg.is_moe_layer(i):
+            self.mlp: nn.Module = SparseMoE(cfg.hidden_size, m.num_experts, m.num_experts_per_tok,
+                                            m.moe_intermediate_size, m.shared_expert_intermediate_size,
+                                            m.norm_topk_prob)
+        else:
+            self.mlp = MLP(cfg.hidden_size, m.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 
@@ -39,9 +46,6 @@ class DecoderLayer(nn.Module):
 class HybridLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        if cfg.mlp.num_experts:
-            raise NotImplementedError(f"{cfg.family}: MoE models are not supported yet (num_experts="
-                                      f"{cfg.mlp.num_experts})")
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))

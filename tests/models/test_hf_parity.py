@@ -30,15 +30,18 @@ def tiny_qwen35(tmp_path, *, H=2, HV=4, K=16, V=16, layer_types=("linear_attenti
     return model
 
 
-def tiny_qwen3_next(tmp_path, *, H=2, HV=4, K=16, V=16, seed=0):
-    """Dense Qwen3-Next (num_experts=0): exercises the interleaved in_proj_qkvz / in_proj_ba layout."""
+def tiny_qwen3_next(tmp_path, *, H=2, HV=4, K=16, V=16, seed=0, num_experts=0):
+    """Qwen3-Next: the interleaved in_proj_qkvz / in_proj_ba layout; with experts, sparse MoE on layers 1 and 3
+    (decoder_sparse_step 2) except layer 3 (mlp_only_layers), i.e. a dense/MoE mix."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
     torch.manual_seed(seed)
     cfg = Qwen3NextConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                           layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=H,
                           linear_num_value_heads=HV, linear_key_head_dim=K, linear_value_head_dim=V,
-                          linear_conv_kernel_dim=4, num_experts=0, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                          linear_conv_kernel_dim=4, num_experts=num_experts, num_experts_per_tok=2,
+                          moe_intermediate_size=24, shared_expert_intermediate_size=32, decoder_sparse_step=2,
+                          mlp_only_layers=[3], tie_word_embeddings=True, rms_norm_eps=1e-6,
                           max_position_embeddings=256)
     model = Qwen3NextForCausalLM(cfg).float().eval()
     _randomise(model)
@@ -57,9 +60,29 @@ def _randomise(model):
                 p.copy_(torch.randn_like(p) * 0.2)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def tiny_qwen35_moe(tmp_path, seed=0):
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    torch.manual_seed(seed)
+    cfg = Qwen3_5MoeTextConfig(vocab_size=97, hidden_size=64, num_hidden_layers=4,
+                               layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                               linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24,
+                               shared_expert_intermediate_size=32, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                               max_position_embeddings=256)
+    model = Qwen3_5MoeForCausalLM(cfg).float().eval()
+    _randomise(model)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    return model
+
+
+FAMILIES = {"qwen3_5": lambda p: tiny_qwen35(p), "qwen3_next": lambda p: tiny_qwen3_next(p, HV=6),
+            "qwen3_next_moe": lambda p: tiny_qwen3_next(p, num_experts=8), "qwen3_5_moe": tiny_qwen35_moe}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_prompt_and_teacher_forced_decode_match_hf(tmp_path, family):
-    hf = tiny_qwen35(tmp_path) if family == "qwen3_5" else tiny_qwen3_next(tmp_path, HV=6)
+    hf = FAMILIES[family](tmp_path)
     ours, _ = load_model(tmp_path, dtype=torch.float32)
     runner = ModelRunner(ours, RunnerConfig(backend="torch", page_size=8))
     ids = torch.randint(0, 97, (1, 60))
