@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from gdnserve.ops.attention.paged_triton import copy_pages_triton, paged_attention_triton, store_kv_triton
 from gdnserve.ops.backend import Backend, resolve
 from gdnserve.ops.checks import ACT_DTYPES, check_contiguous, check_index, check_tensor
 
@@ -119,10 +120,11 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         _attend(q[start:end], k, v, scale, out[start:end])
 
 
+
 _IMPLS = {
-    "store_kv": {"torch": store_kv_torch},
-    "copy_pages": {"torch": copy_pages_torch},
-    "paged_attention": {"torch": paged_attention_torch},
+    "store_kv": {"torch": store_kv_torch, "triton": store_kv_triton},
+    "copy_pages": {"torch": copy_pages_torch, "triton": copy_pages_triton},
+    "paged_attention": {"torch": paged_attention_torch, "triton": paged_attention_triton},
 }
 
 
