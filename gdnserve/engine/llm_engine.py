@@ -1,0 +1,231 @@
+"""The engine loop: continuous batching of prefills and decodes over the ModelRunner, with
+application-directed checkpoints paired into the same step.
+
+Each ``step()`` schedules every running sample's next decode token, then admits waiting requests FIFO
+while slots, pages and the token budget allow. A request that names a checkpoint boundary (a marker in
+its text or ``checkpoint_at``) is split there: the prefix becomes a *producer* segment and the rest a
+*consumer* of it in the same step; later requests in the same scheduling pass with the same prefix join
+as consumers of that producer (the prefix is computed once). ``n > 1`` samples of one prompt fork the
+same way from the prompt minus its last token. The step's logits go through one vectorised sampler call.
+
+Not yet: READY checkpoints kept across steps (later requests recompute their prefix), chunked prefill of
+prompts longer than the step budget (they are admitted alone), preemption, CUDA graphs.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from gdnserve.engine.engine_api import CheckpointInfo, CompletionOutput, RequestOutput
+from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig, SeqState
+from gdnserve.engine.sampler import Sampler, stop_check
+from gdnserve.engine.sampling_params import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the problem (the server answers 400)."""
+
+
+@dataclass(eq=False)
+class _Sample:
+    index: int
+    seq: SeqState | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float] | None] | None = None
+    cumulative_logprob: float = 0.0
+    text: str = ""
+    finish_reason: str | None = None
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    checkpoint_at: int | None
+    samples: list[_Sample]
+    running: bool = False
+    checkpoint: CheckpointInfo = field(default_factory=CheckpointInfo)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer, *, runner: RunnerConfig | None = None, max_num_seqs: int = 64,
+                 max_step_tokens: int = 4096, max_model_len: int = 4096, model_name: str = "gdnserve", seed=None):
+        self.runner = ModelRunner(model, runner or RunnerConfig(num_slots=2 * max_num_seqs + 2))
+        self.tokenizer = tokenizer
+        self.sampler = Sampler(seed)
+        self.max_num_seqs, self.max_step_tokens, self.max_model_len = max_num_seqs, max_step_tokens, max_model_len
+        self.model_name = model_name
+        self.vocab_size = model.cfg.vocab_size
+        self.eos = set(tokenizer.eos_token_ids)
+        self.waiting: list[_Request] = []
+        self.running: list[_Request] = []
+        self.requests: dict[str, _Request] = {}
+        self.counters = {"prompt_tokens": 0, "tokens_generated": 0, "requests_finished": 0,
+                         "checkpoint_hits": 0, "checkpoints_published": 0}
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
+                    checkpoint_at: int | None = None) -> str:
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise RequestError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            ids, marker_at = self.tokenizer.encode_with_marker(prompt)
+            if marker_at is not None and checkpoint_at is not None and marker_at != checkpoint_at:
+                raise RequestError(f"checkpoint_at={checkpoint_at} disagrees with the marker at token {marker_at}")
+            checkpoint_at = marker_at if marker_at is not None else checkpoint_at
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise RequestError("prompt is empty")
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise RequestError(f"prompt has token ids outside the vocabulary 0..{self.vocab_size - 1}")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                               f"context length {self.max_model_len}")
+        if checkpoint_at is not None and not 0 < checkpoint_at < len(ids):
+            raise RequestError(f"checkpoint_at must be inside the prompt (0 < c < {len(ids)}), got {checkpoint_at}")
+        req = _Request(request_id, ids, params, checkpoint_at, [_Sample(i) for i in range(params.n)])
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for s in req.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+        self._retire(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> dict:
+        st, pg = self.runner.state, self.runner.pages
+        return {"queue_depth": len(self.waiting), "running": len(self.running),
+                "state_pool_used": st.num_slots - st.num_free, "state_pool_total": st.num_slots,
+                "page_pool_used": pg.num_pages - pg.num_free, "page_pool_total": pg.num_pages, **self.counters}
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        decodes, dec_owner = [], []
+        for req in self.running:
+            for s in req.samples:
+                if s.finish_reason is None:
+                    decodes.append((s.seq, s.token_ids[-1]))
+                    dec_owner.append((req, s))
+        items, item_owner, temps = self._admit(self.max_step_tokens - len(decodes))
+        if not items and not decodes:
+            return []
+        logits = self.runner.step(items, decodes)
+        for seq in temps:                 # producers live for one step: their state went into the consumers
+            self.runner.free_seq(seq)
+        rows = [i for i, o in enumerate(item_owner) if o is not None] + \
+               [len(items) + j for j in range(len(decodes))]
+        owners = [o for o in item_owner if o is not None] + dec_owner
+        touched = {id(r): r for r, _ in owners}
+        if rows:
+            self._sample(logits[torch.tensor(rows, device=logits.device)], owners)
+        outs = []
+        for req in touched.values():
+            if req.finished:
+                self._retire(req)
+            outs.append(self._output(req))
+        return outs
+
+    def _admit(self, budget: int):
+        items: list[PrefillItem] = []
+        owner: list[tuple[_Request, _Sample] | None] = []
+        temps: list[SeqState] = []
+        producers: dict[tuple[int, ...], int] = {}
+        free_slots = self.runner.state.num_free
+        while self.waiting:
+            req = self.waiting[0]
+            n, ids, c = len(req.samples), req.prompt_ids, req.checkpoint_at
+            split = c if c is not None else (len(ids) - 1 if n > 1 and len(ids) > 1 else None)
+            key = tuple(ids[:split]) if split else None
+            new_producer = key is not None and key not in producers
+            cost = (len(ids) if split is None else len(ids) - split) * n + (split if new_producer else 0)
+            need = n + (1 if new_producer else 0)
+            seqs_now = sum(1 for r in self.running for s in r.samples if s.finish_reason is None)
+            if need > free_slots or seqs_now + n > self.max_num_seqs or (items and cost > budget):
+                break
+            self.waiting.pop(0)
+            if new_producer:
+                prod = self.runner.new_seq()
+                temps.append(prod)
+                producers[key] = len(items)
+                items.append(PrefillItem(prod, list(key)))
+                owner.append(None)
+                req.checkpoint = CheckpointInfo(hit_length=0, miss_reason="absent", published=c is not None)
+                self.counters["checkpoints_published"] += c is not None
+            elif key is not None:
+                req.checkpoint = CheckpointInfo(hit_length=split, published=False)
+                self.counters["checkpoint_hits"] += 1
+            for s in req.samples:
+                s.seq = self.runner.new_seq()
+                if key is None:
+                    items.append(PrefillItem(s.seq, list(ids)))
+                else:
+                    items.append(PrefillItem(s.seq, list(ids[split:]), producer=producers[key]))
+                owner.append((req, s))
+            free_slots -= need
+            budget -= cost
+            req.running = True
+            self.running.append(req)
+            self.counters["prompt_tokens"] += len(ids)
+        return items, owner, temps
+
+    def _sample(self, logits: torch.Tensor, owners: list[tuple[_Request, _Sample]]) -> None:
+        params = [r.params for r, _ in owners]
+        res = self.sampler.sample(logits, params, steps=[len(s.token_ids) for _, s in owners],
+                                  sample_indices=[s.index for _, s in owners])
+        toks = res.token_ids.tolist()                         # the step's one device-to-host read
+        lps = res.logprobs.tolist()
+        tops = (res.top_ids.tolist(), res.top_logprobs.tolist()) if res.top_ids is not None else None
+        for i, ((req, s), tok) in enumerate(zip(owners, toks)):
+            p = req.params
+            s.token_ids.append(tok)
+            s.cumulative_logprob += lps[i]
+            if p.logprobs is not None:
+                d = {tok: lps[i]}
+                if tops is not None:
+                    d.update(zip(tops[0][i][:p.logprobs], tops[1][i][:p.logprobs]))
+                s.logprobs = (s.logprobs or []) + [d]
+            self.counters["tokens_generated"] += 1
+            new_text = self.tokenizer.decode(s.token_ids)
+            s.text, stopped = stop_check(s.text, new_text[len(s.text):], p.stop) if p.stop else (new_text, False)
+            if stopped or tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
+                s.finish_reason = "stop"
+            elif len(s.token_ids) >= p.max_tokens or len(req.prompt_ids) + len(s.token_ids) >= self.max_model_len:
+                s.finish_reason = "length"
+            if s.finish_reason is not None and s.seq is not None:
+                self.runner.free_seq(s.seq)
+                s.seq = None
+
+    def _retire(self, req: _Request) -> None:
+        for s in req.samples:
+            if s.seq is not None:
+                self.runner.free_seq(s.seq)
+                s.seq = None
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if self.requests.pop(req.request_id, None) is not None:
+            self.counters["requests_finished"] += 1
+
+    def _output(self, req: _Request) -> RequestOutput:
+        outs = [CompletionOutput(s.index, s.text, list(s.token_ids), list(s.logprobs) if s.logprobs else None,
+                                 s.cumulative_logprob, s.finish_reason) for s in req.samples]
+        return RequestOutput(req.request_id, req.prompt_ids, outs, req.finished, req.checkpoint)

@@ -1,0 +1,77 @@
+"""The engine loop on the embedded model: checkpoints and same-step pairing never change greedy outputs."""
+from __future__ import annotations
+
+import pytest
+
+from gdnserve.engine.llm_engine import RequestError
+from gdnserve.engine.sampling_params import SamplingParams
+from gdnserve.entrypoints.llm import LLM
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PREFIX = "You are ranking products. Context: a long shared document about hybrid models. "
+SUFFIXES = ["Candidate A: fast", "Candidate B: exact and batched", "C", "Candidate D: other words entirely"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", max_num_seqs=16, num_pages=256)
+
+
+def texts(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_checkpoint_groups_equal_plain_runs(llm):
+    plain = texts(llm.generate([PREFIX + s for s in SUFFIXES], GREEDY))
+    alone = [texts(llm.generate(PREFIX + s, GREEDY))[0] for s in SUFFIXES]
+    assert plain == alone                                       # batching does not change greedy outputs
+    marked = llm.generate([PREFIX + "<|state_checkpoint|>" + s for s in SUFFIXES], GREEDY)
+    assert texts(marked) == plain                               # one producer, four same-step consumers
+    assert marked[0].checkpoint.published and all(o.checkpoint.hit_length > 0 for o in marked[1:])
+    e = llm.engine
+    assert e.runner.state.check_integrity() == [] and e.runner.pages.check_integrity() == []
+    assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
+
+
+@pytest.mark.parametrize("mode", ["serial", "two_phase", "two_phase_indexed"])
+def test_executors_give_identical_outputs(llm, mode):
+    ref = texts(llm.generate([PREFIX + "<|state_checkpoint|>" + s for s in SUFFIXES], GREEDY))
+    other = LLM(device="cpu", max_num_seqs=16, num_pages=256, prefill_mode=mode)
+    assert texts(other.generate([PREFIX + "<|state_checkpoint|>" + s for s in SUFFIXES], GREEDY)) == ref
+
+
+def test_n_samples_fork_from_the_prompt(llm):
+    one = llm.generate("Hello there", GREEDY)[0].outputs[0].token_ids
+    many = llm.generate("Hello there", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=3))[0]
+    assert [o.token_ids for o in many.outputs] == [one] * 3
+    seeded = SamplingParams(temperature=0.8, max_tokens=8, seed=7, n=2, ignore_eos=True, logprobs=2)
+    a, b = llm.generate("Hi", seeded)[0], llm.generate("Hi", seeded)[0]
+    assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    assert all(len(o.logprobs) == 8 and all(len(d) >= 1 for d in o.logprobs) for o in a.outputs)
+
+
+def test_stop_strings_and_lengths(llm):
+    out = llm.generate("abc", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    full = out.text
+    if len(full) > 2:
+        stop = full[2:4]
+        cut = llm.generate("abc", SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, stop=[stop]))[0]
+        assert cut.outputs[0].finish_reason == "stop" and stop not in cut.outputs[0].text
+
+
+def test_bad_requests_are_refused_and_nothing_leaks(llm):
+    e = llm.engine
+    with pytest.raises(RequestError, match="empty"):
+        e.add_request(None, "", GREEDY)
+    with pytest.raises(ValueError, match="marker"):
+        e.add_request(None, "<|state_checkpoint|>abc", GREEDY)
+    with pytest.raises(RequestError, match="context length"):
+        e.add_request(None, "x" * 5000, GREEDY)
+    with pytest.raises(RequestError, match="vocabulary"):
+        e.add_request(None, [1, 2, 10 ** 6], GREEDY)
+    rid = e.add_request(None, "to be aborted", SamplingParams(max_tokens=50))
+    e.step()
+    e.abort(rid)
+    assert not e.has_unfinished()
+    assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
