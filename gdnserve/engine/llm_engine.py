@@ -190,9 +190,17 @@ class LLMEngine:
         params = [r.params for r, _ in owners]
         res = self.sampler.sample(logits, params, steps=[len(s.token_ids) for _, s in owners],
                                   sample_indices=[s.index for _, s in owners])
-        toks = res.token_ids.tolist()                         # the step's one device-to-host read
-        lps = res.logprobs.tolist()
-        tops = (res.top_ids.tolist(), res.top_logprobs.tolist()) if res.top_ids is not None else None
+        B = len(owners)
+        parts = [res.token_ids.double(), res.logprobs.double()]
+        if res.top_ids is not None:
+            parts += [res.top_ids.double().flatten(), res.top_logprobs.double().flatten()]
+        flat = torch.cat(parts).tolist()                       # the step's one device-to-host read
+        toks, lps = [int(t) for t in flat[:B]], flat[B:2 * B]
+        tops = None
+        if res.top_ids is not None:
+            k = res.top_ids.shape[1]
+            ti, tl = flat[2 * B:2 * B + B * k], flat[2 * B + B * k:]
+            tops = ([[int(x) for x in ti[i * k:(i + 1) * k]] for i in range(B)], [tl[i * k:(i + 1) * k] for i in range(B)])
         for i, ((req, s), tok) in enumerate(zip(owners, toks)):
             p = req.params
             s.token_ids.append(tok)
