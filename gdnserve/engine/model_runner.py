@@ -49,12 +49,15 @@ class ModelRunner:
         self.device, self.dtype = w.device, w.dtype
         gdn, attn = model.gdn_layers(), model.attention_layers()
         g, a = cfg.gdn, cfg.attn
+        tp = getattr(model, "tp_size", 1)
+        # Pools are per rank: they hold this rank's (local) GDN value/key heads and attention KV heads.
+        H, HV, KVH = g.num_k_heads // tp, g.num_v_heads // tp, a.num_kv_heads // tp
         self.state = StatePool(StatePoolConfig(
-            num_layers=max(1, len(gdn)), num_slots=rc.num_slots, HV=g.num_v_heads, K=g.head_k_dim, V=g.head_v_dim,
-            conv_dim=2 * g.num_k_heads * g.head_k_dim + g.num_v_heads * g.head_v_dim, conv_width=g.conv_kernel,
+            num_layers=max(1, len(gdn)), num_slots=rc.num_slots, HV=HV, K=g.head_k_dim, V=g.head_v_dim,
+            conv_dim=2 * H * g.head_k_dim + HV * g.head_v_dim, conv_width=g.conv_kernel,
             ssm_dtype=torch.float32, conv_dtype=self.dtype, device=self.device))
         self.pages = PagePool(PagePoolConfig(num_layers=max(1, len(attn)), num_pages=rc.num_pages,
-                                             page_size=rc.page_size, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                                             page_size=rc.page_size, num_kv_heads=KVH, head_dim=a.head_dim,
                                              dtype=self.dtype, device=self.device))
         for i, layer in enumerate(gdn):
             layer.bind_state(self.state.conv(i), self.state.ssm(i))

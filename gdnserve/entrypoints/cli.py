@@ -3,6 +3,7 @@
     gdnserve bench ops [--device auto|cpu|cuda[:N]] [--quick] [--out DIR] [--no-fla]
     gdnserve bench grouped-prefill [--device ...] [--quick] [--out DIR] [--no-fla] [--modes M1,M2,...]
     gdnserve generate PROMPT [--model DIR] [--max-tokens N] [--device ...] [--dtype ...]
+    gdnserve serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--prefill-mode fused] ...
 
 One ``_add_*`` function per command registers its parser and sets ``func``, a handler that takes the
 parsed arguments and returns an exit code; ``serve``, ``generate`` and ``score``
@@ -109,12 +110,20 @@ def _add_generate(sub) -> None:
     p.set_defaults(func=run_generate)
 
 
+def _add_serve(sub) -> None:
+    from gdnserve.entrypoints.serve import add_serve_arguments, run_serve
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (embedded model by default)")
+    add_serve_arguments(p)
+    p.set_defaults(func=run_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gdnserve", description="gdnserve: an inference engine for hybrid "
                                      "Gated-DeltaNet + attention models.")
-    sub = parser.add_subparsers(dest="command", metavar="{bench,generate}", required=True)
-    _add_bench(sub)
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,bench}", required=True)
+    _add_serve(sub)
     _add_generate(sub)
+    _add_bench(sub)
     return parser
 
 

@@ -1,24 +1,38 @@
 """Gated full attention of the hybrid decoder (Qwen3-Next / Qwen3.5): q_proj of twice the width
 gives per head ``[q | gate]``; zero-centred RMSNorm on q and k per head; partial rotary; paged KV
-cache; output multiplied by sigmoid(gate) before o_proj. One fused q/k/v projection."""
+cache; output multiplied by sigmoid(gate) before o_proj. One fused q/k/v projection.
+
+Tensor parallel: a rank holds num_heads / tp query heads and num_kv_heads / tp KV heads (the fused
+projection's three blocks each split by heads; q_proj's per-head ``[q | gate]`` rows keep a head's q and
+gate together), q/k norms replicated, o_proj row-parallel (one all-reduce); the paged KV cache it is bound
+to holds the local KV heads. ``QH``, ``KVH`` below are local."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from gdnserve.layers.forward_context import get_forward_context
+from gdnserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from gdnserve.layers.norm import RMSNorm
+from gdnserve.layers.parallel import resolve
 from gdnserve.layers.rotary import PartialRotary
 from gdnserve.ops.attention import paged_attention, store_kv
 
 
 class GatedAttention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int,
-                 rope_theta: float, eps: float):
+                 rope_theta: float, eps: float, *, tp_rank: int | None = None, tp_size: int | None = None):
         super().__init__()
-        self.QH, self.KVH, self.Dh = num_heads, num_kv_heads, head_dim
-        self.qkv_proj = nn.Linear(hidden, num_heads * head_dim * 2 + 2 * num_kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden, bias=False)
+        self.tp_rank, self.tp_size = resolve(tp_rank, tp_size)
+        tp = self.tp_size
+        if num_heads % tp or num_kv_heads % tp:
+            raise ValueError(f"GatedAttention: num_heads={num_heads} and num_kv_heads={num_kv_heads} must be "
+                             f"divisible by tp_size={tp}")
+        self.QH, self.KVH, self.Dh = num_heads // tp, num_kv_heads // tp, head_dim
+        self.qkv_proj = MergedColumnParallelLinear(
+            hidden, (num_heads * head_dim * 2, num_kv_heads * head_dim, num_kv_heads * head_dim),
+            tp_rank=self.tp_rank, tp_size=tp)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, tp_rank=self.tp_rank, tp_size=tp)
         self.q_norm = RMSNorm(head_dim, eps)
         self.k_norm = RMSNorm(head_dim, eps)
         self.rotary = PartialRotary(head_dim, rotary_dim, rope_theta)

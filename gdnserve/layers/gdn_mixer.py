@@ -5,6 +5,11 @@ per-group interleaving into this at load time), so every split is a plain column
 and q/k/v reach the kernels as strided views, never copies. Prefill tokens go through the step's
 PrefillPlan (any of the four grouped executors); decode tokens through the recurrent ops, both on the
 pool views bound at start-up.
+
+Tensor parallel (gdn_kernels.md §1.1): a rank holds H/tp key heads and HV/tp value heads. Each block of
+the in-projection (q, k, v, z, b, a), each of the conv's three channel blocks (q, k, v), A_log and dt_bias
+are split by heads, so the rank's value head j still reads its local key head j // r; the gated-norm
+weight [V] is replicated and out_proj is row-parallel (one all-reduce). ``H``, ``HV`` below are local.
 """
 from __future__ import annotations
 
@@ -13,22 +18,34 @@ from torch import nn
 
 from gdnserve.layers.forward_context import get_forward_context
 from gdnserve.layers.gdn_prefill import GDNCoreParams, gdn_prefill_core, split_qkv
+from gdnserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, Shard, local_blocks
 from gdnserve.layers.norm import GatedRMSNorm
+from gdnserve.layers.parallel import resolve
 from gdnserve.ops.conv import causal_conv1d_update
 from gdnserve.ops.gdn.recurrent import gdn_decode
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, hidden: int, H: int, HV: int, K: int, V: int, W: int, eps: float):
+    def __init__(self, hidden: int, H: int, HV: int, K: int, V: int, W: int, eps: float, *,
+                 tp_rank: int | None = None, tp_size: int | None = None):
+        """H, HV: the model's (full) head counts; the module keeps this rank's H / tp, HV / tp."""
         super().__init__()
-        self.H, self.HV, self.K, self.V, self.W = H, HV, K, V, W
-        self.conv_dim = 2 * H * K + HV * V
-        self.in_proj = nn.Linear(hidden, self.conv_dim + HV * V + 2 * HV, bias=False)
-        self.conv_weight = nn.Parameter(torch.empty(self.conv_dim, W))
-        self.A_log = nn.Parameter(torch.empty(HV, dtype=torch.float32))
-        self.dt_bias = nn.Parameter(torch.empty(HV))
+        self.tp_rank, self.tp_size = resolve(tp_rank, tp_size)
+        tp = self.tp_size
+        if H % tp or HV % tp:
+            raise ValueError(f"GatedDeltaNet: key heads H={H} and value heads HV={HV} must be divisible by "
+                             f"tp_size={tp}")
+        self.H, self.HV, self.K, self.V, self.W = H // tp, HV // tp, K, V, W
+        self.conv_dim = 2 * self.H * K + self.HV * V
+        conv_blocks = (H * K, H * K, HV * V)
+        self.in_proj = MergedColumnParallelLinear(hidden, conv_blocks + (HV * V, HV, HV), tp_rank=self.tp_rank,
+                                                  tp_size=tp)
+        self.conv_weight = nn.Parameter(torch.empty(sum(local_blocks(conv_blocks, tp, "GatedDeltaNet.conv")), W))
+        self.A_log = nn.Parameter(torch.empty(self.HV, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(self.HV))
         self.norm = GatedRMSNorm(V, eps)
-        self.out_proj = nn.Linear(HV * V, hidden, bias=False)
+        self.out_proj = RowParallelLinear(HV * V, hidden, tp_rank=self.tp_rank, tp_size=tp)
+        self.tp_shards = {"conv_weight": Shard(0, conv_blocks), "A_log": Shard(0, (HV,)), "dt_bias": Shard(0, (HV,))}
         self.conv_pool: torch.Tensor | None = None   # [S, W-1, D], bound by the runner
         self.ssm_pool: torch.Tensor | None = None    # [S, HV, V, K]
         self.backend = "auto"

@@ -5,6 +5,12 @@ Rounding follows HF's ``Qwen3NextSparseMoeBlock`` / ``Qwen3_5MoeSparseMoeBlock``
 activation dtype, softmax and the top-k renormalisation in fp32, routing weights cast back to the activation
 dtype; each expert's output is scaled in the activation dtype and added into an activation-dtype buffer in
 ascending expert order (with top_k > 2 a token's sum is not associative in bf16, so the order matters).
+
+Tensor parallel: every expert's intermediate dim is split across ranks (gate and up rows each split, down's
+input columns split), the shared expert likewise (an ``MLP`` without its own reduction); router and shared
+expert gate are replicated, so every rank routes identically. Each rank's output is a partial sum; the
+block ends with ONE all-reduce of routed + shared partials (the sigmoid gate scales per token, so it
+commutes with the sum).
 """
 from __future__ import annotations
 
@@ -14,27 +20,38 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gdnserve.layers.linear import Shard, load_shard, local_blocks
 from gdnserve.layers.mlp import MLP
+from gdnserve.layers.parallel import all_reduce, resolve
 
 
 class SparseMoE(nn.Module):
     """Parameters: ``gate.weight [E, hidden]`` (router), ``experts_gate_up [E, 2I, hidden]`` (rows
     ``[gate I | up I]``), ``experts_down [E, hidden, I]``, ``shared_expert`` (an ``MLP``) and
-    ``shared_expert_gate.weight [1, hidden]``; the last two are None when ``shared_intermediate == 0``."""
+    ``shared_expert_gate.weight [1, hidden]``; the last two are None when ``shared_intermediate == 0``.
+    Under tensor parallelism I is this rank's ``moe_intermediate / tp`` (``moe_intermediate`` stays the full
+    size, the checkpoint's)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, moe_intermediate: int,
-                 shared_intermediate: int, norm_topk_prob: bool):
+                 shared_intermediate: int, norm_topk_prob: bool, *, tp_rank: int | None = None,
+                 tp_size: int | None = None):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.tp_rank, self.tp_size = resolve(tp_rank, tp_size)
         self.hidden, self.num_experts, self.top_k = hidden, num_experts, top_k
         self.moe_intermediate, self.shared_intermediate = moe_intermediate, shared_intermediate
+        (self.local_intermediate,) = local_blocks((moe_intermediate,), self.tp_size, "SparseMoE.moe_intermediate")
+        I = self.local_intermediate
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(hidden, num_experts, bias=False)
-        self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * moe_intermediate, hidden))
-        self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, moe_intermediate))
+        self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * I, hidden))
+        self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, I))
+        self.tp_shards = {"experts_gate_up": Shard(1, (moe_intermediate, moe_intermediate)),
+                          "experts_down": Shard(2, (moe_intermediate,))}
         if shared_intermediate > 0:
-            self.shared_expert: MLP | None = MLP(hidden, shared_intermediate)
+            self.shared_expert: MLP | None = MLP(hidden, shared_intermediate, reduce_results=False,
+                                                 tp_rank=self.tp_rank, tp_size=self.tp_size)
             self.shared_expert_gate: nn.Linear | None = nn.Linear(hidden, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
@@ -53,7 +70,7 @@ class SparseMoE(nn.Module):
         if x.dim() != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x: expected [T, {self.hidden}], got {list(x.shape)}")
         weights, experts = self.route(x)
-        k, I = self.top_k, self.moe_intermediate
+        k, I = self.top_k, self.local_intermediate
         # Group the T*k (token, expert) pairs by expert; stable so each group keeps token order.
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
@@ -76,7 +93,7 @@ class SparseMoE(nn.Module):
             out.index_add_(0, token[sl], y)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return all_reduce(out, self.tp_size)
 
 
 def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix: str,
@@ -89,7 +106,8 @@ def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix:
     rows ``[gate | up]`` and ``{prefix}experts.down_proj [E, hidden, I]``; or per expert (on-disk Qwen3-Next)
     ``{prefix}experts.{e}.{gate,up,down}_proj.weight``. Also ``{prefix}gate.weight`` and, when the block has a
     shared expert, ``{prefix}shared_expert.{gate,up,down}_proj.weight`` and ``{prefix}shared_expert_gate.weight``.
-    Returns the names consumed; a missing or mis-shaped tensor raises ValueError naming it.
+    Returns the names consumed; a missing or mis-shaped tensor raises ValueError naming it. Shapes are the
+    full (checkpoint) ones; each parameter keeps this rank's part (``layers.linear.weight_loader``).
     """
     E, I, H, S = moe.num_experts, moe.moe_intermediate, moe.hidden, moe.shared_intermediate
     used: set[str] = set()
@@ -130,7 +148,7 @@ def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix:
     with torch.no_grad():
         for name, t in plan.items():
             p = params[name]
-            p.data = t.to(device=p.device, dtype=dtype)
+            p.data = load_shard(moe, name, t).to(device=p.device, dtype=dtype)
     return used
 
 

@@ -6,6 +6,10 @@ group ``[q_g | k_g | v_g | z_g]`` and ``[b_g | a_g]``); ``qkv_proj = [q_proj | k
 ``gate_up_proj = [gate_proj | up_proj]``; ``conv1d.weight [D, 1, W] -> conv_weight [D, W]``; sparse MoE
 blocks through ``layers.moe.load_moe_from_hf`` (per-expert or fused expert tensors). A missing,
 unexpected or mis-shaped tensor fails with its name and the expected shape.
+
+Tensor parallel: every mapping above yields the FULL fused tensor (de-interleaving happens on the whole
+checkpoint tensor); each parameter then keeps this rank's rows / columns through
+``layers.linear.load_shard`` (shapes in errors are the full, checkpoint ones).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
+from gdnserve.layers.linear import load_shard
 from gdnserve.layers.moe import load_moe_from_hf
 from gdnserve.models.config import ModelConfig
 
@@ -67,7 +72,7 @@ def _deinterleave_ba(w: torch.Tensor, H: int, HV: int) -> torch.Tensor:
 
 def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Callable[[], torch.Tensor]],
                  dtype: torch.dtype) -> None:
-    """Copy every parameter of ``model`` from ``tensors`` (see module docstring for the mapping)."""
+    """Copy every parameter of ``model`` (this rank's part of it) from ``tensors`` (see module docstring)."""
     names = {n for n in tensors if not n.startswith(SKIP)}
     prefix = next((p for p in PREFIXES if f"{p}embed_tokens.weight" in names), None)
     if prefix is None:
@@ -128,8 +133,10 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
         for name, fetch in plan.items():
             p = params[name]
             t = fetch()
-            if tuple(t.shape) != tuple(p.shape):
-                raise CheckpointError(f"{name}: checkpoint tensor has shape {list(t.shape)}, expected {list(p.shape)}")
+            try:
+                t = load_shard(model, name, t)
+            except ValueError as e:
+                raise CheckpointError(f"{name}: {e}") from e
             # A_log stays fp32 (the decay rate; fp16/bf16 would make exp(A_log) coarse)
             p.data = t.to(device=p.device, dtype=torch.float32 if name.endswith("A_log") else dtype)
     for i in moe_layers:
@@ -143,13 +150,15 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
                               + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
 
 
-def load_model(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
+def load_model(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+               tp_rank: int | None = None, tp_size: int | None = None):
     """config.json + safetensors -> (HybridLM on ``device`` in ``dtype``, ModelConfig). Built on the meta
-    device, so no memory is spent on initial weights."""
+    device, so no memory is spent on initial weights. ``tp_rank`` / ``tp_size`` (default: the
+    torch.distributed group's, 0 / 1 without one) pick the tensor-parallel shard this process holds."""
     from gdnserve.models.qwen3_5 import HybridLM
     cfg = ModelConfig.from_hf(Path(folder))
     with torch.device("meta"):
-        model = HybridLM(cfg)
+        model = HybridLM(cfg, tp_rank, tp_size)
     model = model.to_empty(device=device)
     load_weights(model, cfg, checkpoint_tensors(folder), dtype)
     for attn in model.attention_layers():            # non-persistent buffers are not in checkpoints

@@ -1,7 +1,12 @@
 """The hybrid decoder of Qwen3.5 text models (dense and MoE) and Qwen3-Next: embeddings -> layers of
 [zero-centred RMSNorm -> GDN or gated attention -> residual -> RMSNorm -> MLP or sparse MoE -> residual]
 -> final norm -> lm head (tied to the embeddings when the config says so). Packed tokens [T] in, all
-per-step metadata from the forward context."""
+per-step metadata from the forward context.
+
+Tensor parallel (world size 1 by default, see layers/parallel.py): GDN heads, attention heads and MLP /
+expert intermediate dims are split across ranks (layers/linear.py), one all-reduce after each row-parallel
+projection (one per MoE block); embeddings, norms and the lm head are replicated, so every rank holds the
+full hidden state and returns the full logits."""
 from __future__ import annotations
 
 import torch
@@ -12,29 +17,50 @@ from gdnserve.layers.gdn_mixer import GatedDeltaNet
 from gdnserve.layers.mlp import MLP
 from gdnserve.layers.moe import SparseMoE
 from gdnserve.layers.norm import RMSNorm
+from gdnserve.layers.parallel import resolve
 from gdnserve.models.config import ModelConfig
 
 
+def check_tp(cfg: ModelConfig, tp_size: int) -> None:
+    """ValueError naming the config field (HF key) whose size does not divide by ``tp_size``."""
+    g, a, m = cfg.gdn, cfg.attn, cfg.mlp
+    sizes: dict[str, int] = {}
+    if cfg.num_linear_layers:
+        sizes.update(linear_num_key_heads=g.num_k_heads, linear_num_value_heads=g.num_v_heads)
+    if cfg.num_linear_layers < cfg.num_layers:
+        sizes.update(num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads)
+    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+        sizes["intermediate_size"] = m.intermediate_size
+    if any(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+        sizes["moe_intermediate_size"] = m.moe_intermediate_size
+        if m.shared_expert_intermediate_size:
+            sizes["shared_expert_intermediate_size"] = m.shared_expert_intermediate_size
+    for key, n in sizes.items():
+        if n % tp_size:
+            raise ValueError(f"tensor parallel: config {key} = {n} is not divisible by tp_size = {tp_size}")
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int):
+    def __init__(self, cfg: ModelConfig, i: int, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         self.kind = cfg.layer_types[i]
         eps = cfg.rms_norm_eps
+        tp = dict(tp_rank=tp_rank, tp_size=tp_size)
         if self.kind == "linear_attention":
             g = cfg.gdn
             self.mixer: nn.Module = GatedDeltaNet(cfg.hidden_size, g.num_k_heads, g.num_v_heads, g.head_k_dim,
-                                                  g.head_v_dim, g.conv_kernel, eps)
+                                                  g.head_v_dim, g.conv_kernel, eps, **tp)
         else:
             a = cfg.attn
             self.mixer = GatedAttention(cfg.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim,
-                                        a.rope_theta, eps)
+                                        a.rope_theta, eps, **tp)
         m = cfg.mlp
         if cfg.is_moe_layer(i):
             self.mlp: nn.Module = SparseMoE(cfg.hidden_size, m.num_experts, m.num_experts_per_tok,
                                             m.moe_intermediate_size, m.shared_expert_intermediate_size,
-                                            m.norm_topk_prob)
+                                            m.norm_topk_prob, **tp)
         else:
-            self.mlp = MLP(cfg.hidden_size, m.intermediate_size)
+            self.mlp = MLP(cfg.hidden_size, m.intermediate_size, **tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
 
@@ -44,11 +70,14 @@ class DecoderLayer(nn.Module):
 
 
 class HybridLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp_rank: int | None = None, tp_size: int | None = None):
+        """tp_rank / tp_size: this rank's shard (default: the torch.distributed group's, 0 / 1 without one)."""
         super().__init__()
         self.cfg = cfg
+        self.tp_rank, self.tp_size = resolve(tp_rank, tp_size)
+        check_tp(cfg, self.tp_size)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.tp_rank, self.tp_size) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 

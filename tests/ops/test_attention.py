@@ -315,11 +315,6 @@ def test_paged_attention_validation_names_the_tensor(over, match):
         paged_attention(**a, scale=scale)
 
 
-def test_triton_backend_refused_until_it_exists():
-    with pytest.raises(ValueError, match="paged_attention has no triton path"):
-        paged_attention(**_attn_args("cpu"), scale=0.1, backend="triton")
-
-
 def _store_args(**over):
     T = 4
     a = dict(k=torch.randn(T, KVH, DH), v=torch.randn(T, KVH, DH), k_cache=torch.randn(3, 2, KVH, DH),

@@ -183,8 +183,8 @@ def test_decode_bf16_pool(backend):
     for n, s in enumerate((1, 2)):
         ro, rs = ref_run(x, slice(n, n + 1), pool[s].double())
         assert rel_rms(o[n], stored(ro[0], BF16, backend)) <= TOL_O_BF16
-        # fp32 math rounded once to bf16: equal to the rounded reference up to rare boundary flips
-        assert rel_rms(new[s], stored(rs[-1], BF16, backend)) <= 1e-4
+        # fp32 math rounded once to bf16: within one bf16 rounding of the exact state (a tie can flip an ulp)
+        assert rel_rms(new[s], rs[-1]) <= 2 ** -8
     assert same_bits(new[0], pool[0])
 
 

@@ -1,0 +1,28 @@
+"""``gdnserve serve``: the OpenAI-compatible HTTP server on the embedded default model or an HF checkpoint."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint folder; default: the embedded tiny model")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every request")
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu or cuda[:N]")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--prefill-mode", default="fused", choices=["serial", "two_phase", "two_phase_indexed", "fused"],
+                   help="grouped producer/consumer prefill executor (default fused)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="concurrently running sequences")
+    p.add_argument("--max-model-len", type=int, default=4096, help="prompt + generated tokens per sequence")
+    p.add_argument("--num-pages", type=int, default=2048, help="KV pages of 16 tokens per attention layer")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from gdnserve.engine.async_engine import AsyncEngine
+    from gdnserve.entrypoints.llm import load_engine
+    from gdnserve.entrypoints.server import run_server
+    engine = load_engine(args.model, dtype=args.dtype, device=args.device, prefill_mode=args.prefill_mode,
+                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_pages=args.num_pages)
+    run_server(AsyncEngine(engine), host=args.host, port=args.port, api_key=args.api_key)
+    return 0
