@@ -50,7 +50,10 @@ class AsyncEngine:
             self.engine.abort(request_id)
 
     async def score(self, prefix, candidates, label_token_ids=None) -> ScoreResult:
-        raise NotImplementedError("score: not available yet in this engine")
+        def run() -> ScoreResult:
+            with self._lock:                     # between two engine steps
+                return self.engine.score(prefix, candidates, label_token_ids)
+        return await asyncio.to_thread(run)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

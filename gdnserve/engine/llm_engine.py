@@ -18,10 +18,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gdnserve.engine.engine_api import CheckpointInfo, CompletionOutput, RequestOutput
+from gdnserve.engine.engine_api import (CandidateScore, CheckpointInfo, CompletionOutput, RequestOutput,
+                                        ScoreResult)
 from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig, SeqState
-from gdnserve.engine.sampler import Sampler, stop_check
+from gdnserve.engine.sampler import Sampler, stop_check, stop_holdback, token_logprobs
 from gdnserve.engine.sampling_params import SamplingParams
+
+
+def _stable(text: str, stop) -> str:
+    """The part of an unfinished sample's text that can no longer change: without a trailing partial
+    UTF-8 character (shown as U+FFFD until its last byte arrives) and without a suffix that may still
+    grow into a stop string. Streamed text therefore never shrinks."""
+    end = len(text) - (stop_holdback(text, stop) if stop else 0)
+    while end > 0 and text[end - 1] == "\ufffd":
+        end -= 1
+    return text[:end]
 
 
 class RequestError(ValueError):
@@ -115,6 +126,53 @@ class LLMEngine:
         return {"queue_depth": len(self.waiting), "running": len(self.running),
                 "state_pool_used": st.num_slots - st.num_free, "state_pool_total": st.num_slots,
                 "page_pool_used": pg.num_pages - pg.num_free, "page_pool_total": pg.num_pages, **self.counters}
+
+    def score(self, prefix: str | list[int], candidates: list[str | list[int]],
+              label_token_ids: list[int] | None = None) -> ScoreResult:
+        """One grouped step: the prefix as producer, every candidate as a consumer of it (the prefix is
+        computed once). Per candidate: the summed and mean log-probability of its tokens given the prefix
+        and its earlier tokens, and with ``label_token_ids`` the probability of each label as the next token."""
+        enc = lambda x: self.tokenizer.encode(x) if isinstance(x, str) else list(x)  # noqa: E731
+        p_ids = enc(prefix)
+        c_ids = [enc(c) for c in candidates]
+        if not p_ids:
+            raise RequestError("prefix is empty")
+        if not c_ids:
+            raise RequestError("candidates is empty")
+        for i, c in enumerate(c_ids):
+            if not c:
+                raise RequestError(f"candidates[{i}] is empty")
+            if len(p_ids) + len(c) + 1 > self.max_model_len:
+                raise RequestError(f"candidates[{i}]: prefix + candidate exceed the context length {self.max_model_len}")
+        bad = [t for t in (label_token_ids or []) if not 0 <= t < self.vocab_size]
+        if bad or any(not 0 <= t < self.vocab_size for c in [p_ids, *c_ids] for t in c):
+            raise RequestError(f"label_token_ids / token ids outside the vocabulary 0..{self.vocab_size - 1}: {bad[:4]}")
+        if self.runner.state.num_free < len(c_ids) + 1:
+            raise RequestError(f"score: {len(c_ids) + 1} state slots needed, {self.runner.state.num_free} free; "
+                               "retry or send fewer candidates")
+        seqs = [self.runner.new_seq() for _ in range(len(c_ids) + 1)]
+        try:
+            items = [PrefillItem(seqs[0], p_ids)] + [PrefillItem(s, c, producer=0, all_logits=True)
+                                                    for s, c in zip(seqs[1:], c_ids)]
+            logits = self.runner.step(items, [])
+        finally:
+            for s in seqs:
+                self.runner.free_seq(s)
+        # row 0: after the prefix; then each candidate's rows (row j predicts candidate token j + 1)
+        out, r = [], 1
+        for i, c in enumerate(c_ids):
+            pred = torch.cat([logits[0:1], logits[r:r + len(c) - 1]])
+            lp, _, _ = token_logprobs(pred, torch.tensor(c, device=logits.device))
+            s = float(lp.sum())
+            labels = None
+            if label_token_ids:
+                probs = logits[r + len(c) - 1].softmax(-1)
+                labels = {t: float(probs[t]) for t in label_token_ids}
+            out.append(CandidateScore(i, s, s / len(c), len(c), labels, CheckpointInfo(hit_length=len(p_ids))))
+            r += len(c)
+        self.counters["prompt_tokens"] += len(p_ids) + sum(map(len, c_ids))
+        self.counters["checkpoint_hits"] += len(c_ids)
+        return ScoreResult(p_ids, out)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -234,6 +292,7 @@ class LLMEngine:
             self.counters["requests_finished"] += 1
 
     def _output(self, req: _Request) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, list(s.token_ids), list(s.logprobs) if s.logprobs else None,
+        outs = [CompletionOutput(s.index, s.text if s.finish_reason else _stable(s.text, req.params.stop),
+                                 list(s.token_ids), list(s.logprobs) if s.logprobs else None,
                                  s.cumulative_logprob, s.finish_reason) for s in req.samples]
         return RequestOutput(req.request_id, req.prompt_ids, outs, req.finished, req.checkpoint)

@@ -28,6 +28,7 @@ class PrefillItem:
     seq: SeqState
     tokens: list[int]
     producer: int = -1          # index of a same-step PrefillItem whose final state and KV prefix this continues
+    all_logits: bool = False    # logits for every token of the item (scoring), not only the last
 
 
 @dataclass
@@ -78,8 +79,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]]) -> torch.Tensor:
-        """Returns fp32 logits [len(prefills) + len(decodes), vocab]: the last token of each prefill item,
-        then each decode token, in the order given."""
+        """Returns fp32 logits, one row per: each prefill item's last token (every token for an item with
+        ``all_logits``), then each decode token, in the order given."""
         segs = []
         for i, it in enumerate(prefills):
             if not it.tokens:
@@ -143,7 +144,9 @@ class ModelRunner:
             kv_lens.append(seq.length)
             tables.append(seq.pages)
         width = max(1, max((len(t.pages) for t in tables), default=1))
-        rows = [last_row[i] for i in range(len(prefills))] + list(range(num_prefill, len(ids)))
+        rows = [r for i, it in enumerate(prefills)
+                for r in (range(start_row[i], last_row[i] + 1) if it.all_logits else (last_row[i],))]
+        rows += range(num_prefill, len(ids))
         extra = {"ids": ids, "pos": pos, "slots": slot_map + dup_slots, "cu": cu, "kv": kv_lens,
                  "table": [p for t in tables for p in t.page_row(width, pad=0)], "rows": rows}
         if dup_rows:

@@ -75,3 +75,30 @@ def test_bad_requests_are_refused_and_nothing_leaks(llm):
     e.abort(rid)
     assert not e.has_unfinished()
     assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
+
+
+def test_score_equals_full_sequence_logprobs(llm):
+    """score(prefix, candidates): each candidate's log-probability equals the one computed from a plain
+    forward over prefix + candidate (the prefix computed once, consumers in the same step)."""
+    import torch
+    from gdnserve.engine.model_runner import PrefillItem
+    e = llm.engine
+    tok = e.tokenizer
+    prefix, cands = "Question: which is best? Answer:", [" yes", " no", " maybe not"]
+    res = e.score(prefix, cands, label_token_ids=[1, 2])
+    p = tok.encode(prefix)
+    for i, c in enumerate(cands):
+        ids = p + tok.encode(c)
+        seq = e.runner.new_seq()
+        logits = e.runner.step([PrefillItem(seq, ids, all_logits=True)], [])
+        e.runner.free_seq(seq)
+        lp = logits.log_softmax(-1)
+        want = sum(float(lp[j - 1, ids[j]]) for j in range(len(p), len(ids)))
+        got = res.candidates[i]
+        assert abs(got.sum_logprob - want) < 1e-4 and got.num_tokens == len(ids) - len(p)
+        probs = logits[-1].softmax(-1)
+        assert abs(got.label_probs[2] - float(probs[2])) < 1e-5
+        assert got.checkpoint.hit_length == len(p)
+    with pytest.raises(RequestError, match="candidates\\[1\\] is empty"):
+        e.score(prefix, ["a", ""])
+    assert e.runner.state.num_free == e.runner.state.num_slots

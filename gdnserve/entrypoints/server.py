@@ -1,0 +1,522 @@
+"""The OpenAI-compatible HTTP server: ``build_app(engine)`` → a FastAPI app, ``run_server`` → uvicorn.
+
+    POST /v1/completions       text_completion (+ SSE chunks), echo, logprobs, n, checkpoint_at
+    POST /v1/chat/completions  chat.completion (+ chat.completion.chunk), logprobs + top_logprobs
+    POST /v1/score             {prefix | query, candidates | items, label_token_ids?, apply_softmax?}
+    GET  /v1/models, /health, /metrics (Prometheus text)
+
+The server talks to the engine only through ``gdnserve.engine.engine_api``. It tokenizes prompts itself
+(stripping a checkpoint marker into ``checkpoint_at``) so that every length and vocabulary check answers
+400 before the engine sees the request. Each response carries a ``gdnserve`` field: per prompt, the
+checkpoint it started from (``hit_length``) or why it missed, and whether it published one. A client that
+goes away (streaming or not) has its requests aborted, which frees their slots and pages.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gdnserve.engine.engine_api import (AsyncEngineClient, CompletionOutput, GenerateRequest, RequestOutput,
+                                        make_sampling_params)
+from gdnserve.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ScoreRequest,
+                                           chat_logprobs, completion_logprobs, parse_request, provenance,
+                                           render_metrics, usage)
+from gdnserve.models.tokenizer import DEFAULT_MARKER
+
+log = logging.getLogger("gdnserve.server")
+
+
+class _ClientGone(Exception):
+    pass
+
+
+@dataclass(slots=True)
+class _Prompt:
+    ids: list[int]
+    checkpoint_at: int | None
+    text: str | None  # the prompt text without its marker (for echo); None for token-id prompts
+
+
+@dataclass(slots=True)
+class _Sent:
+    """What one choice has streamed so far."""
+    text: int = 0
+    tokens: int = 0
+    offset: int = 0  # text_offset of the next token (legacy completions logprobs)
+    started: bool = False
+    finished: bool = False
+
+
+@dataclass(slots=True)
+class _Job:
+    """One HTTP generation request: its engine requests and how to format their outputs."""
+    kind: str  # "completion" | "chat"
+    rid: str
+    prompts: list[_Prompt]
+    gens: list[GenerateRequest]
+    n: int
+    k: int | None  # top logprobs per token; None = no logprobs
+    echo: bool = False
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+async def _outputs(engine: AsyncEngineClient, gens: list[GenerateRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The engine's outputs of several requests, merged as they come. Leaving early (an error, a client
+    that went away, a cancelled task) aborts every request that has not finished."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, req: GenerateRequest) -> None:
+        try:
+            it = engine.generate(req)
+            if inspect.isawaitable(it):
+                it = await it
+            async for out in it:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as e:  # handed to the consumer; a failure stays within this HTTP request
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    live, finished = set(range(len(gens))), set()
+    try:
+        while live:
+            i, item = await queue.get()
+            if isinstance(item, ValueError):
+                raise APIError(str(item), getattr(item, "param", None)) from item
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                if i in finished:
+                    continue
+                # the generator ended before a finished output: an engine bug, not the client's
+                raise RuntimeError(f"the engine ended request {gens[i].request_id} without a finished output")
+            if item.finished:
+                live.discard(i)
+                finished.add(i)
+            yield i, item
+    finally:
+        with anyio.CancelScope(shield=True):
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for i, g in enumerate(gens):
+                if i not in finished:
+                    await engine.abort(g.request_id)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, coro: Any) -> Any:
+    """``await coro``, cancelled (→ _ClientGone) if the client disconnects first."""
+    work, watch = asyncio.ensure_future(coro), asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        raise _ClientGone()
+    return work.result()
+
+
+class _SSEResponse(StreamingResponse):
+    """Closes its stream however the response ends. Starlette cancels the sending task when the client
+    disconnects and may leave the body generator suspended (or never started); closing the engine outputs
+    is what aborts the engine requests."""
+
+    def __init__(self, body: AsyncIterator[str], outputs: Any) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                         "X-Accel-Buffering": "no"})
+        self._outputs = outputs
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self._outputs.aclose()
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _Server:
+    def __init__(self, engine: AsyncEngineClient, api_key: str | None) -> None:
+        self.engine, self.tok, self.api_key = engine, engine.tokenizer, api_key
+
+    # ---- request checks ----------------------------------------------------------------------------
+
+    def auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError("invalid or missing API key: send 'Authorization: Bearer <key>'", None, 401,
+                           code="invalid_api_key")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.engine.model_name:
+            raise APIError(f"The model '{model}' does not exist; this server serves '{self.engine.model_name}'",
+                           "model", 404, code="model_not_found")
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.tok.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(f"token id {bad} in {param} is outside the vocabulary [0, {vocab})", param)
+
+    def prepare(self, prompt: str | list[int], checkpoint_at: int | None, param: str) -> _Prompt:
+        """Token ids with the marker stripped, the checkpoint offset (marker or checkpoint_at), checked."""
+        text = None
+        if isinstance(prompt, str):
+            try:
+                ids, offset = self.tok.encode_with_marker(prompt)
+            except ValueError as e:  # MarkerError: repeated marker, nothing before or after it
+                raise APIError(f"{param}: {e}", param) from None
+            if offset is not None and checkpoint_at is not None:
+                raise APIError(f"{param} carries a checkpoint marker (offset {offset}) and checkpoint_at is "
+                               f"{checkpoint_at}: give the checkpoint once", "checkpoint_at")
+            checkpoint_at = offset if offset is not None else checkpoint_at
+            text = prompt.replace(DEFAULT_MARKER, "")
+        else:
+            ids = list(prompt)
+            self.check_ids(ids, param)
+        if not ids:
+            raise APIError(f"{param} must not be empty (it has no tokens)", param)
+        if checkpoint_at is not None and not 0 < checkpoint_at < len(ids):
+            raise APIError(f"checkpoint_at = {checkpoint_at} is not inside the prompt of {len(ids)} tokens "
+                           f"(needs 1 <= checkpoint_at <= {len(ids) - 1})", "checkpoint_at")
+        limit = self.engine.max_model_len
+        if len(ids) >= limit:
+            raise APIError(f"{param} is {len(ids)} tokens; this model's context length is {limit} tokens "
+                           f"(prompt + completion)", param)
+        return _Prompt(ids, checkpoint_at, text)
+
+    def max_tokens(self, requested: int | None, default: int | None, prompts: list[_Prompt], param: str) -> int:
+        room = self.engine.max_model_len - max(len(p.ids) for p in prompts)
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise APIError(f"{param} = {requested} does not fit: this model's context length is "
+                           f"{self.engine.max_model_len} tokens and the prompt takes "
+                           f"{self.engine.max_model_len - room}", param)
+        return requested
+
+    def job(self, kind: str, req: CompletionRequest | ChatCompletionRequest, prompts: list[_Prompt],
+            max_tokens: int, k: int | None, echo: bool) -> _Job:
+        prompt_k = k if echo and k is not None else None
+        fields = req.sampling_fields(max_tokens, k, prompt_k)
+        try:
+            params = make_sampling_params(**fields)
+        except ValueError as e:  # SamplingParams' messages start with the field's name
+            name = str(e).split(" ", 1)[0]
+            raise APIError(str(e), getattr(e, "param", name if name in fields else None)) from None
+        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+        gens = [GenerateRequest(f"{rid}-{i}", p.ids, params, p.checkpoint_at) for i, p in enumerate(prompts)]
+        return _Job(kind, rid, prompts, gens, req.n, k, echo, req.include_usage())
+
+    # ---- formatting ------------------------------------------------------------------------------------
+
+    def header(self, job: _Job, chunk: bool) -> dict[str, Any]:
+        obj = {"completion": "text_completion", "chat": "chat.completion.chunk" if chunk else "chat.completion"}
+        return {"id": job.rid, "object": obj[job.kind], "created": job.created, "model": self.engine.model_name,
+                "system_fingerprint": None}
+
+    def prov(self, job: _Job, i: int, out: RequestOutput) -> dict[str, Any]:
+        return {"index": i, **provenance(out.checkpoint, len(out.prompt_token_ids), job.prompts[i].checkpoint_at)}
+
+    def echo_text(self, job: _Job, i: int) -> str:
+        p = job.prompts[i]
+        return p.text if p.text is not None else self.tok.decode(p.ids, skip_special_tokens=False)
+
+    def logprobs(self, job: _Job, i: int, out: RequestOutput, c: CompletionOutput, start: int,
+                 echo: bool, offset: int = 0) -> dict[str, Any] | None:
+        """Logprobs of ``c``'s tokens from ``start`` on (``offset``: text_offset of the first), with the
+        prompt's first when ``echo``."""
+        if job.k is None:
+            return None
+        ids, lps = c.token_ids[start:], (c.logprobs or [None] * len(c.token_ids))[start:]
+        if job.kind == "chat":
+            return chat_logprobs(self.tok, ids, lps, job.k)
+        if echo:
+            plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+            ids, lps = list(out.prompt_token_ids) + ids, list(plp) + list(lps)
+        return completion_logprobs(self.tok, ids, lps, job.k, offset)
+
+    def choice(self, job: _Job, i: int, out: RequestOutput, c: CompletionOutput) -> dict[str, Any]:
+        index = i * job.n + c.index
+        lp = self.logprobs(job, i, out, c, 0, job.echo)
+        if job.kind == "chat":
+            return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                    "finish_reason": c.finish_reason}
+        text = self.echo_text(job, i) + c.text if job.echo else c.text
+        return {"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+
+    def final(self, job: _Job, outs: dict[int, RequestOutput]) -> dict[str, Any]:
+        ordered = [(i, outs[i]) for i in sorted(outs)]
+        choices = [self.choice(job, i, o, c) for i, o in ordered for c in sorted(o.outputs, key=lambda c: c.index)]
+        prompt_tokens = sum(len(o.prompt_token_ids) for _, o in ordered)
+        completion_tokens = sum(len(c.token_ids) for _, o in ordered for c in o.outputs)
+        return {**self.header(job, False), "choices": choices, "usage": usage(prompt_tokens, completion_tokens),
+                "gdnserve": {"prompts": [self.prov(job, i, o) for i, o in ordered]}}
+
+    def chunks(self, job: _Job, i: int, out: RequestOutput, sent: dict[tuple[int, int], _Sent]) -> list[dict]:
+        """The SSE chunks that bring each choice of prompt ``i`` up to ``out``."""
+        choices: list[dict[str, Any]] = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            s = sent.setdefault((i, c.index), _Sent())
+            if s.finished:
+                continue
+            index, chat = i * job.n + c.index, job.kind == "chat"
+            delta, start, echo = c.text[s.text:], s.tokens, job.echo and not s.started
+            if not s.started and chat:
+                choices.append({"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None})
+            if echo:
+                delta = self.echo_text(job, i) + delta
+            s.started, s.text, s.tokens = True, len(c.text), len(c.token_ids)
+            if delta or echo or (job.k is not None and len(c.token_ids) > start):
+                lp = self.logprobs(job, i, out, c, start, echo, s.offset)
+                if lp is not None and not chat and lp["tokens"]:
+                    s.offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                body = {"delta": {"content": delta}} if chat else {"text": delta}
+                choices.append({"index": index, **body, "logprobs": lp, "finish_reason": None})
+            if c.finish_reason is not None:
+                s.finished = True
+                body = {"delta": {}} if chat else {"text": ""}
+                choices.append({"index": index, **body, "logprobs": None, "finish_reason": c.finish_reason,
+                                "gdnserve": {"prompts": [self.prov(job, i, out)]}})
+        extra = {"usage": None} if job.include_usage else {}
+        return [{**self.header(job, True), "choices": [ch], **extra} for ch in choices]
+
+    # ---- driving the engine ------------------------------------------------------------------------------
+
+    async def run(self, request: Request, job: _Job, stream: bool) -> Response:
+        outputs = _outputs(self.engine, job.gens)
+        try:
+            first = await _unless_disconnected(request, anext(outputs, None))
+        except BaseException:
+            await outputs.aclose()
+            raise
+        if not stream:
+            return await self.collect(request, job, outputs, first)
+        return _SSEResponse(self.stream(job, outputs, first), outputs)
+
+    async def collect(self, request: Request, job: _Job, outputs: AsyncIterator, first: Any) -> Response:
+        async def rest() -> dict[int, RequestOutput]:
+            last: dict[int, RequestOutput] = {} if first is None else {first[0]: first[1]}
+            async for i, out in outputs:
+                last[i] = out
+            return last
+        try:
+            last = await _unless_disconnected(request, rest())
+        finally:
+            await outputs.aclose()  # type: ignore[attr-defined]
+        return JSONResponse(self.final(job, last))
+
+    async def stream(self, job: _Job, outputs: Any, first: Any) -> AsyncIterator[str]:
+        sent: dict[tuple[int, int], _Sent] = {}
+        prompt_tokens: dict[int, int] = {}
+        try:
+            item = first
+            while item is not None:
+                i, out = item
+                prompt_tokens[i] = len(out.prompt_token_ids)
+                for chunk in self.chunks(job, i, out, sent):
+                    yield _sse(chunk)
+                item = await anext(outputs, None)
+            if job.include_usage:
+                done = sum(s.tokens for s in sent.values())
+                yield _sse({**self.header(job, True), "choices": [], "usage": usage(sum(prompt_tokens.values()), done)})
+        except APIError as e:
+            yield _sse(e.body())
+        except Exception as e:  # headers are out: the error travels as an event, then [DONE]
+            log.exception("request %s failed while streaming", job.rid)
+            yield _sse(APIError(f"internal error in request {job.rid}: {type(e).__name__}: {e}", None, 500,
+                                "server_error").body())
+        finally:
+            await outputs.aclose()
+        yield "data: [DONE]\n\n"
+
+    async def score(self, req: ScoreRequest) -> dict[str, Any]:
+        prefix, cands = req.check()
+        cname = "candidates" if req.items is None else "items"
+        pname = "prefix" if req.query is None else "query"
+        prefix_ids = self.score_ids(prefix, pname)
+        cand_ids = [self.score_ids(c, f"{cname}[{j}]") for j, c in enumerate(cands)]
+        limit = self.engine.max_model_len
+        for j, c in enumerate(cand_ids):
+            if len(prefix_ids) + len(c) > limit:
+                raise APIError(f"{pname} + {cname}[{j}] is {len(prefix_ids) + len(c)} tokens; this model's "
+                               f"context length is {limit}", f"{cname}[{j}]")
+        labels = req.label_token_ids
+        if labels is not None:
+            self.check_ids(labels, "label_token_ids")
+        try:
+            result = await self.engine.score(prefix_ids, cand_ids, labels)
+        except ValueError as e:
+            raise APIError(str(e), getattr(e, "param", None)) from None
+        data, scores = [], []
+        for c in result.candidates:
+            probs = None
+            if labels is not None and c.label_probs is not None:
+                probs = [c.label_probs.get(t, 0.0) for t in labels]
+                total = sum(probs)
+                if req.apply_softmax:  # softmax over the label logits = renormalised label probabilities
+                    probs = [p / total for p in probs] if total > 0 else [1.0 / len(probs)] * len(probs)
+                scores.append(probs)
+            rec = provenance(c.checkpoint, len(prefix_ids) + c.num_tokens, len(prefix_ids))
+            data.append({"index": c.index, "object": "score", "sum_logprob": c.sum_logprob,
+                         "mean_logprob": c.mean_logprob, "num_tokens": c.num_tokens,
+                         "label_probs": None if probs is None else {str(t): p for t, p in zip(labels, probs)},
+                         "gdnserve": rec})
+        total_tokens = len(prefix_ids) + sum(len(c) for c in cand_ids)
+        return {"id": f"score-{uuid.uuid4().hex}", "object": "scoring", "created": int(time.time()),
+                "model": self.engine.model_name, "scores": scores if labels is not None else None, "data": data,
+                "usage": usage(total_tokens, 0), "gdnserve": {"prefix_tokens": len(prefix_ids)}}
+
+    def score_ids(self, x: str | list[int], param: str) -> list[int]:
+        if isinstance(x, str):
+            if DEFAULT_MARKER in x:
+                raise APIError(f"{param} contains the checkpoint marker; in /v1/score the prefix is the "
+                               "checkpoint, no marker is needed", param)
+            ids = self.tok.encode(x)
+            if not ids:
+                raise APIError(f"{param} has no tokens", param)
+            return ids
+        self.check_ids(list(x), param)
+        return list(x)
+
+
+def build_app(engine: AsyncEngineClient, api_key: str | None = None) -> FastAPI:
+    """The HTTP app over ``engine``. With ``api_key``, the /v1 routes want ``Authorization: Bearer <key>``
+    (401 otherwise); /health and /metrics stay open for probes and scrapers."""
+    srv = _Server(engine, api_key)
+    app = FastAPI(title="gdnserve", version="0.1.0", docs_url=None, redoc_url=None)
+    app.state.server = srv
+    rate = {"t": time.monotonic(), "tokens": 0, "value": 0.0}
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(APIError(f"{e.detail}: {request.method} {request.url.path}", None, e.status_code).body(),
+                            status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("request to %s failed", request.url.path)
+        return JSONResponse(APIError(f"internal error: {type(e).__name__}: {e}", None, 500, "server_error").body(),
+                            status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        srv.auth(request)
+        req = parse_request(await request.body(), CompletionRequest)
+        srv.check_model(req.model)
+        req.check()
+        prompts = [srv.prepare(p, req.checkpoint_at, "prompt") for p in req.prompts()]
+        max_tokens = srv.max_tokens(req.max_tokens, 16, prompts, "max_tokens")
+        job = srv.job("completion", req, prompts, max_tokens, req.logprobs, req.echo)
+        return await _guarded(srv.run(request, job, req.stream), job.rid)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        srv.auth(request)
+        req = parse_request(await request.body(), ChatCompletionRequest)
+        srv.check_model(req.model)
+        req.check()
+        try:
+            text = srv.tok.apply_chat_template(req.plain_messages())
+        except Exception as e:  # a template that refuses the messages (raise_exception) is the client's fault
+            raise APIError(f"the chat template refused the messages: {e}", "messages") from None
+        prompts = [srv.prepare(text, req.checkpoint_at, "messages")]
+        param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
+        max_tokens = srv.max_tokens(req.max_tokens, None, prompts, param)
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        job = srv.job("chat", req, prompts, max_tokens, k, echo=False)
+        return await _guarded(srv.run(request, job, req.stream), job.rid)
+
+    @app.post("/v1/score")
+    async def score(request: Request) -> Response:
+        srv.auth(request)
+        req = parse_request(await request.body(), ScoreRequest)
+        srv.check_model(req.model)
+        return await _guarded(_json(srv.score(req)), "score request")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        srv.auth(request)
+        return {"object": "list", "data": [{"id": engine.model_name, "object": "model", "created": 0,
+                                            "owned_by": "gdnserve", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            engine.stats()
+        except Exception as e:
+            return JSONResponse({"status": "unhealthy", "error": f"{type(e).__name__}: {e}"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": engine.model_name})
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        stats = engine.stats()
+        now, tokens = time.monotonic(), int(stats.get("tokens_generated", 0))
+        if now - rate["t"] >= 1.0:  # tokens/s over the interval since the previous scrape (>= 1 s)
+            rate["value"] = max(tokens - rate["tokens"], 0) / (now - rate["t"])
+            rate["t"], rate["tokens"] = now, tokens
+        return PlainTextResponse(render_metrics(stats, rate["value"]),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+async def _guarded(coro: Any, what: str) -> Response:
+    """Run one request's engine work; a failure there is a 500 for this request alone. (Caught here, not by
+    an app-wide handler, which Starlette re-raises after answering and which then resets the connection.)"""
+    try:
+        return await coro
+    except _ClientGone:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+    except APIError:
+        raise
+    except Exception as e:
+        log.exception("%s failed", what)
+        return JSONResponse(APIError(f"internal error in {what}: {type(e).__name__}: {e}", None, 500,
+                                     "server_error").body(), status_code=500)
+
+
+async def _json(coro: Any) -> JSONResponse:
+    return JSONResponse(await coro)
+
+
+def run_server(engine: AsyncEngineClient, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+               log_level: str = "info") -> None:
+    """Serve ``engine`` until interrupted. Binds loopback by default: pass host="0.0.0.0" (and an api_key)
+    to expose it."""
+    import uvicorn
+    uvicorn.run(build_app(engine, api_key), host=host, port=port, log_level=log_level)
