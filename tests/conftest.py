@@ -1,6 +1,7 @@
 """Test set-up: without a GPU, Triton kernels run under Triton's CPU interpreter. The variable
 must be set before triton.jit decorates anything, i.e. before gdnserve's kernels are imported."""
 import os
+import random
 
 import torch
 
@@ -24,3 +25,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device() -> torch.device:
     return DEVICE
+
+
+@pytest.fixture
+def seed() -> int:
+    """A fresh seed for torch and random, printed so a failure can be replayed."""
+    s = random.SystemRandom().randrange(2**31)
+    print(f"seed = {s}")
+    torch.manual_seed(s)
+    random.seed(s)
+    return s

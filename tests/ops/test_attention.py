@@ -21,13 +21,7 @@ NAN = float("nan")
 KVH, DH = 2, 40
 
 
-@pytest.fixture(autouse=True)
-def seed():
-    s = random.SystemRandom().randrange(2**31)
-    print(f"seed = {s}")
-    torch.manual_seed(s)
-    random.seed(s)
-    return s
+pytestmark = pytest.mark.usefixtures("seed")   # fresh, printed seed per test (tests/conftest.py)
 
 
 def rand(*shape, dtype=torch.float32, device="cpu") -> torch.Tensor:

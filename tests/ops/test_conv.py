@@ -18,13 +18,7 @@ TOL = {torch.float32: dict(rtol=3e-4, atol=1e-3), torch.bfloat16: dict(rtol=1e-2
 I32 = torch.int32
 
 
-@pytest.fixture(autouse=True)
-def seed():
-    s = random.SystemRandom().randrange(2**31)
-    print(f"seed = {s}")
-    torch.manual_seed(s)
-    random.seed(s)
-    return s
+pytestmark = pytest.mark.usefixtures("seed")   # fresh, printed seed per test (tests/conftest.py)
 
 
 def idx(v, device) -> torch.Tensor:
