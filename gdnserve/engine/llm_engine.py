@@ -8,8 +8,12 @@ its text or ``checkpoint_at``) is split there: the prefix becomes a *producer* s
 as consumers of that producer (the prefix is computed once). ``n > 1`` samples of one prompt fork the
 same way from the prompt minus its last token. The step's logits go through one vectorised sampler call.
 
-Not yet: READY checkpoints kept across steps (later requests recompute their prefix), chunked prefill of
-prompts longer than the step budget (they are admitted alone), preemption, CUDA graphs.
+A published checkpoint becomes READY after its step and stays in the CheckpointIndex with its KV pages:
+later requests with the same prefix start from it (state read in place, full KV pages shared, the partial
+tail page copied) until LRU eviction under slot or page pressure frees it.
+
+Not yet: automatic end-of-request checkpoints, chunked prefill of prompts longer than the step budget (they
+are admitted alone), preemption, CUDA graphs.
 """
 from __future__ import annotations
 
@@ -20,7 +24,9 @@ import torch
 
 from gdnserve.engine.engine_api import (CandidateScore, CheckpointInfo, CompletionOutput, RequestOutput,
                                         ScoreResult)
+from gdnserve.engine.checkpoint_index import CheckpointIndex, MissReason
 from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig, SeqState
+from gdnserve.engine.page_pool import PageTable
 from gdnserve.engine.sampler import Sampler, stop_check, stop_holdback, token_logprobs
 from gdnserve.engine.sampling_params import SamplingParams
 
@@ -81,6 +87,11 @@ class LLMEngine:
         self.counters = {"prompt_tokens": 0, "tokens_generated": 0, "requests_finished": 0,
                          "checkpoint_hits": 0, "checkpoints_published": 0}
         self._ids = itertools.count()
+        self.index = CheckpointIndex(self.runner.state)
+        self.ckpt_pages: dict[bytes, PageTable] = {}       # READY checkpoint key -> its KV pages
+        self.counters["checkpoint_misses"] = {}
+        self._pending: list = []                           # (entry, producer seq) published this step
+        self._acquired: list = []                          # READY entries read this step
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
@@ -125,7 +136,8 @@ class LLMEngine:
         st, pg = self.runner.state, self.runner.pages
         return {"queue_depth": len(self.waiting), "running": len(self.running),
                 "state_pool_used": st.num_slots - st.num_free, "state_pool_total": st.num_slots,
-                "page_pool_used": pg.num_pages - pg.num_free, "page_pool_total": pg.num_pages, **self.counters}
+                "page_pool_used": pg.num_pages - pg.num_free, "page_pool_total": pg.num_pages,
+                "checkpoints_ready": len(self.ckpt_pages), **self.counters}
 
     def score(self, prefix: str | list[int], candidates: list[str | list[int]],
               label_token_ids: list[int] | None = None) -> ScoreResult:
@@ -185,9 +197,10 @@ class LLMEngine:
         items, item_owner, temps = self._admit(self.max_step_tokens - len(decodes))
         if not items and not decodes:
             return []
-        logits = self.runner.step(items, decodes)
-        for seq in temps:                 # producers live for one step: their state went into the consumers
-            self.runner.free_seq(seq)
+        try:
+            logits = self.runner.step(items, decodes, is_ready=lambda s: not self.index.is_writable(s))
+        finally:
+            self._after_step(temps)
         rows = [i for i, o in enumerate(item_owner) if o is not None] + \
                [len(items) + j for j in range(len(decodes))]
         owners = [o for o in item_owner if o is not None] + dec_owner
@@ -212,28 +225,54 @@ class LLMEngine:
             n, ids, c = len(req.samples), req.prompt_ids, req.checkpoint_at
             split = c if c is not None else (len(ids) - 1 if n > 1 and len(ids) > 1 else None)
             key = tuple(ids[:split]) if split else None
-            new_producer = key is not None and key not in producers
+            hit = None
+            if c is not None and key not in producers:
+                look = self.index.lookup(key)
+                hit = look.entry if look.hit else None
+                miss = None if look.hit else look.reason.value
+            new_producer = key is not None and key not in producers and hit is None
             cost = (len(ids) if split is None else len(ids) - split) * n + (split if new_producer else 0)
             need = n + (1 if new_producer else 0)
             seqs_now = sum(1 for r in self.running for s in r.samples if s.finish_reason is None)
-            if need > free_slots or seqs_now + n > self.max_num_seqs or (items and cost > budget):
+            pages = (cost + (n + 1) * self.runner.pages.page_size) // self.runner.pages.page_size + n + 1
+            if need > free_slots and self._evict(need - free_slots):
+                free_slots = self.runner.state.num_free
+            if pages > self.runner.pages.num_free:
+                self._evict(len(self.ckpt_pages))
+            if (need > free_slots or seqs_now + n > self.max_num_seqs or (items and cost > budget)
+                    or pages > self.runner.pages.num_free):
                 break
             self.waiting.pop(0)
+            ckpt_item = None
             if new_producer:
-                prod = self.runner.new_seq()
-                temps.append(prod)
+                if c is not None:       # publish the prefix as a checkpoint: PENDING now, READY after the step
+                    entry = self.index.reserve(key)
+                    prod = SeqState(entry.slot, PageTable(self.runner.pages))
+                    self._pending.append((entry, prod))
+                    req.checkpoint = CheckpointInfo(hit_length=0, miss_reason=miss, published=True)
+                    self.counters["checkpoints_published"] += 1
+                    self.counters["checkpoint_misses"][miss] = self.counters["checkpoint_misses"].get(miss, 0) + 1
+                else:
+                    prod = self.runner.new_seq()
+                    temps.append(prod)
                 producers[key] = len(items)
                 items.append(PrefillItem(prod, list(key)))
                 owner.append(None)
-                req.checkpoint = CheckpointInfo(hit_length=0, miss_reason="absent", published=c is not None)
-                self.counters["checkpoints_published"] += c is not None
-            elif key is not None:
-                req.checkpoint = CheckpointInfo(hit_length=split, published=False)
+            elif hit is not None:
+                self.index.acquire(hit)                     # pinned against eviction while the step reads it
+                self._acquired.append(hit)
+                ckpt_item = (hit.slot, self.ckpt_pages[hit.key])
+                req.checkpoint = CheckpointInfo(hit_length=split)
                 self.counters["checkpoint_hits"] += 1
+            elif key is not None:
+                req.checkpoint = CheckpointInfo(hit_length=split)
+                self.counters["checkpoint_hits"] += c is not None
             for s in req.samples:
                 s.seq = self.runner.new_seq()
                 if key is None:
                     items.append(PrefillItem(s.seq, list(ids)))
+                elif ckpt_item is not None:
+                    items.append(PrefillItem(s.seq, list(ids[split:]), checkpoint=ckpt_item))
                 else:
                     items.append(PrefillItem(s.seq, list(ids[split:]), producer=producers[key]))
                 owner.append((req, s))
@@ -243,6 +282,25 @@ class LLMEngine:
             self.running.append(req)
             self.counters["prompt_tokens"] += len(ids)
         return items, owner, temps
+
+    def _after_step(self, temps: list[SeqState]) -> None:
+        """Producers of n-sample forks live for one step; published checkpoints become READY (their state
+        and KV pages are final once the step has run); references taken for the step are dropped."""
+        for seq in temps:
+            self.runner.free_seq(seq)
+        for entry, prod in self._pending:
+            self.index.mark_ready(entry)
+            self.ckpt_pages[entry.key] = prod.pages
+        for entry in self._acquired:
+            self.index.release(entry)
+        self._pending, self._acquired = [], []
+
+    def _evict(self, n: int) -> bool:
+        """Evict up to n unreferenced READY checkpoints (LRU), freeing their state slots and KV pages."""
+        gone = self.index.evict_lru(n)
+        for entry in gone:
+            self.ckpt_pages.pop(entry.key).release()
+        return bool(gone)
 
     def _sample(self, logits: torch.Tensor, owners: list[tuple[_Request, _Sample]]) -> None:
         params = [r.params for r, _ in owners]

@@ -29,6 +29,7 @@ class PrefillItem:
     tokens: list[int]
     producer: int = -1          # index of a same-step PrefillItem whose final state and KV prefix this continues
     all_logits: bool = False    # logits for every token of the item (scoring), not only the last
+    checkpoint: tuple[int, PageTable] | None = None   # a READY checkpoint (state slot, KV pages) this continues
 
 
 @dataclass
@@ -78,17 +79,21 @@ class ModelRunner:
         seq.pages.release()
 
     @torch.inference_mode()
-    def step(self, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]]) -> torch.Tensor:
+    def step(self, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]],
+             is_ready=lambda slot: False) -> torch.Tensor:
         """Returns fp32 logits, one row per: each prefill item's last token (every token for an item with
         ``all_logits``), then each decode token, in the order given."""
         segs = []
         for i, it in enumerate(prefills):
             if not it.tokens:
                 raise ValueError(f"prefill {i}: no tokens")
+            if (it.producer >= 0 or it.checkpoint is not None) and it.seq.length != 0:
+                raise ValueError(f"prefill {i}: a consumer of a producer or checkpoint must be a fresh sequence")
             if it.producer >= 0:
-                if it.seq.length != 0:
-                    raise ValueError(f"prefill {i}: a consumer of a same-step producer must be a fresh sequence")
                 segs.append(PrefillSegment(len(it.tokens), InitFrom.PRODUCER, it.seq.slot, producer=it.producer))
+            elif it.checkpoint is not None:
+                segs.append(PrefillSegment(len(it.tokens), InitFrom.CHECKPOINT, it.seq.slot,
+                                           init_slot=it.checkpoint[0]))
             elif it.seq.length > 0:
                 segs.append(PrefillSegment(len(it.tokens), InitFrom.OWN_SLOT, it.seq.slot, init_slot=it.seq.slot))
             else:
@@ -122,6 +127,12 @@ class ModelRunner:
                         if p >= p_before:
                             dup_rows.append(start_row[it.producer] + p - p_before)
                             dup_slots.append(dst)
+            if it.checkpoint is not None:
+                # a READY checkpoint's pages are final: share its full pages, copy its partial tail page now
+                child, cow = it.checkpoint[1].fork(it.checkpoint[1].length)
+                if cow is not None:
+                    self.pages.copy_pages([cow.src_page], [cow.dst_page])
+                seq.pages, seq.length = child, it.checkpoint[1].length
             row0 = len(ids)
             start_row[i] = row0
             p0 = seq.length
@@ -152,7 +163,7 @@ class ModelRunner:
         if dup_rows:
             extra["tok"] = list(range(len(ids))) + dup_rows
         plan = build_step_plan(segs, self.rc.prefill_mode, self.stager, decode_slots=[s.slot for s, _ in decodes],
-                               extra=extra)
+                               extra=extra, is_ready=is_ready)
         x = plan.extra
         attn = AttnMeta(x["cu"], x["kv"], x["table"].view(len(tables), width), x["slots"].long(),
                         x["tok"].long() if dup_rows else None)

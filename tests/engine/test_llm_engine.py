@@ -30,7 +30,16 @@ def test_checkpoint_groups_equal_plain_runs(llm):
     assert marked[0].checkpoint.published and all(o.checkpoint.hit_length > 0 for o in marked[1:])
     e = llm.engine
     assert e.runner.state.check_integrity() == [] and e.runner.pages.check_integrity() == []
+    assert e.index.check_integrity() == [] and len(e.index) == 1      # the prefix stays as a READY checkpoint
+    # later requests hit it: state read in place, KV pages shared (tail page copied), same greedy output
+    later = llm.generate([PREFIX + "<|state_checkpoint|>" + s for s in reversed(SUFFIXES)], GREEDY)
+    assert texts(later) == plain[::-1]
+    assert all(o.checkpoint.hit_length > 0 and o.checkpoint.miss_reason is None and not o.checkpoint.published
+               for o in later)
+    assert e._evict(len(e.index)) and len(e.index) == 0              # eviction frees slot and pages
     assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
+    again = llm.generate(PREFIX + "<|state_checkpoint|>" + SUFFIXES[0], GREEDY)[0]
+    assert again.checkpoint.miss_reason == "evicted" and texts([again]) == plain[:1]
 
 
 @pytest.mark.parametrize("mode", ["serial", "two_phase", "two_phase_indexed"])
@@ -74,6 +83,7 @@ def test_bad_requests_are_refused_and_nothing_leaks(llm):
     e.step()
     e.abort(rid)
     assert not e.has_unfinished()
+    e._evict(len(e.index))
     assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
 
 
