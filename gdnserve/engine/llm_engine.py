@@ -199,8 +199,10 @@ class LLMEngine:
             return []
         try:
             logits = self.runner.step(items, decodes, is_ready=lambda s: not self.index.is_writable(s))
-        finally:
-            self._after_step(temps)
+        except BaseException:
+            self._after_step(temps, ok=False)
+            raise
+        self._after_step(temps, ok=True)
         rows = [i for i, o in enumerate(item_owner) if o is not None] + \
                [len(items) + j for j in range(len(decodes))]
         owners = [o for o in item_owner if o is not None] + dec_owner
@@ -230,6 +232,9 @@ class LLMEngine:
                 look = self.index.lookup(key)
                 hit = look.entry if look.hit else None
                 miss = None if look.hit else look.reason.value
+                if hit is not None:
+                    self.index.acquire(hit)      # pinned now, so the evictions below cannot take it
+                    self._acquired.append(hit)
             new_producer = key is not None and key not in producers and hit is None
             cost = (len(ids) if split is None else len(ids) - split) * n + (split if new_producer else 0)
             need = n + (1 if new_producer else 0)
@@ -241,6 +246,9 @@ class LLMEngine:
                 self._evict(len(self.ckpt_pages))
             if (need > free_slots or seqs_now + n > self.max_num_seqs or (items and cost > budget)
                     or pages > self.runner.pages.num_free):
+                if hit is not None:
+                    self._acquired.remove(hit)
+                    self.index.release(hit)
                 break
             self.waiting.pop(0)
             ckpt_item = None
@@ -258,9 +266,7 @@ class LLMEngine:
                 producers[key] = len(items)
                 items.append(PrefillItem(prod, list(key)))
                 owner.append(None)
-            elif hit is not None:
-                self.index.acquire(hit)                     # pinned against eviction while the step reads it
-                self._acquired.append(hit)
+            elif hit is not None:                           # acquired above; released after the step
                 ckpt_item = (hit.slot, self.ckpt_pages[hit.key])
                 req.checkpoint = CheckpointInfo(hit_length=split)
                 self.counters["checkpoint_hits"] += 1
@@ -283,14 +289,19 @@ class LLMEngine:
             self.counters["prompt_tokens"] += len(ids)
         return items, owner, temps
 
-    def _after_step(self, temps: list[SeqState]) -> None:
+    def _after_step(self, temps: list[SeqState], ok: bool) -> None:
         """Producers of n-sample forks live for one step; published checkpoints become READY (their state
-        and KV pages are final once the step has run); references taken for the step are dropped."""
+        and KV pages are final once the step has run) — or are dropped if the step failed; references taken
+        for the step are released."""
         for seq in temps:
             self.runner.free_seq(seq)
         for entry, prod in self._pending:
-            self.index.mark_ready(entry)
-            self.ckpt_pages[entry.key] = prod.pages
+            if ok:
+                self.index.mark_ready(entry)
+                self.ckpt_pages[entry.key] = prod.pages
+            else:
+                self.index.abort(entry)
+                prod.pages.release()
         for entry in self._acquired:
             self.index.release(entry)
         self._pending, self._acquired = [], []

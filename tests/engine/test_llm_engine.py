@@ -112,3 +112,18 @@ def test_score_equals_full_sequence_logprobs(llm):
     with pytest.raises(RequestError, match="candidates\\[1\\] is empty"):
         e.score(prefix, ["a", ""])
     assert e.runner.state.num_free == e.runner.state.num_slots
+
+
+def test_a_failed_step_publishes_nothing(llm):
+    e = llm.engine
+    e._evict(len(e.index))
+    real = e.runner.step
+    e.runner.step = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
+    rid = e.add_request(None, PREFIX + "<|state_checkpoint|>tail", GREEDY)
+    with pytest.raises(RuntimeError, match="injected"):
+        e.step()
+    e.runner.step = real
+    assert len(e.index) == 0 and e.index.check_integrity() == []   # the PENDING checkpoint was dropped
+    e.abort(rid)
+    assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
+    assert texts(llm.generate(PREFIX + "<|state_checkpoint|>tail", GREEDY))    # and the engine goes on
