@@ -65,6 +65,7 @@ class _Request:
     samples: list[_Sample]
     running: bool = False
     checkpoint: CheckpointInfo = field(default_factory=CheckpointInfo)
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -203,8 +204,14 @@ class LLMEngine:
             self._after_step(temps, ok=False)
             raise
         self._after_step(temps, ok=True)
-        rows = [i for i, o in enumerate(item_owner) if o is not None] + \
-               [len(items) + j for j in range(len(decodes))]
+        # logits rows: one per item (all of its tokens for all_logits items), then one per decode
+        first, r = [], 0
+        for it in items:
+            first.append(r)
+            r += len(it.tokens) if it.all_logits else 1
+        last = [f + (len(it.tokens) - 1 if it.all_logits else 0) for f, it in zip(first, items)]
+        self._prompt_logprobs(items, item_owner, first, logits)
+        rows = [last[i] for i, o in enumerate(item_owner) if o is not None] + [r + j for j in range(len(decodes))]
         owners = [o for o in item_owner if o is not None] + dec_owner
         touched = {id(r): r for r, _ in owners}
         if rows:
@@ -264,7 +271,7 @@ class LLMEngine:
                     prod = self.runner.new_seq()
                     temps.append(prod)
                 producers[key] = len(items)
-                items.append(PrefillItem(prod, list(key)))
+                items.append(PrefillItem(prod, list(key), all_logits=req.params.prompt_logprobs is not None))
                 owner.append(None)
             elif hit is not None:                           # acquired above; released after the step
                 ckpt_item = (hit.slot, self.ckpt_pages[hit.key])
@@ -273,14 +280,16 @@ class LLMEngine:
             elif key is not None:
                 req.checkpoint = CheckpointInfo(hit_length=split)
                 self.counters["checkpoint_hits"] += c is not None
+            want_all = req.params.prompt_logprobs is not None
             for s in req.samples:
                 s.seq = self.runner.new_seq()
                 if key is None:
-                    items.append(PrefillItem(s.seq, list(ids)))
+                    items.append(PrefillItem(s.seq, list(ids), all_logits=want_all))
                 elif ckpt_item is not None:
-                    items.append(PrefillItem(s.seq, list(ids[split:]), checkpoint=ckpt_item))
+                    items.append(PrefillItem(s.seq, list(ids[split:]), checkpoint=ckpt_item, all_logits=want_all))
                 else:
-                    items.append(PrefillItem(s.seq, list(ids[split:]), producer=producers[key]))
+                    items[producers[key]].all_logits |= want_all
+                    items.append(PrefillItem(s.seq, list(ids[split:]), producer=producers[key], all_logits=want_all))
                 owner.append((req, s))
             free_slots -= need
             budget -= cost
@@ -288,6 +297,34 @@ class LLMEngine:
             self.running.append(req)
             self.counters["prompt_tokens"] += len(ids)
         return items, owner, temps
+
+    def _prompt_logprobs(self, items, owner, first, logits) -> None:
+        """Fill ``prompt_logprobs`` of requests that asked (their items ran with all_logits): token j + 1 of the
+        prompt from the row of token j; the first token has none, nor does a prefix read from a READY checkpoint
+        (only its state is kept), nor the first token after it (its logits were the checkpoint's last row)."""
+        for i, (it, o) in enumerate(zip(items, owner)):
+            if o is None or not it.all_logits or o[1].index != 0:
+                continue
+            req = o[0]
+            k = req.params.prompt_logprobs
+            rows: list[int] = []
+            if it.producer >= 0:                                 # the prefix's rows come from the producer
+                p = items[it.producer]
+                rows += range(first[it.producer], first[it.producer] + len(p.tokens))
+            rows += range(first[i], first[i] + len(it.tokens) - 1)
+            lead = len(req.prompt_ids) - 1 - len(rows)           # positions covered only by a READY checkpoint
+            # row r predicts prompt token lead + r + 1
+            lp, ids, vals = token_logprobs(logits[torch.tensor(rows, device=logits.device)],
+                                           torch.tensor(req.prompt_ids[lead + 1:], device=logits.device), k)
+            lp = lp.tolist()
+            top = (ids.tolist(), vals.tolist()) if ids is not None else None
+            out: list[dict[int, float] | None] = [None] * (lead + 1)
+            for j, tok in enumerate(req.prompt_ids[lead + 1:]):
+                d = {tok: lp[j]}
+                if top is not None:
+                    d.update(zip(top[0][j], top[1][j]))
+                out.append(d)
+            req.prompt_logprobs = out
 
     def _after_step(self, temps: list[SeqState], ok: bool) -> None:
         """Producers of n-sample forks live for one step; published checkpoints become READY (their state
@@ -364,4 +401,4 @@ class LLMEngine:
         outs = [CompletionOutput(s.index, s.text if s.finish_reason else _stable(s.text, req.params.stop),
                                  list(s.token_ids), list(s.logprobs) if s.logprobs else None,
                                  s.cumulative_logprob, s.finish_reason) for s in req.samples]
-        return RequestOutput(req.request_id, req.prompt_ids, outs, req.finished, req.checkpoint)
+        return RequestOutput(req.request_id, req.prompt_ids, outs, req.finished, req.checkpoint, req.prompt_logprobs)

@@ -127,3 +127,32 @@ def test_a_failed_step_publishes_nothing(llm):
     e.abort(rid)
     assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
     assert texts(llm.generate(PREFIX + "<|state_checkpoint|>tail", GREEDY))    # and the engine goes on
+
+
+def test_prompt_logprobs_plain_grouped_and_from_checkpoint(llm):
+    """prompt_logprobs equal a plain full-prompt forward: for a plain prompt, for a same-step group (prefix rows
+    from the producer), and None for positions a READY checkpoint covers."""
+    import torch
+    from gdnserve.engine.model_runner import PrefillItem
+    e = llm.engine
+    e._evict(len(e.index))
+    p = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    text = PREFIX + "tail words"
+    ids = e.tokenizer.encode(text)
+    seq = e.runner.new_seq()
+    lp = e.runner.step([PrefillItem(seq, ids, all_logits=True)], []).log_softmax(-1)
+    e.runner.free_seq(seq)
+    want = [None] + [float(lp[j - 1, ids[j]]) for j in range(1, len(ids))]
+
+    def check(out, covered=0):
+        got = out.prompt_logprobs
+        assert len(got) == len(ids) and all(x is None for x in got[:covered + 1])
+        for j in range(covered + 1, len(ids)):
+            assert abs(got[j][ids[j]] - want[j]) < 1e-4 and len(got[j]) >= 2
+    check(llm.generate(text, p)[0])
+    marked = llm.generate([PREFIX + "<|state_checkpoint|>tail words"] * 2, p)     # producer + consumers
+    check(marked[0])
+    check(marked[1])
+    hit = llm.generate(PREFIX + "<|state_checkpoint|>tail words", p)[0]            # READY checkpoint
+    assert hit.checkpoint.hit_length > 0
+    check(hit, covered=hit.checkpoint.hit_length)      # the checkpoint keeps no logits: None up to its first token after
