@@ -131,6 +131,24 @@ class CheckpointIndex:
         self._touch(e)
         return e
 
+    def adopt(self, token_ids: Sequence[int], slot: int) -> Checkpoint | None:
+        """Publish the state already in ``slot`` (a RUNNING slot whose sequence has consumed exactly
+        ``token_ids``) as a READY checkpoint, taking the slot over. None, changing nothing, if a checkpoint
+        of that key exists (the caller keeps and frees its slot)."""
+        ids = tuple(token_ids)
+        if not ids:
+            raise ValueError("token_ids: a checkpoint needs at least one token (length 0 is the zero state)")
+        key = checkpoint_key(ids)
+        if key in self._entries:
+            return None
+        self.pool.transfer(slot, SlotKind.CHECKPOINT, self)
+        e = Checkpoint(key, ids, len(ids), slot, status=CheckpointStatus.READY)
+        self._entries[key] = e
+        self._by_slot[slot] = e
+        self._evicted.pop(key, None)
+        self._touch(e)
+        return e
+
     def mark_ready(self, entry: Checkpoint) -> None:
         """PENDING -> READY. Call only after the step that produced the slot has finished."""
         self._expect(entry, CheckpointStatus.PENDING, "mark_ready")

@@ -12,8 +12,12 @@ A published checkpoint becomes READY after its step and stays in the CheckpointI
 later requests with the same prefix start from it (state read in place, full KV pages shared, the partial
 tail page copied) until LRU eviction under slot or page pressure frees it.
 
-Not yet: automatic end-of-request checkpoints, chunked prefill of prompts longer than the step budget (they
-are admitted alone), preemption, CUDA graphs.
+Automatic checkpoints (on by default): a finished request's state and pages are published at exactly the
+tokens it consumed, and a new prompt without a marker starts from the READY checkpoint of its longest proper
+prefix — the next turn of a chat, or a resend that extends an earlier prompt.
+
+Not yet: chunked prefill of prompts longer than the step budget (they are admitted alone), preemption, CUDA
+graphs.
 """
 from __future__ import annotations
 
@@ -74,7 +78,8 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, model, tokenizer, *, runner: RunnerConfig | None = None, max_num_seqs: int = 64,
-                 max_step_tokens: int = 4096, max_model_len: int = 4096, model_name: str = "gdnserve", seed=None):
+                 max_step_tokens: int = 4096, max_model_len: int = 4096, model_name: str = "gdnserve", seed=None,
+                 auto_checkpoints: bool = True):
         self.runner = ModelRunner(model, runner or RunnerConfig(num_slots=2 * max_num_seqs + 2))
         self.tokenizer = tokenizer
         self.sampler = Sampler(seed)
@@ -89,6 +94,7 @@ class LLMEngine:
                          "checkpoint_hits": 0, "checkpoints_published": 0}
         self._ids = itertools.count()
         self.index = CheckpointIndex(self.runner.state)
+        self.auto_checkpoints = auto_checkpoints
         self.ckpt_pages: dict[bytes, PageTable] = {}       # READY checkpoint key -> its KV pages
         self.counters["checkpoint_misses"] = {}
         self._pending: list = []                           # (entry, producer seq) published this step
@@ -232,16 +238,20 @@ class LLMEngine:
         while self.waiting:
             req = self.waiting[0]
             n, ids, c = len(req.samples), req.prompt_ids, req.checkpoint_at
-            split = c if c is not None else (len(ids) - 1 if n > 1 and len(ids) > 1 else None)
-            key = tuple(ids[:split]) if split else None
             hit = None
+            auto = self._longest_hit(ids) if c is None and self.auto_checkpoints else None
+            if auto is not None:                 # an earlier request's state covers a prefix of this prompt
+                split, hit, miss = auto.length, auto, None
+            else:
+                split = c if c is not None else (len(ids) - 1 if n > 1 and len(ids) > 1 else None)
+            key = tuple(ids[:split]) if split else None
             if c is not None and key not in producers:
                 look = self.index.lookup(key)
                 hit = look.entry if look.hit else None
                 miss = None if look.hit else look.reason.value
-                if hit is not None:
-                    self.index.acquire(hit)      # pinned now, so the evictions below cannot take it
-                    self._acquired.append(hit)
+            if hit is not None:
+                self.index.acquire(hit)          # pinned now, so the evictions below cannot take it
+                self._acquired.append(hit)
             new_producer = key is not None and key not in producers and hit is None
             cost = (len(ids) if split is None else len(ids) - split) * n + (split if new_producer else 0)
             need = n + (1 if new_producer else 0)
@@ -382,8 +392,31 @@ class LLMEngine:
             elif len(s.token_ids) >= p.max_tokens or len(req.prompt_ids) + len(s.token_ids) >= self.max_model_len:
                 s.finish_reason = "length"
             if s.finish_reason is not None and s.seq is not None:
-                self.runner.free_seq(s.seq)
-                s.seq = None
+                self._release_sample(req, s)
+
+    def _release_sample(self, req: _Request, s: _Sample) -> None:
+        """Free a finished sample's sequence — or, with automatic checkpoints, publish its state and KV pages
+        as a READY checkpoint of exactly the tokens it consumed (prompt + output minus the last, unfed token),
+        so the next turn of a conversation or a resend that extends it starts there."""
+        seq, s.seq = s.seq, None
+        tokens = req.prompt_ids + s.token_ids[:-1]
+        if (self.auto_checkpoints and len(req.samples) == 1 and s.finish_reason in ("stop", "length")
+                and seq.length == len(tokens)):
+            entry = self.index.adopt(tokens, seq.slot)
+            if entry is not None:
+                self.ckpt_pages[entry.key] = seq.pages
+                self.counters["checkpoints_published"] += 1
+                return
+        self.runner.free_seq(seq)
+
+    def _longest_hit(self, ids: list[int]):
+        """The READY checkpoint of the longest proper prefix of ``ids``, or None."""
+        for L in sorted({p.length for p in self.ckpt_pages.values()}, reverse=True):
+            if L < len(ids):
+                look = self.index.lookup(ids[:L])
+                if look.hit:
+                    return look.entry
+        return None
 
     def _retire(self, req: _Request) -> None:
         for s in req.samples:

@@ -175,6 +175,19 @@ class StatePool:
         self._counts[record.kind] -= 1
         heapq.heappush(self._free, slot)
 
+    def transfer(self, slot: int, kind: SlotKind, owner: object) -> None:
+        """Hand an allocated slot to a new owner under a new kind, contents untouched (a finished request's
+        running slot becoming a checkpoint). StatePoolError naming the slot if it is not allocated."""
+        self._check_slot(slot)
+        if owner is None:
+            raise StatePoolError(f"transfer: slot {slot} needs an owner")
+        record = self._records.get(slot)
+        if record is None:
+            raise StatePoolError(f"transfer: slot {slot} is not allocated")
+        self._counts[record.kind] -= 1
+        self._counts[kind] += 1
+        self._records[slot] = SlotRecord(kind, owner)
+
     def _check_slot(self, slot: int) -> None:
         if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < self.num_slots:
             raise StatePoolError(f"slot {slot!r} is not a slot of this pool (valid: 0..{self.num_slots - 1})")

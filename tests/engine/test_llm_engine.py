@@ -13,8 +13,8 @@ SUFFIXES = ["Candidate A: fast", "Candidate B: exact and batched", "C", "Candida
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(device="cpu", max_num_seqs=16, num_pages=256)
+def llm():   # explicit checkpoints only; automatic ones have their own test
+    return LLM(device="cpu", max_num_seqs=16, num_pages=256, auto_checkpoints=False)
 
 
 def texts(outs):
@@ -45,7 +45,7 @@ def test_checkpoint_groups_equal_plain_runs(llm):
 @pytest.mark.parametrize("mode", ["serial", "two_phase", "two_phase_indexed"])
 def test_executors_give_identical_outputs(llm, mode):
     ref = texts(llm.generate([PREFIX + "<|state_checkpoint|>" + s for s in SUFFIXES], GREEDY))
-    other = LLM(device="cpu", max_num_seqs=16, num_pages=256, prefill_mode=mode)
+    other = LLM(device="cpu", max_num_seqs=16, num_pages=256, prefill_mode=mode, auto_checkpoints=False)
     assert texts(other.generate([PREFIX + "<|state_checkpoint|>" + s for s in SUFFIXES], GREEDY)) == ref
 
 
@@ -156,3 +156,19 @@ def test_prompt_logprobs_plain_grouped_and_from_checkpoint(llm):
     hit = llm.generate(PREFIX + "<|state_checkpoint|>tail words", p)[0]            # READY checkpoint
     assert hit.checkpoint.hit_length > 0
     check(hit, covered=hit.checkpoint.hit_length)      # the checkpoint keeps no logits: None up to its first token after
+
+
+def test_automatic_checkpoints_serve_the_next_turn():
+    """A finished request's state is published at exactly the tokens it consumed; the next turn (its prompt +
+    output + more) starts there and produces what a cold run produces."""
+    llm = LLM(device="cpu", max_num_seqs=8, num_pages=256)
+    e = llm.engine
+    first = llm.generate(PREFIX + "turn one", GREEDY)[0]
+    assert len(e.index) == 1 and first.checkpoint.hit_length == 0
+    turn2 = first.prompt_token_ids + first.outputs[0].token_ids + e.tokenizer.encode(" and turn two")
+    warm = llm.generate(turn2, GREEDY)[0]
+    assert warm.checkpoint.hit_length == len(first.prompt_token_ids) + len(first.outputs[0].token_ids) - 1
+    e._evict(len(e.index))
+    cold = llm.generate(turn2, GREEDY)[0]
+    assert cold.checkpoint.hit_length == 0 and cold.outputs[0].token_ids == warm.outputs[0].token_ids
+    assert e.runner.state.check_integrity() == [] and e.index.check_integrity() == []
