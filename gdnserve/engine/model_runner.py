@@ -12,15 +12,20 @@ import torch
 from gdnserve.engine.page_pool import PagePool, PagePoolConfig, PageTable
 from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
 from gdnserve.engine.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan, segment_phases
-from gdnserve.layers.forward_context import AttnMeta, ForwardContext, forward_context
+from gdnserve.layers.forward_context import AttnMeta, ForwardContext, VerifyMeta, forward_context
+from gdnserve.ops.gdn.recurrent import GDNPending
 
 
 @dataclass(eq=False)
 class SeqState:
-    """A live sequence: its GDN running slot, its attention pages, and how many tokens it has."""
+    """A live sequence: its GDN running slot, its attention pages, and how many tokens it has.
+    Speculative decoding in replay mode: the slot lags by ``pending`` accepted tokens whose raw inputs wait in
+    pending row ``slot + parity * num_slots``."""
     slot: int
     pages: PageTable
     length: int = 0
+    pending: int = 0
+    parity: int = 0
 
 
 @dataclass
@@ -40,6 +45,8 @@ class RunnerConfig:
     prefill_mode: str = "fused"
     backend: str = "auto"
     staging_ints: int = 1 << 20
+    spec_mode: str | None = None     # "intermediate" | "replay": speculative verify buffers
+    spec_tokens: int = 0             # L = k + 1 tokens per verify
 
 
 class ModelRunner:
@@ -68,6 +75,62 @@ class ModelRunner:
             layer.bind_cache(self.pages.k_cache(i), self.pages.v_cache(i))
             layer.backend = rc.backend
         self.stager = IndexStager(rc.staging_ints, self.device)
+        if rc.spec_mode is not None:
+            self._bind_spec(gdn, H, HV, g)
+
+    def _bind_spec(self, gdn, H: int, HV: int, g) -> None:
+        """Per GDN layer: drafted raw conv inputs (scratch rows = slots in intermediate mode, ping-pong pending rows
+        slot / slot + S in replay mode), per-token states (intermediate) or drafted k, v, a, b (replay)."""
+        rc, S, L = self.rc, self.rc.num_slots, self.rc.spec_tokens
+        if rc.spec_mode not in ("intermediate", "replay") or L < 2:
+            raise ValueError(f"spec_mode must be 'intermediate' or 'replay' with spec_tokens >= 2, got "
+                             f"{rc.spec_mode!r}, {L}")
+        D = 2 * H * g.head_k_dim + HV * g.head_v_dim
+        for layer in gdn:
+            if rc.spec_mode == "intermediate":
+                layer.bind_spec(torch.zeros(S, L, D, dtype=self.dtype, device=self.device),
+                                torch.zeros(S, L, HV, g.head_v_dim, g.head_k_dim, device=self.device), None)
+            else:
+                layer.bind_spec(torch.zeros(2 * S, L, D, dtype=self.dtype, device=self.device), None,
+                                GDNPending.empty(2 * S, L, H, HV, g.head_k_dim, g.head_v_dim, self.dtype, self.device))
+
+    def _idx(self, vals) -> torch.Tensor:
+        return torch.tensor(list(vals), dtype=torch.int32, device=self.device)
+
+    @torch.inference_mode()
+    def flush(self, seqs: list[SeqState]) -> None:
+        """Replay mode: apply each sequence's pending accepted tokens to its slot (before anything but the next
+        verify reads the slot). A no-op for sequences without pending tokens."""
+        todo = [s for s in seqs if s.pending]
+        if not todo:
+            return
+        S = self.rc.num_slots
+        slots = self._idx(s.slot for s in todo)
+        rows = self._idx(s.slot + s.parity * S for s in todo)
+        num = self._idx(s.pending for s in todo)
+        for layer in self.model.gdn_layers():
+            layer.commit(slots, rows, num, "replay")
+        for s in todo:
+            s.pending = 0
+
+    @torch.inference_mode()
+    def accept(self, verified: list[tuple[SeqState, int]]) -> None:
+        """After a verify step: sequence n keeps the first ``a_n`` of its L verify tokens (the last accepted
+        token plus a_n - 1 drafts). KV of rejected positions is left to be overwritten; GDN state is committed
+        (intermediate: copy the scratch row, fold conv inputs) or left pending for the next verify (replay)."""
+        if not verified:
+            return
+        for seq, a in verified:
+            seq.length -= self.rc.spec_tokens - a
+            seq.pages.length = seq.length
+        if self.rc.spec_mode == "intermediate":
+            slots = self._idx(s.slot for s, _ in verified)
+            num = self._idx(a for _, a in verified)
+            for layer in self.model.gdn_layers():
+                layer.commit(slots, slots, num, "intermediate")
+        else:
+            for seq, a in verified:
+                seq.pending, seq.parity = a, seq.parity ^ 1
 
     def new_seq(self) -> SeqState:
         seq = SeqState(-1, PageTable(self.pages))
@@ -77,12 +140,15 @@ class ModelRunner:
     def free_seq(self, seq: SeqState) -> None:
         self.state.free(seq.slot)
         seq.pages.release()
+        seq.pending = 0
 
     @torch.inference_mode()
     def step(self, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]],
-             is_ready=lambda slot: False) -> torch.Tensor:
+             is_ready=lambda slot: False, verifies: list[tuple[SeqState, list[int]]] = ()) -> torch.Tensor:
         """Returns fp32 logits, one row per: each prefill item's last token (every token for an item with
-        ``all_logits``), then each decode token, in the order given."""
+        ``all_logits``), then each decode token, then every token of each verify item (L rows), in order.
+        After a verify step the caller must ``accept`` how many tokens each verified sequence keeps."""
+        self.flush([s for s, _ in decodes] + [it.seq for it in prefills])   # replay-pending state must land
         segs = []
         for i, it in enumerate(prefills):
             if not it.tokens:
@@ -154,6 +220,18 @@ class ModelRunner:
             cu.append(len(ids))
             kv_lens.append(seq.length)
             tables.append(seq.pages)
+        L = self.rc.spec_tokens
+        for seq, toks in verifies:
+            if len(toks) != L:
+                raise ValueError(f"verify: {len(toks)} tokens, the runner verifies spec_tokens = {L}")
+            p0 = seq.length
+            slot_map += seq.pages.append_tokens(L)
+            seq.length += L
+            ids += toks
+            pos += range(p0, p0 + L)
+            cu.append(len(ids))
+            kv_lens.append(seq.length)
+            tables.append(seq.pages)
         width = max(1, max((len(t.pages) for t in tables), default=1))
         rows = [r for i, it in enumerate(prefills)
                 for r in (range(start_row[i], last_row[i] + 1) if it.all_logits else (last_row[i],))]
@@ -162,11 +240,24 @@ class ModelRunner:
                  "table": [p for t in tables for p in t.page_row(width, pad=0)], "rows": rows}
         if dup_rows:
             extra["tok"] = list(range(len(ids))) + dup_rows
+        if verifies:
+            S = self.rc.num_slots
+            vs = [s for s, _ in verifies]
+            extra["v_slots"] = [s.slot for s in vs]
+            if self.rc.spec_mode == "replay":
+                extra["v_in"] = [s.slot + s.parity * S for s in vs]
+                extra["v_out"] = [s.slot + (s.parity ^ 1) * S for s in vs]
+                extra["v_num"] = [s.pending for s in vs]
+            else:
+                extra["v_out"] = [s.slot for s in vs]
         plan = build_step_plan(segs, self.rc.prefill_mode, self.stager, decode_slots=[s.slot for s, _ in decodes],
                                extra=extra, is_ready=is_ready)
         x = plan.extra
         attn = AttnMeta(x["cu"], x["kv"], x["table"].view(len(tables), width), x["slots"].long(),
                         x["tok"].long() if dup_rows else None)
-        ctx = ForwardContext(x["pos"].long(), num_prefill, plan.prefill, plan.decode_slots, attn)
+        vmeta = None
+        if verifies:
+            vmeta = VerifyMeta(self.rc.spec_mode, L, x["v_slots"], x["v_out"], x.get("v_in"), x.get("v_num"))
+        ctx = ForwardContext(x["pos"].long(), num_prefill, plan.prefill, plan.decode_slots, attn, vmeta)
         with forward_context(ctx):
             return self.model(x["ids"].long(), x["rows"].long())

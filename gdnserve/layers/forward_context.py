@@ -23,14 +23,28 @@ class AttnMeta:
 
 
 @dataclass(frozen=True, slots=True)
+class VerifyMeta:
+    """Speculative verify of B requests x L tokens (the last accepted token + L-1 drafts), built once per step.
+    ``intermediate``: per-token states go to scratch rows, committed after acceptance; ``replay``: the
+    previous verify's accepted tokens (pending) are applied first and the new tokens' raw inputs kept."""
+    mode: str                                 # "intermediate" | "replay"
+    tokens_per_req: int                       # L
+    slots: torch.Tensor                       # [B] int32 GDN slots
+    rows_out: torch.Tensor                    # [B] int32 scratch rows (intermediate) / pending rows written (replay)
+    rows_in: torch.Tensor | None = None       # [B] int32 pending rows read (replay)
+    num_pending: torch.Tensor | None = None   # [B] int32 accepted tokens of the previous verify (replay)
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardContext:
     """Token layout of a step: ``num_prefill`` prefill tokens (in the plan's order), then one token per
-    decode request."""
+    decode request, then ``tokens_per_req`` tokens per verify request."""
     positions: torch.Tensor                   # [T] int64 absolute positions (rotary)
     num_prefill: int
     prefill: PrefillPlan | None               # GDN prefill plan for tokens [0, num_prefill)
     decode_slots: torch.Tensor | None         # [B] int32 GDN slots of the decode tokens
     attn: AttnMeta | None
+    verify: VerifyMeta | None = None
 
 
 _current: ForwardContext | None = None

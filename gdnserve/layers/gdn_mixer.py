@@ -21,8 +21,9 @@ from gdnserve.layers.gdn_prefill import GDNCoreParams, gdn_prefill_core, split_q
 from gdnserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, Shard, local_blocks
 from gdnserve.layers.norm import GatedRMSNorm
 from gdnserve.layers.parallel import resolve
-from gdnserve.ops.conv import causal_conv1d_update
-from gdnserve.ops.gdn.recurrent import gdn_decode
+from gdnserve.ops.conv import causal_conv1d_fold, causal_conv1d_update
+from gdnserve.ops.gdn.recurrent import (GDNPending, gdn_commit_intermediate, gdn_decode, gdn_flush_pending,
+                                         gdn_verify)
 
 
 class GatedDeltaNet(nn.Module):
@@ -47,11 +48,47 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = RowParallelLinear(HV * V, hidden, tp_rank=self.tp_rank, tp_size=tp)
         self.tp_shards = {"conv_weight": Shard(0, conv_blocks), "A_log": Shard(0, (HV,)), "dt_bias": Shard(0, (HV,))}
         self.conv_pool: torch.Tensor | None = None   # [S, W-1, D], bound by the runner
+        self.conv_scratch = self.ssm_scratch = self.pending = None   # speculative-decoding buffers (bind_spec)
         self.ssm_pool: torch.Tensor | None = None    # [S, HV, V, K]
         self.backend = "auto"
 
     def bind_state(self, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> None:
         self.conv_pool, self.ssm_pool = conv_pool, ssm_pool
+
+    def bind_spec(self, conv_scratch: torch.Tensor, ssm_scratch: torch.Tensor | None,
+                  pending: GDNPending | None) -> None:
+        """Speculative-decoding buffers: conv_scratch [R, L, D] holds drafted raw conv inputs (scratch rows in
+        intermediate mode, ping-pong pending rows in replay mode); ssm_scratch [R, L, HV, V, K] per-token
+        states (intermediate); pending the drafted k, v, a, b (replay)."""
+        self.conv_scratch, self.ssm_scratch, self.pending = conv_scratch, ssm_scratch, pending
+
+    def _verify(self, x, a, b, vf, p: GDNCoreParams, o: torch.Tensor) -> None:
+        L = vf.tokens_per_req
+        replay = vf.mode == "replay"
+        y = causal_conv1d_update(x, self.conv_weight, self.conv_pool, vf.slots, tokens_per_req=L,
+                                 write_state="after_pending" if replay else "none", pending_x=self.conv_scratch,
+                                 pending_in_rows=vf.rows_in, num_pending=vf.num_pending, pending_out_rows=vf.rows_out,
+                                 backend=self.backend)
+        q, k, v = split_qkv(y, p)
+        if replay:
+            gdn_verify(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_pool, vf.slots, tokens_per_req=L,
+                       mode="replay", pending=self.pending, pending_in_rows=vf.rows_in, num_pending=vf.num_pending,
+                       pending_out_rows=vf.rows_out, out=o, backend=self.backend)
+        else:
+            gdn_verify(q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_pool, vf.slots, tokens_per_req=L,
+                       mode="intermediate", scratch=self.ssm_scratch, scratch_rows=vf.rows_out, out=o,
+                       backend=self.backend)
+
+    def commit(self, slots: torch.Tensor, rows: torch.Tensor, num_accepted: torch.Tensor, mode: str) -> None:
+        """Make the first ``num_accepted[n]`` verify tokens of each request the committed state of its slot:
+        intermediate copies scratch row num_accepted-1 and folds the conv inputs; replay applies the
+        pending tokens (the flush before a slot is read by anything but the next verify)."""
+        if mode == "intermediate":
+            gdn_commit_intermediate(self.ssm_pool, self.ssm_scratch, rows, slots, num_accepted, backend=self.backend)
+        else:
+            gdn_flush_pending(self.ssm_pool, slots, self.pending, rows, num_accepted, A_log=self.A_log,
+                              dt_bias=self.dt_bias, backend=self.backend)
+        causal_conv1d_fold(self.conv_pool, slots, self.conv_scratch, rows, num_accepted, backend=self.backend)
 
     def params(self) -> GDNCoreParams:
         return GDNCoreParams(self.conv_weight, self.A_log, self.dt_bias, self.H, self.HV, self.K, self.V)
@@ -69,12 +106,16 @@ class GatedDeltaNet(nn.Module):
         if tp:
             gdn_prefill_core(x[:tp], a[:tp], b[:tp], p, self.conv_pool, self.ssm_pool, ctx.prefill,
                              out=o[:tp], backend=self.backend)
-        if tp < T:
+        vf = ctx.verify
+        td = T - (0 if vf is None else vf.slots.shape[0] * vf.tokens_per_req)   # end of the decode tokens
+        if tp < td:
             slots = ctx.decode_slots
-            y = causal_conv1d_update(x[tp:], self.conv_weight, self.conv_pool, slots, tokens_per_req=1,
+            y = causal_conv1d_update(x[tp:td], self.conv_weight, self.conv_pool, slots, tokens_per_req=1,
                                      backend=self.backend)
             q, k, v = split_qkv(y, p)
-            gdn_decode(q, k, v, a[tp:], b[tp:], self.A_log, self.dt_bias, self.ssm_pool, slots, out=o[tp:],
+            gdn_decode(q, k, v, a[tp:td], b[tp:td], self.A_log, self.dt_bias, self.ssm_pool, slots, out=o[tp:td],
                        backend=self.backend)
+        if td < T:
+            self._verify(x[td:], a[td:], b[td:], vf, p, o[td:])
         y = self.norm(o.view(T * HV, self.V), z.reshape(T * HV, self.V)).view(T, HVV)
         return self.out_proj(y)

@@ -1,0 +1,60 @@
+"""Speculative verify through the model runner (embedded model, CPU): for every acceptance count, both
+verify modes reproduce plain greedy decoding token for token, and the KV/state bookkeeping stays exact."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
+from gdnserve.models.builtin import build_builtin_model
+
+PROMPT = list(b"Speculative decoding keeps only the accepted tokens in the state.")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_builtin_model()
+
+
+def greedy_reference(model, n):
+    r = ModelRunner(model, RunnerConfig(backend="torch", num_slots=4, num_pages=64, page_size=8))
+    seq = r.new_seq()
+    out = [int(r.step([PrefillItem(seq, PROMPT)], [])[0].argmax())]
+    while len(out) < n:
+        out.append(int(r.step([], [(seq, out[-1])])[0].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["intermediate", "replay"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_equals_plain_greedy_for_every_acceptance_count(model, mode, k):
+    N = 30
+    ref = greedy_reference(model, N + k + 2)
+    r = ModelRunner(model, RunnerConfig(backend="torch", num_slots=4, num_pages=64, page_size=8, spec_mode=mode,
+                                        spec_tokens=k + 1))
+    seq = r.new_seq()
+    out = [int(r.step([PrefillItem(seq, PROMPT)], [])[0].argmax())]
+    seen = set()
+    step = 0
+    while len(out) < N:
+        # oracle drafts: the true continuation with a planned first error, so every count 0..k occurs
+        true = ref[len(out):len(out) + k]
+        err = step % (k + 1)
+        drafts = [t if i < err else (t + 1) % 256 for i, t in enumerate(true)]
+        logits = r.step([], [], verifies=[(seq, [out[-1]] + drafts)])
+        target = logits.argmax(-1).tolist()
+        a = 0
+        while a < k and drafts[a] == target[a]:
+            a += 1
+        seen.add(a)
+        out += drafts[:a] + [target[a]]
+        r.accept([(seq, a + 1)])
+        assert seq.length == len(PROMPT) + len(out) - 1
+        step += 1
+    assert out[:N] == ref[:N]
+    assert seen == set(range(k + 1))
+    r.flush([seq])                                        # replay: land the pending tokens, then plain decode
+    nxt = int(r.step([], [(seq, out[-1])])[0].argmax())
+    assert nxt == ref[len(out)]
+    r.free_seq(seq)
+    assert r.state.check_integrity() == [] and r.pages.check_integrity() == []
