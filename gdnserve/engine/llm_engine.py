@@ -33,6 +33,7 @@ from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig,
 from gdnserve.engine.page_pool import PageTable
 from gdnserve.engine.sampler import Sampler, stop_check, stop_holdback, token_logprobs
 from gdnserve.engine.sampling_params import SamplingParams
+from gdnserve.engine.spec.ngram import NgramDrafter
 
 
 def _stable(text: str, stop) -> str:
@@ -79,8 +80,13 @@ class _Request:
 class LLMEngine:
     def __init__(self, model, tokenizer, *, runner: RunnerConfig | None = None, max_num_seqs: int = 64,
                  max_step_tokens: int = 4096, max_model_len: int = 4096, model_name: str = "gdnserve", seed=None,
-                 auto_checkpoints: bool = True):
-        self.runner = ModelRunner(model, runner or RunnerConfig(num_slots=2 * max_num_seqs + 2))
+                 auto_checkpoints: bool = True, spec_k: int = 0, spec_mode: str = "replay"):
+        runner = runner or RunnerConfig(num_slots=2 * max_num_seqs + 2)
+        if spec_k:
+            runner.spec_mode, runner.spec_tokens = spec_mode, spec_k + 1
+        self.runner = ModelRunner(model, runner)
+        self.spec_k = spec_k
+        self.drafter = NgramDrafter(spec_k) if spec_k else None
         self.tokenizer = tokenizer
         self.sampler = Sampler(seed)
         self.max_num_seqs, self.max_step_tokens, self.max_model_len = max_num_seqs, max_step_tokens, max_model_len
@@ -91,7 +97,7 @@ class LLMEngine:
         self.running: list[_Request] = []
         self.requests: dict[str, _Request] = {}
         self.counters = {"prompt_tokens": 0, "tokens_generated": 0, "requests_finished": 0,
-                         "checkpoint_hits": 0, "checkpoints_published": 0}
+                         "checkpoint_hits": 0, "checkpoints_published": 0, "spec_drafted": 0, "spec_accepted": 0}
         self._ids = itertools.count()
         self.index = CheckpointIndex(self.runner.state)
         self.auto_checkpoints = auto_checkpoints
@@ -195,17 +201,23 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        decodes, dec_owner = [], []
+        decodes, dec_owner, verifies, verified = [], [], [], []
         for req in self.running:
             for s in req.samples:
                 if s.finish_reason is None:
-                    decodes.append((s.seq, s.token_ids[-1]))
-                    dec_owner.append((req, s))
-        items, item_owner, temps = self._admit(self.max_step_tokens - len(decodes))
-        if not items and not decodes:
+                    if self._speculate(req, s):
+                        drafts, _ = self.drafter.propose_padded(req.prompt_ids + s.token_ids, self.spec_k)
+                        verifies.append((s.seq, [s.token_ids[-1]] + drafts))
+                        verified.append((req, s, drafts))
+                    else:
+                        decodes.append((s.seq, s.token_ids[-1]))
+                        dec_owner.append((req, s))
+        items, item_owner, temps = self._admit(self.max_step_tokens - len(decodes) - len(verifies) * (self.spec_k + 1))
+        if not items and not decodes and not verifies:
             return []
         try:
-            logits = self.runner.step(items, decodes, is_ready=lambda s: not self.index.is_writable(s))
+            logits = self.runner.step(items, decodes, is_ready=lambda s: not self.index.is_writable(s),
+                                      verifies=verifies)
         except BaseException:
             self._after_step(temps, ok=False)
             raise
@@ -220,8 +232,11 @@ class LLMEngine:
         rows = [last[i] for i, o in enumerate(item_owner) if o is not None] + [r + j for j in range(len(decodes))]
         owners = [o for o in item_owner if o is not None] + dec_owner
         touched = {id(r): r for r, _ in owners}
+        touched.update({id(r): r for r, _, _ in verified})
         if rows:
             self._sample(logits[torch.tensor(rows, device=logits.device)], owners)
+        if verified:
+            self._accept_verified(logits[r + len(decodes):], verified)
         outs = []
         for req in touched.values():
             if req.finished:
@@ -376,23 +391,57 @@ class LLMEngine:
             ti, tl = flat[2 * B:2 * B + B * k], flat[2 * B + B * k:]
             tops = ([[int(x) for x in ti[i * k:(i + 1) * k]] for i in range(B)], [tl[i * k:(i + 1) * k] for i in range(B)])
         for i, ((req, s), tok) in enumerate(zip(owners, toks)):
-            p = req.params
-            s.token_ids.append(tok)
-            s.cumulative_logprob += lps[i]
-            if p.logprobs is not None:
+            d = None
+            if req.params.logprobs is not None:
                 d = {tok: lps[i]}
                 if tops is not None:
-                    d.update(zip(tops[0][i][:p.logprobs], tops[1][i][:p.logprobs]))
-                s.logprobs = (s.logprobs or []) + [d]
-            self.counters["tokens_generated"] += 1
-            new_text = self.tokenizer.decode(s.token_ids)
-            s.text, stopped = stop_check(s.text, new_text[len(s.text):], p.stop) if p.stop else (new_text, False)
-            if stopped or tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
-                s.finish_reason = "stop"
-            elif len(s.token_ids) >= p.max_tokens or len(req.prompt_ids) + len(s.token_ids) >= self.max_model_len:
-                s.finish_reason = "length"
-            if s.finish_reason is not None and s.seq is not None:
-                self._release_sample(req, s)
+                    d.update(zip(tops[0][i][:req.params.logprobs], tops[1][i][:req.params.logprobs]))
+            self._append(req, s, tok, lps[i], d)
+
+    def _append(self, req: _Request, s: _Sample, tok: int, lp: float | None, d: dict | None) -> None:
+        """Add one generated token to a sample and apply the stop rules; a finished sample's sequence is released."""
+        p = req.params
+        s.token_ids.append(tok)
+        if lp is not None:
+            s.cumulative_logprob += lp
+        if p.logprobs is not None:
+            s.logprobs = (s.logprobs or []) + [d]
+        self.counters["tokens_generated"] += 1
+        new_text = self.tokenizer.decode(s.token_ids)
+        s.text, stopped = stop_check(s.text, new_text[len(s.text):], p.stop) if p.stop else (new_text, False)
+        if stopped or tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos):
+            s.finish_reason = "stop"
+        elif len(s.token_ids) >= p.max_tokens or len(req.prompt_ids) + len(s.token_ids) >= self.max_model_len:
+            s.finish_reason = "length"
+        if s.finish_reason is not None and s.seq is not None:
+            self._release_sample(req, s)
+
+    def _accept_verified(self, logits: torch.Tensor, verified: list) -> None:
+        """Greedy verification: keep each request's drafts while they equal the target's argmax, then the
+        target's own next token; the state keeps exactly those tokens (runner.accept)."""
+        L = self.spec_k + 1
+        target = logits.argmax(-1).view(len(verified), L).tolist()
+        keep = []
+        for (req, s, drafts), t in zip(verified, target):
+            a = 0
+            while a < self.spec_k and drafts[a] == t[a]:
+                a += 1
+            keep.append((s.seq, a + 1))
+            self.counters["spec_drafted"] += self.spec_k
+            self.counters["spec_accepted"] += a
+        self.runner.accept(keep)
+        for (req, s, drafts), t, (_, a1) in zip(verified, target, keep):
+            for tok in drafts[:a1 - 1] + [t[a1 - 1]]:
+                if s.finish_reason is not None:
+                    break
+                self._append(req, s, tok, None, None)
+
+    def _speculate(self, req: _Request, s: _Sample) -> bool:
+        """Greedy single-sample requests without logprobs verify k drafts per step when room is left."""
+        p = req.params
+        return (self.spec_k > 0 and p.greedy and len(req.samples) == 1 and p.logprobs is None and not p.stop
+                and p.max_tokens - len(s.token_ids) > 1
+                and len(req.prompt_ids) + len(s.token_ids) + self.spec_k + 1 < self.max_model_len)
 
     def _release_sample(self, req: _Request, s: _Sample) -> None:
         """Free a finished sample's sequence — or, with automatic checkpoints, publish its state and KV pages
@@ -400,6 +449,7 @@ class LLMEngine:
         so the next turn of a conversation or a resend that extends it starts there."""
         seq, s.seq = s.seq, None
         tokens = req.prompt_ids + s.token_ids[:-1]
+        self.runner.flush([seq])                           # replay-mode pending tokens land in the slot first
         if (self.auto_checkpoints and len(req.samples) == 1 and s.finish_reason in ("stop", "length")
                 and seq.length == len(tokens)):
             entry = self.index.adopt(tokens, seq.slot)
