@@ -31,7 +31,8 @@ from gdnserve.engine.engine_api import (CandidateScore, CheckpointInfo, Completi
 from gdnserve.engine.checkpoint_index import CheckpointIndex, MissReason
 from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig, SeqState
 from gdnserve.engine.page_pool import PageTable
-from gdnserve.engine.sampler import Sampler, stop_check, stop_holdback, token_logprobs
+from gdnserve.engine.sampler import Sampler, SamplingTensors, stop_check, stop_holdback, token_logprobs
+from gdnserve.engine.spec.acceptance import emitted_tokens, greedy_accept, rejection_sample
 from gdnserve.engine.sampling_params import SamplingParams
 from gdnserve.engine.spec.ngram import NgramDrafter
 
@@ -417,29 +418,44 @@ class LLMEngine:
             self._release_sample(req, s)
 
     def _accept_verified(self, logits: torch.Tensor, verified: list) -> None:
-        """Greedy verification: keep each request's drafts while they equal the target's argmax, then the
-        target's own next token; the state keeps exactly those tokens (runner.accept)."""
-        L = self.spec_k + 1
-        target = logits.argmax(-1).view(len(verified), L).tolist()
-        keep = []
-        for (req, s, drafts), t in zip(verified, target):
-            a = 0
-            while a < self.spec_k and drafts[a] == t[a]:
-                a += 1
-            keep.append((s.seq, a + 1))
+        """Accept drafts: greedy requests by exact match with the target's argmax, sampled ones by rejection
+        sampling against the sampler's filtered distribution (so their tokens follow the target's
+        distribution); each emits its accepted drafts plus one target token, and the state keeps exactly
+        those tokens (runner.accept). One device-to-host copy for the batch."""
+        B, L, dev = len(verified), self.spec_k + 1, logits.device
+        lg = logits.view(B, L, -1)
+        drafts = torch.tensor([d for _, _, d in verified], dtype=torch.int64, device=dev)
+        num = torch.empty(B, dtype=torch.int64, device=dev)
+        emitted = torch.empty(B, L, dtype=torch.int64, device=dev)
+        greedy = [i for i, (r, _, _) in enumerate(verified) if r.params.greedy]
+        sampled = [i for i, (r, _, _) in enumerate(verified) if not r.params.greedy]
+        for rows, sample in ((greedy, False), (sampled, True)):
+            if not rows:
+                continue
+            ix = torch.tensor(rows, device=dev)
+            if sample:
+                t = SamplingTensors.build([verified[i][0].params for i in rows for _ in range(L)], dev)
+                probs = Sampler.probs(lg[ix].reshape(len(rows) * L, -1), t).view(len(rows), L, -1)
+                n, e = rejection_sample(drafts[ix], None, probs, self.sampler._generator(dev, per_row=False))
+            else:
+                n, e = greedy_accept(drafts[ix], lg[ix].argmax(-1))
+            num[ix], emitted[ix] = n, e
+        out = emitted_tokens(num, emitted)
+        self.runner.accept([(s.seq, len(toks)) for (_, s, _), toks in zip(verified, out)])
+        for (req, s, _), toks in zip(verified, out):
             self.counters["spec_drafted"] += self.spec_k
-            self.counters["spec_accepted"] += a
-        self.runner.accept(keep)
-        for (req, s, drafts), t, (_, a1) in zip(verified, target, keep):
-            for tok in drafts[:a1 - 1] + [t[a1 - 1]]:
+            self.counters["spec_accepted"] += len(toks) - 1
+            for tok in toks:
                 if s.finish_reason is not None:
                     break
                 self._append(req, s, tok, None, None)
 
     def _speculate(self, req: _Request, s: _Sample) -> bool:
-        """Greedy single-sample requests without logprobs verify k drafts per step when room is left."""
+        """Single-sample requests without logprobs, stop strings or a seed (a seeded request's tokens are tied to
+        per-step generators) verify k drafts per step when room is left."""
         p = req.params
-        return (self.spec_k > 0 and p.greedy and len(req.samples) == 1 and p.logprobs is None and not p.stop
+        return (self.spec_k > 0 and (p.greedy or p.seed is None) and len(req.samples) == 1 and p.logprobs is None
+                and not p.stop
                 and p.max_tokens - len(s.token_ids) > 1
                 and len(req.prompt_ids) + len(s.token_ids) + self.spec_k + 1 < self.max_model_len)
 

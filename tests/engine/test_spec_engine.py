@@ -45,3 +45,14 @@ def test_spec_decode_equals_plain_greedy(reference, mode, k):
     # it publishes nothing; whether or not the next turn hits, it must produce the cold run's tokens)
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     assert e.runner.state.check_integrity() == [] and e.runner.pages.check_integrity() == []
+
+
+def test_sampled_requests_speculate_too(reference):
+    """Rejection sampling in the engine: with top_k = 1 the filtered distribution is one-hot, so sampled spec
+    decoding must reproduce greedy exactly; with real sampling every request still completes."""
+    llm = LLM(device="cpu", spec_k=2)
+    topk1 = SamplingParams(temperature=0.7, top_k=1, max_tokens=24, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, topk1)] == reference
+    assert llm.engine.counters["spec_drafted"] > 0
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 10 and o.finished for o in outs)
