@@ -624,6 +624,7 @@ def _measure_and_write(device: torch.device, setup: Setup, quick: bool, out_dir:
         for wl in setup.workloads:
             case = None
             progress.step(f"{wl.label}: building inputs and plans")
+            case = None
             try:
                 case = build_case(wl, setup, modes, device, fla, l2)
                 rows.append(run_case(case, setup, device, ceilings, progress, errors))
