@@ -16,8 +16,10 @@ Automatic checkpoints (on by default): a finished request's state and pages are 
 tokens it consumed, and a new prompt without a marker starts from the READY checkpoint of its longest proper
 prefix — the next turn of a chat, or a resend that extends an earlier prompt.
 
-Not yet: chunked prefill of prompts longer than the step budget (they are admitted alone), preemption, CUDA
-graphs.
+A plain prompt longer than the step's token budget is prefilled chunk by chunk over several steps (its GDN
+state and KV carried in its running slot, other requests decoding meanwhile); sampling starts after its last chunk.
+
+Not yet: preemption, CUDA graphs.
 """
 from __future__ import annotations
 
@@ -47,6 +49,9 @@ def _stable(text: str, stop) -> str:
     return text[:end]
 
 
+MIN_CHUNK = 32   # smallest prefill chunk of a long prompt, so a busy step still makes progress on it
+
+
 class RequestError(ValueError):
     """A request the engine refuses; the message names the problem (the server answers 400)."""
 
@@ -72,6 +77,7 @@ class _Request:
     running: bool = False
     checkpoint: CheckpointInfo = field(default_factory=CheckpointInfo)
     prompt_logprobs: list | None = None
+    fed: int = 0                      # prompt tokens scheduled so far (< len(prompt_ids) while chunked)
 
     @property
     def finished(self) -> bool:
@@ -203,7 +209,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         decodes, dec_owner, verifies, verified = [], [], [], []
+        chunks: list[tuple[_Request, _Sample, int]] = []
         for req in self.running:
+            if req.fed < len(req.prompt_ids):         # a long prompt still being prefilled chunk by chunk
+                chunks.append((req, req.samples[0], req.fed))
+                continue
             for s in req.samples:
                 if s.finish_reason is None:
                     if self._speculate(req, s):
@@ -213,7 +223,18 @@ class LLMEngine:
                     else:
                         decodes.append((s.seq, s.token_ids[-1]))
                         dec_owner.append((req, s))
-        items, item_owner, temps = self._admit(self.max_step_tokens - len(decodes) - len(verifies) * (self.spec_k + 1))
+        budget = self.max_step_tokens - len(decodes) - len(verifies) * (self.spec_k + 1)
+        cont = []
+        for req, smp, fed in chunks:                  # continue chunked prompts (OWN_SLOT continuation)
+            n = min(len(req.prompt_ids) - fed, max(budget, MIN_CHUNK))
+            req.fed += n
+            budget -= n
+            cont.append((PrefillItem(smp.seq, req.prompt_ids[fed:fed + n]),
+                         (req, smp) if req.fed == len(req.prompt_ids) else None))
+        items, item_owner, temps = self._admit(budget)
+        for it, o in cont:                            # appended after _admit's items: producer indices unchanged
+            items.append(it)
+            item_owner.append(o)
         if not items and not decodes and not verifies:
             return []
         try:
@@ -277,6 +298,12 @@ class LLMEngine:
                 free_slots = self.runner.state.num_free
             if pages > self.runner.pages.num_free:
                 self._evict(len(self.ckpt_pages))
+            chunk = None
+            if (key is None and n == 1 and req.params.prompt_logprobs is None and cost > max(budget, MIN_CHUNK)
+                    and need <= free_slots):
+                chunk = max(budget, MIN_CHUNK)           # a long plain prompt: prefill its first chunk now
+                cost = chunk
+                pages = chunk // self.runner.pages.page_size + 2
             if (need > free_slots or seqs_now + n > self.max_num_seqs or (items and cost > budget)
                     or pages > self.runner.pages.num_free):
                 if hit is not None:
@@ -307,8 +334,13 @@ class LLMEngine:
                 req.checkpoint = CheckpointInfo(hit_length=split)
                 self.counters["checkpoint_hits"] += c is not None
             want_all = req.params.prompt_logprobs is not None
+            req.fed = len(ids) if chunk is None else chunk
             for s in req.samples:
                 s.seq = self.runner.new_seq()
+                if chunk is not None:
+                    items.append(PrefillItem(s.seq, list(ids[:chunk])))
+                    owner.append(None)                  # no token is sampled until the last chunk
+                    continue
                 if key is None:
                     items.append(PrefillItem(s.seq, list(ids), all_logits=want_all))
                 elif ckpt_item is not None:

@@ -172,3 +172,23 @@ def test_automatic_checkpoints_serve_the_next_turn():
     cold = llm.generate(turn2, GREEDY)[0]
     assert cold.checkpoint.hit_length == 0 and cold.outputs[0].token_ids == warm.outputs[0].token_ids
     assert e.runner.state.check_integrity() == [] and e.index.check_integrity() == []
+
+
+def test_long_prompts_are_prefilled_in_chunks_with_identical_outputs(llm):
+    """A step budget far below the prompt lengths: prompts are prefilled chunk by chunk across steps (the
+    GDN state and KV carried in the running slot), interleaved with other requests' decodes; greedy outputs
+    equal the unchunked ones."""
+    prompts = [PREFIX * 3 + "first", "short one", PREFIX * 2 + "second"]
+    want = texts(llm.generate(prompts, GREEDY))
+    small = LLM(device="cpu", max_num_seqs=16, num_pages=256, auto_checkpoints=False, max_step_tokens=40)
+    steps = []
+    e = small.engine
+    ids = [e.add_request(None, p, GREEDY) for p in prompts]
+    outs = {}
+    while e.has_unfinished():
+        got = e.step()
+        steps.append(len(got))
+        outs.update({o.request_id: o for o in got if o.finished})
+    assert [outs[i].outputs[0].token_ids for i in ids] == want
+    assert len(steps) > GREEDY.max_tokens + 3            # the long prompts took several steps to prefill
+    assert e.runner.state.num_free == e.runner.state.num_slots
