@@ -19,7 +19,10 @@ prefix — the next turn of a chat, or a resend that extends an earlier prompt.
 A plain prompt longer than the step's token budget is prefilled chunk by chunk over several steps (its GDN
 state and KV carried in its running slot, other requests decoding meanwhile); sampling starts after its last chunk.
 
-Not yet: preemption, CUDA graphs.
+Under KV-page pressure, READY checkpoints are evicted and then the newest single-sample requests preempted
+and later recomputed (prompt + output so far), so a step never fails for lack of pages.
+
+Not yet: CUDA graphs.
 """
 from __future__ import annotations
 
@@ -104,7 +107,8 @@ class LLMEngine:
         self.running: list[_Request] = []
         self.requests: dict[str, _Request] = {}
         self.counters = {"prompt_tokens": 0, "tokens_generated": 0, "requests_finished": 0,
-                         "checkpoint_hits": 0, "checkpoints_published": 0, "spec_drafted": 0, "spec_accepted": 0}
+                         "checkpoint_hits": 0, "checkpoints_published": 0, "spec_drafted": 0, "spec_accepted": 0,
+                         "preemptions": 0}
         self._ids = itertools.count()
         self.index = CheckpointIndex(self.runner.state)
         self.auto_checkpoints = auto_checkpoints
@@ -207,7 +211,40 @@ class LLMEngine:
         return ScoreResult(p_ids, out)
 
     # ------------------------------------------------------------------ the step
+    def _pages_for_running(self) -> int:
+        """KV pages the running requests need this step (decode 1 / verify k+1 tokens, next prefill chunk)."""
+        need = 0
+        for req in self.running:
+            for s in req.samples:
+                if s.finish_reason is None and s.seq is not None:
+                    n = (min(len(req.prompt_ids) - req.fed, max(self.max_step_tokens, MIN_CHUNK))
+                         if req.fed < len(req.prompt_ids) else self.spec_k + 1)
+                    need += s.seq.pages.pages_needed(n)
+        return need
+
+    def _make_room(self) -> None:
+        """Before a step: if the running requests cannot get their KV pages, evict unreferenced READY
+        checkpoints, then preempt the most recently admitted single-sample requests (their state is dropped
+        and they are requeued first, to recompute prompt + output so far) — never fail the step."""
+        if self._pages_for_running() <= self.runner.pages.num_free:
+            return
+        self._evict(len(self.ckpt_pages))
+        while self._pages_for_running() > self.runner.pages.num_free:
+            victim = next((r for r in reversed(self.running) if len(r.samples) == 1), None)
+            if victim is None or (victim is self.running[0] and len(self.running) == 1):
+                break                                  # nothing left to preempt: the runner will report it
+            self.running.remove(victim)
+            s = victim.samples[0]
+            if s.seq is not None:
+                self.runner.free_seq(s.seq)
+                s.seq = None
+            victim.fed, victim.running = 0, False
+            self.waiting.insert(0, victim)
+            self.counters["preemptions"] += 1
+
     def step(self) -> list[RequestOutput]:
+        self._make_room()
+        running_pages = self._pages_for_running()       # before this step's chunks advance `fed`
         decodes, dec_owner, verifies, verified = [], [], [], []
         chunks: list[tuple[_Request, _Sample, int]] = []
         for req in self.running:
@@ -231,7 +268,7 @@ class LLMEngine:
             budget -= n
             cont.append((PrefillItem(smp.seq, req.prompt_ids[fed:fed + n]),
                          (req, smp) if req.fed == len(req.prompt_ids) else None))
-        items, item_owner, temps = self._admit(budget)
+        items, item_owner, temps = self._admit(budget, running_pages)
         for it, o in cont:                            # appended after _admit's items: producer indices unchanged
             items.append(it)
             item_owner.append(o)
@@ -266,7 +303,8 @@ class LLMEngine:
             outs.append(self._output(req))
         return outs
 
-    def _admit(self, budget: int):
+    def _admit(self, budget: int, running_pages: int):
+        self._running_pages, self._admitted_pages = running_pages, 0
         items: list[PrefillItem] = []
         owner: list[tuple[_Request, _Sample] | None] = []
         temps: list[SeqState] = []
@@ -274,6 +312,12 @@ class LLMEngine:
         free_slots = self.runner.state.num_free
         while self.waiting:
             req = self.waiting[0]
+            if req.samples[0].token_ids:                 # a preempted request: recompute its tokens so far
+                if not self._readmit(req, items, owner, budget, free_slots):
+                    break
+                budget -= len(req.prompt_ids) + len(req.samples[0].token_ids) - 1
+                free_slots -= 1
+                continue
             n, ids, c = len(req.samples), req.prompt_ids, req.checkpoint_at
             hit = None
             auto = self._longest_hit(ids) if c is None and self.auto_checkpoints else None
@@ -296,7 +340,7 @@ class LLMEngine:
             pages = (cost + (n + 1) * self.runner.pages.page_size) // self.runner.pages.page_size + n + 1
             if need > free_slots and self._evict(need - free_slots):
                 free_slots = self.runner.state.num_free
-            if pages > self.runner.pages.num_free:
+            if pages > self._page_room():
                 self._evict(len(self.ckpt_pages))
             chunk = None
             if (key is None and n == 1 and req.params.prompt_logprobs is None and cost > max(budget, MIN_CHUNK)
@@ -305,7 +349,7 @@ class LLMEngine:
                 cost = chunk
                 pages = chunk // self.runner.pages.page_size + 2
             if (need > free_slots or seqs_now + n > self.max_num_seqs or (items and cost > budget)
-                    or pages > self.runner.pages.num_free):
+                    or pages > self._page_room()):
                 if hit is not None:
                     self._acquired.remove(hit)
                     self.index.release(hit)
@@ -351,10 +395,33 @@ class LLMEngine:
                 owner.append((req, s))
             free_slots -= need
             budget -= cost
+            self._admitted_pages += pages
             req.running = True
             self.running.append(req)
             self.counters["prompt_tokens"] += len(ids)
         return items, owner, temps
+
+    def _page_room(self) -> int:
+        """KV pages new admissions may take this step: free pages minus what the running requests need
+        (computed at the start of the admission pass) and what this pass has already promised."""
+        return self.runner.pages.num_free - self._running_pages - self._admitted_pages
+
+    def _readmit(self, req: _Request, items, owner, budget: int, free_slots: int) -> bool:
+        """Prefill a preempted request's prompt + output minus its last token (whose logits are not needed:
+        the next step decodes that token), as one plain prefill."""
+        s = req.samples[0]
+        ids = req.prompt_ids + s.token_ids[:-1]
+        pages = len(ids) // self.runner.pages.page_size + 2
+        if free_slots < 1 or (items and len(ids) > budget) or pages > self._page_room():
+            return False
+        self.waiting.pop(0)
+        s.seq = self.runner.new_seq()
+        items.append(PrefillItem(s.seq, ids))
+        owner.append(None)
+        self._admitted_pages += pages
+        req.fed, req.running = len(req.prompt_ids), True
+        self.running.append(req)
+        return True
 
     def _prompt_logprobs(self, items, owner, first, logits) -> None:
         """Fill ``prompt_logprobs`` of requests that asked (their items ran with all_logits): token j + 1 of the
