@@ -33,7 +33,7 @@ import torch
 
 from gdnserve.engine.engine_api import (CandidateScore, CheckpointInfo, CompletionOutput, RequestOutput,
                                         ScoreResult)
-from gdnserve.engine.checkpoint_index import CheckpointIndex, MissReason
+from gdnserve.engine.checkpoint_index import CheckpointIndex
 from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig, SeqState
 from gdnserve.engine.page_pool import PageTable
 from gdnserve.engine.sampler import Sampler, SamplingTensors, stop_check, stop_holdback, token_logprobs

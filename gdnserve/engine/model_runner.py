@@ -5,7 +5,7 @@ token. The scheduler (engine loop) decides what goes into a step; this module on
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

@@ -8,7 +8,7 @@ Every executor uses that one layout, so the engine builds the token buffer once 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Sequence
 
@@ -121,13 +121,34 @@ def build_step_plan(segments: Sequence[PrefillSegment], mode: str, stager: Index
         raise PlanError(f"mode must be one of {PREFILL_MODES}, got {mode!r}")
     segs = list(segments)
     _validate(segs, mode, is_ready)
-    if not segs:
-        pk = _Packer()
-        dec = pk.add(decode_slots)
-        extra_r = {name: pk.add(v) for name, v in (extra or {}).items()}
-        dev = stager.upload(pk.vals)
-        return StepPlan(None, (), None, dev[dec[0]:dec[1]] if decode_slots else None,
-                        {name: dev[r[0]:r[1]] for name, r in extra_r.items()}, len(pk.vals))
+    pk = _Packer()
+    packed = _pack_prefill(segs, mode, pk) if segs else None
+    dec = pk.add(decode_slots)
+    extra_r = {name: pk.add(v) for name, v in (extra or {}).items()}
+    dev = stager.upload(pk.vals)
+
+    def view(r: tuple[int, int]) -> torch.Tensor:
+        return dev[r[0]:r[1]]
+
+    order, prefill, reference = (), None, None
+    if packed is not None:
+        order, num_tokens, layout, ref = packed
+        groups = tuple(LaunchGroup(rng[0], rng[1], VarlenMeta.from_device(view(m), lens), view(s), view(d),
+                                   view(p) if p is not None else None)
+                       for lens, m, s, d, p, rng in layout)
+        copy = None
+        if mode == "two_phase" and ref[2][1] > ref[2][0]:   # consumers: copy checkpoint rows first
+            copy = StateCopy(before_group=len(groups) - 1, src=view(ref[2]).long(), dst=view(ref[3]).long())
+        prefill = PrefillPlan(mode, num_tokens, groups, copy)
+        reference = ReferenceVectors(view(ref[0]).view(-1, 2), view(ref[1]).view(-1, 2), view(ref[2]), view(ref[3]))
+    return StepPlan(prefill, tuple(order), reference, view(dec) if decode_slots else None,
+                    {name: view(r) for name, r in extra_r.items()}, len(pk.vals))
+
+
+def _pack_prefill(segs: list[PrefillSegment], mode: str, pk: _Packer):
+    """Lay the segments out (producers first), cut them into the mode's launch groups, check each group for
+    aliasing, and pack every group's vectors and the four reference-design vectors into ``pk``.
+    Returns (order, num_tokens, per-group packed ranges, reference-vector ranges)."""
     producers = {s.producer for s in segs if s.init is InitFrom.PRODUCER}
     phase1, phase2 = segment_phases(segs)
     order = phase1 + phase2
@@ -145,17 +166,13 @@ def build_step_plan(segments: Sequence[PrefillSegment], mode: str, stager: Index
         s = segs[i]
         return s.init_slot if s.init in (InitFrom.OWN_SLOT, InitFrom.CHECKPOINT) else -1
 
-    pk = _Packer()
     group_specs: list[tuple[list[int], list[int], list[int], list[int] | None, tuple[int, int]]] = []
     if mode == "fused":
         parents = [pos[segs[i].producer] if segs[i].init is InitFrom.PRODUCER else -1 for i in order]
         group_specs.append((order, [src_of(i) for i in order], [segs[i].dst_slot for i in order],
                             parents if any(p >= 0 for p in parents) else None, (0, start[-1])))
     else:
-        if mode == "serial":
-            parts = [[i] for i in order]
-        else:
-            parts = [p for p in (phase1, phase2) if p]
+        parts = [[i] for i in order] if mode == "serial" else [p for p in (phase1, phase2) if p]
         for part in parts:
             if mode == "two_phase" and part is phase2:
                 srcs = [segs[i].dst_slot for i in part]   # runs in place on the private copies
@@ -163,33 +180,15 @@ def build_step_plan(segments: Sequence[PrefillSegment], mode: str, stager: Index
                 srcs = [shared_source(i) if segs[i].init is InitFrom.PRODUCER else src_of(i) for i in part]
             group_specs.append((part, srcs, [segs[i].dst_slot for i in part], None,
                                 (tok[part[0]][0], tok[part[-1]][1])))
-    for part, srcs, dsts, parents, _ in group_specs:
-        _check_group_aliasing(part, srcs, dsts, parents, segs)
     layout = []
     for part, srcs, dsts, parents, rng in group_specs:
+        _check_group_aliasing(part, srcs, dsts, parents, segs)
         lens = [segs[i].num_tokens for i in part]
         layout.append((lens, pk.add(VarlenMeta.host_vectors(lens)), pk.add(srcs), pk.add(dsts),
                        pk.add(parents) if parents is not None else None, rng))
-    cons = phase2
-    ref = (pk.add([x for i in phase1 if i in producers for x in tok[i]]), pk.add([x for i in cons for x in tok[i]]),
-           pk.add([shared_source(i) for i in cons]), pk.add([segs[i].dst_slot for i in cons]))
-    dec = pk.add(decode_slots)
-    extra_r = {name: pk.add(v) for name, v in (extra or {}).items()}
-    dev = stager.upload(pk.vals)
-
-    def view(r: tuple[int, int]) -> torch.Tensor:
-        return dev[r[0]:r[1]]
-
-    groups = tuple(LaunchGroup(rng[0], rng[1], VarlenMeta.from_device(view(m), lens), view(s), view(d),
-                               view(p) if p is not None else None)
-                   for lens, m, s, d, p, rng in layout)
-    copy = None
-    if mode == "two_phase" and cons:
-        copy = StateCopy(before_group=len(groups) - 1, src=view(ref[2]).long(), dst=view(ref[3]).long())
-    prefill = PrefillPlan(mode, start[-1], groups, copy) if segs else None
-    reference = ReferenceVectors(view(ref[0]).view(-1, 2), view(ref[1]).view(-1, 2), view(ref[2]), view(ref[3]))
-    return StepPlan(prefill, tuple(order), reference, view(dec) if decode_slots else None,
-                    {name: view(r) for name, r in extra_r.items()}, len(pk.vals))
+    ref = (pk.add([x for i in phase1 if i in producers for x in tok[i]]), pk.add([x for i in phase2 for x in tok[i]]),
+           pk.add([shared_source(i) for i in phase2]), pk.add([segs[i].dst_slot for i in phase2]))
+    return order, start[-1], layout, ref
 
 
 def _validate(segs: list[PrefillSegment], mode: str, is_ready: Callable[[int], bool]) -> None:

@@ -90,7 +90,6 @@ def test_bad_requests_are_refused_and_nothing_leaks(llm):
 def test_score_equals_full_sequence_logprobs(llm):
     """score(prefix, candidates): each candidate's log-probability equals the one computed from a plain
     forward over prefix + candidate (the prefix computed once, consumers in the same step)."""
-    import torch
     from gdnserve.engine.model_runner import PrefillItem
     e = llm.engine
     tok = e.tokenizer
@@ -132,7 +131,6 @@ def test_a_failed_step_publishes_nothing(llm):
 def test_prompt_logprobs_plain_grouped_and_from_checkpoint(llm):
     """prompt_logprobs equal a plain full-prompt forward: for a plain prompt, for a same-step group (prefix rows
     from the producer), and None for positions a READY checkpoint covers."""
-    import torch
     from gdnserve.engine.model_runner import PrefillItem
     e = llm.engine
     e._evict(len(e.index))

@@ -3,7 +3,6 @@ verify modes reproduce plain greedy decoding token for token, and the KV/state b
 from __future__ import annotations
 
 import pytest
-import torch
 
 from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
 from gdnserve.models.builtin import build_builtin_model

@@ -3,7 +3,6 @@ other. Conv state is a copy of inputs, so every pool comparison is bit-exact; ou
 (gdn_kernels.md §6.4). Inputs are fresh random every run (the seed is printed on failure)."""
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch

@@ -39,7 +39,7 @@ def gates(dev):
 def test_prefill_graph_equals_eager_real_shape():
     dev = torch.device("cuda")
     lens, parents = [700, 65, 130, 1], [-1, 0, 0, -1]
-    T, N = sum(lens), len(lens)
+    T = sum(lens)
     meta = VarlenMeta.build(lens, dev)
     src = torch.tensor([3, -1, -1, 4], dtype=torch.int32, device=dev)
     dst = torch.tensor([5, 6, 7, 8], dtype=torch.int32, device=dev)

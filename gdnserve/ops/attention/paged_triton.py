@@ -7,7 +7,6 @@ page table (so any page size works), causal by absolute position.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from gdnserve.ops import backend as _backend
-from gdnserve.ops.checks import ACT_DTYPES, STATE_DTYPES, check_index, check_tensor, check_contiguous
+from gdnserve.ops.checks import ACT_DTYPES, STATE_DTYPES, check_contiguous, check_index, check_tensor
+from gdnserve.ops.gdn.chunk_workspace import ChunkWorkspace
 from gdnserve.ops.varlen import VarlenMeta
 
 
@@ -17,7 +18,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
                            A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_pool: torch.Tensor, meta: VarlenMeta,
                            src_slots: torch.Tensor, dst_slots: torch.Tensor, parents: torch.Tensor | None = None,
                            *, scale: float | None = None, out: torch.Tensor | None = None,
-                           workspace: "ChunkWorkspace | None" = None, backend: _backend.Backend = "auto") -> torch.Tensor:
+                           workspace: ChunkWorkspace | None = None, backend: _backend.Backend = "auto") -> torch.Tensor:
     """Prefill N packed sequences with the gated delta rule, reading and writing pool slots in-kernel.
 
     q, k:      [T, H, K]   raw (pre-l2norm) post-conv q/k; last-dim stride 1 (views of a packed buffer ok)
@@ -82,5 +83,3 @@ def _shape3(name: str, t: torch.Tensor) -> tuple[int, int, int]:
         raise ValueError(f"{name}: expected a 3-d tensor, got {getattr(t, 'shape', type(t).__name__)}")
     return tuple(t.shape)  # type: ignore[return-value]
 
-
-from gdnserve.ops.gdn.chunk_workspace import ChunkWorkspace  # noqa: E402  (re-export)
