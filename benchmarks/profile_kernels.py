@@ -1,0 +1,113 @@
+"""Per-kernel GPU time of our GDN ops on the Qwen3.5-35B-A3B GDN shape (torch.profiler), so a
+missed target can be traced to a stage. python -m benchmarks.profile_kernels [--set NAME=VALUE ...]
+(--set overrides a launch constant of gdnserve.ops.gdn.chunk_triton, e.g. --set PREP_WARPS=4)."""
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from gdnserve.ops.conv import causal_conv1d_prefill
+from gdnserve.ops.gdn import chunk_triton
+from gdnserve.ops.gdn.chunk import ChunkWorkspace, chunk_gated_delta_rule
+from gdnserve.ops.gdn.recurrent import GDNPending, gdn_verify
+from gdnserve.ops.varlen import VarlenMeta
+
+H, HV, K, V, W = 16, 32, 128, 128, 4
+D = 2 * H * K + HV * V
+bf = torch.bfloat16
+
+
+def kernel_table(fn, reps: int = 10) -> list[tuple[str, float, int]]:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    tot: dict[str, list[float]] = collections.defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            tot[e.name[:60]].append(e.device_time)
+    return sorted(((n, sum(t) / reps, len(t) // reps) for n, t in tot.items()), key=lambda r: -r[1])
+
+
+def prefill_case(lens, parents, dev):
+    T, N = sum(lens), len(lens)
+    meta = VarlenMeta.build(lens, dev)
+    x = torch.randn(T, D, device=dev, dtype=bf)
+    w = torch.randn(D, W, device=dev, dtype=bf)
+    a, b = torch.randn(T, HV, device=dev, dtype=bf), torch.randn(T, HV, device=dev, dtype=bf)
+    A_log, dt_bias = torch.log(torch.empty(HV, device=dev).uniform_(1, 16)), torch.rand(HV, device=dev)
+    conv = torch.randn(N + 1, W - 1, D, device=dev, dtype=bf)
+    ssm = torch.randn(N + 1, HV, V, K, device=dev) * 0.1
+    src = torch.arange(N, dtype=torch.int32, device=dev)
+    par = None
+    if parents:
+        par = torch.tensor([-1 if p < 0 else p for p in parents], dtype=torch.int32, device=dev)
+    dst = src + 1 if par is not None else src
+    y = torch.empty(T, D, device=dev, dtype=bf)
+    o = torch.empty(T, HV, V, device=dev, dtype=bf)
+    ws = ChunkWorkspace.empty(T, meta.num_chunk_rows, HV, K, V, bf, dev)
+
+    def run():
+        causal_conv1d_prefill(x, w, conv, meta, src, dst, par, out=y)
+        chunk_gated_delta_rule(y[:, :H * K].view(T, H, K), y[:, H * K:2 * H * K].view(T, H, K),
+                               y[:, 2 * H * K:].view(T, HV, V), a, b, A_log, dt_bias, ssm, meta, src, dst, par,
+                               out=o, workspace=ws)
+    return run
+
+
+def verify_case(B, L, mode, dev):
+    A_log, dt_bias = torch.log(torch.empty(HV, device=dev).uniform_(1, 16)), torch.rand(HV, device=dev)
+    pool = torch.randn(2 * B + 1, HV, V, K, device=dev) * 0.1
+    slots = torch.arange(B, dtype=torch.int32, device=dev)
+    q, k = torch.randn(B * L, H, K, device=dev, dtype=bf), torch.randn(B * L, H, K, device=dev, dtype=bf)
+    v = torch.randn(B * L, HV, V, device=dev, dtype=bf)
+    a, b = torch.randn(B * L, HV, device=dev, dtype=bf), torch.randn(B * L, HV, device=dev, dtype=bf)
+    ov = torch.empty(B * L, HV, V, device=dev, dtype=bf)
+    if mode == "replay":
+        pend = GDNPending.empty(2 * B, L, H, HV, K, V, bf, dev)
+        num = torch.full((B,), L - 1, dtype=torch.int32, device=dev)
+        return lambda: gdn_verify(q, k, v, a, b, A_log, dt_bias, pool, slots, tokens_per_req=L, mode="replay",
+                                  pending=pend, pending_in_rows=slots, num_pending=num, pending_out_rows=slots + B,
+                                  out=ov)
+    scratch = torch.empty(B, L, HV, V, K, device=dev)
+    return lambda: gdn_verify(q, k, v, a, b, A_log, dt_bias, pool, slots, tokens_per_req=L, mode="intermediate",
+                              scratch=scratch, scratch_rows=slots, out=ov)
+
+
+CASES = {
+    "fused 1P512+16C64": lambda dev: prefill_case([512] + [64] * 16, [-1] + [0] * 16, dev),
+    "fused 1P4096+64C256": lambda dev: prefill_case([4096] + [256] * 64, [-1] + [0] * 64, dev),
+    "plain 1x576": lambda dev: prefill_case([576], None, dev),
+    "prefill 1x32768": lambda dev: prefill_case([32768], None, dev),
+    "prefill 64x256": lambda dev: prefill_case([256] * 64, None, dev),
+    "verify replay B=256 L=4": lambda dev: verify_case(256, 4, "replay", dev),
+    "verify intermediate B=256 L=4": lambda dev: verify_case(256, 4, "intermediate", dev),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--cases", default=",".join(CASES))
+    args = ap.parse_args()
+    for kv in args.set:
+        name, val = kv.split("=")
+        setattr(chunk_triton, name, type(getattr(chunk_triton, name))(eval(val)))
+    dev = torch.device("cuda")
+    print("overrides:", args.set or "none", flush=True)
+    for name in args.cases.split(","):
+        rows = kernel_table(CASES[name](dev))
+        total = sum(t for _, t, _ in rows)
+        print(f"## {name}: {total:.1f} us GPU per call", flush=True)
+        for n, t, c in rows:
+            print(f"   {t:9.1f} us  x{c}  {n}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
