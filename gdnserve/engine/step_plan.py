@@ -224,6 +224,9 @@ def _check_group_aliasing(part: list[int], srcs: list[int], dsts: list[int], par
     """Within one launch, no slot read by one sequence (directly or through its parent) may be
     written by another: the kernels give no ordering between different sequences' programs."""
     reads = []
+    for j, p in enumerate(parents or ()):
+        if p >= j or (p >= 0 and dsts[p] < 0):   # the state pass hands a parent's state over via its dst slot
+            raise PlanError(f"segment {part[j]}: its producer must come first in the launch and write a slot")
     for j, s in enumerate(srcs):
         r = {s} if s >= 0 else set()
         if parents is not None and parents[j] >= 0 and srcs[parents[j]] >= 0:

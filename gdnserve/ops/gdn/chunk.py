@@ -32,8 +32,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
                            (copy-on-write fork) are both fine
     parents:   [N] int32 or None; parents[n] = p >= 0 makes sequence p's final state (rounded to the
                pool dtype, exactly as if p had been run first and written to a slot) n's initial
-               state. p must itself have no parent, and p's src slot must not be any sequence's dst
-               (the caller's plan guarantees both; the kernels do not check).
+               state. p must come before n (p < n), have no parent itself and a dst slot (>= 0: the
+               Triton state pass hands the state over through it), and p's src slot must not be any
+               sequence's dst (the caller's plan guarantees all of these; the kernels do not check).
     returns o: [T, HV, V] in v.dtype (``out`` if given), o_t = S_t^T (scale * l2norm(q_t)),
                scale = K ** -0.5 by default.
     All reads of the pool happen before any write a sequence could observe, so a slot can be read by

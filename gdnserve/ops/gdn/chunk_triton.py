@@ -5,7 +5,9 @@
    𝒜 = diag(β) (Γᵢ/Γₘ ⊙ K Kᵀ), 𝒯 = (I + 𝒜)⁻¹, 𝒲 = 𝒯 diag(βΓ) K, Ũ = 𝒯 diag(β) V.
    No state is read: producers and consumers of one step run together here.
 2. ``chunk_state_kernel``  grid (V tiles, N·HV): the only sequential stage. Loads the initial state
-   tile from ``pool[src]`` (or zeros, or replays the parent sequence's chunks first), walks the
+   tile from ``pool[src]`` or zeros, or, for a consumer, waits for its parent's program of the same
+   tile to store the parent's final state to the parent's ``dst`` slot and reads it there (programs
+   take tickets, so parents, which come first, are always running when a consumer waits), walks the
    sequence's chunks writing the chunk-start snapshots h and U = Ũ − 𝒲 S, and stores the final
    state to ``pool[dst]``: no gather/scatter, no boolean masks.
 3. ``chunk_output_kernel`` grid (V tiles, chunk rows, HV): O = s·[diag(Γ) Q S₀ᵀ + (M ⊙ Q Kᵀ) U].
@@ -171,12 +173,20 @@ def _state_step(b_S, k, w, u, gcum, vnew, t0, n_valid, i_h, i_hv, s_kt, s_kh,
 
 
 @triton.jit
-def chunk_state_kernel(k, w, u, gcum, vnew, h, pool, cu_seqlens, chunk_offsets, src_slots, dst_slots, parents,
+def chunk_state_kernel(k, w, u, gcum, vnew, h, pool, cu_seqlens, chunk_offsets, src_slots, dst_slots, parents, sync,
                        s_kt, s_kh,
                        R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
                        HAS_PARENT: tl.constexpr, DOT_PREC: tl.constexpr, STATE_F32: tl.constexpr):
-    i_vt, i_nh = tl.program_id(0), tl.program_id(1)
+    NVT: tl.constexpr = (V + BV - 1) // BV
+    if HAS_PARENT:
+        # Work is taken in ticket order, not block order: a program holding a consumer's ticket knows every
+        # lower ticket (its parent's tiles: parents[n] < n) is held by a program already running, and a parent
+        # never waits, so the wait below always ends.
+        i_t = tl.atomic_add(sync, 1)
+        i_vt, i_nh = i_t % NVT, i_t // NVT
+    else:
+        i_vt, i_nh = tl.program_id(0), tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // R
@@ -192,20 +202,20 @@ def chunk_state_kernel(k, w, u, gcum, vnew, h, pool, cu_seqlens, chunk_offsets, 
     i_p = -1
     if HAS_PARENT:
         i_p = tl.load(parents + i_n)
-    i_first = tl.where(i_p >= 0, i_p, i_n)
-    s_src = tl.load(src_slots + i_first)
-    b_S = tl.zeros([BV, BK], dtype=tl.float32)
-    if s_src >= 0:
-        b_S = tl.load(pool + s_src.to(tl.int64) * SLOT + o_s, mask=m_s, other=0.).to(tl.float32)
-    if HAS_PARENT:
-        if i_p >= 0:
-            # replay the parent's chunks (the parent's own program writes its outputs)
-            p_bos = tl.load(cu_seqlens + i_p)
-            p_L = tl.load(cu_seqlens + i_p + 1) - p_bos
-            for i_c in range(tl.cdiv(p_L, C)):
-                b_S = _state_step(b_S, k, w, u, gcum, vnew, p_bos + i_c * C, tl.minimum(C, p_L - i_c * C),
-                                  i_h, i_hv, s_kt, s_kh, o_c, o_k, m_k, o_v, m_v, HV, K, V, False, DOT_PREC, STATE_F32)
-            b_S = cast(b_S, pool.dtype.element_ty).to(tl.float32)   # as if stored to a slot and read back
+    if i_p >= 0:
+        # the parent's final state: wait for the parent's program of this very tile to publish it in its dst
+        # slot (bar.sync + release there, acquire + bar.sync here), then read it past L1
+        p_flag = sync + 1 + (i_p * HV + i_hv) * NVT + i_vt
+        while tl.atomic_add(p_flag, 0, sem="acquire") == 0:
+            pass
+        tl.debug_barrier()
+        s_pd = tl.load(dst_slots + i_p)
+        b_S = tl.load(pool + s_pd.to(tl.int64) * SLOT + o_s, mask=m_s, other=0., cache_modifier=".cg").to(tl.float32)
+    else:
+        s_src = tl.load(src_slots + i_n)
+        b_S = tl.zeros([BV, BK], dtype=tl.float32)
+        if s_src >= 0:
+            b_S = tl.load(pool + s_src.to(tl.int64) * SLOT + o_s, mask=m_s, other=0.).to(tl.float32)
     bos = tl.load(cu_seqlens + i_n)
     L = tl.load(cu_seqlens + i_n + 1) - bos
     off = tl.load(chunk_offsets + i_n)
@@ -216,6 +226,9 @@ def chunk_state_kernel(k, w, u, gcum, vnew, h, pool, cu_seqlens, chunk_offsets, 
     s_dst = tl.load(dst_slots + i_n)
     if s_dst >= 0:
         tl.store(pool + s_dst.to(tl.int64) * SLOT + o_s, cast(b_S, pool.dtype.element_ty), mask=m_s)
+    if HAS_PARENT:
+        tl.debug_barrier()   # every thread's part of the tile is stored before the flag says so
+        tl.atomic_xchg(sync + 1 + (i_n * HV + i_hv) * NVT + i_vt, 1, sem="release")
 
 
 @triton.jit
@@ -267,8 +280,11 @@ def chunk_output_kernel(q, k, gcum, vnew, h, o, cu_seqlens, chunk_indices, scale
 # conv+prefill at 1x32768 to 0.89x fla's GPU time (benchmarks/results/ops_h200_2026-11-29.md).
 # PREP_BF16 with 4 prep warps hit an illegal memory access at K=16..64 on the H200 (Triton 3.6; the same
 # addresses are fine with fp32 operands or 8 warps: benchmarks/results/diag_chunk_configs_h200.log), so
-# the prep runs 8 warps.
-PREP_WARPS, STATE_BV, STATE_WARPS, OUT_BV, OUT_WARPS = 8, 32, 4, 128, 4
+# the prep ran 8 warps until the cause was found (below).
+# Profile (benchmarks/results/profile_h200_run1*.log, 1x32768): prep 1557 us at 8 warps, 868 us at 4. compute-sanitizer
+# placed the 4-warp fault at K=16 in an out-of-bounds shared-memory operand read of a tl.dot
+# (benchmarks/results/sanitizer_h200_run1_prep4warps.log): a small-tile issue, so the prep pads its K and V tiles to >= 64.
+PREP_WARPS, PREP_MIN_BLOCK, STATE_BV, STATE_WARPS, OUT_BV, OUT_WARPS = 4, 64, 32, 4, 128, 4
 STATE_F32 = False
 INV_MODE = 1
 OUT_F32 = False
@@ -285,7 +301,8 @@ def launch_prep(q, k, v, a, b, A_log, dt_bias, meta: VarlenMeta, ws: ChunkWorksp
     launch(chunk_prep_kernel, (meta.num_chunk_rows, H), (
         q, k, v, a, b, A_log, dt_bias, meta.cu_seqlens, meta.chunk_indices, ws.gcum, ws.w, ws.u,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        HV // H, HV, K, V, pow2(K), pow2(V), CHUNK, _prec(v), INV_MODE, PREP_BF16 and v.dtype != torch.float32),
+        HV // H, HV, K, V, max(pow2(K), PREP_MIN_BLOCK), max(pow2(V), PREP_MIN_BLOCK), CHUNK, _prec(v), INV_MODE,
+        PREP_BF16 and v.dtype != torch.float32),
         PREP_WARPS)
 
 
@@ -293,9 +310,13 @@ def launch_state(k, v, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, parents
     T, H, K = k.shape
     HV, V = v.shape[1], v.shape[2]
     sbv = min(STATE_BV, pow2(V))
+    sync = src_slots
+    if parents is not None:   # ticket counter + one ready flag per (sequence, value head, V tile), zeroed per call
+        sync = ws.sync_buffer(1 + meta.num_seqs * HV * cdiv(V, sbv))
+        sync.zero_()
     launch(chunk_state_kernel, (cdiv(V, sbv), meta.num_seqs * HV), (
         k, ws.w, ws.u, ws.gcum, ws.vnew, ws.h, ssm_pool, meta.cu_seqlens, meta.chunk_offsets, src_slots, dst_slots,
-        parents if parents is not None else src_slots, k.stride(0), k.stride(1),
+        parents if parents is not None else src_slots, sync, k.stride(0), k.stride(1),
         HV // H, HV, K, V, pow2(K), sbv, CHUNK, parents is not None, _prec(v), STATE_F32), STATE_WARPS)
 
 

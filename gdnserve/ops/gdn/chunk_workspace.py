@@ -14,6 +14,7 @@ class ChunkWorkspace:
     u: torch.Tensor      # [T, HV, V]     T (beta V)
     vnew: torch.Tensor   # [T, HV, V]     U = u - w S0, per chunk
     h: torch.Tensor      # [NT, HV, V, K] state at each chunk start (activation dtype)
+    sync: torch.Tensor | None = None   # int32 ticket counter + parent-ready flags of the state pass
 
     @staticmethod
     def empty(max_tokens: int, max_chunk_rows: int, HV: int, K: int, V: int, dtype: torch.dtype,
@@ -25,6 +26,12 @@ class ChunkWorkspace:
             vnew=torch.empty(max_tokens, HV, V, dtype=dtype, device=device),
             h=torch.empty(max_chunk_rows, HV, V, K, dtype=dtype, device=device),
         )
+
+    def sync_buffer(self, n: int) -> torch.Tensor:
+        """The first n ints of the state pass's sync buffer (grown on demand; fixed address afterwards)."""
+        if self.sync is None or self.sync.numel() < n:
+            self.sync = torch.zeros(max(n, 4096), dtype=torch.int32, device=self.w.device)
+        return self.sync[:n]
 
     def fits(self, tokens: int, chunk_rows: int, HV: int, K: int, V: int, dtype: torch.dtype) -> bool:
         return (self.w.shape[0] >= tokens and self.h.shape[0] >= chunk_rows and self.w.shape[1:] == (HV, K)

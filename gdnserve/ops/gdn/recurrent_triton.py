@@ -87,7 +87,8 @@ def gdn_recurrent_fwd_kernel(
         n_pend = tl.where(i_pin >= 0, tl.load(num_pending + i_n), 0)
         # Unrolled over the LP pending rows with predicated loads, not a loop over n_pend: every load is
         # independent of the state, so all of them can be in flight before the first update (a runtime
-        # loop serialises load latency per token). Rows past n_pend compute and are discarded.
+        # loop serialises load latency per token). The update of a row past n_pend is branched around
+        # (n_pend is uniform over the program).
         for t in tl.static_range(LP):
             live = t < n_pend
             i_pt = i_pin.to(tl.int64) * LP + t
@@ -95,7 +96,8 @@ def gdn_recurrent_fwd_kernel(
             b_v = tl.load(pv + (i_pt * HV + i_hv) * V + o_v, mask=mask_v & live, other=0).to(tl.float32)
             b_g = _decay(tl.load(pa + i_pt * HV + i_hv, mask=live, other=0).to(tl.float32), b_dt, b_A)
             b_beta = tl.sigmoid(tl.load(pb + i_pt * HV + i_hv, mask=live, other=0).to(tl.float32))
-            b_h = tl.where(live, _delta_step(b_h, _l2norm(b_k), b_v, b_g, b_beta), b_h)
+            if live:
+                b_h = _delta_step(b_h, _l2norm(b_k), b_v, b_g, b_beta)
         if WRITE_AFTER_PENDING:
             if n_pend > 0:  # nothing applied: the slot already holds this state bit for bit
                 tl.store(p_h, b_h.to(pool.dtype.element_ty), mask=mask_h)
