@@ -31,10 +31,8 @@ def conv_load_ext(x, conv_pool, pos, bos, L, hx_end, hlen, hsrc, o_d, mask_d, st
     m_h = (pos < -hlen) & (hsrc >= 0)
     p_x = x + row.to(tl.int64)[:, None] * stride_x + o_d[None, :]
     p_h = conv_pool + (hsrc.to(tl.int64) * (W - 1) + (W - 1 + hlen + pos))[:, None] * D + o_d[None, :]
-    # Two masked loads, each contiguous along d, so both vectorise (a per-row pointer select does not);
-    # the masks are disjoint, so the sum is exactly the one live value.
-    b_x = tl.load(p_x, mask=m_x[:, None] & mask_d[None, :], other=0.)
-    return b_x + tl.load(p_h, mask=m_h[:, None] & mask_d[None, :], other=0.).to(b_x.dtype)
+    # One load through a per-row pointer select (both sources are contiguous along d).
+    return tl.load(tl.where(m_x[:, None], p_x, p_h), mask=(m_x | m_h)[:, None] & mask_d[None, :], other=0.)
 
 
 @triton.jit

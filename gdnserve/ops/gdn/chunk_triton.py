@@ -62,8 +62,10 @@ def chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, 
                       s_kt, s_kh, s_vt, s_vh, s_at, s_ah, s_bt, s_bh,
                       R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
-                      INV_MODE: tl.constexpr, PREP_BF16: tl.constexpr):
-    i_row, i_h = tl.program_id(0), tl.program_id(1)
+                      INV_MODE: tl.constexpr, PREP_BF16: tl.constexpr, SPLIT: tl.constexpr):
+    # SPLIT programs per key head, each taking R // SPLIT of its value heads (more programs for small grids)
+    i_row, i_hs = tl.program_id(0), tl.program_id(1)
+    i_h, i_s = i_hs // SPLIT, i_hs % SPLIT
     i_n, o_rows, m_rows = _chunk_rows(chunk_indices, cu_seqlens, i_row, C)
     if i_n < 0:
         return
@@ -88,8 +90,9 @@ def chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, 
     strict = o_c[:, None] > o_c[None, :]
     eye = (o_c[:, None] == o_c[None, :]).to(tl.float32)
 
-    for jj in range(R):
-        i_hv = i_h * R + jj
+    RS: tl.constexpr = R // SPLIT
+    for jj in range(RS):
+        i_hv = i_h * R + i_s * RS + jj
         b_g, b_beta = _gates(a + i_hv * s_ah, b + i_hv * s_bh, o_rows, m_rows, s_at, s_bt,
                              tl.load(A_log + i_hv), tl.load(dt_bias + i_hv).to(tl.float32))
         b_gc = tl.cumsum(b_g, 0)
@@ -205,9 +208,12 @@ def chunk_state_kernel(k, w, u, gcum, vnew, h, pool, cu_seqlens, chunk_offsets, 
     if i_p >= 0:
         # the parent's final state: wait for the parent's program of this very tile to publish it in its dst
         # slot (bar.sync + release there, acquire + bar.sync here), then read it past L1
+        # (spin on plain volatile loads: an atomic per iteration from every waiting program serialises at the
+        # flag's L2 slice and slows the parent down; one acquire RMW after the flag is seen orders the reads)
         p_flag = sync + 1 + (i_p * HV + i_hv) * NVT + i_vt
-        while tl.atomic_add(p_flag, 0, sem="acquire") == 0:
+        while tl.load(p_flag, volatile=True) == 0:
             pass
+        tl.atomic_add(p_flag, 0, sem="acquire")
         tl.debug_barrier()
         s_pd = tl.load(dst_slots + i_p)
         b_S = tl.load(pool + s_pd.to(tl.int64) * SLOT + o_s, mask=m_s, other=0., cache_modifier=".cg").to(tl.float32)
@@ -287,6 +293,10 @@ def chunk_output_kernel(q, k, gcum, vnew, h, o, cu_seqlens, chunk_indices, scale
 PREP_WARPS, PREP_MIN_BLOCK, STATE_BV, STATE_WARPS, OUT_BV, OUT_WARPS = 4, 64, 32, 4, 128, 4
 STATE_F32 = False
 INV_MODE = 1
+# A prep grid of fewer (chunk row, key head) programs than this runs one program per value head instead
+# (K Kᵀ formed r times, but r times the programs): the small grouped steps are latency-bound there
+# (1P512+16C64: 384 programs of ~25 µs each, benchmarks/results/profile_h200_run2.log).
+PREP_SPLIT_BELOW = 2048
 OUT_F32 = False
 PREP_BF16 = True
 
@@ -298,11 +308,13 @@ def _prec(v: torch.Tensor) -> str:
 def launch_prep(q, k, v, a, b, A_log, dt_bias, meta: VarlenMeta, ws: ChunkWorkspace):
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
-    launch(chunk_prep_kernel, (meta.num_chunk_rows, H), (
+    R = HV // H
+    split = R if meta.num_chunk_rows * H < PREP_SPLIT_BELOW else 1
+    launch(chunk_prep_kernel, (meta.num_chunk_rows, H * split), (
         q, k, v, a, b, A_log, dt_bias, meta.cu_seqlens, meta.chunk_indices, ws.gcum, ws.w, ws.u,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         HV // H, HV, K, V, max(pow2(K), PREP_MIN_BLOCK), max(pow2(V), PREP_MIN_BLOCK), CHUNK, _prec(v), INV_MODE,
-        PREP_BF16 and v.dtype != torch.float32),
+        PREP_BF16 and v.dtype != torch.float32, split),
         PREP_WARPS)
 
 
