@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from benchmarks.bench_ops import resolve_device
-from benchmarks.e2e_report import Report, fmt_pct, model_summary, pct, timed
+from benchmarks.e2e_report import Report, fmt_pct, model_summary, one_thread_on_cpu, pct, timed
 from benchmarks.random_model import build_hf_model, build_random_model, config_for, ours_from_hf
 from benchmarks.timing import measure_ceilings
 from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
@@ -274,7 +274,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"bench model: {e}", file=sys.stderr)
         return 2
-    res = run(device, args.quick, Path(args.out), args.hf, args.layers, args.experts, args.time_budget)
+    with one_thread_on_cpu(device):
+        res = run(device, args.quick, Path(args.out), args.hf, args.layers, args.experts, args.time_budget)
     return 1 if res["errors"] else 0
 
 

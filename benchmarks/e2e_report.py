@@ -5,12 +5,13 @@ stderr with the elapsed time; a time budget after which the remaining cases are 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -33,6 +34,19 @@ def fmt_pct(p: dict[str, float] | None, fmt: str = ".1f") -> str:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def one_thread_on_cpu(device: torch.device) -> Iterator[None]:
+    """On CPU, one intra-op thread for the run: at the tiny CPU shapes more threads only add OpenMP wake-ups,
+    which on a loaded 2-core machine made the same step vary tenfold (as in bench_grouped_prefill)."""
+    threads = torch.get_num_threads()
+    if device.type != "cuda":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
