@@ -220,8 +220,10 @@ def run(device: torch.device, quick: bool, out_dir: Path, use_hf: bool, layers: 
                 rep.log("building the HF model on the device")
                 hf = build_hf_model(hf_cfg, device, dtype)
                 rep.res["hf_gdn_path"] = hf_gdn_path()
-                rep.res["hf_gdn_path_summary"] = ("fla kernels" if "fla" in str(rep.res["hf_gdn_path"])
-                                                  else "its PyTorch fallback") + " (details in the JSON)"
+                rep.res["hf_gdn_path_summary"] = (
+                    ("fla kernels" if "fla" in str(rep.res["hf_gdn_path"]) else "its PyTorch fallback")
+                    + f" (details in the JSON); MoE experts `{getattr(hf.config, '_experts_implementation', '?')}`, "
+                    f"attention `{getattr(hf.config, '_attn_implementation', '?')}`")
             except Exception as e:  # noqa: BLE001 — no HF: our rows alone
                 rep.error("building the HF model (HF rows skipped)", e)
                 hf = None
