@@ -109,12 +109,21 @@ def _rand_ids(vocab: int, *shape: int) -> torch.Tensor:
     return torch.randint(0, vocab, shape)
 
 
-def ours_prefill(runner: ModelRunner, N: int, L: int, plan: Plan, dev: torch.device) -> list[float]:
-    vocab, times = runner.model.cfg.vocab_size, []
+def parity(runner: ModelRunner, hf, vocab: int, dev: torch.device) -> float:
+    """rel-RMS of the two models' last-token logits on one random 64-token prompt."""
+    ids = _rand_ids(vocab, 1, 64)
+    seq = runner.new_seq()
+    got = runner.step([PrefillItem(seq, ids[0].tolist())], [])[0]
+    runner.free_seq(seq)
+    return rel_rms(got, hf(ids.to(dev), logits_to_keep=1).logits[0, -1].float())
+
+
+def ours_prefill(runner: ModelRunner, ids: torch.Tensor, plan: Plan, dev: torch.device) -> list[float]:
+    """ids: [N, L] host int64; each call prefills N fresh sequences (freed after the call)."""
+    rows, times = ids.tolist(), []
     for i in range(plan.warmup + plan.iters):
-        ids = _rand_ids(vocab, N, L).tolist()
-        seqs = [runner.new_seq() for _ in range(N)]
-        _, t = timed(lambda: runner.step([PrefillItem(s, x) for s, x in zip(seqs, ids)], []), dev)
+        seqs = [runner.new_seq() for _ in rows]
+        _, t = timed(lambda: runner.step([PrefillItem(s, x) for s, x in zip(seqs, rows)], []), dev)
         for s in seqs:
             runner.free_seq(s)
         if i >= plan.warmup:
@@ -151,8 +160,8 @@ def _capped_loop(call, plan: Plan, dev: torch.device) -> tuple[list[float], bool
     return times[plan.warmup:], False
 
 
-def hf_prefill(hf, N: int, L: int, plan: Plan, dev: torch.device, vocab: int) -> tuple[list[float], bool]:
-    ids = _rand_ids(vocab, N, L).to(dev)
+def hf_prefill(hf, ids: torch.Tensor, plan: Plan, dev: torch.device) -> tuple[list[float], bool]:
+    ids = ids.to(dev)
     return _capped_loop(lambda: hf(ids, use_cache=False, logits_to_keep=1), plan, dev)
 
 
@@ -200,6 +209,62 @@ def table(res: dict[str, Any]) -> list[str]:
     return L
 
 
+def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype, device: torch.device,
+             use_hf: bool) -> None:
+    cuda, hf = device.type == "cuda", None
+    rep.res["ceilings"] = measure_ceilings(device, quick=True)
+    if use_hf:
+        try:
+            import transformers
+            rep.res["transformers"] = transformers.__version__
+            rep.log("building the HF model on the device")
+            hf = build_hf_model(hf_cfg, device, dtype)
+            rep.res["hf_gdn_path"] = hf_gdn_path()
+            rep.res["hf_gdn_path_summary"] = (
+                ("fla kernels" if "fla" in str(rep.res["hf_gdn_path"]) else "its PyTorch fallback")
+                + f" (details in the JSON); MoE experts `{getattr(hf.config, '_experts_implementation', '?')}`, "
+                f"attention `{getattr(hf.config, '_attn_implementation', '?')}`")
+        except Exception as e:  # noqa: BLE001 — no HF: our rows alone
+            rep.error("building the HF model (HF rows skipped)", e)
+            hf = None
+    rep.log("building gdnserve's model" + (" from the HF weights" if hf is not None else ""))
+    ours = ours_from_hf(hf, hf_cfg, device, dtype) if hf is not None else build_random_model(hf_cfg, device, dtype)
+    runner = ModelRunner(ours, RunnerConfig(num_slots=max(plan.batches) + 2, num_pages=4096, page_size=16))
+    if hf is not None:
+        try:
+            rep.res["parity_rel_rms"] = f"{parity(runner, hf, hf_cfg['vocab_size'], device):.2e}"
+            rep.log(f"parity: rel-RMS {rep.res['parity_rel_rms']}")
+        except Exception as e:  # noqa: BLE001
+            rep.error("parity check", e)
+    cases = [("prefill", f"{N}x{L}", N, L) for N, L in plan.prefill]
+    cases += [("decode", f"B={B}", B, 1) for B in plan.batches]
+    for kind, shape, N, L in cases:
+        if rep.over_budget(f"{kind} {shape}"):
+            continue
+        rate = rep.res["ceilings"]["bf16_matmul_TFLOPs" if dtype == torch.bfloat16 else "fp32_matmul_TFLOPs"]
+        floor = (prefill_flops(ours, N, L) / (rate * 1e12) if kind == "prefill"
+                 else decode_bytes(ours, N, plan.context) / (rep.res["ceilings"]["copy_TBps"] * 1e12))
+        ids = _rand_ids(hf_cfg["vocab_size"], N, L)             # the same prompts for both (prefill)
+        rep.log(f"{kind} {shape}: gdnserve")
+        try:
+            times = ours_prefill(runner, ids, plan, device) if kind == "prefill" else ours_decode(runner, N, plan, device)
+            rep.add(_row(kind, shape, N * L, "gdnserve", times, floor))
+        except Exception as e:  # noqa: BLE001
+            rep.error(f"{kind} {shape} gdnserve", e)
+        if hf is None:
+            continue
+        rep.log(f"{kind} {shape}: HF")
+        try:
+            times, capped = (hf_prefill(hf, ids, plan, device) if kind == "prefill"
+                             else hf_decode(hf, N, plan, device, hf_cfg["vocab_size"]))
+            rep.add(_row(kind, shape, N * L, "hf", times, floor, capped))
+        except Exception as e:  # noqa: BLE001
+            rep.error(f"{kind} {shape} HF", e)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+
 def run(device: torch.device, quick: bool, out_dir: Path, use_hf: bool, layers: int | None, experts: int | None,
         budget_s: float) -> dict[str, Any]:
     cuda = device.type == "cuda"
@@ -210,61 +275,11 @@ def run(device: torch.device, quick: bool, out_dir: Path, use_hf: bool, layers: 
                  budget_s=budget_s, table=table, model_config=hf_cfg, dtype=str(dtype),
                  model_summary=model_summary(hf_cfg, dtype), plan=plan.__dict__)
     torch.manual_seed(0)
-    hf = None
-    with torch.inference_mode():
-        rep.res["ceilings"] = measure_ceilings(device, quick=True)
-        if use_hf:
-            try:
-                import transformers
-                rep.res["transformers"] = transformers.__version__
-                rep.log("building the HF model on the device")
-                hf = build_hf_model(hf_cfg, device, dtype)
-                rep.res["hf_gdn_path"] = hf_gdn_path()
-                rep.res["hf_gdn_path_summary"] = (
-                    ("fla kernels" if "fla" in str(rep.res["hf_gdn_path"]) else "its PyTorch fallback")
-                    + f" (details in the JSON); MoE experts `{getattr(hf.config, '_experts_implementation', '?')}`, "
-                    f"attention `{getattr(hf.config, '_attn_implementation', '?')}`")
-            except Exception as e:  # noqa: BLE001 — no HF: our rows alone
-                rep.error("building the HF model (HF rows skipped)", e)
-                hf = None
-        rep.log("building gdnserve's model" + (" from the HF weights" if hf is not None else ""))
-        ours = ours_from_hf(hf, hf_cfg, device, dtype) if hf is not None else build_random_model(hf_cfg, device, dtype)
-        runner = ModelRunner(ours, RunnerConfig(num_slots=max(plan.batches) + 2, num_pages=4096, page_size=16))
-        if hf is not None:
-            ids = _rand_ids(hf_cfg["vocab_size"], 1, 64)
-            seq = runner.new_seq()
-            got = runner.step([PrefillItem(seq, ids[0].tolist())], [])[0]
-            runner.free_seq(seq)
-            ref = hf(ids.to(device), logits_to_keep=1).logits[0, -1].float()
-            rep.res["parity_rel_rms"] = f"{rel_rms(got, ref):.2e}"
-            rep.log(f"parity: rel-RMS {rep.res['parity_rel_rms']}")
-        cases = [("prefill", f"{N}x{L}", N, L) for N, L in plan.prefill]
-        cases += [("decode", f"B={B}", B, 1) for B in plan.batches]
-        for kind, shape, N, L in cases:
-            if rep.over_budget(f"{kind} {shape}"):
-                continue
-            rate = rep.res["ceilings"]["bf16_matmul_TFLOPs" if dtype == torch.bfloat16 else "fp32_matmul_TFLOPs"]
-            floor = (prefill_flops(ours, N, L) / (rate * 1e12) if kind == "prefill"
-                     else decode_bytes(ours, N, plan.context) / (rep.res["ceilings"]["copy_TBps"] * 1e12))
-            rep.log(f"{kind} {shape}: gdnserve")
-            try:
-                times = ours_prefill(runner, N, L, plan, device) if kind == "prefill" else ours_decode(runner, N, plan, device)
-                rep.add(_row(kind, shape, N * L, "gdnserve", times, floor))
-            except Exception as e:  # noqa: BLE001
-                rep.error(f"{kind} {shape} gdnserve", e)
-            if hf is None:
-                continue
-            rep.log(f"{kind} {shape}: HF")
-            try:
-                v = hf_cfg["vocab_size"]
-                times, capped = (hf_prefill(hf, N, L, plan, device, v) if kind == "prefill"
-                                 else hf_decode(hf, N, plan, device, v))
-                rep.add(_row(kind, shape, N * L, "hf", times, floor, capped))
-            except Exception as e:  # noqa: BLE001
-                rep.error(f"{kind} {shape} HF", e)
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
+    try:
+        with torch.inference_mode():
+            _measure(rep, plan, hf_cfg, dtype, device, use_hf)
+    except Exception as e:  # noqa: BLE001 — set-up failed: the report says so
+        rep.error("set-up", e)
     if any(r["capped"] for r in rep.res["rows"]):
         rep.note(f"HF cases marked capped stopped after {plan.hf_case_cap_s:.0f} s of calls (fewer samples).")
     return rep.finish()

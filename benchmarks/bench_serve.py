@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from benchmarks.bench_ops import resolve_device
-from benchmarks.e2e_report import Report, fmt_pct, model_summary, one_thread_on_cpu, pct
+from benchmarks.e2e_report import Report, model_summary, one_thread_on_cpu, pct
 from benchmarks.random_model import NullTokenizer, build_random_model, config_for
 from gdnserve.engine.llm_engine import LLMEngine
 from gdnserve.engine.model_runner import RunnerConfig
@@ -174,17 +174,9 @@ def table(res: dict[str, Any]) -> list[str]:
     return L
 
 
-def run(device: torch.device, quick: bool, out_dir: Path, layers: int | None, experts: int | None,
-        groups: int | None, max_tokens: int, budget_s: float) -> dict[str, Any]:
+def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype, device: torch.device,
+             max_tokens: int) -> None:
     cuda = device.type == "cuda"
-    plan = make_plan(cuda, quick, groups)
-    hf_cfg = config_for(device, layers, experts)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    rep = Report("serve", "Serving shared-prefix groups (LLMEngine)", device, out_dir, quick=quick, budget_s=budget_s,
-                 table=table, model_config=hf_cfg, dtype=str(dtype), model_summary=model_summary(hf_cfg, dtype),
-                 engine=f"max_step_tokens {plan.max_step_tokens}, max_num_seqs {plan.max_num_seqs}, "
-                        f"{plan.num_pages} KV pages of 16, greedy, max_tokens {max_tokens}, no CUDA graphs",
-                 workloads=[w.__dict__ for w in plan.workloads])
     rep.log("building the random model on the device")
     model = build_random_model(hf_cfg, device, dtype)
     vocab = hf_cfg["vocab_size"]
@@ -222,6 +214,23 @@ def run(device: torch.device, quick: bool, out_dir: Path, layers: int | None, ex
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
+
+
+def run(device: torch.device, quick: bool, out_dir: Path, layers: int | None, experts: int | None,
+        groups: int | None, max_tokens: int, budget_s: float) -> dict[str, Any]:
+    cuda = device.type == "cuda"
+    plan = make_plan(cuda, quick, groups)
+    hf_cfg = config_for(device, layers, experts)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    rep = Report("serve", "Serving shared-prefix groups (LLMEngine)", device, out_dir, quick=quick, budget_s=budget_s,
+                 table=table, model_config=hf_cfg, dtype=str(dtype), model_summary=model_summary(hf_cfg, dtype),
+                 engine=f"max_step_tokens {plan.max_step_tokens}, max_num_seqs {plan.max_num_seqs}, "
+                        f"{plan.num_pages} KV pages of 16, greedy, max_tokens {max_tokens}, no CUDA graphs",
+                 workloads=[w.__dict__ for w in plan.workloads])
+    try:
+        _measure(rep, plan, hf_cfg, dtype, device, max_tokens)
+    except Exception as e:  # noqa: BLE001 — set-up failed: the report says so
+        rep.error("set-up", e)
     rows = {(r["workload"], r["mode"]): r for r in rep.res["rows"] if r["pass"] == "throughput"}
     rfc = plan.workloads[0].name
     if (rfc, "fused") in rows and (rfc, "none") in rows:

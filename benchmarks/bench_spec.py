@@ -163,15 +163,8 @@ def table(res: dict[str, Any]) -> list[str]:
     return L
 
 
-def run(device: torch.device, quick: bool, out_dir: Path, layers: int | None, experts: int | None,
-        batches: str | None, ks: str, rates: str, budget_s: float) -> dict[str, Any]:
+def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype, device: torch.device) -> None:
     cuda = device.type == "cuda"
-    plan = make_plan(cuda, quick, batches, ks, rates)
-    hf_cfg = config_for(device, layers, experts)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    rep = Report("spec", "Speculative decoding (oracle drafts)", device, out_dir, quick=quick, budget_s=budget_s,
-                 table=table, model_config=hf_cfg, dtype=str(dtype), plan={**plan.__dict__, "max_tokens": plan.max_tokens},
-                 model_summary=model_summary(hf_cfg, dtype) + " Greedy chain lm head (module docstring).")
     rep.log("building the random model on the device")
     model = build_random_model(hf_cfg, device, dtype)
     with torch.no_grad():
@@ -214,6 +207,21 @@ def run(device: torch.device, quick: bool, out_dir: Path, layers: int | None, ex
                     gc.collect()
                     if cuda:
                         torch.cuda.empty_cache()
+
+
+def run(device: torch.device, quick: bool, out_dir: Path, layers: int | None, experts: int | None,
+        batches: str | None, ks: str, rates: str, budget_s: float) -> dict[str, Any]:
+    cuda = device.type == "cuda"
+    plan = make_plan(cuda, quick, batches, ks, rates)
+    hf_cfg = config_for(device, layers, experts)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    rep = Report("spec", "Speculative decoding (oracle drafts)", device, out_dir, quick=quick, budget_s=budget_s,
+                 table=table, model_config=hf_cfg, dtype=str(dtype), plan={**plan.__dict__, "max_tokens": plan.max_tokens},
+                 model_summary=model_summary(hf_cfg, dtype) + " Greedy chain lm head (module docstring).")
+    try:
+        _measure(rep, plan, hf_cfg, dtype, device)
+    except Exception as e:  # noqa: BLE001 — set-up failed: the report says so
+        rep.error("set-up", e)
     if any(r.get("diverged") for r in rep.res["rows"]):
         rep.note("Some requests left the recorded continuation (diverged column): their drafts were wrong from "
                  "then on, so their acceptance is below the nominal rate.")

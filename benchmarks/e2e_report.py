@@ -10,6 +10,7 @@ import datetime as _dt
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -100,6 +101,8 @@ class Report:
         self.log(text)
 
     def error(self, where: str, e: BaseException) -> None:
+        """Record an exception (call from its ``except`` block: the traceback goes to stderr, i.e. the log)."""
+        traceback.print_exc(file=sys.stderr)
         self.res["errors"].append({"where": where, "error": _err(e)})
         self.log(f"{where} FAILED: {_err(e)}")
         self.write()
