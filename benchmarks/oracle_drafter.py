@@ -41,7 +41,9 @@ class RecordedOracleDrafter(Drafter):
     def propose(self, token_ids: Sequence[int]) -> list[int]:
         req, future = self.futures[tuple(token_ids[:self.prompt_len])]
         pos = len(token_ids)
-        if req in self.diverged or pos > len(future) or list(token_ids[self.prompt_len:]) != future[self.prompt_len:pos]:
+        # checking the last token suffices: accepted drafts equal the recording, so a token that differs is always
+        # the last one its step emitted (the target's own)
+        if req in self.diverged or pos > len(future) or token_ids[-1] != future[pos - 1]:
             self.diverged.add(req)
             return []                                # padded with the last token by propose_padded
         drafts = future[pos:pos + self.k]
