@@ -43,9 +43,11 @@ class RecordedOracleDrafter(Drafter):
         pos = len(token_ids)
         # checking the last token suffices: accepted drafts equal the recording, so a token that differs is always
         # the last one its step emitted (the target's own)
-        if req in self.diverged or pos > len(future) or token_ids[-1] != future[pos - 1]:
+        if pos > len(future):
+            return []                                # past the recording: padded by propose_padded
+        if req in self.diverged or token_ids[-1] != future[pos - 1]:
             self.diverged.add(req)
-            return []                                # padded with the last token by propose_padded
+            return []
         drafts = future[pos:pos + self.k]
         for j in range(self.accepted_at(req, pos), len(drafts)):
             drafts[j] = drafts[j] + 1 if drafts[j] == 0 else drafts[j] - 1     # wrong, inside the vocabulary
