@@ -83,8 +83,8 @@ def build_random_model(hf_cfg: dict[str, Any], device: torch.device, dtype: torc
     from gdnserve.models.qwen3_5 import HybridLM
     cfg = ModelConfig.from_hf(hf_cfg)
     with torch.device("meta"):
-        model = HybridLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
+        model = HybridLM(cfg).to(dtype)
+    model = model.to_empty(device=device)
     init_random_(model, seed)
     _finish(model)
     return model.eval()
@@ -120,7 +120,7 @@ def ours_from_hf(hf_model, hf_cfg: dict[str, Any], device: torch.device, dtype: 
     from gdnserve.models.qwen3_5 import HybridLM
     cfg = ModelConfig.from_hf(hf_cfg)
     with torch.device("meta"):
-        model = HybridLM(cfg)
+        model = HybridLM(cfg).to(dtype)
     model = model.to_empty(device=device)
     tensors = {n: (lambda t=t: t.detach()) for n, t in hf_model.state_dict().items()}
     load_weights(model, cfg, tensors, dtype)
