@@ -2,6 +2,7 @@
 
     gdnserve bench ops [--device auto|cpu|cuda[:N]] [--quick] [--out DIR] [--no-fla]
     gdnserve bench grouped-prefill [--device ...] [--quick] [--out DIR] [--no-fla] [--modes M1,M2,...]
+    gdnserve bench model | serve | spec [--device ...] [--quick] [--out DIR] [--layers N] [--experts N] ...
     gdnserve generate PROMPT [--model DIR] [--max-tokens N] [--device ...] [--dtype ...]
     gdnserve serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--prefill-mode fused] ...
 
@@ -75,6 +76,47 @@ def add_bench_grouped_prefill_arguments(p: argparse.ArgumentParser) -> None:
                         "baseline of the speedup and of the correctness column")
 
 
+def _add_bench_e2e_common(p: argparse.ArgumentParser, files: str) -> None:
+    """Options shared by the end-to-end benchmarks (random-weight model, benchmarks/random_model.py)."""
+    p.add_argument("--device", default="auto",
+                   help="auto (default: cuda if available, else cpu), cpu, cuda or cuda:N. On CPU a tiny fp32 model "
+                        "(a smoke test of the harness, not a performance figure)")
+    p.add_argument("--quick", action="store_true", help="fewer iterations and cases (CI smoke runs)")
+    p.add_argument("--out", type=Path, default=DEFAULT_RESULTS, help=f"folder for {files} (default: {DEFAULT_RESULTS})")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: 8 on CUDA, 4 on CPU; 3 GDN : 1 "
+                                                             "attention)")
+    p.add_argument("--experts", type=int, default=None, help="MoE experts (default: 64 on CUDA, 8 on CPU; top-8 on "
+                                                              "CUDA)")
+    p.add_argument("--time-budget", type=float, default=150.0,
+                   help="seconds after which the remaining cases are skipped (default 150); partial results are "
+                        "written after every case")
+
+
+def add_bench_model_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``bench model``; ``python -m benchmarks.bench_model`` takes the same ones."""
+    _add_bench_e2e_common(p, "model_<device>_<date>.json and .md")
+    p.add_argument("--no-hf", dest="hf", action="store_false",
+                   help="skip the HF transformers rows (Qwen3_5MoeForCausalLM on the same weights)")
+
+
+def add_bench_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``bench serve``; ``python -m benchmarks.bench_serve`` takes the same ones."""
+    _add_bench_e2e_common(p, "serve_<device>_<date>.json and .md")
+    p.add_argument("--groups", type=int, default=None,
+                   help="groups per throughput run (default: 16 for the RFC workload on CUDA, 4 for 1P2048+16C64)")
+    p.add_argument("--max-tokens", type=int, default=1,
+                   help="tokens generated per request (default 1: score-like, first token only)")
+
+
+def add_bench_spec_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``bench spec``; ``python -m benchmarks.bench_spec`` takes the same ones."""
+    _add_bench_e2e_common(p, "spec_<device>_<date>.json and .md")
+    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default: 1,16,64,256 on CUDA)")
+    p.add_argument("--ks", default="1,2,3", help="comma-separated draft lengths k (default 1,2,3)")
+    p.add_argument("--acceptance", default="1.0,0.6",
+                   help="comma-separated oracle acceptance rates per draft token (default 1.0,0.6)")
+
+
 def _bench_ops(args: argparse.Namespace) -> int:
     return load_benchmark("bench_ops").run_from_args(args)
 
@@ -83,10 +125,21 @@ def _bench_grouped_prefill(args: argparse.Namespace) -> int:
     return load_benchmark("bench_grouped_prefill").run_from_args(args)
 
 
+_E2E = {  # name -> (module, add_arguments, help)
+    "model": ("bench_model", add_bench_model_arguments,
+              "model prefill / decode tokens/s: gdnserve vs HF transformers on the same random weights"),
+    "serve": ("bench_serve", add_bench_serve_arguments,
+              "end-to-end LLMEngine: shared-prefix groups with checkpoints (fused, two_phase) vs none; QPS, TTFT"),
+    "spec": ("bench_spec", add_bench_spec_arguments,
+             "speculative decoding tokens/s (oracle drafts, k = 1..3, intermediate vs replay) vs plain decode"),
+}
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmarks (write JSON + markdown under benchmarks/results/)",
                            description="Benchmarks; each writes JSON and a markdown table.")
-    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{ops,grouped-prefill}", required=True)
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{ops,grouped-prefill,model,serve,spec}",
+                                     required=True)
     ops = bench_sub.add_parser(
         "ops", help="op benchmarks: conv + chunked prefill, decode, verify; ours vs fla",
         description="Time gdnserve's ops (conv + chunked GDN prefill, decode, verify) against fla 0.6.0 at the "
@@ -101,6 +154,10 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                     "write JSON + markdown + a PNG plot to --out.")
     add_bench_grouped_prefill_arguments(gp)
     gp.set_defaults(func=_bench_grouped_prefill)
+    for name, (module, add_arguments, text) in _E2E.items():
+        p = bench_sub.add_parser(name, help=text, description=text[0].upper() + text[1:] + "; writes JSON + markdown.")
+        add_arguments(p)
+        p.set_defaults(func=lambda args, module=module: load_benchmark(module).run_from_args(args))
 
 
 def _add_generate(sub) -> None:

@@ -1,0 +1,263 @@
+"""End-to-end serving of shared-prefix groups through ``LLMEngine`` (offline, no HTTP): queries per second
+and time to first token with checkpoints (``prefill_mode=fused``, ``two_phase``) and without.
+
+Run ``gdnserve bench serve`` or ``python -m benchmarks.bench_serve`` (options: --device, --quick, --out,
+--layers, --experts, --groups, --max-tokens, --time-budget). Writes ``serve_<device>_<date>.json`` / ``.md``.
+
+Model: ``benchmarks/random_model.py`` (Qwen3.5-35B-A3B shapes, 8 layers, 64 experts, bf16 on CUDA; tiny
+fp32 on CPU). Prompts are random token ids; the engine gets them as ids with ``checkpoint_at`` = the
+prefix length — what the HTTP server sends after stripping a ``<|state_checkpoint|>`` marker — so the
+engine's real admission path runs: the group's first request becomes the producer of the prefix, the
+others join it in the same step as consumers (or hit its READY checkpoint later).
+
+Workloads (CUDA): **RFC** — groups of one shared prefix of 600 tokens + 10 requests with distinct suffixes
+of 16–32 tokens (~624 tokens each: 1 anchor + 9 candidates); **1P2048+16C64** — one prefix of 2,048
+tokens + 16 candidates of 64. Each request generates ``--max-tokens`` greedy tokens (default 1, score-like).
+
+Modes: ``fused`` and ``two_phase`` — requests carry ``checkpoint_at``, automatic checkpoints on (the
+engine default); ``none`` — no ``checkpoint_at``, automatic checkpoints off: every request prefilled in
+full. ``score`` (RFC and 1P2048 rows, fused engine) — ``engine.score(prefix, candidates)`` once per group,
+the structured API (candidate log-probs, no token generated).
+
+Two passes per mode: **latency** — one group at a time on an idle engine (TTFT without queueing);
+**throughput** — all groups submitted at once, the engine batching them back to back. QPS = requests
+(candidates) per second over the wall time of the pass; groups/s also given. TTFT = time from
+submission to the step that returns the request's first token (its median and P90). One untimed group per
+mode first (compilation). Sanity columns: checkpoint hits (requests whose provenance says they started
+from the prefix state) and the share of first tokens equal to the ``none`` mode's on the same prompts.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.bench_ops import resolve_device
+from benchmarks.e2e_report import Report, model_summary, one_thread_on_cpu, pct
+from benchmarks.random_model import NullTokenizer, build_random_model, config_for
+from gdnserve.engine.llm_engine import LLMEngine
+from gdnserve.engine.model_runner import RunnerConfig
+from gdnserve.engine.sampling_params import SamplingParams
+
+MODES = ("none", "fused", "two_phase", "score")   # none first: the reference of the agreement column
+Group = tuple[list[int], list[list[int]]]       # (prefix ids, candidate suffix ids)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prefix: int
+    candidates: int
+    suffix: tuple[int, int]       # suffix length range (inclusive)
+    groups: int                   # groups in the throughput pass
+    latency_groups: int           # groups run one at a time
+
+    def make_groups(self, n: int, vocab: int, rng: random.Random) -> list[Group]:
+        ids = lambda k: [rng.randrange(vocab) for _ in range(k)]  # noqa: E731
+        return [(ids(self.prefix), [ids(rng.randint(*self.suffix)) for _ in range(self.candidates)])
+                for _ in range(n)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    workloads: tuple[Workload, ...]
+    max_step_tokens: int
+    max_num_seqs: int
+    num_pages: int
+
+
+def make_plan(cuda: bool, quick: bool, groups: int | None) -> Plan:
+    if cuda:
+        wl = (Workload("RFC 1P600+10C(16-32)", 600, 10, (16, 32), 16, 4),
+              Workload("1P2048+16C64", 2048, 16, (64, 64), 4, 2))
+        plan = Plan(wl, 8192, 256, 16384)
+    else:
+        wl = (Workload("RFC-tiny 1P48+10C(2-6)", 48, 10, (2, 6), 3, 1),
+              Workload("1P96+16C8", 96, 16, (8, 8), 1, 1))
+        plan = Plan(wl, 1024, 64, 2048)
+    if quick:
+        wl = tuple(replace(w, groups=max(1, w.groups // 2), latency_groups=1) for w in plan.workloads)
+        plan = replace(plan, workloads=wl)
+    if groups:
+        plan = replace(plan, workloads=tuple(replace(w, groups=groups) for w in plan.workloads))
+    return plan
+
+
+def make_engine(model, mode: str, plan: Plan) -> LLMEngine:
+    rc = RunnerConfig(num_slots=2 * plan.max_num_seqs + 2, num_pages=plan.num_pages, page_size=16,
+                      prefill_mode="fused" if mode in ("none", "score") else mode)
+    return LLMEngine(model, NullTokenizer(), runner=rc, max_num_seqs=plan.max_num_seqs,
+                     max_step_tokens=plan.max_step_tokens, max_model_len=4096, auto_checkpoints=mode != "none")
+
+
+def drive(engine: LLMEngine, groups: list[Group], mode: str, params: SamplingParams, tag: str) -> dict[str, Any]:
+    """Submit every request of ``groups`` now and step the engine until all have finished."""
+    t_sub: dict[str, float] = {}
+    ttft: dict[str, float] = {}
+    first: dict[str, int] = {}
+    hits = steps = 0
+    t0 = time.perf_counter()
+    for g, (prefix, cands) in enumerate(groups):
+        for j, suffix in enumerate(cands):
+            rid = f"{tag}g{g}c{j}"
+            engine.add_request(rid, prefix + suffix, params, None if mode == "none" else len(prefix))
+            t_sub[rid] = time.perf_counter()
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        steps += 1
+        for o in outs:
+            if o.request_id not in ttft and o.outputs[0].token_ids:
+                ttft[o.request_id] = now - t_sub[o.request_id]
+                first[o.request_id.removeprefix(tag)] = o.outputs[0].token_ids[0]
+                hits += o.checkpoint.hit_length > 0
+    return {"wall_s": time.perf_counter() - t0, "ttft_s": list(ttft.values()), "first": first, "hits": hits,
+            "steps": steps}
+
+
+def drive_score(engine: LLMEngine, groups: list[Group]) -> dict[str, Any]:
+    """``engine.score(prefix, candidates)`` per group, back to back; 'TTFT' = the call's latency."""
+    lat = []
+    t0 = time.perf_counter()
+    for prefix, cands in groups:
+        t = time.perf_counter()
+        res = engine.score(prefix, cands)
+        float(res.candidates[-1].sum_logprob)
+        lat.append(time.perf_counter() - t)
+    n = sum(len(c) for _, c in groups)
+    return {"wall_s": time.perf_counter() - t0, "ttft_s": lat, "first": {}, "hits": n, "steps": len(groups)}
+
+
+def _row(wl: Workload, mode: str, pass_: str, groups: list[Group], r: dict[str, Any],
+         ref_first: dict[str, int] | None) -> dict[str, Any]:
+    n = sum(len(c) for _, c in groups)
+    tok = sum(len(p) + len(s) for p, c in groups for s in c) if mode == "none" else \
+        sum(len(p) + sum(map(len, c)) for p, c in groups)
+    agree = None
+    if ref_first and r["first"]:
+        same = [r["first"][k] == ref_first[k] for k in r["first"] if k in ref_first]
+        agree = sum(same) / len(same) if same else None
+    return {"workload": wl.name, "mode": mode, "pass": pass_, "groups": len(groups), "requests": n,
+            "wall_s": r["wall_s"], "qps": n / r["wall_s"], "groups_per_s": len(groups) / r["wall_s"],
+            "ttft_ms": pct([t * 1e3 for t in r["ttft_s"]]), "hits": r["hits"], "steps": r["steps"],
+            "prefill_tokens": tok, "first_token_agreement_vs_none": agree}
+
+
+def table(res: dict[str, Any]) -> list[str]:
+    L = [res.get("model_summary", ""), "", f"Engine: {res.get('engine')}.", "",
+         "QPS = requests per second over the pass's wall time (groups/s beside it); TTFT ms: median and P90 "
+         "from submission to the step returning the first token. latency = one group at a time on an idle engine; "
+         "throughput = all groups submitted at once. ×none: QPS over the `none` row of the same workload and pass. "
+         "hits: requests started from the prefix state; agree: first tokens equal to `none`'s.", "",
+         "| workload | mode | pass | groups × req | QPS | groups/s | ×none | TTFT ms median | TTFT P90 | "
+         "prefill tokens | steps | hits | agree |",
+         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    none = {(r["workload"], r["pass"]): r["qps"] for r in res["rows"] if r["mode"] == "none"}
+    for r in res["rows"]:
+        base = none.get((r["workload"], r["pass"]))
+        x = f"{r['qps'] / base:.2f}" if base else ""
+        ag = "" if r["first_token_agreement_vs_none"] is None else f"{100 * r['first_token_agreement_vs_none']:.0f} %"
+        L.append(f"| {r['workload']} | {r['mode']} | {r['pass']} | {r['groups']} × {r['requests'] // r['groups']} | "
+                 f"{r['qps']:.1f} | {r['groups_per_s']:.2f} | {x} | {r['ttft_ms']['p50']:.1f} | "
+                 f"{r['ttft_ms']['p90']:.1f} | {r['prefill_tokens']:,} | {r['steps']} | {r['hits']} | {ag} |")
+    t = res.get("target")
+    if t:
+        L += ["", f"Target: fused ≥ 2.1x the QPS of `none` on the RFC workload (throughput pass): measured "
+                  f"{t['value']:.2f}x — {t['result']}."]
+    return L
+
+
+def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype, device: torch.device,
+             max_tokens: int) -> None:
+    cuda = device.type == "cuda"
+    rep.log("building the random model on the device")
+    model = build_random_model(hf_cfg, device, dtype)
+    vocab = hf_cfg["vocab_size"]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for wl in plan.workloads:
+        rng = random.Random(wl.prefix)
+        warm = wl.make_groups(1, vocab, rng)
+        lat_groups = wl.make_groups(wl.latency_groups, vocab, rng)
+        tp_groups = wl.make_groups(wl.groups, vocab, rng)
+        ref: dict[str, dict[str, int]] = {}
+        for mode in MODES:
+            if rep.over_budget(f"{wl.name} {mode}"):
+                continue
+            rep.log(f"{wl.name}: {mode} (warm-up group, then {wl.latency_groups} latency + {wl.groups} throughput)")
+            try:
+                engine = make_engine(model, mode, plan)
+                if mode == "score":
+                    drive_score(engine, warm)
+                    lat = [drive_score(engine, [g]) for g in lat_groups]
+                    tp = drive_score(engine, tp_groups)
+                else:
+                    drive(engine, warm, mode, params, "w")
+                    lat = [drive(engine, [g], mode, params, f"l{i}-") for i, g in enumerate(lat_groups)]
+                    tp = drive(engine, tp_groups, mode, params, "t")
+                merged = {"wall_s": sum(r["wall_s"] for r in lat), "ttft_s": [t for r in lat for t in r["ttft_s"]],
+                          "first": {f"l{i}-{k}": v for i, r in enumerate(lat) for k, v in r["first"].items()},
+                          "hits": sum(r["hits"] for r in lat), "steps": sum(r["steps"] for r in lat)}
+                if mode == "none":
+                    ref = {"latency": merged["first"], "throughput": tp["first"]}
+                rep.add(_row(wl, mode, "latency", lat_groups, merged, ref.get("latency")))
+                rep.add(_row(wl, mode, "throughput", tp_groups, tp, ref.get("throughput")))
+            except Exception as e:  # noqa: BLE001
+                rep.error(f"{wl.name} {mode}", e)
+            engine = None
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+
+
+def run(device: torch.device, quick: bool, out_dir: Path, layers: int | None, experts: int | None,
+        groups: int | None, max_tokens: int, budget_s: float) -> dict[str, Any]:
+    cuda = device.type == "cuda"
+    plan = make_plan(cuda, quick, groups)
+    hf_cfg = config_for(device, layers, experts)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    rep = Report("serve", "Serving shared-prefix groups (LLMEngine)", device, out_dir, quick=quick, budget_s=budget_s,
+                 table=table, model_config=hf_cfg, dtype=str(dtype), model_summary=model_summary(hf_cfg, dtype),
+                 engine=f"max_step_tokens {plan.max_step_tokens}, max_num_seqs {plan.max_num_seqs}, "
+                        f"{plan.num_pages} KV pages of 16, greedy, max_tokens {max_tokens}, no CUDA graphs",
+                 workloads=[w.__dict__ for w in plan.workloads])
+    try:
+        _measure(rep, plan, hf_cfg, dtype, device, max_tokens)
+    except Exception as e:  # noqa: BLE001 — set-up failed: the report says so
+        rep.error("set-up", e)
+    rows = {(r["workload"], r["mode"]): r for r in rep.res["rows"] if r["pass"] == "throughput"}
+    rfc = plan.workloads[0].name
+    if (rfc, "fused") in rows and (rfc, "none") in rows:
+        v = rows[(rfc, "fused")]["qps"] / rows[(rfc, "none")]["qps"]
+        rep.res["target"] = {"target": "fused QPS >= 2.1x none (RFC, throughput)", "value": v,
+                             "result": ("met" if v >= 2.1 else "not met") if cuda else "n/a on CPU (tiny shapes)"}
+    return rep.finish()
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    try:
+        device = resolve_device(args.device)
+    except (ValueError, RuntimeError) as e:
+        print(f"bench serve: {e}", file=sys.stderr)
+        return 2
+    with one_thread_on_cpu(device):
+        res = run(device, args.quick, Path(args.out), args.layers, args.experts, args.groups, args.max_tokens,
+                  args.time_budget)
+    return 1 if res["errors"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gdnserve.entrypoints.cli import add_bench_serve_arguments
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_serve", description=__doc__.split("\n")[0])
+    add_bench_serve_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

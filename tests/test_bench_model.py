@@ -1,0 +1,52 @@
+"""``gdnserve bench model``: a quick CPU run on the tiny random model writes its JSON and markdown, with
+gdnserve's and HF's rows on the same weights (logits equal) for every prefill and decode case."""
+import json
+
+import pytest
+
+from gdnserve.entrypoints import cli
+
+
+def test_help_lists_its_options(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "model", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--device", "--quick", "--out", "--no-hf", "--layers", "--experts", "--time-budget"):
+        assert option in out
+
+
+def test_decode_bytes_at_the_benchmark_shape():
+    """One decode step reads every non-expert weight once, the experts a uniform router touches (top-8 of 16:
+    8 for one token, 12 expected for two), and each GDN layer's fp32 SSM state (2 MiB per request at HV=32,
+    K=V=128) and bf16 conv state, read and written; KV of the attention layer at context 0 is nothing."""
+    import torch
+
+    from gdnserve.models.config import ModelConfig
+    from gdnserve.models.qwen3_5 import HybridLM
+    bm = cli.load_benchmark("bench_model")
+    cfg = cli.load_benchmark("random_model").bench_hf_config(num_layers=4, num_experts=16, vocab_size=256)
+    with torch.device("meta"):
+        model = HybridLM(ModelConfig.from_hf(cfg)).to(torch.bfloat16)
+    state = 3 * 2 * (32 * 128 * 128 * 4 + 3 * 8192 * 2)          # per request: 3 GDN layers, read + write
+    expert = 4 * (2 * 512 * 2048 + 2048 * 512) * 2                 # one expert of each of the 4 layers, bf16
+    assert bm.decode_bytes(model, 2, 0) - bm.decode_bytes(model, 1, 0) == pytest.approx(state + 4 * expert, abs=1)
+
+
+def test_quick_cpu_run_writes_json_and_markdown(tmp_path):
+    pytest.importorskip("transformers")
+    rc = cli.main(["bench", "model", "--device", "cpu", "--quick", "--out", str(tmp_path)])
+    js, md = sorted(tmp_path.glob("model_cpu_*.json")), sorted(tmp_path.glob("model_cpu_*.md"))
+    assert len(js) == 1 and len(md) == 1
+    res = json.loads(js[0].read_text())
+    assert res["errors"] == [] and rc == 0 and res["complete"]
+    assert float(res["parity_rel_rms"]) < 1e-4                       # the same weights in both models
+    assert res["model_config"]["model_type"] == "qwen3_5_moe_text"
+    assert "PyTorch fallback" in res["hf_gdn_path_summary"]           # no fla on CPU
+    cases = {(r["kind"], r["shape"], r["impl"]) for r in res["rows"]}
+    assert cases == {(k, s, i) for k, s in [("prefill", "1x64"), ("prefill", "4x16"), ("decode", "B=1"),
+                                             ("decode", "B=4")] for i in ("gdnserve", "hf")}
+    for r in res["rows"]:
+        assert r["tokens_per_s"] > 0 and r["ms"]["p50"] > 0 and r["floor_ms"] > 0
+    text = md[0].read_text()
+    assert "| case | impl | ms | tokens/s |" in text and "| decode B=4 | hf |" in text
