@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from gdnserve.engine.page_pool import PagePool, PagePoolConfig, PageTable
-from gdnserve.engine.spec.mtp import DraftMeta, FeedMeta, MTPDrafter
+from gdnserve.engine.spec.mtp import MTPDrafter, MTPStepIndex
 from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
 from gdnserve.engine.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan, segment_phases
 from gdnserve.layers.forward_context import AttnMeta, ForwardContext, VerifyMeta, forward_context
@@ -194,13 +194,7 @@ class ModelRunner:
         cu, kv_lens, tables = [0], [], []
         last_row: dict[int, int] = {}
         start_row: dict[int, int] = {}
-        mtp = self.mtp is not None
-        # MTP feed pass (engine/spec/mtp.py): the row of the hidden before each token, or a pool slot for it
-        prev: list[int] = []
-        pool_rows: list[int] = []
-        pool_slots: list[int] = []
-        commit_rows: list[int] = []
-        commit_slots: list[int] = []
+        mtp = MTPStepIndex() if self.mtp is not None else None    # the MTP head's vectors (engine/spec/mtp.py)
         for i in order:
             it = prefills[i]
             seq, n = it.seq, len(it.tokens)
@@ -229,15 +223,10 @@ class ModelRunner:
             row0 = len(ids)
             start_row[i] = row0
             p0 = seq.length
-            if mtp:
-                prev += [row0] + list(range(row0, row0 + n - 1))
-                if it.producer >= 0:
-                    prev[row0] = last_row[it.producer]
-                elif it.checkpoint is not None or p0 > 0:
-                    pool_rows.append(row0)
-                    pool_slots.append(it.checkpoint[0] if it.checkpoint is not None else seq.slot)
-                commit_rows.append(row0 + n - 1)
-                commit_slots.append(seq.slot)
+            if mtp is not None:      # the hidden before its first token: producer's last row, checkpoint's, own
+                src = it.checkpoint[0] if it.checkpoint is not None else (seq.slot if p0 > 0 else None)
+                mtp.segment(row0, n, last_row[it.producer] if it.producer >= 0 else None,
+                            None if it.producer >= 0 else src, seq.slot)
             slot_map += seq.pages.append_tokens(n)
             seq.length += n
             ids += it.tokens
@@ -249,12 +238,8 @@ class ModelRunner:
         num_prefill = len(ids)
         for seq, tok in decodes:
             p0 = seq.length
-            if mtp:
-                prev.append(len(ids))
-                pool_rows.append(len(ids))
-                pool_slots.append(seq.slot)
-                commit_rows.append(len(ids))
-                commit_slots.append(seq.slot)
+            if mtp is not None:
+                mtp.segment(len(ids), 1, None, seq.slot, seq.slot)
             slot_map += seq.pages.append_tokens(1)
             seq.length += 1
             ids.append(tok)
@@ -264,18 +249,16 @@ class ModelRunner:
             tables.append(seq.pages)
         L = self.rc.spec_tokens
         v_start = len(ids)
-        v_p0: list[int] = []
         for seq, toks in verifies:
-            if len(toks) != (1 if mtp else L):
-                raise ValueError(f"verify: {len(toks)} tokens, the runner takes "
-                                 f"{'1 (the MTP head drafts the rest)' if mtp else f'spec_tokens = {L}'}")
-            toks = list(toks) * L if mtp else toks       # MTP drafts are filled in on the device below
+            want = 1 if mtp is not None else L      # with the MTP head: the last sampled token only
+            if len(toks) != want:
+                raise ValueError(f"verify: {len(toks)} tokens, the runner takes {want} per verify item "
+                                 f"(spec_tokens = {L}, spec_draft = {self.rc.spec_draft!r})")
+            toks = list(toks) * L if mtp is not None else toks    # MTP drafts are filled in on the device below
             p0 = seq.length
-            v_p0.append(p0)
-            if mtp:
-                prev += [len(ids)] + list(range(len(ids), len(ids) + L - 1))
-                pool_rows.append(len(ids))
-                pool_slots.append(seq.slot)
+            if mtp is not None:
+                mtp.segment(len(ids), L, None, seq.slot, None)
+                mtp.v_p0.append(p0)
             slot_map += seq.pages.append_tokens(L)
             seq.length += L
             ids += toks
@@ -291,15 +274,8 @@ class ModelRunner:
                  "table": [p for t in tables for p in t.page_row(width, pad=0)], "rows": rows}
         if dup_rows:
             extra["tok"] = list(range(len(ids))) + dup_rows
-        if mtp:
-            extra.update(m_prev=prev, m_prows=pool_rows, m_pslots=pool_slots, m_crows=commit_rows,
-                         m_cslots=commit_slots)
-            if verifies:
-                k, vslots = L - 1, slot_map[v_start:len(ids)]
-                extra.update(d_pos=[p - 1 + j for j in range(k) for p in v_p0],
-                             d_kv=[p + 1 + j for j in range(k) for p in v_p0],
-                             d_slot=[vslots[b * L + j] for j in range(k) for b in range(len(v_p0))],
-                             d_cu=range(len(v_p0) + 1))
+        if mtp is not None:
+            extra.update(mtp.extra(slot_map[v_start:len(ids)], L))
         if verifies:
             S = self.rc.num_slots
             vs = [s for s, _ in verifies]
@@ -323,17 +299,13 @@ class ModelRunner:
         if verifies:
             B = len(verifies)
             self.drafts = ids_dev[v_start:].view(B, L)[:, 1:]
-            if mtp:                                   # k MTP steps; their drafts go into the verify rows
-                n = len(tables)
-                self.drafts.copy_(self.mtp.draft(ids_dev[v_start::L], DraftMeta(
-                    x["v_slots"].long(), x["d_pos"].long().view(L - 1, B), x["d_kv"].view(L - 1, B),
-                    x["d_slot"].long().view(L - 1, B), x["d_cu"], attn.page_table[n - B:])))
-        if not mtp:
+            if mtp is not None:                  # k MTP steps; their drafts go into the verify rows
+                meta = mtp.draft_meta(x, B, L - 1, attn.page_table[len(tables) - B:])
+                self.drafts.copy_(self.mtp.draft(ids_dev[v_start::L], meta))
+        if mtp is None:
             with forward_context(ctx):
                 return self.model(ids_dev, x["rows"].long())
         with forward_context(ctx):
             logits, hidden = self.model(ids_dev, x["rows"].long(), return_hidden=True)
-        self.mtp.feed(hidden, ids_dev, ctx.positions, attn, FeedMeta(
-            x["m_prev"].long(), x["m_prows"].long(), x["m_pslots"].long(), x["m_crows"].long(),
-            x["m_cslots"].long(), v_start))
+        self.mtp.feed(hidden, ids_dev, ctx.positions, attn, mtp.feed_meta(x, v_start))
         return logits

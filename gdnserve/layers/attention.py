@@ -70,4 +70,5 @@ class GatedAttention(nn.Module):
         kv = torch.nn.functional.linear(h, self.qkv_proj.weight[2 * self.QH * Dh:])
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         k = self.rotary(self.k_norm(kv[:, :KVH * Dh].view(T, KVH, Dh)), cos, sin)
-        store_kv(k, kv[:, KVH * Dh:].reshape(T, KVH, Dh).contiguous(), self.k_cache, self.v_cache, slot_mapping, token_index)
+        v = kv[:, KVH * Dh:].reshape(T, KVH, Dh).contiguous()
+        store_kv(k, v, self.k_cache, self.v_cache, slot_mapping, token_index)

@@ -118,17 +118,18 @@ def _check_drafts(runner, b, hidden, W, cfg, hist, nxt, what):
     return drafts
 
 
-@pytest.mark.parametrize("mode", ["replay", "intermediate"])
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_draft_logits_match_float64_reference(tmp_path, family, mode):
+@pytest.mark.parametrize("family,mode,backend", [(f, m, "torch") for f in FAMILIES for m in ("replay", "intermediate")]
+                         + [("qwen3_5", "replay", "triton")])
+def test_draft_logits_match_float64_reference(tmp_path, family, mode, backend):
     """Prompt in two chunks, a decode, then verify steps keeping 1..L tokens: every draft step's logits equal
-    the reference over the full history (so no rejected draft's KV or hidden state is ever read)."""
+    the reference over the full history (so no rejected draft's KV or hidden state is ever read). Also once
+    through the Triton kernels (the interpreter on CPU)."""
     hf = FAMILIES[family](tmp_path)
     add_mtp(tmp_path, seed=2)
     model, cfg = load_model(tmp_path, dtype=torch.float32)
     W, hidden = reference_weights(tmp_path, cfg), _target_hidden(tmp_path)
     k = 3
-    runner = ModelRunner(model, RunnerConfig(backend="torch", page_size=8, spec_mode=mode, spec_tokens=k + 1,
+    runner = ModelRunner(model, RunnerConfig(backend=backend, page_size=8, spec_mode=mode, spec_tokens=k + 1,
                                              spec_draft="mtp"))
     runner.mtp.keep_logits = True
     hist = torch.randint(0, 97, (29,)).tolist()

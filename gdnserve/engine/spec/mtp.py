@@ -57,6 +57,50 @@ class DraftMeta:
     page_table: torch.Tensor       # [B, width] int32
 
 
+class MTPStepIndex:
+    """Host side of one step's MTP vectors, filled by the runner while it lays the step's tokens out; ``extra()``
+    is what rides in the step's single upload, ``feed_meta`` / ``draft_meta`` the device views after it."""
+
+    def __init__(self) -> None:
+        self.prev: list[int] = []                   # per token row: the row of the hidden before it
+        self.pool_rows: list[int] = []
+        self.pool_slots: list[int] = []
+        self.commit_rows: list[int] = []
+        self.commit_slots: list[int] = []
+        self.v_p0: list[int] = []                   # per verify request: tokens fed before the step
+
+    def segment(self, row0: int, n: int, before: int | None, pool_slot: int | None, slot: int | None) -> None:
+        """n token rows from row0: the hidden before the first is row ``before`` (a same-step producer's last
+        row) or the pool's ``pool_slot`` (None, None: position 0, nothing before it); ``slot`` gets the last
+        row's hidden after the step (None: a verify, committed at acceptance)."""
+        self.prev += [row0 if before is None else before] + list(range(row0, row0 + n - 1))
+        if pool_slot is not None:
+            self.pool_rows.append(row0)
+            self.pool_slots.append(pool_slot)
+        if slot is not None:
+            self.commit_rows.append(row0 + n - 1)
+            self.commit_slots.append(slot)
+
+    def extra(self, verify_slots: list[int], L: int) -> dict[str, list[int] | range]:
+        """``verify_slots``: the KV slots of the verify rows (L per request), for the draft steps."""
+        k, B = L - 1, len(self.v_p0)
+        return {"m_prev": self.prev, "m_prows": self.pool_rows, "m_pslots": self.pool_slots,
+                "m_crows": self.commit_rows, "m_cslots": self.commit_slots,
+                "d_pos": [p - 1 + j for j in range(k) for p in self.v_p0],
+                "d_kv": [p + 1 + j for j in range(k) for p in self.v_p0],
+                "d_slot": [verify_slots[b * L + j] for j in range(k) for b in range(B)], "d_cu": range(B + 1)}
+
+    @staticmethod
+    def feed_meta(x: dict[str, torch.Tensor], verify_start: int) -> FeedMeta:
+        return FeedMeta(x["m_prev"].long(), x["m_prows"].long(), x["m_pslots"].long(), x["m_crows"].long(),
+                        x["m_cslots"].long(), verify_start)
+
+    @staticmethod
+    def draft_meta(x: dict[str, torch.Tensor], B: int, k: int, page_table: torch.Tensor) -> DraftMeta:
+        return DraftMeta(x["v_slots"].long(), x["d_pos"].long().view(k, B), x["d_kv"].view(k, B),
+                         x["d_slot"].long().view(k, B), x["d_cu"], page_table)
+
+
 class MTPDrafter:
     """Drafts from ``model.mtp``; owns the per-slot hidden pool ``[num_slots, hidden]`` (model dtype)."""
 

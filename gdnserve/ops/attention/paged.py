@@ -109,8 +109,9 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if Lq == 0 or Lk == 0:                     # padding sequence: its rows are not written
             continue
         if Lk < Lq + kv_start or Lk > max_pages * P:
-            raise ValueError(f"kv_lens[{n}] = {Lk}: expected {Lq + kv_start} (its query rows + kv_start) .. "
-                             f"{max_pages * P} (page_table width {max_pages} x page_size {P})")
+            raise ValueError(f"kv_lens[{n}] = {Lk}: expected {Lq + kv_start} (its query rows"
+                             f"{' + kv_start' if kv_start else ''}) .. {max_pages * P} (page_table width "
+                             f"{max_pages} x page_size {P})")
         pages = page_table[n, : -(-Lk // P)].to(I64)
         bad = (pages < 0) | (pages >= NP)
         if bad.any():
