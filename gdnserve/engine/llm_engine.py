@@ -22,6 +22,10 @@ state and KV carried in its running slot, other requests decoding meanwhile); sa
 Under KV-page pressure, READY checkpoints are evicted and then the newest single-sample requests preempted
 and later recomputed (prompt + output so far), so a step never fails for lack of pages.
 
+Speculative decoding (``spec_k > 0``): single-sample requests verify k drafts per step (docs/spec_decode.md),
+n-gram drafts proposed here on the host or, with ``spec_draft="mtp"``, the model's MTP head drafting inside the
+runner's step on the device; either way acceptance reads them as one device tensor.
+
 Not yet: CUDA graphs.
 """
 from __future__ import annotations
