@@ -70,3 +70,19 @@ def test_bench_ops_quick_cpu_run_writes_json_and_markdown(tmp_path):
         assert r["ref"] == "naive_f64" and r["rel_rms_max"] < 1e-2, r["rel_rms"]
     text = md[0].read_text()
     assert "| case | impl |" in text and "## Targets" in text
+
+
+def test_serve_spec_draft_reaches_the_engine(monkeypatch, capsys):
+    """``gdnserve serve --spec-k 2 --spec-draft mtp`` builds the engine with the MTP drafter."""
+    import gdnserve.engine.async_engine as async_engine
+    import gdnserve.entrypoints.llm as llm
+    import gdnserve.entrypoints.server as server
+    seen = {}
+    monkeypatch.setattr(llm, "load_engine", lambda model, **kw: seen.update(kw) or "engine")
+    monkeypatch.setattr(async_engine, "AsyncEngine", lambda engine: engine)
+    monkeypatch.setattr(server, "run_server", lambda engine, **kw: seen.update(served=engine))
+    assert cli.main(["serve", "--device", "cpu", "--spec-k", "2", "--spec-draft", "mtp"]) == 0
+    assert (seen["spec_k"], seen["spec_draft"], seen["served"]) == (2, "mtp", "engine")
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--spec-draft", "eagle"])
+    assert "invalid choice: 'eagle'" in capsys.readouterr().err

@@ -22,6 +22,10 @@ state and KV carried in its running slot, other requests decoding meanwhile); sa
 Under KV-page pressure, READY checkpoints are evicted and then the newest single-sample requests preempted
 and later recomputed (prompt + output so far), so a step never fails for lack of pages.
 
+Speculative decoding (``spec_k > 0``): single-sample requests verify k drafts per step (docs/spec_decode.md),
+n-gram drafts proposed here on the host or, with ``spec_draft="mtp"``, the model's MTP head drafting inside the
+runner's step on the device; either way acceptance reads them as one device tensor.
+
 Not yet: CUDA graphs.
 """
 from __future__ import annotations
@@ -90,13 +94,19 @@ class _Request:
 class LLMEngine:
     def __init__(self, model, tokenizer, *, runner: RunnerConfig | None = None, max_num_seqs: int = 64,
                  max_step_tokens: int = 4096, max_model_len: int = 4096, model_name: str = "gdnserve", seed=None,
-                 auto_checkpoints: bool = True, spec_k: int = 0, spec_mode: str = "replay"):
+                 auto_checkpoints: bool = True, spec_k: int = 0, spec_mode: str = "replay",
+                 spec_draft: str = "ngram"):
         runner = runner or RunnerConfig(num_slots=2 * max_num_seqs + 2)
+        if spec_draft not in ("ngram", "mtp"):
+            raise ValueError(f"spec_draft must be 'ngram' or 'mtp', got {spec_draft!r}")
+        if spec_k < 0:
+            raise ValueError(f"spec_k must be >= 0, got {spec_k}")
         if spec_k:
-            runner.spec_mode, runner.spec_tokens = spec_mode, spec_k + 1
+            runner.spec_mode, runner.spec_tokens, runner.spec_draft = spec_mode, spec_k + 1, spec_draft
         self.runner = ModelRunner(model, runner)
         self.spec_k = spec_k
-        self.drafter = NgramDrafter(spec_k) if spec_k else None
+        # n-gram drafts are proposed here on the host; MTP drafts inside the runner's step, on the device
+        self.drafter = NgramDrafter(spec_k) if spec_k and spec_draft == "ngram" else None
         self.tokenizer = tokenizer
         self.sampler = Sampler(seed)
         self.max_num_seqs, self.max_step_tokens, self.max_model_len = max_num_seqs, max_step_tokens, max_model_len
@@ -254,9 +264,11 @@ class LLMEngine:
             for s in req.samples:
                 if s.finish_reason is None:
                     if self._speculate(req, s):
-                        drafts, _ = self.drafter.propose_padded(req.prompt_ids + s.token_ids, self.spec_k)
-                        verifies.append((s.seq, [s.token_ids[-1]] + drafts))
-                        verified.append((req, s, drafts))
+                        toks = [s.token_ids[-1]]
+                        if self.drafter is not None:
+                            toks += self.drafter.propose_padded(req.prompt_ids + s.token_ids, self.spec_k)[0]
+                        verifies.append((s.seq, toks))
+                        verified.append((req, s))
                     else:
                         decodes.append((s.seq, s.token_ids[-1]))
                         dec_owner.append((req, s))
@@ -291,7 +303,7 @@ class LLMEngine:
         rows = [last[i] for i, o in enumerate(item_owner) if o is not None] + [r + j for j in range(len(decodes))]
         owners = [o for o in item_owner if o is not None] + dec_owner
         touched = {id(r): r for r, _ in owners}
-        touched.update({id(r): r for r, _, _ in verified})
+        touched.update({id(r): r for r, _ in verified})
         if rows:
             self._sample(logits[torch.tensor(rows, device=logits.device)], owners)
         if verified:
@@ -523,11 +535,11 @@ class LLMEngine:
         those tokens (runner.accept). One device-to-host copy for the batch."""
         B, L, dev = len(verified), self.spec_k + 1, logits.device
         lg = logits.view(B, L, -1)
-        drafts = torch.tensor([d for _, _, d in verified], dtype=torch.int64, device=dev)
+        drafts = self.runner.drafts                    # [B, k] on the device (n-gram or MTP)
         num = torch.empty(B, dtype=torch.int64, device=dev)
         emitted = torch.empty(B, L, dtype=torch.int64, device=dev)
-        greedy = [i for i, (r, _, _) in enumerate(verified) if r.params.greedy]
-        sampled = [i for i, (r, _, _) in enumerate(verified) if not r.params.greedy]
+        greedy = [i for i, (r, _) in enumerate(verified) if r.params.greedy]
+        sampled = [i for i, (r, _) in enumerate(verified) if not r.params.greedy]
         for rows, sample in ((greedy, False), (sampled, True)):
             if not rows:
                 continue
@@ -540,8 +552,8 @@ class LLMEngine:
                 n, e = greedy_accept(drafts[ix], lg[ix].argmax(-1))
             num[ix], emitted[ix] = n, e
         out = emitted_tokens(num, emitted)
-        self.runner.accept([(s.seq, len(toks)) for (_, s, _), toks in zip(verified, out)])
-        for (req, s, _), toks in zip(verified, out):
+        self.runner.accept([(s.seq, len(toks)) for (_, s), toks in zip(verified, out)])
+        for (req, s), toks in zip(verified, out):
             self.counters["spec_drafted"] += self.spec_k
             self.counters["spec_accepted"] += len(toks) - 1
             for tok in toks:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from gdnserve.engine.page_pool import PagePool, PagePoolConfig, PageTable
+from gdnserve.engine.spec.mtp import MTPDrafter, MTPStepIndex
 from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
 from gdnserve.engine.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan, segment_phases
 from gdnserve.layers.forward_context import AttnMeta, ForwardContext, VerifyMeta, forward_context
@@ -47,6 +48,7 @@ class RunnerConfig:
     staging_ints: int = 1 << 20
     spec_mode: str | None = None     # "intermediate" | "replay": speculative verify buffers
     spec_tokens: int = 0             # L = k + 1 tokens per verify
+    spec_draft: str = "ngram"        # "ngram": verify tokens come with the step; "mtp": the runner drafts them
 
 
 class ModelRunner:
@@ -65,7 +67,14 @@ class ModelRunner:
             num_layers=max(1, len(gdn)), num_slots=rc.num_slots, HV=HV, K=g.head_k_dim, V=g.head_v_dim,
             conv_dim=2 * H * g.head_k_dim + HV * g.head_v_dim, conv_width=g.conv_kernel,
             ssm_dtype=torch.float32, conv_dtype=self.dtype, device=self.device))
-        self.pages = PagePool(PagePoolConfig(num_layers=max(1, len(attn)), num_pages=rc.num_pages,
+        if rc.spec_draft not in ("ngram", "mtp"):
+            raise ValueError(f"spec_draft must be 'ngram' or 'mtp', got {rc.spec_draft!r}")
+        use_mtp = rc.spec_mode is not None and rc.spec_draft == "mtp"
+        if use_mtp and getattr(model, "mtp", None) is None:    # fail before any pool is allocated
+            raise ValueError(f"spec_draft='mtp': this model has no MTP head: {getattr(model, 'mtp_unavailable', '')}")
+        # the MTP head's KV cache is one more layer of the page pool (after the target's attention layers)
+        n_attn = max(1, len(attn))
+        self.pages = PagePool(PagePoolConfig(num_layers=n_attn + use_mtp, num_pages=rc.num_pages,
                                              page_size=rc.page_size, num_kv_heads=KVH, head_dim=a.head_dim,
                                              dtype=self.dtype, device=self.device))
         for i, layer in enumerate(gdn):
@@ -77,6 +86,11 @@ class ModelRunner:
         self.stager = IndexStager(rc.staging_ints, self.device)
         if rc.spec_mode is not None:
             self._bind_spec(gdn, H, HV, g)
+        self.mtp = (MTPDrafter(model, rc.spec_tokens - 1, rc.num_slots, self.pages.k_cache(n_attn),
+                               self.pages.v_cache(n_attn)) if use_mtp else None)
+        if self.mtp is not None:
+            self.mtp.head.attention.backend = rc.backend
+        self.drafts: torch.Tensor | None = None      # [B, k] int64: the last verify step's drafts, on the device
 
     def _bind_spec(self, gdn, H: int, HV: int, g) -> None:
         """Per GDN layer: drafted raw conv inputs (scratch rows = slots in intermediate mode, ping-pong pending rows
@@ -123,6 +137,10 @@ class ModelRunner:
         for seq, a in verified:
             seq.length -= self.rc.spec_tokens - a
             seq.pages.length = seq.length
+        if self.mtp is not None:                     # the hidden after the last accepted token
+            L = self.rc.spec_tokens
+            self.mtp.accept(self._idx(s.slot for s, _ in verified).long(),
+                            self._idx(b * L + a - 1 for b, (_, a) in enumerate(verified)).long())
         if self.rc.spec_mode == "intermediate":
             slots = self._idx(s.slot for s, _ in verified)
             num = self._idx(a for _, a in verified)
@@ -147,7 +165,9 @@ class ModelRunner:
              is_ready=lambda slot: False, verifies: list[tuple[SeqState, list[int]]] = ()) -> torch.Tensor:
         """Returns fp32 logits, one row per: each prefill item's last token (every token for an item with
         ``all_logits``), then each decode token, then every token of each verify item (L rows), in order.
-        After a verify step the caller must ``accept`` how many tokens each verified sequence keeps."""
+        After a verify step the caller must ``accept`` how many tokens each verified sequence keeps; the drafts
+        that were verified are ``self.drafts`` ([B, k] on the device). Verify items carry their L tokens, or with
+        ``spec_draft="mtp"`` only the last sampled token: the MTP head drafts the other k in this step."""
         self.flush([s for s, _ in decodes] + [it.seq for it in prefills])   # replay-pending state must land
         segs = []
         for i, it in enumerate(prefills):
@@ -174,6 +194,7 @@ class ModelRunner:
         cu, kv_lens, tables = [0], [], []
         last_row: dict[int, int] = {}
         start_row: dict[int, int] = {}
+        mtp = MTPStepIndex() if self.mtp is not None else None    # the MTP head's vectors (engine/spec/mtp.py)
         for i in order:
             it = prefills[i]
             seq, n = it.seq, len(it.tokens)
@@ -202,6 +223,10 @@ class ModelRunner:
             row0 = len(ids)
             start_row[i] = row0
             p0 = seq.length
+            if mtp is not None:      # the hidden before its first token: producer's last row, checkpoint's, own
+                src = it.checkpoint[0] if it.checkpoint is not None else (seq.slot if p0 > 0 else None)
+                mtp.segment(row0, n, last_row[it.producer] if it.producer >= 0 else None,
+                            None if it.producer >= 0 else src, seq.slot)
             slot_map += seq.pages.append_tokens(n)
             seq.length += n
             ids += it.tokens
@@ -213,6 +238,8 @@ class ModelRunner:
         num_prefill = len(ids)
         for seq, tok in decodes:
             p0 = seq.length
+            if mtp is not None:
+                mtp.segment(len(ids), 1, None, seq.slot, seq.slot)
             slot_map += seq.pages.append_tokens(1)
             seq.length += 1
             ids.append(tok)
@@ -221,10 +248,17 @@ class ModelRunner:
             kv_lens.append(seq.length)
             tables.append(seq.pages)
         L = self.rc.spec_tokens
+        v_start = len(ids)
         for seq, toks in verifies:
-            if len(toks) != L:
-                raise ValueError(f"verify: {len(toks)} tokens, the runner verifies spec_tokens = {L}")
+            want = 1 if mtp is not None else L      # with the MTP head: the last sampled token only
+            if len(toks) != want:
+                raise ValueError(f"verify: {len(toks)} tokens, the runner takes {want} per verify item "
+                                 f"(spec_tokens = {L}, spec_draft = {self.rc.spec_draft!r})")
+            toks = list(toks) * L if mtp is not None else toks    # MTP drafts are filled in on the device below
             p0 = seq.length
+            if mtp is not None:
+                mtp.segment(len(ids), L, None, seq.slot, None)
+                mtp.v_p0.append(p0)
             slot_map += seq.pages.append_tokens(L)
             seq.length += L
             ids += toks
@@ -240,6 +274,8 @@ class ModelRunner:
                  "table": [p for t in tables for p in t.page_row(width, pad=0)], "rows": rows}
         if dup_rows:
             extra["tok"] = list(range(len(ids))) + dup_rows
+        if mtp is not None:
+            extra.update(mtp.extra(slot_map[v_start:len(ids)], L))
         if verifies:
             S = self.rc.num_slots
             vs = [s for s, _ in verifies]
@@ -259,5 +295,17 @@ class ModelRunner:
         if verifies:
             vmeta = VerifyMeta(self.rc.spec_mode, L, x["v_slots"], x["v_out"], x.get("v_in"), x.get("v_num"))
         ctx = ForwardContext(x["pos"].long(), num_prefill, plan.prefill, plan.decode_slots, attn, vmeta)
+        ids_dev = x["ids"].long()
+        if verifies:
+            B = len(verifies)
+            self.drafts = ids_dev[v_start:].view(B, L)[:, 1:]
+            if mtp is not None:                  # k MTP steps; their drafts go into the verify rows
+                meta = mtp.draft_meta(x, B, L - 1, attn.page_table[len(tables) - B:])
+                self.drafts.copy_(self.mtp.draft(ids_dev[v_start::L], meta))
+        if mtp is None:
+            with forward_context(ctx):
+                return self.model(ids_dev, x["rows"].long())
         with forward_context(ctx):
-            return self.model(x["ids"].long(), x["rows"].long())
+            logits, hidden = self.model(ids_dev, x["rows"].long(), return_hidden=True)
+        self.mtp.feed(hidden, ids_dev, ctx.positions, attn, mtp.feed_meta(x, v_start))
+        return logits

@@ -16,7 +16,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="concurrently running sequences")
     p.add_argument("--max-model-len", type=int, default=4096, help="prompt + generated tokens per sequence")
     p.add_argument("--num-pages", type=int, default=2048, help="KV pages of 16 tokens per attention layer")
-    p.add_argument("--spec-k", type=int, default=0, help="speculative decoding: n-gram drafts verified per step (0 = off)")
+    p.add_argument("--spec-k", type=int, default=0, help="speculative decoding: drafts verified per step (0 = off)")
+    p.add_argument("--spec-draft", default="ngram", choices=["ngram", "mtp"],
+                   help="drafter: ngram (prompt lookup, no weights) or mtp (the checkpoint's mtp.* head)")
     p.add_argument("--spec-mode", default="replay", choices=["replay", "intermediate"],
                    help="GDN verify mode: replay (pending inputs, one state read+write) or intermediate (scratch states)")
 
@@ -27,6 +29,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from gdnserve.entrypoints.server import run_server
     engine = load_engine(args.model, dtype=args.dtype, device=args.device, prefill_mode=args.prefill_mode,
                          max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_pages=args.num_pages,
-                         spec_k=args.spec_k, spec_mode=args.spec_mode)
+                         spec_k=args.spec_k, spec_mode=args.spec_mode, spec_draft=args.spec_draft)
     run_server(AsyncEngine(engine), host=args.host, port=args.port, api_key=args.api_key)
     return 0

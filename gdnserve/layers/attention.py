@@ -58,5 +58,17 @@ class GatedAttention(nn.Module):
         m = ctx.attn
         store_kv(k, v.contiguous(), self.k_cache, self.v_cache, m.slot_mapping, m.token_index)
         o = paged_attention(q.contiguous(), self.k_cache, self.v_cache, m.cu_seqlens_q, m.kv_lens, m.page_table,
-                            scale=Dh ** -0.5, backend=self.backend)
+                            scale=Dh ** -0.5, kv_start=m.kv_start, backend=self.backend)
         return self.o_proj(o.reshape(T, QH * Dh) * torch.sigmoid(gate))
+
+    def store(self, h: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+              token_index: torch.Tensor | None = None) -> None:
+        """K/V of ``h: [T, hidden]`` at rotary ``positions: [T]`` into the bound cache (``slot_mapping`` /
+        ``token_index`` as in ``store_kv``), with no attention and no output: the MTP layer's feed pass.
+        Only the k and v rows of the fused projection are multiplied."""
+        T, KVH, Dh = h.shape[0], self.KVH, self.Dh
+        kv = torch.nn.functional.linear(h, self.qkv_proj.weight[2 * self.QH * Dh:])
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        k = self.rotary(self.k_norm(kv[:, :KVH * Dh].view(T, KVH, Dh)), cos, sin)
+        v = kv[:, KVH * Dh:].reshape(T, KVH, Dh).contiguous()
+        store_kv(k, v, self.k_cache, self.v_cache, slot_mapping, token_index)

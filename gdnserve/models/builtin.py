@@ -2,7 +2,8 @@
 model builder) paired with the built-in byte tokenizer, so the engine runs with nothing downloaded.
 
 4 layers, GDN, GDN, GDN, attention; hidden 256; GDN H=2, HV=4 (r=2), K=V=64, W=4; attention 4 heads /
-2 KV heads of 64 with a quarter of each head rotated; dense MLP 512; tied embeddings.
+2 KV heads of 64 with a quarter of each head rotated; dense MLP 512; tied embeddings; one MTP layer
+(``mtp.*``, random like the rest: ``--spec-draft mtp`` runs on it, its drafts are rarely accepted).
 ``builtin_hf_config_dict()`` is the same model as an HF config.json, so tests can build it with
 transformers' own Qwen3_5ForCausalLM and compare.
 """
@@ -25,7 +26,7 @@ def builtin_config() -> ModelConfig:
         gdn=GDNConfig(num_k_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64, conv_kernel=4),
         attn=AttnConfig(num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=_ROPE_THETA, partial_rotary_factor=0.25,
                         rotary_dim=16, output_gate=True, max_position_embeddings=_MAX_POSITIONS, rope_scaling=None),
-        mlp=MLPConfig(intermediate_size=512), mtp=MTPConfig(0), hf_model_type="qwen3_5_text")
+        mlp=MLPConfig(intermediate_size=512), mtp=MTPConfig(1), hf_model_type="qwen3_5_text")
 
 
 def builtin_hf_config_dict() -> dict[str, Any]:
@@ -39,7 +40,8 @@ def builtin_hf_config_dict() -> dict[str, Any]:
         "max_position_embeddings": _MAX_POSITIONS,
         "rope_parameters": {"rope_type": "default", "rope_theta": _ROPE_THETA, "partial_rotary_factor": 0.25},
         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
-        "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
+        "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False,
         "eos_token_id": list(tok.eos_token_ids), "pad_token_id": None, "bos_token_id": None,
     }
 
@@ -47,7 +49,8 @@ def builtin_hf_config_dict() -> dict[str, Any]:
 def build_builtin_model(seed: int = 0, dtype=None, device="cpu"):
     """The embedded model with deterministic random weights (a fixed-seed generator, the same on every
     machine): N(0, 0.02) projections and embeddings, norms at their identity (zero-centred 0, gated 1),
-    A_log = log U(1, 16), dt_bias 1, conv N(0, 0.3)."""
+    A_log = log U(1, 16), dt_bias 1, conv N(0, 0.3). The MTP head's parameters come last in the generator's
+    order, so the target's weights are those of the model before it had one."""
     import math
 
     import torch

@@ -160,12 +160,19 @@ class MLPConfig:
 
 @dataclass(frozen=True)
 class MTPConfig:
-    """Multi-token-prediction head (``mtp.*`` tensors; HF key mtp_num_hidden_layers, 0 = none)."""
+    """Multi-token-prediction head (``mtp.*`` tensors, used as the speculative drafter). ``num_layers``: HF key
+    ``mtp_num_hidden_layers`` (else ``num_nextn_predict_layers``); 0 = none. ``in_config``: False when
+    config.json names no count (Qwen3-Next releases ship ``mtp.*`` without one): the loader then counts the
+    checkpoint's ``mtp.layers.{i}``. ``dedicated_embeddings``: HF ``mtp_use_dedicated_embeddings`` (True is
+    not supported: every public implementation shares the target's embedding and lm head)."""
     num_layers: int = 0
+    in_config: bool = True
+    dedicated_embeddings: bool = False
 
     def __post_init__(self) -> None:
-        if self.num_layers < 0:
-            raise ValueError(f"MTPConfig.num_layers must be >= 0, got {self.num_layers}")
+        if not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool) or self.num_layers < 0:
+            raise ValueError(f"MTPConfig.num_layers (mtp_num_hidden_layers) must be an int >= 0, "
+                             f"got {self.num_layers!r}")
 
 
 @dataclass(frozen=True)
@@ -255,7 +262,9 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     if top is not raw:
         # HF's ForConditionalGeneration ties by the wrapper's own flag (default False), not text_config's
         d["tie_word_embeddings"] = top.get("tie_word_embeddings") or False
-        d.setdefault("mtp_num_hidden_layers", top.get("mtp_num_hidden_layers") or 0)
+        for key in ("mtp_num_hidden_layers", "num_nextn_predict_layers", "mtp_use_dedicated_embeddings"):
+            if key not in d and top.get(key) is not None:
+                d[key] = top[key]
 
     num_layers = d["num_hidden_layers"]
     if raw.get("layer_types") is not None:
@@ -282,7 +291,7 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
     return ModelConfig(family=family, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
                        num_layers=num_layers, layer_types=layer_types, rms_norm_eps=float(d["rms_norm_eps"]),
                        tie_word_embeddings=bool(d["tie_word_embeddings"]), torch_dtype=_dtype(raw, top),
-                       gdn=gdn, attn=attn, mlp=_mlp(family, d), mtp=MTPConfig(int(d.get("mtp_num_hidden_layers") or 0)),
+                       gdn=gdn, attn=attn, mlp=_mlp(family, d), mtp=_mtp(d),
                        hidden_act=d["hidden_act"], hf_model_type=str(top.get("model_type", model_type)))
 
 
@@ -302,6 +311,12 @@ def _mlp(family: Family, d: dict[str, Any]) -> MLPConfig:
                      shared_expert_intermediate_size=d["shared_expert_intermediate_size"],
                      norm_topk_prob=bool(d["norm_topk_prob"]), decoder_sparse_step=d["decoder_sparse_step"],
                      mlp_only_layers=tuple(d.get("mlp_only_layers") or ()))
+
+
+def _mtp(d: dict[str, Any]) -> MTPConfig:
+    n = d.get("mtp_num_hidden_layers", d.get("num_nextn_predict_layers"))
+    return MTPConfig(0 if n is None else n, in_config=n is not None,
+                     dedicated_embeddings=bool(d.get("mtp_use_dedicated_embeddings") or False))
 
 
 def _rope(d: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:

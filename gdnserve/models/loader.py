@@ -13,9 +13,10 @@ checkpoint tensor); each parameter then keeps this rank's rows / columns through
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from safetensors import safe_open
@@ -25,7 +26,7 @@ from gdnserve.layers.moe import load_moe_from_hf
 from gdnserve.models.config import ModelConfig
 
 PREFIXES = ("model.language_model.", "model.", "")   # multimodal wrapper, CausalLM, bare
-SKIP = ("mtp.", "model.visual.", "visual.")          # kept elsewhere (MTP) or not ours (vision)
+SKIP = ("mtp.", "model.visual.", "visual.")          # MTP only when the model builds it; vision: not ours
 
 
 class CheckpointError(ValueError):
@@ -70,10 +71,45 @@ def _deinterleave_ba(w: torch.Tensor, H: int, HV: int) -> torch.Tensor:
     return torch.cat([b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])], 0)
 
 
+def _layer_plan(plan: dict[str, Callable[[], torch.Tensor]], get: Callable[[str], torch.Tensor], cfg: ModelConfig,
+                L: str, kind: str, moe: bool) -> None:
+    """Entries of ``plan`` for one decoder layer whose parameters AND checkpoint tensors are named ``L...``
+    (``layers.{i}.`` under the model prefix, or ``mtp.layers.{i}.``); a MoE MLP is loaded separately."""
+    g = cfg.gdn
+    plan[L + "input_layernorm.weight"] = lambda: get(L + "input_layernorm.weight")
+    plan[L + "post_attention_layernorm.weight"] = lambda: get(L + "post_attention_layernorm.weight")
+    if not moe:
+        plan[L + "mlp.gate_up_proj.weight"] = lambda: torch.cat([get(L + "mlp.gate_proj.weight"),
+                                                                 get(L + "mlp.up_proj.weight")], 0)
+        plan[L + "mlp.down_proj.weight"] = lambda: get(L + "mlp.down_proj.weight")
+    if kind == "linear_attention":
+        A = L + "linear_attn."
+        if cfg.family == "qwen3_next":
+            plan[L + "mixer.in_proj.weight"] = lambda: torch.cat([
+                _deinterleave_qkvz(get(A + "in_proj_qkvz.weight"), g.num_k_heads, g.num_v_heads, g.head_k_dim,
+                                   g.head_v_dim),
+                _deinterleave_ba(get(A + "in_proj_ba.weight"), g.num_k_heads, g.num_v_heads)], 0)
+        else:
+            plan[L + "mixer.in_proj.weight"] = lambda: torch.cat(
+                [get(A + n + ".weight") for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")], 0)
+        plan[L + "mixer.conv_weight"] = lambda: get(A + "conv1d.weight").squeeze(1)
+        for n in ("A_log", "dt_bias", "norm.weight", "out_proj.weight"):
+            plan[L + "mixer." + n] = lambda n=n: get(A + n)
+    else:
+        A = L + "self_attn."
+        plan[L + "mixer.qkv_proj.weight"] = lambda: torch.cat(
+            [get(A + n + ".weight") for n in ("q_proj", "k_proj", "v_proj")], 0)
+        for n in ("o_proj.weight", "q_norm.weight", "k_norm.weight"):
+            plan[L + "mixer." + n] = lambda n=n: get(A + n)
+
+
 def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Callable[[], torch.Tensor]],
                  dtype: torch.dtype) -> None:
-    """Copy every parameter of ``model`` (this rank's part of it) from ``tensors`` (see module docstring)."""
-    names = {n for n in tensors if not n.startswith(SKIP)}
+    """Copy every parameter of ``model`` (this rank's part of it) from ``tensors`` (see module docstring).
+    With ``model.mtp`` built, the ``mtp.*`` tensors (top level, never under the model prefix) fill it and a
+    missing, mis-shaped or unexpected one fails like any other."""
+    with_mtp = getattr(model, "mtp", None) is not None
+    names = {n for n in tensors if not n.startswith(SKIP) or (with_mtp and n.startswith("mtp."))}
     prefix = next((p for p in PREFIXES if f"{p}embed_tokens.weight" in names), None)
     if prefix is None:
         raise CheckpointError("checkpoint has no embed_tokens.weight under any of "
@@ -81,51 +117,30 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
     used: set[str] = set()
 
     def get(name: str) -> torch.Tensor:
-        full = prefix + name if not name.startswith("lm_head") else name
+        full = name if name.startswith(("lm_head", "mtp.")) else prefix + name
         if full not in tensors:
             raise CheckpointError(f"missing tensor {full}")
         used.add(full)
         return tensors[full]()
 
-    g = cfg.gdn
     plan: dict[str, Callable[[], torch.Tensor]] = {"embed_tokens.weight": lambda: get("embed_tokens.weight"),
                                                   "norm.weight": lambda: get("norm.weight")}
     if not cfg.tie_word_embeddings:
         plan["lm_head.weight"] = lambda: get("lm_head.weight")
-    moe_layers: list[int] = []
+    moe_blocks: list[tuple[torch.nn.Module, str]] = []           # (our MoE module, its parameter prefix)
     for i, kind in enumerate(cfg.layer_types):
-        L = f"layers.{i}."
-        plan[L + "input_layernorm.weight"] = lambda L=L: get(L + "input_layernorm.weight")
-        plan[L + "post_attention_layernorm.weight"] = lambda L=L: get(L + "post_attention_layernorm.weight")
+        _layer_plan(plan, get, cfg, f"layers.{i}.", kind, cfg.is_moe_layer(i))
         if cfg.is_moe_layer(i):
-            moe_layers.append(i)
-        else:
-            plan[L + "mlp.gate_up_proj.weight"] = lambda L=L: torch.cat([get(L + "mlp.gate_proj.weight"),
-                                                                         get(L + "mlp.up_proj.weight")], 0)
-            plan[L + "mlp.down_proj.weight"] = lambda L=L: get(L + "mlp.down_proj.weight")
-        if kind == "linear_attention":
-            A = L + "linear_attn."
-            if cfg.family == "qwen3_next":
-                plan[L + "mixer.in_proj.weight"] = lambda A=A: torch.cat([
-                    _deinterleave_qkvz(get(A + "in_proj_qkvz.weight"), g.num_k_heads, g.num_v_heads, g.head_k_dim,
-                                       g.head_v_dim),
-                    _deinterleave_ba(get(A + "in_proj_ba.weight"), g.num_k_heads, g.num_v_heads)], 0)
-            else:
-                plan[L + "mixer.in_proj.weight"] = lambda A=A: torch.cat(
-                    [get(A + n + ".weight") for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")], 0)
-            plan[L + "mixer.conv_weight"] = lambda A=A: get(A + "conv1d.weight").squeeze(1)
-            plan[L + "mixer.A_log"] = lambda A=A: get(A + "A_log")
-            plan[L + "mixer.dt_bias"] = lambda A=A: get(A + "dt_bias")
-            plan[L + "mixer.norm.weight"] = lambda A=A: get(A + "norm.weight")
-            plan[L + "mixer.out_proj.weight"] = lambda A=A: get(A + "out_proj.weight")
-        else:
-            A = L + "self_attn."
-            plan[L + "mixer.qkv_proj.weight"] = lambda A=A: torch.cat(
-                [get(A + n + ".weight") for n in ("q_proj", "k_proj", "v_proj")], 0)
-            for n in ("o_proj.weight", "q_norm.weight", "k_norm.weight"):
-                plan[L + "mixer." + n] = lambda A=A, n=n: get(A + n)
+            moe_blocks.append((model.layers[i].mlp, f"layers.{i}.mlp."))
+    if with_mtp:
+        for n in ("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight"):
+            plan["mtp." + n] = lambda n=n: get("mtp." + n)
+        for i in range(cfg.mtp.num_layers):
+            _layer_plan(plan, get, cfg, f"mtp.layers.{i}.", "full_attention", cfg.is_moe_layer(i))
+            if cfg.is_moe_layer(i):
+                moe_blocks.append((model.mtp.layers[i].mlp, f"mtp.layers.{i}.mlp."))
     params = dict(model.named_parameters())
-    moe_params = {n for n in params if any(n.startswith(f"layers.{i}.mlp.") for i in moe_layers)}
+    moe_params = {n for n in params if any(n.startswith(p) for _, p in moe_blocks)}
     missing_params = sorted(set(params) - set(plan) - moe_params)
     if missing_params:
         raise CheckpointError(f"no checkpoint mapping for parameters {missing_params}")
@@ -139,9 +154,9 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
                 raise CheckpointError(f"{name}: {e}") from e
             # A_log stays fp32 (the decay rate; fp16/bf16 would make exp(A_log) coarse)
             p.data = t.to(device=p.device, dtype=torch.float32 if name.endswith("A_log") else dtype)
-    for i in moe_layers:
+    for moe, p in moe_blocks:
         try:
-            load_moe_from_hf(model.layers[i].mlp, get, f"layers.{i}.mlp.", dtype)
+            load_moe_from_hf(moe, get, p, dtype)
         except (KeyError, ValueError) as e:
             raise CheckpointError(str(e)) from e
     unexpected = sorted(n for n in names - used if not (cfg.tie_word_embeddings and n == "lm_head.weight"))
@@ -150,17 +165,40 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
                               + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
 
 
+def resolve_mtp(cfg: ModelConfig, names: Iterable[str]) -> tuple[ModelConfig, str | None]:
+    """The MTP layers this checkpoint gets and, when none, why (the MTP drafter's error names it). Config
+    without a count (Qwen3-Next releases): the checkpoint's ``mtp.layers.{i}``. A count the config states
+    but no ``mtp.*`` tensor at all: the target loads, MTP unavailable. Some ``mtp.*`` present: the loader
+    requires all of them (errors name the missing one)."""
+    m = cfg.mtp
+    have = sorted({int(n.split(".")[2]) for n in names if n.startswith("mtp.layers.") and n.split(".")[2].isdigit()})
+    any_mtp = any(n.startswith("mtp.") for n in names)
+    n, why = m.num_layers, None
+    if m.dedicated_embeddings:
+        n, why = 0, "config mtp_use_dedicated_embeddings = true is not supported (MTP embeddings are shared)"
+    elif not m.in_config:
+        n = have[-1] + 1 if have else 0
+        why = None if n else "config.json names no MTP layers and the checkpoint has no mtp.layers.* tensors"
+    elif n and not any_mtp:
+        n, why = 0, f"config mtp_num_hidden_layers = {m.num_layers} but the checkpoint has no mtp.* tensors"
+    elif not n:
+        why = "config.json has no MTP layers (mtp_num_hidden_layers = 0)"
+    return dataclasses.replace(cfg, mtp=dataclasses.replace(m, num_layers=n)), why
+
+
 def load_model(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
                tp_rank: int | None = None, tp_size: int | None = None):
     """config.json + safetensors -> (HybridLM on ``device`` in ``dtype``, ModelConfig). Built on the meta
     device, so no memory is spent on initial weights. ``tp_rank`` / ``tp_size`` (default: the
     torch.distributed group's, 0 / 1 without one) pick the tensor-parallel shard this process holds."""
     from gdnserve.models.qwen3_5 import HybridLM
-    cfg = ModelConfig.from_hf(Path(folder))
+    tensors = checkpoint_tensors(folder)
+    cfg, why = resolve_mtp(ModelConfig.from_hf(Path(folder)), tensors)
     with torch.device("meta"):
         model = HybridLM(cfg, tp_rank, tp_size)
     model = model.to_empty(device=device)
-    load_weights(model, cfg, checkpoint_tensors(folder), dtype)
-    for attn in model.attention_layers():            # non-persistent buffers are not in checkpoints
-        attn.rotary.reset_buffers()
+    model.mtp_unavailable = why
+    load_weights(model, cfg, tensors, dtype)
+    for attn in model.attention_layers() + ([l.mixer for l in model.mtp.layers] if model.mtp is not None else []):
+        attn.rotary.reset_buffers()                  # non-persistent buffers are not in checkpoints
     return model.eval(), cfg

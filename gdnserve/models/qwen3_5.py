@@ -27,11 +27,12 @@ def check_tp(cfg: ModelConfig, tp_size: int) -> None:
     sizes: dict[str, int] = {}
     if cfg.num_linear_layers:
         sizes.update(linear_num_key_heads=g.num_k_heads, linear_num_value_heads=g.num_v_heads)
-    if cfg.num_linear_layers < cfg.num_layers:
+    if cfg.num_linear_layers < cfg.num_layers or cfg.mtp.num_layers:
         sizes.update(num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads)
-    if any(not cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+    mlp_layers = range(max(cfg.num_layers, cfg.mtp.num_layers))     # MTP layer i follows layer i's MLP rule
+    if any(not cfg.is_moe_layer(i) for i in mlp_layers):
         sizes["intermediate_size"] = m.intermediate_size
-    if any(cfg.is_moe_layer(i) for i in range(cfg.num_layers)):
+    if any(cfg.is_moe_layer(i) for i in mlp_layers):
         sizes["moe_intermediate_size"] = m.moe_intermediate_size
         if m.shared_expert_intermediate_size:
             sizes["shared_expert_intermediate_size"] = m.shared_expert_intermediate_size
@@ -41,9 +42,11 @@ def check_tp(cfg: ModelConfig, tp_size: int) -> None:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, cfg: ModelConfig, i: int, tp_rank: int = 0, tp_size: int = 1, kind: str | None = None):
+        """Layer ``i`` of the decoder: its mixer from ``cfg.layer_types[i]`` (or ``kind``: the MTP layers are
+        full attention), its MLP by the config's MoE rule for index i."""
         super().__init__()
-        self.kind = cfg.layer_types[i]
+        self.kind = kind or cfg.layer_types[i]
         eps = cfg.rms_norm_eps
         tp = dict(tp_rank=tp_rank, tp_size=tp_size)
         if self.kind == "linear_attention":
@@ -80,6 +83,12 @@ class HybridLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, self.tp_rank, self.tp_size) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = None                   # the MTP head (models/mtp.py), registered last; None = no MTP drafter
+        self.mtp_unavailable = "config.json has no MTP layers (mtp_num_hidden_layers = 0)"
+        if cfg.mtp.num_layers:
+            from gdnserve.models.mtp import MTPHead    # mtp.py builds its layer from this module
+            self.mtp = MTPHead(cfg, self.tp_rank, self.tp_size)
+            self.mtp_unavailable = None
 
     def gdn_layers(self) -> list[GatedDeltaNet]:
         return [l.mixer for l in self.layers if isinstance(l.mixer, GatedDeltaNet)]
@@ -87,12 +96,20 @@ class HybridLM(nn.Module):
     def attention_layers(self) -> list[GatedAttention]:
         return [l.mixer for l in self.layers if isinstance(l.mixer, GatedAttention)]
 
-    def forward(self, input_ids: torch.Tensor, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, logits_rows: torch.Tensor | None = None,
+                return_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids: [T] packed tokens of the step; logits_rows: [R] rows whose logits are wanted
-        (None = all). Returns [R, vocab] in fp32."""
+        (None = all). Returns [R, vocab] in fp32; with ``return_hidden`` also the final hidden states of all
+        T rows after the final norm ``[T, hidden]`` (what the lm head reads; the MTP drafter's input)."""
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             h = layer(h)
+        hidden = self.norm(h) if return_hidden else None
+        # the logits rows are normed on their own either way, so logits are bit-identical with and without
         h = self.norm(h if logits_rows is None else h[logits_rows])
-        w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(h, w).float()
+        logits = torch.nn.functional.linear(h, self.lm_head_weight).float()
+        return (logits, hidden) if return_hidden else logits

@@ -115,6 +115,25 @@ def test_query_blocks_and_fresh_output(monkeypatch, device):
         check_rows(o[rows], naive_attention(q[rows], ks[n], vs[n], DH ** -0.5), torch.float32, f"seq {n}")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kv_start_never_reads_the_first_positions(backend, device):
+    """kv_start = 1 (the MTP layer's cache, whose position 0 holds nothing): position 0 is NaN-poisoned and
+    must not be read; the result is attention over positions 1.. of each sequence."""
+    QH, P, lens, ctx = 4, 5, [6, 1, 3], [3, 11, 1]        # query rows, positions before them (>= kv_start)
+    q = rand(sum(lens), QH, DH, device=device)
+    ks = [rand(c + L, KVH, DH, device=device) for c, L in zip(ctx, lens)]
+    vs = [rand(c + L, KVH, DH, device=device) for c, L in zip(ctx, lens)]
+    for k, v in zip(ks, vs):
+        k[0], v[0] = NAN, NAN
+    kc, vc, table = paged_caches(ks, vs, P)
+    cu = torch.tensor([0, 6, 7, 10], dtype=I32, device=device)
+    kvl = torch.tensor([c + L for c, L in zip(ctx, lens)], dtype=I32, device=device)
+    o = paged_attention(q, kc, vc, cu, kvl, table, scale=DH ** -0.5, kv_start=1, backend=backend)
+    for n in range(3):
+        rows = slice(int(cu[n]), int(cu[n + 1]))
+        check_rows(o[rows], naive_attention(q[rows], ks[n][1:], vs[n][1:], DH ** -0.5), torch.float32, f"seq {n}")
+
+
 def test_empty_batch(device):
     kc = rand(2, 4, KVH, DH, device=device)
     o = paged_attention(rand(0, KVH, DH, device=device), kc, kc.clone(), torch.zeros(1, dtype=I32, device=device),
@@ -301,6 +320,9 @@ def _attn_args(device, **over):
     (dict(kv_lens=torch.tensor([3, 5], dtype=I32)), r"page_table\[1, 1\] = -1"),
     (dict(cu_seqlens_q=torch.tensor([0, 4, 2], dtype=I32)), "cu_seqlens_q: expected non-decreasing"),
     (dict(cu_seqlens_q=torch.tensor([0, 2, 7], dtype=I32)), r"cu_seqlens_q: .* in 0\.\.6"),
+    (dict(kv_start=-1), "kv_start: expected an int >= 0"),
+    (dict(kv_start=1, kv_lens=torch.tensor([2, 4], dtype=I32)), r"kv_lens\[0\] = 2: expected 3 \(its query rows "
+                                                                r"\+ kv_start\)"),
 ])
 def test_paged_attention_validation_names_the_tensor(over, match):
     a = {**_attn_args("cpu"), **over}

@@ -94,8 +94,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, page_table: torch.Tensor,
-                          scale: float, out: torch.Tensor) -> None:
-    """Loops over sequences: gathers each one's pages into contiguous K/V, then :func:`_attend`."""
+                          scale: float, out: torch.Tensor, kv_start: int = 0) -> None:
+    """Loops over sequences: gathers each one's pages into contiguous K/V (from ``kv_start`` on), then
+    :func:`_attend`."""
     T = q.shape[0]
     NP, P, KVH, Dh = k_cache.shape
     max_pages = page_table.shape[1]
@@ -107,16 +108,17 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         Lq = end - start
         if Lq == 0 or Lk == 0:                     # padding sequence: its rows are not written
             continue
-        if Lk < Lq or Lk > max_pages * P:
-            raise ValueError(f"kv_lens[{n}] = {Lk}: expected {Lq} (its query rows) .. {max_pages * P} "
-                             f"(page_table width {max_pages} x page_size {P})")
+        if Lk < Lq + kv_start or Lk > max_pages * P:
+            raise ValueError(f"kv_lens[{n}] = {Lk}: expected {Lq + kv_start} (its query rows"
+                             f"{' + kv_start' if kv_start else ''}) .. {max_pages * P} (page_table width "
+                             f"{max_pages} x page_size {P})")
         pages = page_table[n, : -(-Lk // P)].to(I64)
         bad = (pages < 0) | (pages >= NP)
         if bad.any():
             i = _first_bad(bad)
             raise ValueError(f"page_table[{n}, {i}] = {int(pages[i])}: expected a page in 0..{NP - 1}")
-        k = k_cache.index_select(0, pages).view(-1, KVH, Dh)[:Lk]
-        v = v_cache.index_select(0, pages).view(-1, KVH, Dh)[:Lk]
+        k = k_cache.index_select(0, pages).view(-1, KVH, Dh)[kv_start:Lk]
+        v = v_cache.index_select(0, pages).view(-1, KVH, Dh)[kv_start:Lk]
         _attend(q[start:end], k, v, scale, out[start:end])
 
 
@@ -196,7 +198,7 @@ def copy_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, src_pages: torch.Te
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     kv_lens: torch.Tensor, page_table: torch.Tensor, *, scale: float,
-                    out: torch.Tensor | None = None, backend: Backend = "auto") -> torch.Tensor:
+                    out: torch.Tensor | None = None, kv_start: int = 0, backend: Backend = "auto") -> torch.Tensor:
     """Causal attention of N sequences' new queries over their paged K/V (prefill chunks and decode alike).
 
     q: [T, QH, Dh] (bf16/fp16/fp32), last dim stride 1; QH = g * KVH (query head h reads kv head h // g)
@@ -208,6 +210,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         ceil(kv_lens[n] / page_size) are not read)
     scale: softmax scale (usually Dh ** -0.5); scores, softmax and accumulation in fp32
     out: [T, QH, Dh] q.dtype, last dim stride 1; or None (fresh, uninitialised)
+    kv_start: positions below it are never read (query i attends kv_start .. kv_lens[n] - Lq + i; each
+        query must see at least one position). The MTP layer's cache uses 1: its position 0 holds nothing.
     returns o: [T, QH, Dh] in q.dtype. Sequences with kv_lens[n] == 0 or Lq == 0 are padding: skipped, and
         rows not covered by a live sequence are not written.
     """
@@ -226,10 +230,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     check_tensor("page_table", page_table, [N, None], [torch.int32], q.device)
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
         raise ValueError(f"scale: expected a positive float, got {scale!r}")
+    if not isinstance(kv_start, int) or isinstance(kv_start, bool) or kv_start < 0:
+        raise ValueError(f"kv_start: expected an int >= 0, got {kv_start!r}")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     else:
         check_tensor("out", out, [T, QH, Dh], [q.dtype], q.device)
     _dispatch("paged_attention", backend, q)(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table,
-                                             float(scale), out)
+                                             float(scale), out, kv_start=kv_start)
     return out

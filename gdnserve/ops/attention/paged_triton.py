@@ -3,7 +3,7 @@ public functions in ``paged.py``; no host reads, so they can be captured in CUDA
 
 ``paged_attention_kernel``: one program per (sequence, block of BM queries, query head); flash-style online
 softmax in fp32 over the sequence's kv positions in blocks of BN, each position's slot looked up through the
-page table (so any page size works), causal by absolute position.
+page table (so any page size works), causal by absolute position; positions below ``KV_START`` are masked.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def store_kv_kernel(k, v, k_cache, v_cache, slot_mapping, token_index, s_kt, s_k
 def paged_attention_kernel(q, k_cache, v_cache, o, cu_q, kv_lens, page_table, scale,
                            s_qt, s_qh, s_ot, s_oh, s_pt,
                            G: tl.constexpr, KVH: tl.constexpr, Dh: tl.constexpr, BD: tl.constexpr,
-                           PS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                           PS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KV_START: tl.constexpr):
     i_n, i_b, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q0 = tl.load(cu_q + i_n)
     Lq = tl.load(cu_q + i_n + 1) - q0
@@ -56,7 +56,7 @@ def paged_attention_kernel(q, k_cache, v_cache, o, cu_q, kv_lens, page_table, sc
     end = tl.minimum(L, L - Lq + i_b * BM + BM)          # the block's last query sees positions < end
     for j0 in range(0, end, BN):
         o_j = j0 + tl.arange(0, BN)
-        m_j = o_j < end
+        m_j = (o_j < end) & (o_j >= KV_START)
         page = tl.load(page_table + i_n * s_pt + o_j // PS, mask=m_j, other=0).to(tl.int64)
         addr = ((page * PS + o_j % PS) * KVH + kvh) * Dh
         b_k = tl.load(k_cache + addr[:, None] + o_d[None, :], mask=m_j[:, None] & m_d[None, :], other=0.)
@@ -89,7 +89,7 @@ def copy_pages_triton(k_cache, v_cache, src_pages, dst_pages) -> None:
 
 
 def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table, scale, out,
-                           max_q_len: int | None = None) -> None:
+                           max_q_len: int | None = None, kv_start: int = 0) -> None:
     T, QH, Dh = q.shape
     N = kv_lens.shape[0]
     if T == 0 or N == 0:
@@ -99,4 +99,4 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_tabl
     nb = cdiv(max_q_len if max_q_len is not None else T, BM)
     launch(paged_attention_kernel, (N, nb, QH), (
         q, k_cache, v_cache, out, cu_seqlens_q, kv_lens, page_table, scale, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1), page_table.stride(0), QH // KVH, KVH, Dh, pow2(Dh), PS, BM, 32), 4)
+        out.stride(0), out.stride(1), page_table.stride(0), QH // KVH, KVH, Dh, pow2(Dh), PS, BM, 32, kv_start), 4)

@@ -1,0 +1,70 @@
+"""Speculative decoding with the MTP drafter through the engine loop (embedded model, CPU): greedy outputs are
+identical with and without it, for k in {1, 2, 3} and both verify modes, over prompts that include two
+shared-prefix groups (a prefix inside a KV page and one ending on its boundary) whose consumers spec-decode,
+and a later consumer of the READY checkpoint. The embedded model's random MTP head is almost never right, so
+a second run rigs the head to draft "the last token again" (the embedded model's greedy output repeats a
+lot): many drafts are accepted, some rejected part-way."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gdnserve.engine.sampling_params import SamplingParams
+from gdnserve.entrypoints.llm import LLM
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+FIRST = ["abcabcabcabcabc", "the cat sat on the mat, the cat sat on the", "Shared doc.<|state_checkpoint|>q1",
+         "Shared doc.<|state_checkpoint|>q22", "0123456789abcdef<|state_checkpoint|>xy",
+         "0123456789abcdef<|state_checkpoint|>z", "xyz"]
+LATER = ["Shared doc.<|state_checkpoint|>q333", "mnopq"]          # a READY-checkpoint consumer, a plain prompt
+
+
+def _outputs(llm: LLM) -> list[list[int]]:
+    first, later = llm.generate(FIRST, GREEDY), llm.generate(LATER, GREEDY)
+    assert [o.checkpoint.hit_length for o in first[2:6]] == [0, 11, 0, 16]      # producer + same-step consumer
+    assert later[0].checkpoint.hit_length == 11                                  # a READY checkpoint
+    return [o.outputs[0].token_ids for o in first + later]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _outputs(LLM(device="cpu", auto_checkpoints=False))
+
+
+def _copy_head(llm: LLM) -> None:
+    """Rig the MTP head to predict its input token: fc passes the normed embedding through, the layer adds
+    nothing (o_proj, down_proj = 0), so the head's logits are embed · embed(x), largest at x itself."""
+    h = llm.engine.runner.model.mtp
+    H = h.fc.weight.shape[0]
+    with torch.no_grad():
+        h.fc.weight.zero_()
+        h.fc.weight[:, :H] = torch.eye(H)
+        h.layers[0].mixer.o_proj.weight.zero_()
+        h.layers[0].mlp.down_proj.weight.zero_()
+
+
+@pytest.mark.parametrize("mode", ["replay", "intermediate"])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_mtp_spec_decode_equals_plain_greedy(reference, mode, k):
+    llm = LLM(device="cpu", spec_k=k, spec_mode=mode, spec_draft="mtp")
+    if k != 2:
+        _copy_head(llm)
+    assert _outputs(llm) == reference
+    e = llm.engine
+    assert e.counters["spec_drafted"] > 0
+    if k != 2:
+        assert 0 < e.counters["spec_accepted"] < e.counters["spec_drafted"]
+    assert e.runner.state.check_integrity() == [] and e.runner.pages.check_integrity() == []
+
+
+def test_next_turn_after_mtp_spec_decode_matches_a_cold_run():
+    """An automatic checkpoint published after MTP spec decoding holds exactly its tokens (the MTP entries of
+    rejected drafts never reach it): the next turn equals a cold run, and its own drafts start from it."""
+    llm = LLM(device="cpu", spec_k=3, spec_mode="replay", spec_draft="mtp")
+    _copy_head(llm)
+    out = llm.generate("hello hello hello", SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))[0]
+    nxt = out.prompt_token_ids + out.outputs[0].token_ids + list(b" again")
+    warm = llm.generate(nxt, GREEDY)[0]
+    cold = LLM(device="cpu", auto_checkpoints=False).generate(nxt, GREEDY)[0]
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert llm.engine.counters["spec_accepted"] > 0
