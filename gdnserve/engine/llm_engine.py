@@ -22,7 +22,7 @@ state and KV carried in its running slot, other requests decoding meanwhile); sa
 Under KV-page pressure, READY checkpoints are evicted and then the newest single-sample requests preempted
 and later recomputed (prompt + output so far), so a step never fails for lack of pages.
 
-Not yet: CUDA graphs.
+Decode-only and verify-only steps replay bucketed CUDA graphs on CUDA devices (engine/cuda_graphs.py).
 """
 from __future__ import annotations
 
@@ -90,10 +90,18 @@ class _Request:
 class LLMEngine:
     def __init__(self, model, tokenizer, *, runner: RunnerConfig | None = None, max_num_seqs: int = 64,
                  max_step_tokens: int = 4096, max_model_len: int = 4096, model_name: str = "gdnserve", seed=None,
-                 auto_checkpoints: bool = True, spec_k: int = 0, spec_mode: str = "replay"):
+                 auto_checkpoints: bool = True, spec_k: int = 0, spec_mode: str = "replay",
+                 cuda_graphs: bool | None = None):
+        """``cuda_graphs``: decode-only and verify-only steps replay bucketed CUDA graphs (None = the runner
+        config's choice, by default on for CUDA devices; False turns them off)."""
         runner = runner or RunnerConfig(num_slots=2 * max_num_seqs + 2)
         if spec_k:
             runner.spec_mode, runner.spec_tokens = spec_mode, spec_k + 1
+        if cuda_graphs is not None:
+            runner.cuda_graphs = cuda_graphs
+        if runner.graph_max_batch is None:
+            runner.graph_max_batch = max_num_seqs
+        runner.max_model_len = max_model_len
         self.runner = ModelRunner(model, runner)
         self.spec_k = spec_k
         self.drafter = NgramDrafter(spec_k) if spec_k else None

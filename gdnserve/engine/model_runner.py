@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gdnserve.engine.cuda_graphs import StepGraphs
+from gdnserve.engine.graph_inputs import BUCKETS, graph_buckets
 from gdnserve.engine.page_pool import PagePool, PagePoolConfig, PageTable
 from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
 from gdnserve.engine.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan, segment_phases
@@ -47,6 +49,10 @@ class RunnerConfig:
     staging_ints: int = 1 << 20
     spec_mode: str | None = None     # "intermediate" | "replay": speculative verify buffers
     spec_tokens: int = 0             # L = k + 1 tokens per verify
+    cuda_graphs: bool | None = None  # decode/verify steps through bucketed graphs; None = on for CUDA (engine/cuda_graphs.py)
+    graph_capture: bool | None = None   # False: the same padded static-buffer path, run eagerly (None = on CUDA)
+    graph_max_batch: int | None = None  # largest bucket (max_num_seqs); None = min(256, num_slots)
+    max_model_len: int = 4096        # sets the graphs' page-table width; longer sequences step eagerly
 
 
 class ModelRunner:
@@ -77,6 +83,36 @@ class ModelRunner:
         self.stager = IndexStager(rc.staging_ints, self.device)
         if rc.spec_mode is not None:
             self._bind_spec(gdn, H, HV, g)
+        self.graphs = self._make_graphs(model)
+
+    def _make_graphs(self, model) -> StepGraphs | None:
+        """StepGraphs when ``cuda_graphs`` resolves on. Auto (None) turns them on for a CUDA device, tensor
+        parallel size 1 and a model whose forward can be captured (SparseMoE reads expert counts on the host)."""
+        rc, cuda = self.rc, self.device.type == "cuda"
+        capture = cuda if rc.graph_capture is None else rc.graph_capture
+        if capture and not cuda:
+            raise ValueError(f"graph_capture: CUDA graphs need a CUDA device, the model is on {self.device}")
+        capturable = all(getattr(m, "graph_safe", True) for m in model.modules())
+        on = rc.cuda_graphs
+        if on is None:
+            on = cuda and capturable and getattr(model, "tp_size", 1) == 1
+        if not on:
+            return None
+        if capture and not capturable:
+            raise ValueError("cuda_graphs: this model has layers that read device data on the host (SparseMoE's "
+                             "expert split) and cannot be captured; set cuda_graphs=False (--no-cuda-graphs)")
+        cap = rc.graph_max_batch if rc.graph_max_batch is not None else min(BUCKETS[-1], rc.num_slots)
+        if not isinstance(rc.max_model_len, int) or rc.max_model_len < 1:
+            raise ValueError(f"max_model_len: expected an int >= 1, got {rc.max_model_len!r}")
+        width = min(rc.num_pages, -(-(rc.max_model_len + max(1, rc.spec_tokens)) // rc.page_size))
+        return StepGraphs(model, buckets=graph_buckets(cap), width=width, page_size=rc.page_size,
+                          num_slots=rc.num_slots, spec_mode=rc.spec_mode, spec_tokens=rc.spec_tokens,
+                          capture=capture, device=self.device)
+
+    def capture_graphs(self) -> None:
+        """Capture every bucket's decode (and verify) graph now instead of on first use (no-op without capture)."""
+        if self.graphs is not None and self.graphs.capture:
+            self.graphs.capture_all()
 
     def _bind_spec(self, gdn, H: int, HV: int, g) -> None:
         """Per GDN layer: drafted raw conv inputs (scratch rows = slots in intermediate mode, ping-pong pending rows
@@ -94,8 +130,11 @@ class ModelRunner:
                 layer.bind_spec(torch.zeros(2 * S, L, D, dtype=self.dtype, device=self.device), None,
                                 GDNPending.empty(2 * S, L, H, HV, g.head_k_dim, g.head_v_dim, self.dtype, self.device))
 
-    def _idx(self, vals) -> torch.Tensor:
-        return torch.tensor(list(vals), dtype=torch.int32, device=self.device)
+    def _upload(self, *vecs: list[int]) -> list[torch.Tensor]:
+        """Equal-length int32 vectors in one upload (flush / commit run outside the step's plan)."""
+        n = len(vecs[0])
+        dev = self.stager.upload([x for v in vecs for x in v])
+        return [dev[i * n:(i + 1) * n] for i in range(len(vecs))]
 
     @torch.inference_mode()
     def flush(self, seqs: list[SeqState]) -> None:
@@ -105,9 +144,8 @@ class ModelRunner:
         if not todo:
             return
         S = self.rc.num_slots
-        slots = self._idx(s.slot for s in todo)
-        rows = self._idx(s.slot + s.parity * S for s in todo)
-        num = self._idx(s.pending for s in todo)
+        slots, rows, num = self._upload([s.slot for s in todo], [s.slot + s.parity * S for s in todo],
+                                        [s.pending for s in todo])
         for layer in self.model.gdn_layers():
             layer.commit(slots, rows, num, "replay")
         for s in todo:
@@ -124,8 +162,7 @@ class ModelRunner:
             seq.length -= self.rc.spec_tokens - a
             seq.pages.length = seq.length
         if self.rc.spec_mode == "intermediate":
-            slots = self._idx(s.slot for s, _ in verified)
-            num = self._idx(a for _, a in verified)
+            slots, num = self._upload([s.slot for s, _ in verified], [a for _, a in verified])
             for layer in self.model.gdn_layers():
                 layer.commit(slots, slots, num, "intermediate")
         else:
@@ -147,8 +184,20 @@ class ModelRunner:
              is_ready=lambda slot: False, verifies: list[tuple[SeqState, list[int]]] = ()) -> torch.Tensor:
         """Returns fp32 logits, one row per: each prefill item's last token (every token for an item with
         ``all_logits``), then each decode token, then every token of each verify item (L rows), in order.
-        After a verify step the caller must ``accept`` how many tokens each verified sequence keeps."""
+        After a verify step the caller must ``accept`` how many tokens each verified sequence keeps.
+        A decode-only or verify-only step may run a CUDA graph (``self.graphs``); its logits are the same."""
+        L = self.rc.spec_tokens
+        if verifies and self.rc.spec_mode is None:
+            raise ValueError("verifies: this runner has no spec_mode (RunnerConfig.spec_mode / spec_tokens)")
+        for seq, toks in verifies:
+            if len(toks) != L:
+                raise ValueError(f"verify: {len(toks)} tokens, the runner verifies spec_tokens = {L}")
         self.flush([s for s, _ in decodes] + [it.seq for it in prefills])   # replay-pending state must land
+        if self.graphs is not None and not prefills:
+            key = self.graphs.select(decodes, verifies)
+            if key is not None:
+                return self.graphs.run(key, list(verifies or decodes))
+            self.graphs.stats["fallback"] += 1
         segs = []
         for i, it in enumerate(prefills):
             if not it.tokens:
@@ -220,10 +269,7 @@ class ModelRunner:
             cu.append(len(ids))
             kv_lens.append(seq.length)
             tables.append(seq.pages)
-        L = self.rc.spec_tokens
         for seq, toks in verifies:
-            if len(toks) != L:
-                raise ValueError(f"verify: {len(toks)} tokens, the runner verifies spec_tokens = {L}")
             p0 = seq.length
             slot_map += seq.pages.append_tokens(L)
             seq.length += L
@@ -253,8 +299,9 @@ class ModelRunner:
         plan = build_step_plan(segs, self.rc.prefill_mode, self.stager, decode_slots=[s.slot for s, _ in decodes],
                                extra=extra, is_ready=is_ready)
         x = plan.extra
+        max_q = max([len(it.tokens) for it in prefills] + [1] * bool(decodes) + [L] * bool(verifies), default=0)
         attn = AttnMeta(x["cu"], x["kv"], x["table"].view(len(tables), width), x["slots"].long(),
-                        x["tok"].long() if dup_rows else None)
+                        x["tok"].long() if dup_rows else None, max_q)
         vmeta = None
         if verifies:
             vmeta = VerifyMeta(self.rc.spec_mode, L, x["v_slots"], x["v_out"], x.get("v_in"), x.get("v_num"))

@@ -15,7 +15,9 @@ from gdnserve.engine.sampling_params import SamplingParams
 def load_engine(model: str | None = None, *, dtype: str | None = None, device: str = "auto",
                 prefill_mode: str = "fused", max_num_seqs: int = 64, num_pages: int = 2048, page_size: int = 16,
                 max_model_len: int = 4096, seed: int | None = None, auto_checkpoints: bool = True,
-                spec_k: int = 0, spec_mode: str = "replay", max_step_tokens: int = 4096) -> LLMEngine:
+                spec_k: int = 0, spec_mode: str = "replay", max_step_tokens: int = 4096,
+                cuda_graphs: bool | None = None) -> LLMEngine:
+    """``cuda_graphs=False`` runs every step eagerly (default: CUDA graphs for decode / verify steps on CUDA)."""
     from gdnserve.models.builtin import build_builtin_model
     from gdnserve.models.loader import load_model
     from gdnserve.models.tokenizer import load_tokenizer
@@ -26,7 +28,7 @@ def load_engine(model: str | None = None, *, dtype: str | None = None, device: s
                       prefill_mode=prefill_mode)
     return LLMEngine(net, load_tokenizer(model), runner=rc, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                      model_name=model or "gdnserve-embedded", seed=seed, auto_checkpoints=auto_checkpoints,
-                     spec_k=spec_k, spec_mode=spec_mode, max_step_tokens=max_step_tokens)
+                     spec_k=spec_k, spec_mode=spec_mode, max_step_tokens=max_step_tokens, cuda_graphs=cuda_graphs)
 
 
 class LLM:

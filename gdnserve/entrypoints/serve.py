@@ -19,6 +19,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-k", type=int, default=0, help="speculative decoding: n-gram drafts verified per step (0 = off)")
     p.add_argument("--spec-mode", default="replay", choices=["replay", "intermediate"],
                    help="GDN verify mode: replay (pending inputs, one state read+write) or intermediate (scratch states)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
+                   help="run decode and verify steps eagerly (default: bucketed CUDA graphs on a CUDA device)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -27,6 +29,6 @@ def run_serve(args: argparse.Namespace) -> int:
     from gdnserve.entrypoints.server import run_server
     engine = load_engine(args.model, dtype=args.dtype, device=args.device, prefill_mode=args.prefill_mode,
                          max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_pages=args.num_pages,
-                         spec_k=args.spec_k, spec_mode=args.spec_mode)
+                         spec_k=args.spec_k, spec_mode=args.spec_mode, cuda_graphs=args.cuda_graphs)
     run_server(AsyncEngine(engine), host=args.host, port=args.port, api_key=args.api_key)
     return 0

@@ -58,5 +58,5 @@ class GatedAttention(nn.Module):
         m = ctx.attn
         store_kv(k, v.contiguous(), self.k_cache, self.v_cache, m.slot_mapping, m.token_index)
         o = paged_attention(q.contiguous(), self.k_cache, self.v_cache, m.cu_seqlens_q, m.kv_lens, m.page_table,
-                            scale=Dh ** -0.5, backend=self.backend)
+                            scale=Dh ** -0.5, max_q_len=m.max_q_len, backend=self.backend)
         return self.o_proj(o.reshape(T, QH * Dh) * torch.sigmoid(gate))

@@ -20,6 +20,7 @@ class AttnMeta:
     page_table: torch.Tensor       # [N, max_pages] int32
     slot_mapping: torch.Tensor     # [M] int64: where this step's K/V go
     token_index: torch.Tensor | None = None   # [M] int64: token of each slot (None = 0..T-1)
+    max_q_len: int | None = None              # host bound on any sequence's query rows (None = T)
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,9 +90,18 @@ class HybridLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, logits_rows: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids: [T] packed tokens of the step; logits_rows: [R] rows whose logits are wanted
         (None = all). Returns [R, vocab] in fp32."""
+        h = self.hidden_states(input_ids)
+        return self.logits(self.norm(h if logits_rows is None else h[logits_rows]))
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] tokens -> [T, hidden] after the last decoder layer (before the final norm). A CUDA graph
+        captures this plus the norm; the lm head then runs eagerly on the live rows only."""
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             h = layer(h)
-        h = self.norm(h if logits_rows is None else h[logits_rows])
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [R, hidden] -> fp32 logits [R, vocab]."""
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return torch.nn.functional.linear(h, w).float()
