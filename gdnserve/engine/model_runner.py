@@ -86,21 +86,23 @@ class ModelRunner:
         self.graphs = self._make_graphs(model)
 
     def _make_graphs(self, model) -> StepGraphs | None:
-        """StepGraphs when ``cuda_graphs`` resolves on. Auto (None) turns them on for a CUDA device, tensor
-        parallel size 1 and a model whose forward can be captured (SparseMoE reads expert counts on the host)."""
+        """StepGraphs when ``cuda_graphs`` resolves on. Auto (None) turns them on for a CUDA device with the
+        Triton backend, tensor parallel size 1 and a model whose forward can be captured (the PyTorch ops read
+        index vectors on the host, SparseMoE reads expert counts)."""
         rc, cuda = self.rc, self.device.type == "cuda"
         capture = cuda if rc.graph_capture is None else rc.graph_capture
         if capture and not cuda:
             raise ValueError(f"graph_capture: CUDA graphs need a CUDA device, the model is on {self.device}")
-        capturable = all(getattr(m, "graph_safe", True) for m in model.modules())
+        capturable = rc.backend != "torch" and all(getattr(m, "graph_safe", True) for m in model.modules())
         on = rc.cuda_graphs
         if on is None:
             on = cuda and capturable and getattr(model, "tp_size", 1) == 1
         if not on:
             return None
         if capture and not capturable:
-            raise ValueError("cuda_graphs: this model has layers that read device data on the host (SparseMoE's "
-                             "expert split) and cannot be captured; set cuda_graphs=False (--no-cuda-graphs)")
+            raise ValueError("cuda_graphs: this forward reads device data on the host (backend='torch', or "
+                             "SparseMoE's expert split) and cannot be captured; set cuda_graphs=False "
+                             "(--no-cuda-graphs) or graph_capture=False")
         cap = rc.graph_max_batch if rc.graph_max_batch is not None else min(BUCKETS[-1], rc.num_slots)
         if not isinstance(rc.max_model_len, int) or rc.max_model_len < 1:
             raise ValueError(f"max_model_len: expected an int >= 1, got {rc.max_model_len!r}")

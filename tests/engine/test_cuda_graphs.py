@@ -19,9 +19,9 @@ S = 16
 VOCAB = build_builtin_model().cfg.vocab_size
 
 
-def make_runner(graphs: bool, mode: str | None = None, k: int = 0, **kw) -> ModelRunner:
+def make_runner(graphs: bool, mode: str | None = None, k: int = 0, backend: str = "torch", **kw) -> ModelRunner:
     """A runner on its own model instance (a runner binds its pools into the model's layers)."""
-    rc = RunnerConfig(backend="torch", num_slots=S, num_pages=128, page_size=4, spec_mode=mode,
+    rc = RunnerConfig(backend=backend, num_slots=S, num_pages=128, page_size=4, spec_mode=mode,
                       spec_tokens=k + 1 if mode else 0, cuda_graphs=graphs, **kw)
     return ModelRunner(build_builtin_model(), rc)
 
@@ -175,6 +175,41 @@ def test_graph_shaped_verify_equals_eager(mode, B, k, seed):
     for s in s_seqs:
         shaped.free_seq(s)
     assert shaped.state.check_integrity() == [] and shaped.pages.check_integrity() == []
+
+
+@pytest.mark.parametrize("mode", [None, "replay", "intermediate"])
+def test_graph_shaped_triton_kernels_skip_padding(mode, seed):
+    """The Triton kernels (interpreted on the CPU) on padded rows: slot -1, slot_mapping -1, kv_len L over
+    page 0, the max_q_len grid; live rows bit-identical to padding-as-real-requests, nothing else written."""
+    B, Bk, k = 3, 4, 2
+    shaped, full = make_runner(True, mode, k, backend="triton"), make_runner(False, mode, k, backend="triton")
+    for r in (shaped, full):                                       # prefill on the PyTorch path (faster)
+        for layer in r.model.gdn_layers() + r.model.attention_layers():
+            layer.backend = "torch"
+    prompts = [[random.randrange(256) for _ in range(3 + 4 * i)] for i in range(Bk)]
+    s_seqs, f_seqs = _prefill_all([shaped, full], prompts)
+    if mode is not None:                                           # replay: pending tokens for the kernel to apply
+        toks = [[random.randrange(256) for _ in range(k + 1)] for _ in range(Bk)]
+        for r, ss, n in ((shaped, s_seqs, B), (full, f_seqs, Bk)):
+            r.step([], [], verifies=list(zip(ss[:n], toks[:n])))
+            r.accept([(s, 1 + i % (k + 1)) for i, s in enumerate(ss[:n])])
+    for r in (shaped, full):
+        for layer in r.model.gdn_layers() + r.model.attention_layers():
+            layer.backend = "triton"
+    normed = last_norm(full)
+    snap = snapshot(shaped)                                        # one step: the interpreter is slow
+    parity = [s.parity for s in s_seqs[:B]]
+    if mode is None:
+        toks = [random.randrange(256) for _ in range(Bk)]
+        got = shaped.step([], list(zip(s_seqs[:B], toks[:B])))
+        full.step([], list(zip(f_seqs, toks)))
+    else:
+        toks = [[random.randrange(256) for _ in range(k + 1)] for _ in range(Bk)]
+        got = shaped.step([], [], verifies=list(zip(s_seqs[:B], toks[:B])))
+        full.step([], [], verifies=list(zip(f_seqs, toks)))
+    assert torch.equal(got, head(full, normed[-1][:got.shape[0]]))
+    check_step(shaped, full, snap, s_seqs[:B], f_seqs[:B], mode, parity)
+    assert shaped.graphs.stats["eager"] == (1 if mode is None else 2)
 
 
 def test_all_padding_step_is_finite_and_writes_nothing():
