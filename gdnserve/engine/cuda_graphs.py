@@ -23,7 +23,7 @@ from collections import Counter
 
 import torch
 
-from gdnserve.engine.graph_inputs import GraphInputs, StepKind, pick_bucket
+from gdnserve.engine.graph_inputs import BUCKETS, GraphInputs, StepKind, graph_buckets, pick_bucket
 from gdnserve.layers.forward_context import AttnMeta, ForwardContext, VerifyMeta, forward_context
 
 Key = tuple[StepKind, int]
@@ -131,3 +131,30 @@ class StepGraphs:
             out = self._forward(key)
         self.graphs[key], self.hidden[key] = g, out
         self.stats["capture"] += 1
+
+
+def build_step_graphs(model, rc, device: torch.device) -> StepGraphs | None:
+    """StepGraphs for a ModelRunner (``rc``: its RunnerConfig) when ``rc.cuda_graphs`` resolves on. Auto (None)
+    turns them on for a CUDA device with the Triton backend, tensor parallel size 1 and a model whose forward
+    can be captured (the PyTorch ops read index vectors on the host, SparseMoE reads expert counts)."""
+    cuda = device.type == "cuda"
+    capture = cuda if rc.graph_capture is None else rc.graph_capture
+    if capture and not cuda:
+        raise ValueError(f"graph_capture: CUDA graphs need a CUDA device, the model is on {device}")
+    capturable = rc.backend != "torch" and all(getattr(m, "graph_safe", True) for m in model.modules())
+    on = rc.cuda_graphs
+    if on is None:
+        on = cuda and capturable and getattr(model, "tp_size", 1) == 1
+    if not on:
+        return None
+    if capture and not capturable:
+        raise ValueError("cuda_graphs: this forward reads device data on the host (backend='torch', or "
+                         "SparseMoE's expert split) and cannot be captured; set cuda_graphs=False "
+                         "(--no-cuda-graphs) or graph_capture=False")
+    cap = rc.graph_max_batch if rc.graph_max_batch is not None else min(BUCKETS[-1], rc.num_slots)
+    if not isinstance(rc.max_model_len, int) or rc.max_model_len < 1:
+        raise ValueError(f"max_model_len: expected an int >= 1, got {rc.max_model_len!r}")
+    width = min(rc.num_pages, -(-(rc.max_model_len + max(1, rc.spec_tokens)) // rc.page_size))
+    return StepGraphs(model, buckets=graph_buckets(cap), width=width, page_size=rc.page_size,
+                      num_slots=rc.num_slots, spec_mode=rc.spec_mode, spec_tokens=rc.spec_tokens,
+                      capture=capture, device=device)

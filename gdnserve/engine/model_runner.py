@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gdnserve.engine.cuda_graphs import StepGraphs
-from gdnserve.engine.graph_inputs import BUCKETS, graph_buckets
+from gdnserve.engine.cuda_graphs import build_step_graphs
 from gdnserve.engine.page_pool import PagePool, PagePoolConfig, PageTable
 from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
 from gdnserve.engine.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan, segment_phases
@@ -49,7 +48,7 @@ class RunnerConfig:
     staging_ints: int = 1 << 20
     spec_mode: str | None = None     # "intermediate" | "replay": speculative verify buffers
     spec_tokens: int = 0             # L = k + 1 tokens per verify
-    cuda_graphs: bool | None = None  # decode/verify steps through bucketed graphs; None = on for CUDA (engine/cuda_graphs.py)
+    cuda_graphs: bool | None = None  # decode/verify steps via bucketed graphs (cuda_graphs.py); None = on for CUDA
     graph_capture: bool | None = None   # False: the same padded static-buffer path, run eagerly (None = on CUDA)
     graph_max_batch: int | None = None  # largest bucket (max_num_seqs); None = min(256, num_slots)
     max_model_len: int = 4096        # sets the graphs' page-table width; longer sequences step eagerly
@@ -83,33 +82,7 @@ class ModelRunner:
         self.stager = IndexStager(rc.staging_ints, self.device)
         if rc.spec_mode is not None:
             self._bind_spec(gdn, H, HV, g)
-        self.graphs = self._make_graphs(model)
-
-    def _make_graphs(self, model) -> StepGraphs | None:
-        """StepGraphs when ``cuda_graphs`` resolves on. Auto (None) turns them on for a CUDA device with the
-        Triton backend, tensor parallel size 1 and a model whose forward can be captured (the PyTorch ops read
-        index vectors on the host, SparseMoE reads expert counts)."""
-        rc, cuda = self.rc, self.device.type == "cuda"
-        capture = cuda if rc.graph_capture is None else rc.graph_capture
-        if capture and not cuda:
-            raise ValueError(f"graph_capture: CUDA graphs need a CUDA device, the model is on {self.device}")
-        capturable = rc.backend != "torch" and all(getattr(m, "graph_safe", True) for m in model.modules())
-        on = rc.cuda_graphs
-        if on is None:
-            on = cuda and capturable and getattr(model, "tp_size", 1) == 1
-        if not on:
-            return None
-        if capture and not capturable:
-            raise ValueError("cuda_graphs: this forward reads device data on the host (backend='torch', or "
-                             "SparseMoE's expert split) and cannot be captured; set cuda_graphs=False "
-                             "(--no-cuda-graphs) or graph_capture=False")
-        cap = rc.graph_max_batch if rc.graph_max_batch is not None else min(BUCKETS[-1], rc.num_slots)
-        if not isinstance(rc.max_model_len, int) or rc.max_model_len < 1:
-            raise ValueError(f"max_model_len: expected an int >= 1, got {rc.max_model_len!r}")
-        width = min(rc.num_pages, -(-(rc.max_model_len + max(1, rc.spec_tokens)) // rc.page_size))
-        return StepGraphs(model, buckets=graph_buckets(cap), width=width, page_size=rc.page_size,
-                          num_slots=rc.num_slots, spec_mode=rc.spec_mode, spec_tokens=rc.spec_tokens,
-                          capture=capture, device=self.device)
+        self.graphs = build_step_graphs(model, rc, self.device)
 
     def capture_graphs(self) -> None:
         """Capture every bucket's decode (and verify) graph now instead of on first use (no-op without capture)."""

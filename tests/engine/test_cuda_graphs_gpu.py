@@ -48,7 +48,7 @@ def assert_same_state(a: ModelRunner, b: ModelRunner) -> None:
 def lockstep(mode: str | None, k: int, sizes: list[int], steps: int = 4):
     """Captured, graph-shaped eager and plain eager runners through the same prefill and decode / verify steps
     (each batch size in ``sizes`` in turn, random tokens and acceptance counts)."""
-    graph, shaped, plain = make_runner(mode, k, True, None), make_runner(mode, k, True, False), make_runner(mode, k, False, None)
+    graph, shaped, plain = (make_runner(mode, k, g, c) for g, c in ((True, None), (True, False), (False, None)))
     assert graph.graphs.capture and not shaped.graphs.capture and plain.graphs is None
     n = max(sizes)
     prompts = [[random.randrange(256) for _ in range(3 + 7 * i % 23)] for i in range(n)]

@@ -71,7 +71,8 @@ def index_label(e) -> str | None:
     if e.name in ALWAYS_INDEX:
         return e.name
     if e.name in CONVERSIONS and e.input_shapes and e.input_shapes[0] and any(d in INT_DTYPES for d in dts[:2]):
-        return f"{e.name}({', '.join(dts[:2])}{', non_blocking' if e.name == 'aten::copy_' and args[2:3] == [True] else ''})"
+        nb = ", non_blocking" if e.name == "aten::copy_" and args[2:3] == [True] else ""
+        return f"{e.name}({', '.join(dts[:2])}{nb})"
     i = FACTORY_DTYPE_ARG.get(e.name)
     if i is not None and i < len(args) and args[i] in INT_SCALAR_TYPES:
         return f"{e.name}(int)"
