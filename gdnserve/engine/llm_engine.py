@@ -25,8 +25,7 @@ and later recomputed (prompt + output so far), so a step never fails for lack of
 Speculative decoding (``spec_k > 0``): single-sample requests verify k drafts per step (docs/spec_decode.md),
 n-gram drafts proposed here on the host or, with ``spec_draft="mtp"``, the model's MTP head drafting inside the
 runner's step on the device; either way acceptance reads them as one device tensor.
-
-Not yet: CUDA graphs.
+Decode-only and verify-only steps replay bucketed CUDA graphs on CUDA devices (engine/cuda_graphs.py).
 """
 from __future__ import annotations
 
@@ -95,7 +94,9 @@ class LLMEngine:
     def __init__(self, model, tokenizer, *, runner: RunnerConfig | None = None, max_num_seqs: int = 64,
                  max_step_tokens: int = 4096, max_model_len: int = 4096, model_name: str = "gdnserve", seed=None,
                  auto_checkpoints: bool = True, spec_k: int = 0, spec_mode: str = "replay",
-                 spec_draft: str = "ngram"):
+                 spec_draft: str = "ngram", cuda_graphs: bool | None = None):
+        """``cuda_graphs``: decode-only and verify-only steps replay bucketed CUDA graphs (None = the runner
+        config's choice, by default on for CUDA devices; False turns them off)."""
         runner = runner or RunnerConfig(num_slots=2 * max_num_seqs + 2)
         if spec_draft not in ("ngram", "mtp"):
             raise ValueError(f"spec_draft must be 'ngram' or 'mtp', got {spec_draft!r}")
@@ -103,6 +104,11 @@ class LLMEngine:
             raise ValueError(f"spec_k must be >= 0, got {spec_k}")
         if spec_k:
             runner.spec_mode, runner.spec_tokens, runner.spec_draft = spec_mode, spec_k + 1, spec_draft
+        if cuda_graphs is not None:
+            runner.cuda_graphs = cuda_graphs
+        if runner.graph_max_batch is None:
+            runner.graph_max_batch = max_num_seqs
+        runner.max_model_len = max_model_len
         self.runner = ModelRunner(model, runner)
         self.spec_k = spec_k
         # n-gram drafts are proposed here on the host; MTP drafts inside the runner's step, on the device

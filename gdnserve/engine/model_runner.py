@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gdnserve.engine.cuda_graphs import build_step_graphs
 from gdnserve.engine.page_pool import PagePool, PagePoolConfig, PageTable
 from gdnserve.engine.spec.mtp import MTPDrafter, MTPStepIndex
 from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
@@ -49,6 +50,10 @@ class RunnerConfig:
     spec_mode: str | None = None     # "intermediate" | "replay": speculative verify buffers
     spec_tokens: int = 0             # L = k + 1 tokens per verify
     spec_draft: str = "ngram"        # "ngram": verify tokens come with the step; "mtp": the runner drafts them
+    cuda_graphs: bool | None = None  # decode/verify steps via bucketed graphs (cuda_graphs.py); None = on for CUDA
+    graph_capture: bool | None = None   # False: the same padded static-buffer path, run eagerly (None = on CUDA)
+    graph_max_batch: int | None = None  # largest bucket (max_num_seqs); None = min(256, num_slots)
+    max_model_len: int = 4096        # sets the graphs' page-table width; longer sequences step eagerly
 
 
 class ModelRunner:
@@ -91,6 +96,12 @@ class ModelRunner:
         if self.mtp is not None:
             self.mtp.head.attention.backend = rc.backend
         self.drafts: torch.Tensor | None = None      # [B, k] int64: the last verify step's drafts, on the device
+        self.graphs = build_step_graphs(model, rc, self.device)
+
+    def capture_graphs(self) -> None:
+        """Capture every bucket's decode (and verify) graph now instead of on first use (no-op without capture)."""
+        if self.graphs is not None and self.graphs.capture:
+            self.graphs.capture_all()
 
     def _bind_spec(self, gdn, H: int, HV: int, g) -> None:
         """Per GDN layer: drafted raw conv inputs (scratch rows = slots in intermediate mode, ping-pong pending rows
@@ -108,8 +119,11 @@ class ModelRunner:
                 layer.bind_spec(torch.zeros(2 * S, L, D, dtype=self.dtype, device=self.device), None,
                                 GDNPending.empty(2 * S, L, H, HV, g.head_k_dim, g.head_v_dim, self.dtype, self.device))
 
-    def _idx(self, vals) -> torch.Tensor:
-        return torch.tensor(list(vals), dtype=torch.int32, device=self.device)
+    def _upload(self, *vecs: list[int]) -> list[torch.Tensor]:
+        """Equal-length int32 vectors in one upload (flush / commit run outside the step's plan)."""
+        n = len(vecs[0])
+        dev = self.stager.upload([x for v in vecs for x in v])
+        return [dev[i * n:(i + 1) * n] for i in range(len(vecs))]
 
     @torch.inference_mode()
     def flush(self, seqs: list[SeqState]) -> None:
@@ -119,9 +133,8 @@ class ModelRunner:
         if not todo:
             return
         S = self.rc.num_slots
-        slots = self._idx(s.slot for s in todo)
-        rows = self._idx(s.slot + s.parity * S for s in todo)
-        num = self._idx(s.pending for s in todo)
+        slots, rows, num = self._upload([s.slot for s in todo], [s.slot + s.parity * S for s in todo],
+                                        [s.pending for s in todo])
         for layer in self.model.gdn_layers():
             layer.commit(slots, rows, num, "replay")
         for s in todo:
@@ -142,8 +155,7 @@ class ModelRunner:
             self.mtp.accept(self._idx(s.slot for s, _ in verified).long(),
                             self._idx(b * L + a - 1 for b, (_, a) in enumerate(verified)).long())
         if self.rc.spec_mode == "intermediate":
-            slots = self._idx(s.slot for s, _ in verified)
-            num = self._idx(a for _, a in verified)
+            slots, num = self._upload([s.slot for s, _ in verified], [a for _, a in verified])
             for layer in self.model.gdn_layers():
                 layer.commit(slots, slots, num, "intermediate")
         else:
@@ -167,8 +179,20 @@ class ModelRunner:
         ``all_logits``), then each decode token, then every token of each verify item (L rows), in order.
         After a verify step the caller must ``accept`` how many tokens each verified sequence keeps; the drafts
         that were verified are ``self.drafts`` ([B, k] on the device). Verify items carry their L tokens, or with
-        ``spec_draft="mtp"`` only the last sampled token: the MTP head drafts the other k in this step."""
+        ``spec_draft="mtp"`` only the last sampled token: the MTP head drafts the other k in this step.
+        A decode-only or verify-only step may run a CUDA graph (``self.graphs``; not with the MTP drafter, whose
+        draft and KV passes run eagerly); its logits are the same."""
+        if verifies and self.rc.spec_mode is None:
+            raise ValueError("verifies: this runner has no spec_mode (RunnerConfig.spec_mode / spec_tokens)")
         self.flush([s for s, _ in decodes] + [it.seq for it in prefills])   # replay-pending state must land
+        if self.graphs is not None and self.mtp is None and not prefills:
+            key = self.graphs.select(decodes, verifies)
+            if key is not None:
+                logits = self.graphs.run(key, list(verifies or decodes))
+                if verifies:
+                    self.drafts = self.graphs.drafts(key, len(verifies))
+                return logits
+            self.graphs.stats["fallback"] += 1
         segs = []
         for i, it in enumerate(prefills):
             if not it.tokens:
@@ -289,8 +313,9 @@ class ModelRunner:
         plan = build_step_plan(segs, self.rc.prefill_mode, self.stager, decode_slots=[s.slot for s, _ in decodes],
                                extra=extra, is_ready=is_ready)
         x = plan.extra
+        max_q = max([len(it.tokens) for it in prefills] + [1] * bool(decodes) + [L] * bool(verifies), default=0)
         attn = AttnMeta(x["cu"], x["kv"], x["table"].view(len(tables), width), x["slots"].long(),
-                        x["tok"].long() if dup_rows else None)
+                        x["tok"].long() if dup_rows else None, max_q)
         vmeta = None
         if verifies:
             vmeta = VerifyMeta(self.rc.spec_mode, L, x["v_slots"], x["v_out"], x.get("v_in"), x.get("v_num"))

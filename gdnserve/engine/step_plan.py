@@ -74,13 +74,21 @@ class IndexStager:
 
     def upload(self, vals: list[int]) -> torch.Tensor:
         n = len(vals)
+        self.stage(n)[:] = torch.tensor(vals, dtype=torch.int32)
+        return self.push(n)
+
+    def stage(self, n: int) -> torch.Tensor:
+        """The host buffer of the next upload (its first ``n`` ints), free to overwrite: callers that
+        fill it in place (numpy views, persistent mirrors) then call :meth:`push`."""
         if n > self.capacity:
             raise PlanError(f"step needs {n} index ints, staging capacity is {self.capacity}")
-        h = self.host[self.turn]
         if self.events[self.turn] is not None:
             self.events[self.turn].synchronize()   # the upload from this buffer two steps ago has landed
-        h[:n] = torch.tensor(vals, dtype=torch.int32)
-        self.dev[:n].copy_(h[:n], non_blocking=True)
+        return self.host[self.turn][:n]
+
+    def push(self, n: int) -> torch.Tensor:
+        """One host-to-device copy of the staged ``n`` ints; returns the device view ``dev[:n]``."""
+        self.dev[:n].copy_(self.host[self.turn][:n], non_blocking=True)
         if self.device.type == "cuda":
             ev = torch.cuda.Event()
             ev.record()

@@ -16,6 +16,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu or cuda[:N]")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights/activations dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
+                   help="run the decode steps eagerly (default: a CUDA graph per batch-size bucket on CUDA)")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -40,7 +42,9 @@ def run_generate(args: argparse.Namespace) -> int:
     if not ids:
         print("gdnserve generate: the prompt encodes to no tokens", file=sys.stderr)
         return 2
-    runner = ModelRunner(model, RunnerConfig(num_slots=2, num_pages=-(-(len(ids) + args.max_tokens) // 16) + 2))
+    runner = ModelRunner(model, RunnerConfig(num_slots=2, num_pages=-(-(len(ids) + args.max_tokens) // 16) + 2,
+                                             cuda_graphs=args.cuda_graphs,
+                                             max_model_len=len(ids) + args.max_tokens))
     seq = runner.new_seq()
     t0 = time.perf_counter()
     logits = runner.step([PrefillItem(seq, ids)], [])

@@ -16,7 +16,8 @@ def load_engine(model: str | None = None, *, dtype: str | None = None, device: s
                 prefill_mode: str = "fused", max_num_seqs: int = 64, num_pages: int = 2048, page_size: int = 16,
                 max_model_len: int = 4096, seed: int | None = None, auto_checkpoints: bool = True,
                 spec_k: int = 0, spec_mode: str = "replay", spec_draft: str = "ngram",
-                max_step_tokens: int = 4096) -> LLMEngine:
+                max_step_tokens: int = 4096, cuda_graphs: bool | None = None) -> LLMEngine:
+    """``cuda_graphs=False`` runs every step eagerly (default: CUDA graphs for decode / verify steps on CUDA)."""
     from gdnserve.models.builtin import build_builtin_model
     from gdnserve.models.loader import load_model
     from gdnserve.models.tokenizer import load_tokenizer
@@ -27,7 +28,8 @@ def load_engine(model: str | None = None, *, dtype: str | None = None, device: s
                       prefill_mode=prefill_mode)
     return LLMEngine(net, load_tokenizer(model), runner=rc, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                      model_name=model or "gdnserve-embedded", seed=seed, auto_checkpoints=auto_checkpoints,
-                     spec_k=spec_k, spec_mode=spec_mode, spec_draft=spec_draft, max_step_tokens=max_step_tokens)
+                     spec_k=spec_k, spec_mode=spec_mode, spec_draft=spec_draft, max_step_tokens=max_step_tokens,
+                     cuda_graphs=cuda_graphs)
 
 
 class LLM:

@@ -21,6 +21,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="drafter: ngram (prompt lookup, no weights) or mtp (the checkpoint's mtp.* head)")
     p.add_argument("--spec-mode", default="replay", choices=["replay", "intermediate"],
                    help="GDN verify mode: replay (pending inputs, one state read+write) or intermediate (scratch states)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
+                   help="run decode and verify steps eagerly (default: bucketed CUDA graphs on a CUDA device)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -29,6 +31,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from gdnserve.entrypoints.server import run_server
     engine = load_engine(args.model, dtype=args.dtype, device=args.device, prefill_mode=args.prefill_mode,
                          max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_pages=args.num_pages,
-                         spec_k=args.spec_k, spec_mode=args.spec_mode, spec_draft=args.spec_draft)
+                         spec_k=args.spec_k, spec_mode=args.spec_mode, spec_draft=args.spec_draft,
+                         cuda_graphs=args.cuda_graphs)
     run_server(AsyncEngine(engine), host=args.host, port=args.port, api_key=args.api_key)
     return 0

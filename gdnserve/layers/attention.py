@@ -58,7 +58,8 @@ class GatedAttention(nn.Module):
         m = ctx.attn
         store_kv(k, v.contiguous(), self.k_cache, self.v_cache, m.slot_mapping, m.token_index)
         o = paged_attention(q.contiguous(), self.k_cache, self.v_cache, m.cu_seqlens_q, m.kv_lens, m.page_table,
-                            scale=Dh ** -0.5, kv_start=m.kv_start, backend=self.backend)
+                            scale=Dh ** -0.5, kv_start=m.kv_start, max_q_len=m.max_q_len,
+                            backend=self.backend)
         return self.o_proj(o.reshape(T, QH * Dh) * torch.sigmoid(gate))
 
     def store(self, h: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,

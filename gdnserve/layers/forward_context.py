@@ -21,6 +21,7 @@ class AttnMeta:
     slot_mapping: torch.Tensor     # [M] int64: where this step's K/V go
     token_index: torch.Tensor | None = None   # [M] int64: token of each slot (None = 0..T-1)
     kv_start: int = 0              # positions below are not attended (1 for the MTP layer's cache)
+    max_q_len: int | None = None              # host bound on any sequence's query rows (None = T)
 
 
 @dataclass(frozen=True, slots=True)

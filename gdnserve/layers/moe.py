@@ -32,6 +32,10 @@ class SparseMoE(nn.Module):
     Under tensor parallelism I is this rank's ``moe_intermediate / tp`` (``moe_intermediate`` stays the full
     size, the checkpoint's)."""
 
+    # The expert split reads per-expert counts on the host (below), so a CUDA graph cannot capture this block;
+    # the model runner keeps MoE models eager until a grouped GEMM takes device-side offsets.
+    graph_safe = False
+
     def __init__(self, hidden: int, num_experts: int, top_k: int, moe_intermediate: int,
                  shared_intermediate: int, norm_topk_prob: bool, *, tp_rank: int | None = None,
                  tp_size: int | None = None):

@@ -105,11 +105,20 @@ class HybridLM(nn.Module):
         """input_ids: [T] packed tokens of the step; logits_rows: [R] rows whose logits are wanted
         (None = all). Returns [R, vocab] in fp32; with ``return_hidden`` also the final hidden states of all
         T rows after the final norm ``[T, hidden]`` (what the lm head reads; the MTP drafter's input)."""
+        h = self.hidden_states(input_ids)
+        hidden = self.norm(h) if return_hidden else None
+        # the logits rows are normed on their own either way, so logits are bit-identical with and without
+        logits = self.logits(self.norm(h if logits_rows is None else h[logits_rows]))
+        return (logits, hidden) if return_hidden else logits
+
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] tokens -> [T, hidden] after the last decoder layer (before the final norm). A CUDA graph
+        captures this plus the norm; the lm head then runs eagerly on the live rows only."""
         h = self.embed_tokens(input_ids)
         for layer in self.layers:
             h = layer(h)
-        hidden = self.norm(h) if return_hidden else None
-        # the logits rows are normed on their own either way, so logits are bit-identical with and without
-        h = self.norm(h if logits_rows is None else h[logits_rows])
-        logits = torch.nn.functional.linear(h, self.lm_head_weight).float()
-        return (logits, hidden) if return_hidden else logits
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [R, hidden] -> fp32 logits [R, vocab]."""
+        return torch.nn.functional.linear(h, self.lm_head_weight).float()

@@ -52,3 +52,23 @@ def test_triton_paged_attention_matches_reference(page_size, g, dtype, device):
         assert rel_rms(o[cu[n]:cu[n + 1]], ref) < tol, f"sequence {n}"
     o_t = paged_attention(q, k_cache, v_cache, i32(cu), i32(kv_lens), i32(table), scale=Dh ** -0.5, backend="torch")
     assert rel_rms(o, o_t) < tol
+
+
+def test_max_q_len_bounds_the_grid_not_the_result(device):
+    """Decode / verify rows with max_q_len = their Lq: the same output as the default grid (T / 16 query
+    blocks per sequence); max_q_len is validated at the boundary."""
+    KVH, Dh, P, L = 2, 16, 4, 3
+    lens = [5, 9, 3, 12, 4, 7, 20]                         # T = 21 > 16: the default grid has 2 query blocks
+    width = max(-(-n // P) for n in lens)
+    k_cache = torch.randn(len(lens) * width, P, KVH, Dh, device=device)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.arange(len(lens) * width, dtype=torch.int32, device=device).view(len(lens), width)
+    cu = torch.arange(0, (len(lens) + 1) * L, L, dtype=torch.int32, device=device)
+    kv = torch.tensor(lens, dtype=torch.int32, device=device)
+    q = torch.randn(len(lens) * L, 2 * KVH, Dh, device=device)
+    want = paged_attention(q, k_cache, v_cache, cu, kv, table, scale=0.25, backend="triton")
+    got = paged_attention(q, k_cache, v_cache, cu, kv, table, scale=0.25, max_q_len=L, backend="triton")
+    assert torch.equal(got, want)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="max_q_len"):
+            paged_attention(q, k_cache, v_cache, cu, kv, table, scale=0.25, max_q_len=bad)

@@ -94,9 +94,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out
 
 def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, page_table: torch.Tensor,
-                          scale: float, out: torch.Tensor, kv_start: int = 0) -> None:
+                          scale: float, out: torch.Tensor, kv_start: int = 0, max_q_len: int | None = None) -> None:
     """Loops over sequences: gathers each one's pages into contiguous K/V (from ``kv_start`` on), then
-    :func:`_attend`."""
+    :func:`_attend` (``max_q_len`` is a launch-grid hint of the Triton path, not needed here)."""
     T = q.shape[0]
     NP, P, KVH, Dh = k_cache.shape
     max_pages = page_table.shape[1]
@@ -198,7 +198,8 @@ def copy_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, src_pages: torch.Te
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     kv_lens: torch.Tensor, page_table: torch.Tensor, *, scale: float,
-                    out: torch.Tensor | None = None, kv_start: int = 0, backend: Backend = "auto") -> torch.Tensor:
+                    out: torch.Tensor | None = None, kv_start: int = 0, max_q_len: int | None = None,
+                    backend: Backend = "auto") -> torch.Tensor:
     """Causal attention of N sequences' new queries over their paged K/V (prefill chunks and decode alike).
 
     q: [T, QH, Dh] (bf16/fp16/fp32), last dim stride 1; QH = g * KVH (query head h reads kv head h // g)
@@ -212,6 +213,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out: [T, QH, Dh] q.dtype, last dim stride 1; or None (fresh, uninitialised)
     kv_start: positions below it are never read (query i attends kv_start .. kv_lens[n] - Lq + i; each
         query must see at least one position). The MTP layer's cache uses 1: its position 0 holds nothing.
+    max_q_len: a host int >= every sequence's Lq (None = T); sizes the Triton grid's query-block axis, so
+        decode (1) and verify (k + 1) steps do not launch T/16 blocks per sequence. Must be a true bound.
     returns o: [T, QH, Dh] in q.dtype. Sequences with kv_lens[n] == 0 or Lq == 0 are padding: skipped, and
         rows not covered by a live sequence are not written.
     """
@@ -232,10 +235,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"scale: expected a positive float, got {scale!r}")
     if not isinstance(kv_start, int) or isinstance(kv_start, bool) or kv_start < 0:
         raise ValueError(f"kv_start: expected an int >= 0, got {kv_start!r}")
+    if max_q_len is not None and (not isinstance(max_q_len, int) or isinstance(max_q_len, bool) or max_q_len < 0):
+        raise ValueError(f"max_q_len: expected None or an int >= 0, got {max_q_len!r}")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     else:
         check_tensor("out", out, [T, QH, Dh], [q.dtype], q.device)
     _dispatch("paged_attention", backend, q)(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table,
-                                             float(scale), out, kv_start=kv_start)
+                                             float(scale), out, kv_start=kv_start, max_q_len=max_q_len)
     return out

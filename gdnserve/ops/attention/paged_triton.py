@@ -97,6 +97,8 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_tabl
     KVH, PS = k_cache.shape[2], k_cache.shape[1]
     BM = 16
     nb = cdiv(max_q_len if max_q_len is not None else T, BM)
+    if nb == 0:
+        return
     launch(paged_attention_kernel, (N, nb, QH), (
         q, k_cache, v_cache, out, cu_seqlens_q, kv_lens, page_table, scale, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), page_table.stride(0), QH // KVH, KVH, Dh, pow2(Dh), PS, BM, 32, kv_start), 4)

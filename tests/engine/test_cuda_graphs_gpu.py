@@ -1,0 +1,158 @@
+"""GPU-only: the captured decode and verify graphs (engine/cuda_graphs.py) on the embedded model.
+
+A replay equals the graph-shaped eager step (same padded static buffers, same kernels, no capture) bit for
+bit — logits and every byte of state — at several batch sizes (buckets 1, 4, 8, 16) for decode and for
+verify in both spec modes; it is close to the ordinary unpadded eager step; a graph step, accept and
+flush make no host synchronisation; the engine's greedy outputs are identical with and without graphs.
+Run on the H200: ``python -m pytest -q tests/engine/test_cuda_graphs_gpu.py``."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
+from gdnserve.engine.sampling_params import SamplingParams
+from gdnserve.entrypoints.llm import LLM
+from gdnserve.layers.moe import SparseMoE
+from gdnserve.models.builtin import build_builtin_model
+from gdnserve.ops.numerics import rel_rms
+from tests.engine.test_cuda_graphs import same_bits, state_buffers
+
+pytestmark = pytest.mark.gpu
+S = 24
+
+
+def make_runner(mode: str | None, k: int, graphs: bool, capture: bool | None, dtype=torch.bfloat16) -> ModelRunner:
+    rc = RunnerConfig(num_slots=S, num_pages=256, page_size=4, spec_mode=mode, spec_tokens=k + 1 if mode else 0,
+                      cuda_graphs=graphs, graph_capture=capture)
+    r = ModelRunner(build_builtin_model(dtype=dtype, device="cuda"), rc)
+    for t, _ in state_buffers(r).values():
+        t.zero_()                     # pending buffers start uninitialised: make whole-buffer comparison meaningful
+    return r
+
+
+def all_state(r: ModelRunner) -> dict[str, torch.Tensor]:
+    out = {n: t for n, (t, _) in state_buffers(r).items()}
+    out["k"], out["v"] = r.pages.k_pools, r.pages.v_pools
+    return out
+
+
+def assert_same_state(a: ModelRunner, b: ModelRunner) -> None:
+    sa, sb = all_state(a), all_state(b)
+    for name in sa:
+        assert same_bits(sa[name], sb[name]), name
+
+
+def lockstep(mode: str | None, k: int, sizes: list[int], steps: int = 4):
+    """Captured, graph-shaped eager and plain eager runners through the same prefill and decode / verify steps
+    (each batch size in ``sizes`` in turn, random tokens and acceptance counts)."""
+    graph, shaped, plain = (make_runner(mode, k, g, c) for g, c in ((True, None), (True, False), (False, None)))
+    assert graph.graphs.capture and not shaped.graphs.capture and plain.graphs is None
+    n = max(sizes)
+    prompts = [[random.randrange(256) for _ in range(3 + 7 * i % 23)] for i in range(n)]
+    seqs = []
+    for r in (graph, shaped, plain):
+        ss = [r.new_seq() for _ in range(n)]
+        r.step([PrefillItem(s, p) for s, p in zip(ss, prompts)], [])
+        seqs.append(ss)
+    torch.cuda.synchronize()
+    for B in sizes:
+        for _ in range(steps):
+            if mode is None:
+                toks = [random.randrange(256) for _ in range(B)]
+                outs = [r.step([], list(zip(ss[:B], toks))) for r, ss in zip((graph, shaped, plain), seqs)]
+            else:
+                toks = [[random.randrange(256) for _ in range(k + 1)] for _ in range(B)]
+                outs = [r.step([], [], verifies=list(zip(ss[:B], toks))) for r, ss in zip((graph, shaped, plain), seqs)]
+            torch.cuda.synchronize()
+            assert torch.equal(outs[0], outs[1]), f"B={B}: replay != graph-shaped eager"
+            assert rel_rms(outs[0], outs[2]) < 2e-2, f"B={B}: replay far from the eager step"
+            assert_same_state(graph, shaped)
+            if mode is not None:
+                acc = [random.randint(1, k + 1) for _ in range(B)]
+                for r, ss in zip((graph, shaped, plain), seqs):
+                    r.accept(list(zip(ss[:B], acc)))
+        if mode == "replay":                                  # land the pending tokens before the next batch size
+            for r, ss in zip((graph, shaped, plain), seqs):
+                r.flush(ss)
+    return graph
+
+
+@pytest.mark.parametrize("sizes", [[1, 3, 8, 13]])
+def test_decode_replay_equals_graph_shaped_eager(sizes, seed):
+    g = lockstep(None, 0, sizes)
+    assert g.graphs.stats["capture"] == 4 and g.graphs.stats["replay"] == 4 * len(sizes)
+    assert g.graphs.stats["fallback"] == 0
+
+
+@pytest.mark.parametrize("mode", ["intermediate", "replay"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_replay_equals_graph_shaped_eager(mode, k, seed):
+    g = lockstep(mode, k, [1, 5])
+    assert g.graphs.stats["capture"] == 2 and g.graphs.stats["replay"] == 8
+
+
+def test_graph_steps_accept_and_flush_do_not_sync():
+    for mode in ("intermediate", "replay"):
+        r = make_runner(mode, 2, True, None)
+        seqs = [r.new_seq() for _ in range(3)]
+        r.step([PrefillItem(s, list(range(9 + i))) for i, s in enumerate(seqs)], [])
+        r.step([], [], verifies=[(s, [1, 2, 3]) for s in seqs])      # captures the verify graph
+        r.accept([(s, 2) for s in seqs])
+        r.flush(seqs)
+        r.step([], [(s, 4) for s in seqs])                            # captures the decode graph
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                r.step([], [], verifies=[(s, [5, 6, 7]) for s in seqs])
+                r.accept([(s, 3) for s in seqs])
+            r.flush(seqs)
+            r.step([], [(s, 8) for s in seqs])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert r.graphs.stats["replay"] == 6 and r.graphs.stats["capture"] == 2
+
+
+def test_capture_all_then_every_bucket_replays():
+    r = make_runner("replay", 2, True, None)
+    r.capture_graphs()
+    n = len(r.graphs.buckets)
+    assert r.graphs.stats["capture"] == 2 * n
+    seqs = [r.new_seq() for _ in range(S)]
+    r.step([PrefillItem(s, [1, 2, 3]) for s in seqs], [])
+    for B in (1, 2, 3, 9, 17, 24):
+        r.step([], [(s, 7) for s in seqs[:B]])
+    assert r.graphs.stats["capture"] == 2 * n and r.graphs.stats["replay"] == 6
+
+
+def test_moe_models_stay_eager():
+    m = build_builtin_model(device="cuda")
+    m.layers[0].mlp = SparseMoE(256, 4, 2, 64, 0, True).cuda()
+    assert ModelRunner(m, RunnerConfig(num_slots=4)).graphs is None                     # auto: off
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        ModelRunner(m, RunnerConfig(num_slots=4, cuda_graphs=True))
+    assert ModelRunner(m, RunnerConfig(num_slots=4, cuda_graphs=True, graph_capture=False)).graphs is not None
+
+
+PROMPTS = ["abcabcabcabcabc", "the cat sat on the mat, the cat sat on the", "Shared doc.<|state_checkpoint|>q1",
+           "Shared doc.<|state_checkpoint|>q2", "xyz"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.mark.parametrize("spec", [(0, "replay"), (2, "replay"), (3, "intermediate")])
+def test_engine_greedy_identical_with_and_without_graphs(spec):
+    """fp32 weights: the padded GEMMs round like the unpadded ones to ~1e-7, far from any greedy tie."""
+    k, mode = spec
+    outs = {}
+    for graphs in (False, True):
+        llm = LLM(device="cuda", dtype="float32", cuda_graphs=graphs, spec_k=k, spec_mode=mode, max_num_seqs=8)
+        res = llm.generate(PROMPTS, GREEDY)
+        outs[graphs] = [o.outputs[0].token_ids for o in res]
+        g = llm.engine.runner.graphs
+        assert (g is not None) == graphs
+        if graphs:
+            assert g.stats["replay"] > 0 and g.capture
+    assert outs[True] == outs[False]
