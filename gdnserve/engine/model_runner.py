@@ -152,8 +152,9 @@ class ModelRunner:
             seq.pages.length = seq.length
         if self.mtp is not None:                     # the hidden after the last accepted token
             L = self.rc.spec_tokens
-            self.mtp.accept(self._idx(s.slot for s, _ in verified).long(),
-                            self._idx(b * L + a - 1 for b, (_, a) in enumerate(verified)).long())
+            slots, rows = self._upload([s.slot for s, _ in verified],
+                                       [b * L + a - 1 for b, (_, a) in enumerate(verified)])
+            self.mtp.accept(slots.long(), rows.long())
         if self.rc.spec_mode == "intermediate":
             slots, num = self._upload([s.slot for s, _ in verified], [a for _, a in verified])
             for layer in self.model.gdn_layers():
@@ -184,6 +185,11 @@ class ModelRunner:
         draft and KV passes run eagerly); its logits are the same."""
         if verifies and self.rc.spec_mode is None:
             raise ValueError("verifies: this runner has no spec_mode (RunnerConfig.spec_mode / spec_tokens)")
+        want = 1 if self.mtp is not None else self.rc.spec_tokens     # with the MTP head: the last sampled token
+        for seq, toks in verifies:
+            if len(toks) != want:
+                raise ValueError(f"verify: {len(toks)} tokens, the runner takes {want} per verify item "
+                                 f"(spec_tokens = {self.rc.spec_tokens}, spec_draft = {self.rc.spec_draft!r})")
         self.flush([s for s, _ in decodes] + [it.seq for it in prefills])   # replay-pending state must land
         if self.graphs is not None and self.mtp is None and not prefills:
             key = self.graphs.select(decodes, verifies)
@@ -315,7 +321,7 @@ class ModelRunner:
         x = plan.extra
         max_q = max([len(it.tokens) for it in prefills] + [1] * bool(decodes) + [L] * bool(verifies), default=0)
         attn = AttnMeta(x["cu"], x["kv"], x["table"].view(len(tables), width), x["slots"].long(),
-                        x["tok"].long() if dup_rows else None, max_q)
+                        x["tok"].long() if dup_rows else None, max_q_len=max_q)
         vmeta = None
         if verifies:
             vmeta = VerifyMeta(self.rc.spec_mode, L, x["v_slots"], x["v_out"], x.get("v_in"), x.get("v_num"))
