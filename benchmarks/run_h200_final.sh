@@ -18,6 +18,7 @@ t tests/engine/test_cuda_graphs_gpu.py 150 &
 wait
 t tests/layers 120 &
 t tests/engine/test_spec_runner.py 120 &
+t tests/models/test_mtp.py 120 &
 wait
 pack
 timeout 45 python3 -m benchmarks.profile_kernels --cases "fused 1P512+16C64,fused 1P4096+64C256,plain 1x576,prefill 1x32768" \
