@@ -13,15 +13,15 @@ pack() { tar -C /tmp -cf "$FINAL/res.tar" res; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers as t, fla; print(torch.__version__, triton.__version__, t.__version__, 'fla', fla.__version__)" | tee -a "$OUT/gpu.txt"
 t() { timeout "$2" python3 -m pytest -q -x "${@:3}" "$1" > "$OUT/gpu_tests_$(basename $1 .py).log" 2>&1; echo "$1 rc=$?: $(tail -1 "$OUT/gpu_tests_$(basename $1 .py).log")"; }
-t tests/ops/test_gdn_chunk.py 150 -k "parent or split or varlen_against" &
-t tests/engine/test_cuda_graphs_gpu.py 150 &
+t tests/ops/test_gdn_chunk.py 120 -k "parent or split or varlen_against" &
+t tests/engine/test_cuda_graphs_gpu.py 120 &
 wait
-t tests/layers 120 &
-t tests/engine/test_spec_runner.py 120 &
-t tests/models/test_mtp.py 120 &
+t tests/layers 100 &
+t tests/engine/test_spec_runner.py 100 &
+t tests/models/test_mtp.py 100 &
 wait
 pack
-timeout 45 python3 -m benchmarks.profile_kernels --cases "fused 1P512+16C64,fused 1P4096+64C256,plain 1x576,prefill 1x32768" \
+timeout 40 python3 -m benchmarks.profile_kernels --cases "fused 1P512+16C64,fused 1P4096+64C256,plain 1x576,prefill 1x32768" \
   > "$OUT/profile.log" 2>&1; grep -A5 "^##" "$OUT/profile.log"
 pack
 run() {  # name budget timeout
