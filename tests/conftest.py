@@ -8,6 +8,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import sys  # noqa: E402
+
+# HF transformers (the test-only reference) binds fla's kernels at import whenever fla is installed and then
+# sends its CPU reference models' tensors to them (a failure seen on the H200, where fla is carried for the
+# benchmarks). The references must run HF's own PyTorch path: make `import fla` fail inside the tests.
+sys.modules.setdefault("fla", None)
+
 import pytest  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
