@@ -622,7 +622,6 @@ def _measure_and_write(device: torch.device, setup: Setup, quick: bool, out_dir:
         ceilings = measure_ceilings(device, quick=quick)
         log(f"ceilings: copy {ceilings['copy_TBps']:.3g} TB/s, bf16 {ceilings['bf16_matmul_TFLOPs']:.3g} TFLOP/s")
         for wl in setup.workloads:
-            case = None
             progress.step(f"{wl.label}: building inputs and plans")
             case = None
             try:

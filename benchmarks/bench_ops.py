@@ -760,7 +760,6 @@ def run(device: torch.device, quick: bool, out_dir: Path, use_fla: bool) -> dict
         rows: list[dict[str, Any]] = []
         for build, x, y in builders:
             case = None
-            case = None
             try:
                 case = build(ctx, x, y)
                 if case.impls:

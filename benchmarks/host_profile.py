@@ -6,22 +6,13 @@ import time
 
 import torch
 
-from benchmarks.profile_kernels import prefill_case
-from gdnserve.ops.gdn.recurrent import gdn_decode
-
-H, HV, K, V = 16, 32, 128, 128
+from benchmarks.profile_kernels import decode_case, prefill_case
 
 
 def main() -> None:
     dev = torch.device("cuda")
-    bf = torch.bfloat16
-    pool = torch.randn(4, HV, V, K, device=dev)
-    s1 = torch.zeros(1, dtype=torch.int32, device=dev)
-    q, k = torch.randn(1, H, K, device=dev, dtype=bf), torch.randn(1, H, K, device=dev, dtype=bf)
-    v, a, b = torch.randn(1, HV, V, device=dev, dtype=bf), torch.randn(1, HV, device=dev, dtype=bf), torch.randn(1, HV, device=dev, dtype=bf)
-    A_log, dt_bias, o = torch.zeros(HV, device=dev), torch.zeros(HV, device=dev), torch.empty(1, HV, V, device=dev, dtype=bf)
     cases = {"fused 1P512+16C64 (conv + chunk)": prefill_case([512] + [64] * 16, [-1] + [0] * 16, dev),
-             "decode B=1": lambda: gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, s1, out=o)}
+             "decode B=1": decode_case(1, dev)}
     for name, fn in cases.items():
         for _ in range(20):
             fn()

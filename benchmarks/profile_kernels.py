@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 from gdnserve.ops.conv import causal_conv1d_prefill
 from gdnserve.ops.gdn import chunk_triton
 from gdnserve.ops.gdn.chunk import ChunkWorkspace, chunk_gated_delta_rule
-from gdnserve.ops.gdn.recurrent import GDNPending, gdn_verify
+from gdnserve.ops.gdn.recurrent import GDNPending, gdn_decode, gdn_verify
 from gdnserve.ops.varlen import VarlenMeta
 
 H, HV, K, V, W = 16, 32, 128, 128, 4
@@ -59,6 +59,17 @@ def prefill_case(lens, parents, dev):
                                y[:, 2 * H * K:].view(T, HV, V), a, b, A_log, dt_bias, ssm, meta, src, dst, par,
                                out=o, workspace=ws)
     return run
+
+
+def decode_case(B, dev):
+    A_log, dt_bias = torch.log(torch.empty(HV, device=dev).uniform_(1, 16)), torch.rand(HV, device=dev)
+    pool = torch.randn(2 * B + 1, HV, V, K, device=dev) * 0.1
+    slots = torch.arange(B, dtype=torch.int32, device=dev)
+    q, k = torch.randn(B, H, K, device=dev, dtype=bf), torch.randn(B, H, K, device=dev, dtype=bf)
+    v = torch.randn(B, HV, V, device=dev, dtype=bf)
+    a, b = torch.randn(B, HV, device=dev, dtype=bf), torch.randn(B, HV, device=dev, dtype=bf)
+    o = torch.empty(B, HV, V, device=dev, dtype=bf)
+    return lambda: gdn_decode(q, k, v, a, b, A_log, dt_bias, pool, slots, out=o)
 
 
 def verify_case(B, L, mode, dev):

@@ -150,13 +150,14 @@ class ModelRunner:
         for seq, a in verified:
             seq.length -= self.rc.spec_tokens - a
             seq.pages.length = seq.length
-        if self.mtp is not None:                     # the hidden after the last accepted token
+        if self.mtp is not None or self.rc.spec_mode == "intermediate":
+            # one upload: slots, accepted counts, and the row of the last accepted token (the MTP head's hidden)
             L = self.rc.spec_tokens
-            slots, rows = self._upload([s.slot for s, _ in verified],
-                                       [b * L + a - 1 for b, (_, a) in enumerate(verified)])
-            self.mtp.accept(slots.long(), rows.long())
+            slots, num, rows = self._upload([s.slot for s, _ in verified], [a for _, a in verified],
+                                            [b * L + a - 1 for b, (_, a) in enumerate(verified)])
+            if self.mtp is not None:
+                self.mtp.accept(slots.long(), rows.long())
         if self.rc.spec_mode == "intermediate":
-            slots, num = self._upload([s.slot for s, _ in verified], [a for _, a in verified])
             for layer in self.model.gdn_layers():
                 layer.commit(slots, slots, num, "intermediate")
         else:
@@ -279,11 +280,7 @@ class ModelRunner:
             tables.append(seq.pages)
         L = self.rc.spec_tokens
         v_start = len(ids)
-        for seq, toks in verifies:
-            want = 1 if mtp is not None else L      # with the MTP head: the last sampled token only
-            if len(toks) != want:
-                raise ValueError(f"verify: {len(toks)} tokens, the runner takes {want} per verify item "
-                                 f"(spec_tokens = {L}, spec_draft = {self.rc.spec_draft!r})")
+        for seq, toks in verifies:     # token counts were checked at the top of the step
             toks = list(toks) * L if mtp is not None else toks    # MTP drafts are filled in on the device below
             p0 = seq.length
             if mtp is not None:

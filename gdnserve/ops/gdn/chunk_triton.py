@@ -146,9 +146,8 @@ def chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, 
 @triton.jit
 def _state_step(b_S, k, w, u, gcum, vnew, t0, n_valid, i_h, i_hv, s_kt, s_kh,
                 o_c, o_k, m_k, o_v, m_v,
-                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STORE: tl.constexpr, DOT_PREC: tl.constexpr,
-                STATE_F32: tl.constexpr):
-    """One chunk of the state pass on a [BV, BK] tile of Sᵀ. Returns the state after the chunk."""
+                HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, DOT_PREC: tl.constexpr, STATE_F32: tl.constexpr):
+    """One chunk of the state pass on a [BV, BK] tile of Sᵀ: stores U, returns the state after the chunk."""
     m_rows = o_c < n_valid
     o_rows = t0 + o_c
     b_k = _l2norm_rows(k + i_h * s_kh, o_rows, m_rows, s_kt, o_k, m_k)
@@ -163,9 +162,8 @@ def _state_step(b_S, k, w, u, gcum, vnew, t0, n_valid, i_h, i_hv, s_kt, s_kh,
         b_U = b_u - mma(b_w.to(tl.float32), tl.trans(b_S), DOT_PREC)
     else:           # fla's choice: state rounded to the activation dtype for the product
         b_U = b_u - mma(b_w, tl.trans(cast(b_S, w.dtype.element_ty)), DOT_PREC)
-    if STORE:
-        tl.store(vnew + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :],
-                 cast(b_U, vnew.dtype.element_ty), mask=m_rows[:, None] & m_v[None, :])
+    tl.store(vnew + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :],
+             cast(b_U, vnew.dtype.element_ty), mask=m_rows[:, None] & m_v[None, :])
     b_Uw = tl.where(m_rows[:, None], b_U * tl.exp(tl.where(m_rows, g_last - b_gc, 0.))[:, None], 0.)
     if STATE_F32:
         b_S = b_S * tl.exp(g_last) + mma(tl.trans(b_Uw), b_k, DOT_PREC)
@@ -228,7 +226,7 @@ def chunk_state_kernel(k, w, u, gcum, vnew, h, pool, cu_seqlens, chunk_offsets, 
     for i_c in range(tl.cdiv(L, C)):
         tl.store(h + ((off + i_c).to(tl.int64) * HV * V * K) + o_s, cast(b_S, h.dtype.element_ty), mask=m_s)
         b_S = _state_step(b_S, k, w, u, gcum, vnew, bos + i_c * C, tl.minimum(C, L - i_c * C),
-                          i_h, i_hv, s_kt, s_kh, o_c, o_k, m_k, o_v, m_v, HV, K, V, True, DOT_PREC, STATE_F32)
+                          i_h, i_hv, s_kt, s_kh, o_c, o_k, m_k, o_v, m_v, HV, K, V, DOT_PREC, STATE_F32)
     s_dst = tl.load(dst_slots + i_n)
     if s_dst >= 0:
         tl.store(pool + s_dst.to(tl.int64) * SLOT + o_s, cast(b_S, pool.dtype.element_ty), mask=m_s)
@@ -313,7 +311,7 @@ def launch_prep(q, k, v, a, b, A_log, dt_bias, meta: VarlenMeta, ws: ChunkWorksp
     launch(chunk_prep_kernel, (meta.num_chunk_rows, H * split), (
         q, k, v, a, b, A_log, dt_bias, meta.cu_seqlens, meta.chunk_indices, ws.gcum, ws.w, ws.u,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        HV // H, HV, K, V, max(pow2(K), PREP_MIN_BLOCK), max(pow2(V), PREP_MIN_BLOCK), CHUNK, _prec(v), INV_MODE,
+        R, HV, K, V, max(pow2(K), PREP_MIN_BLOCK), max(pow2(V), PREP_MIN_BLOCK), CHUNK, _prec(v), INV_MODE,
         PREP_BF16 and v.dtype != torch.float32, split),
         PREP_WARPS)
 
