@@ -141,7 +141,7 @@ class StepGraphs:
 def build_step_graphs(model, rc, device: torch.device) -> StepGraphs | None:
     """StepGraphs for a ModelRunner (``rc``: its RunnerConfig) when ``rc.cuda_graphs`` resolves on. Auto (None)
     turns them on for a CUDA device with the Triton backend, tensor parallel size 1 and a model whose forward
-    can be captured (the PyTorch ops read index vectors on the host, SparseMoE reads expert counts)."""
+    can be captured (the PyTorch ops read index vectors and expert counts on the host)."""
     cuda = device.type == "cuda"
     capture = cuda if rc.graph_capture is None else rc.graph_capture
     if capture and not cuda:
@@ -153,8 +153,8 @@ def build_step_graphs(model, rc, device: torch.device) -> StepGraphs | None:
     if not on:
         return None
     if capture and not capturable:
-        raise ValueError("cuda_graphs: this forward reads device data on the host (backend='torch', or "
-                         "SparseMoE's expert split) and cannot be captured; set cuda_graphs=False "
+        raise ValueError("cuda_graphs: this forward reads device data on the host (backend='torch', or a "
+                         "module marked graph_safe=False) and cannot be captured; set cuda_graphs=False "
                          "(--no-cuda-graphs) or graph_capture=False")
     cap = rc.graph_max_batch if rc.graph_max_batch is not None else min(BUCKETS[-1], rc.num_slots)
     if not isinstance(rc.max_model_len, int) or rc.max_model_len < 1:

@@ -15,6 +15,7 @@ from gdnserve.engine.spec.mtp import MTPDrafter, MTPStepIndex
 from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
 from gdnserve.engine.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan, segment_phases
 from gdnserve.layers.forward_context import AttnMeta, ForwardContext, VerifyMeta, forward_context
+from gdnserve.layers.moe import SparseMoE
 from gdnserve.ops.gdn.recurrent import GDNPending
 
 
@@ -88,6 +89,9 @@ class ModelRunner:
         for i, layer in enumerate(attn):
             layer.bind_cache(self.pages.k_cache(i), self.pages.v_cache(i))
             layer.backend = rc.backend
+        for m in model.modules():
+            if isinstance(m, SparseMoE):
+                m.backend = rc.backend
         self.stager = IndexStager(rc.staging_ints, self.device)
         if rc.spec_mode is not None:
             self._bind_spec(gdn, H, HV, g)

@@ -3,8 +3,9 @@ weights, and a dense shared expert scaled by a sigmoid gate.
 
 Rounding follows HF's ``Qwen3NextSparseMoeBlock`` / ``Qwen3_5MoeSparseMoeBlock``: router logits in the
 activation dtype, softmax and the top-k renormalisation in fp32, routing weights cast back to the activation
-dtype; each expert's output is scaled in the activation dtype and added into an activation-dtype buffer in
-ascending expert order (with top_k > 2 a token's sum is not associative in bf16, so the order matters).
+dtype. The routed experts are ``ops.moe.moe_experts``: on CPU HF's order of roundings exactly (per-expert
+loop); on CUDA a Triton grouped GEMM with device-side offsets (fp32 accumulation, no host read, so the block
+can be captured in a CUDA graph).
 
 Tensor parallel: every expert's intermediate dim is split across ranks (gate and up rows each split, down's
 input columns split), the shared expert likewise (an ``MLP`` without its own reduction); router and shared
@@ -23,6 +24,7 @@ from torch import nn
 from gdnserve.layers.linear import Shard, load_shard, local_blocks
 from gdnserve.layers.mlp import MLP
 from gdnserve.layers.parallel import all_reduce, resolve
+from gdnserve.ops.moe import moe_experts
 
 
 class SparseMoE(nn.Module):
@@ -31,10 +33,6 @@ class SparseMoE(nn.Module):
     ``shared_expert_gate.weight [1, hidden]``; the last two are None when ``shared_intermediate == 0``.
     Under tensor parallelism I is this rank's ``moe_intermediate / tp`` (``moe_intermediate`` stays the full
     size, the checkpoint's)."""
-
-    # The expert split reads per-expert counts on the host (below), so a CUDA graph cannot capture this block;
-    # the model runner keeps MoE models eager until a grouped GEMM takes device-side offsets.
-    graph_safe = False
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, moe_intermediate: int,
                  shared_intermediate: int, norm_topk_prob: bool, *, tp_rank: int | None = None,
@@ -48,6 +46,7 @@ class SparseMoE(nn.Module):
         (self.local_intermediate,) = local_blocks((moe_intermediate,), self.tp_size, "SparseMoE.moe_intermediate")
         I = self.local_intermediate
         self.norm_topk_prob = norm_topk_prob
+        self.backend = "auto"      # the routed experts' op (ops/moe): Triton grouped GEMM on CUDA, capturable
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * I, hidden))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, I))
@@ -74,27 +73,7 @@ class SparseMoE(nn.Module):
         if x.dim() != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x: expected [T, {self.hidden}], got {list(x.shape)}")
         weights, experts = self.route(x)
-        k, I = self.top_k, self.local_intermediate
-        # Group the T*k (token, expert) pairs by expert; stable so each group keeps token order.
-        flat = experts.flatten()
-        order = torch.argsort(flat, stable=True)
-        token = order // k
-        pair_w = weights.flatten()[order, None]
-        xs = x.index_select(0, token)
-        # The one host read: per-expert counts to split the groups. A GPU path must not do this (it syncs and
-        # cannot be captured in a graph): it needs a grouped GEMM that takes the device-side offsets instead.
-        counts = torch.bincount(flat, minlength=self.num_experts).cpu().tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            sl = slice(start, start + n)
-            start += n
-            gu = F.linear(xs[sl], self.experts_gate_up[e])
-            y = F.linear(F.silu(gu[:, :I]) * gu[:, I:], self.experts_down[e]) * pair_w[sl]
-            # One add per token per call (top-k experts are distinct), in ascending expert order as HF does.
-            out.index_add_(0, token[sl], y)
+        out = moe_experts(x, weights, experts, self.experts_gate_up, self.experts_down, backend=self.backend)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return all_reduce(out, self.tp_size)

@@ -24,10 +24,24 @@ pytestmark = pytest.mark.gpu
 S = 24
 
 
-def make_runner(mode: str | None, k: int, graphs: bool, capture: bool | None, dtype=torch.bfloat16) -> ModelRunner:
+def with_moe(model, experts: int = 8, top_k: int = 2):
+    """Every layer's MLP replaced by a SparseMoE with fixed-seed weights (the same model on every call)."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    dtype = next(model.parameters()).dtype
+    for layer in model.layers:
+        layer.mlp = SparseMoE(256, experts, top_k, 64, 32, True).to(device="cuda", dtype=dtype)
+        with torch.no_grad():
+            for p in layer.mlp.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, device="cuda") * p.shape[-1] ** -0.5)
+    return model
+
+
+def make_runner(mode: str | None, k: int, graphs: bool, capture: bool | None, dtype=torch.bfloat16,
+                moe: bool = False) -> ModelRunner:
     rc = RunnerConfig(num_slots=S, num_pages=256, page_size=4, spec_mode=mode, spec_tokens=k + 1 if mode else 0,
                       cuda_graphs=graphs, graph_capture=capture)
-    r = ModelRunner(build_builtin_model(dtype=dtype, device="cuda"), rc)
+    model = build_builtin_model(dtype=dtype, device="cuda")
+    r = ModelRunner(with_moe(model) if moe else model, rc)
     for t, _ in state_buffers(r).values():
         t.zero_()                     # pending buffers start uninitialised: make whole-buffer comparison meaningful
     return r
@@ -45,10 +59,10 @@ def assert_same_state(a: ModelRunner, b: ModelRunner) -> None:
         assert same_bits(sa[name], sb[name]), name
 
 
-def lockstep(mode: str | None, k: int, sizes: list[int], steps: int = 4):
+def lockstep(mode: str | None, k: int, sizes: list[int], steps: int = 4, moe: bool = False):
     """Captured, graph-shaped eager and plain eager runners through the same prefill and decode / verify steps
     (each batch size in ``sizes`` in turn, random tokens and acceptance counts)."""
-    graph, shaped, plain = (make_runner(mode, k, g, c) for g, c in ((True, None), (True, False), (False, None)))
+    graph, shaped, plain = (make_runner(mode, k, g, c, moe=moe) for g, c in ((True, None), (True, False), (False, None)))
     assert graph.graphs.capture and not shaped.graphs.capture and plain.graphs is None
     n = max(sizes)
     prompts = [[random.randrange(256) for _ in range(3 + 7 * i % 23)] for i in range(n)]
@@ -128,13 +142,15 @@ def test_capture_all_then_every_bucket_replays():
     assert r.graphs.stats["capture"] == 2 * n and r.graphs.stats["replay"] == 6
 
 
-def test_moe_models_stay_eager():
-    m = build_builtin_model(device="cuda")
-    m.layers[0].mlp = SparseMoE(256, 4, 2, 64, 0, True).cuda()
-    assert ModelRunner(m, RunnerConfig(num_slots=4)).graphs is None                     # auto: off
-    with pytest.raises(ValueError, match="cuda_graphs"):
-        ModelRunner(m, RunnerConfig(num_slots=4, cuda_graphs=True))
-    assert ModelRunner(m, RunnerConfig(num_slots=4, cuda_graphs=True, graph_capture=False)).graphs is not None
+def test_moe_models_capture():
+    """SparseMoE's Triton grouped GEMM reads nothing on the host: MoE models get graphs (auto on), and a
+    replay equals the graph-shaped eager step bit for bit for decode and verify."""
+    m = with_moe(build_builtin_model(device="cuda"))
+    assert ModelRunner(m, RunnerConfig(num_slots=4)).graphs is not None
+    g = lockstep(None, 0, [1, 6], moe=True)
+    assert g.graphs.stats["replay"] == 8 and g.graphs.stats["fallback"] == 0
+    g = lockstep("replay", 2, [3], moe=True)
+    assert g.graphs.stats["replay"] == 4
 
 
 PROMPTS = ["abcabcabcabcabc", "the cat sat on the mat, the cat sat on the", "Shared doc.<|state_checkpoint|>q1",

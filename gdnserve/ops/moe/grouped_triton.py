@@ -1,0 +1,107 @@
+"""Grouped GEMM for the routed experts (Triton), driven by ``align.Alignment``: block ``b`` of ``BM`` sorted
+rows multiplies the rows' tokens by its expert's weights. Two kernels:
+
+  gate_up:  inter[r, n] = silu(x[tok(r)] . Wg[e, n]) * (x[tok(r)] . Wu[e, n])     r: padded sorted row
+  down:     pair_out[pair(r), n] = w(pair) * (inter[r] . Wd[e, n])                 written per pair, no atomics
+
+and the k pair outputs of a token are summed afterwards (fp32 accumulation, one rounding), so every token's
+result depends only on its own row: deterministic, and the same whatever else is in the batch. Matmuls
+accumulate in fp32; the intermediate is rounded to the activation dtype once (HF rounds gate_up too).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gdnserve.ops.launch import cdiv, launch
+from gdnserve.ops.moe.align import Alignment
+from gdnserve.ops.tl_compat import cast, mma
+
+
+@triton.jit
+def _gate_up_kernel(x, w, rows, block_expert, inter, N, H, I, stride_x,
+                    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    PREC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert + pid_m).to(tl.int64)
+    if e >= 0:
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        r = tl.load(rows + offs_m)
+        valid = r < N
+        tok = (r // TOP_K).to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < I
+        offs_k = tl.arange(0, BK)
+        w_e = w + e * (2 * I) * H
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            kk = k0 + offs_k
+            k_ok = kk < H
+            a = tl.load(x + tok[:, None] * stride_x + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            bmask = k_ok[:, None] & n_ok[None, :]
+            bg = tl.load(w_e + offs_n[None, :].to(tl.int64) * H + kk[:, None], mask=bmask, other=0.0)
+            bu = tl.load(w_e + (offs_n[None, :] + I).to(tl.int64) * H + kk[:, None], mask=bmask, other=0.0)
+            acc_g += mma(a, bg, PREC)
+            acc_u += mma(a, bu, PREC)
+        h = acc_g * tl.sigmoid(acc_g) * acc_u
+        dst = inter + offs_m[:, None].to(tl.int64) * I + offs_n[None, :]
+        tl.store(dst, cast(h, inter.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(inter, w, rows, block_expert, pair_w, out, N, H, I,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert + pid_m).to(tl.int64)
+    if e >= 0:
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        r = tl.load(rows + offs_m)
+        valid = r < N
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        n_ok = offs_n < H
+        offs_k = tl.arange(0, BK)
+        w_e = w + e * H * I
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            kk = k0 + offs_k
+            k_ok = kk < I
+            a = tl.load(inter + offs_m[:, None].to(tl.int64) * I + kk[None, :], mask=valid[:, None] & k_ok[None, :],
+                        other=0.0)
+            b = tl.load(w_e + offs_n[None, :].to(tl.int64) * I + kk[:, None], mask=k_ok[:, None] & n_ok[None, :],
+                        other=0.0)
+            acc += mma(a, b, PREC)
+        pw = tl.load(pair_w + r, mask=valid, other=0.0).to(tl.float32)
+        y = acc * pw[:, None]
+        dst = out + r[:, None].to(tl.int64) * H + offs_n[None, :]
+        tl.store(dst, cast(y, out.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+def block_rows(num_pairs: int, num_experts: int) -> int:
+    """Row block from the expected rows per expert (shapes only: no host read)."""
+    per = num_pairs / num_experts
+    return 16 if per <= 16 else (32 if per <= 32 else 64)
+
+
+def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, al: Alignment, w_gate_up: torch.Tensor,
+                       w_down: torch.Tensor, top_k: int) -> torch.Tensor:
+    """x [T, H] (unit column stride), weights [T, k], w_gate_up [E, 2I, H], w_down [E, H, I] (contiguous)
+    -> [T, H] in x.dtype."""
+    T, H = x.shape
+    I = w_down.shape[2]
+    N, P, BM = T * top_k, al.rows.numel(), al.BM
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    inter = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    BN, BK = 64, 64
+    launch(_gate_up_kernel, (P // BM, cdiv(I, BN)),
+           (x, w_gate_up, al.rows, al.block_expert, inter, N, H, I, x.stride(0), top_k, BM, BN, BK, prec),
+           num_warps=4, num_stages=3)
+    pair_out = torch.empty(N, H, dtype=x.dtype, device=x.device)
+    BN2 = 128 if H >= 1024 else 64
+    launch(_down_kernel, (P // BM, cdiv(H, BN2)),
+           (inter, w_down, al.rows, al.block_expert, weights.reshape(-1), pair_out, N, H, I, BM, BN2, BK, prec),
+           num_warps=4, num_stages=3)
+    return pair_out.view(T, top_k, H).sum(dim=1)
