@@ -1,5 +1,7 @@
 """``gdnserve bench model``: a quick CPU run on the tiny random model writes its JSON and markdown, with
-gdnserve's and HF's rows on the same weights (logits equal) for every prefill and decode case."""
+gdnserve's and HF's rows on the same weights (logits equal) for every decode and prefill case (decode first),
+and the bf16 parity diagnosis (ours / HF x bf16 / fp32: the fp32 pair equal, routing included); a spent time
+budget skips every case with a note instead of failing."""
 import json
 
 import pytest
@@ -43,10 +45,47 @@ def test_quick_cpu_run_writes_json_and_markdown(tmp_path):
     assert float(res["parity_rel_rms"]) < 1e-4                       # the same weights in both models
     assert res["model_config"]["model_type"] == "qwen3_5_moe_text"
     assert "PyTorch fallback" in res["hf_gdn_path_summary"]           # no fla on CPU
+    assert [r["kind"] for r in res["rows"]] == ["decode"] * 4 + ["prefill"] * 4      # decode cases first
     cases = {(r["kind"], r["shape"], r["impl"]) for r in res["rows"]}
     assert cases == {(k, s, i) for k, s in [("prefill", "1x64"), ("prefill", "4x16"), ("decode", "B=1"),
                                              ("decode", "B=4")] for i in ("gdnserve", "hf")}
     for r in res["rows"]:
-        assert r["tokens_per_s"] > 0 and r["ms"]["p50"] > 0 and r["floor_ms"] > 0
+        assert r["tokens_per_s"] > 0 and r["ms"]["p50"] > 0 and r["floor_ms"] > 0 and r["first_call_s"] >= 0
+    d = res["bf16_diagnosis"]
+    assert sorted(d["runs"]) == ["hf_bf16", "hf_fp32", "ours_bf16", "ours_fp32"]
+    assert set(d["rel_rms"]) == {f"{x} vs {y}" for x, y in bm_pairs()}
+    assert d["rel_rms"]["ours_fp32 vs hf_fp32"] < 1e-4                # the same (bf16-representable) weights
+    assert d["routing_flip_frac"]["ours_fp32 vs hf_fp32"] == 0.0       # hooks on both models, tokens aligned
+    assert d["moe_layers"] == 4 and d["routed_tokens"] == d["prompts"] * d["prompt_len"]
+    assert 0 < d["rel_rms"]["ours_bf16 vs hf_fp32"] < 0.5 and 0 < d["rel_rms"]["hf_bf16 vs hf_fp32"] < 0.5
+    assert d["interpretation"]
     text = md[0].read_text()
     assert "| case | impl | ms | tokens/s |" in text and "| decode B=4 | hf |" in text
+    assert "| runs compared | last-token logits rel-RMS |" in text and d["interpretation"] in text
+
+
+def bm_pairs():
+    return cli.load_benchmark("bench_model").DIAG_PAIRS
+
+
+def test_spent_budget_skips_every_case_with_a_note(tmp_path):
+    rc = cli.main(["bench", "model", "--device", "cpu", "--quick", "--no-hf", "--time-budget", "0",
+                   "--out", str(tmp_path)])
+    res = json.loads(next(tmp_path.glob("model_cpu_*.json")).read_text())
+    assert rc == 0 and res["errors"] == [] and res["complete"] and res["rows"] == []
+    assert [s.split(" (")[0] for s in res["skipped"]] == res["case_order"]
+    assert all("budget spent" in s for s in res["skipped"])
+
+
+@pytest.mark.parametrize("a, b, d, word", [
+    (0.19, 0.16, 5e-6, "as far from fp32 as ours"),
+    (0.19, 0.02, 5e-6, "farther from fp32 than HF"),
+    (0.02, 0.19, 5e-6, "closer to fp32 than HF"),
+    (0.19, 0.16, 0.1, "disagree in fp32 too")])
+def test_interpretation_follows_the_numbers(a, b, d, word):
+    bm = cli.load_benchmark("bench_model")
+    rel = {"ours_bf16 vs hf_fp32": a, "hf_bf16 vs hf_fp32": b, "ours_bf16 vs hf_bf16": 0.19, "ours_fp32 vs hf_fp32": d}
+    flips = {"ours_bf16 vs ours_fp32": 0.35, "hf_bf16 vs hf_fp32": 0.37}
+    assert word in bm.interpret(rel, flips)
+    assert "Only the bf16 pair" in bm.interpret({"ours_bf16 vs hf_bf16": 0.19}, {})
+    assert "Only the fp32 pair" in bm.interpret({"ours_fp32 vs hf_fp32": 4e-7}, {})
