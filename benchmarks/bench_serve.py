@@ -22,8 +22,13 @@ the structured API (candidate log-probs, no token generated).
 Two passes per mode: **latency** — one group at a time on an idle engine (TTFT without queueing);
 **throughput** — all groups submitted at once, the engine batching them back to back. QPS = requests
 (candidates) per second over the wall time of the pass; groups/s also given. TTFT = time from
-submission to the step that returns the request's first token (its median and P90). One untimed group per
-mode first (compilation). Sanity columns: checkpoint hits (requests whose provenance says they started
+submission to the step that returns the request's first token (its median and P90).
+
+Warm-up: every timed pass is preceded, on the same engine, by an untimed pass of the same shape on other
+prompts of the same lengths — one group before the latency pass (each latency call is one group), all
+``groups`` groups at once before the throughput pass — so Triton compilation and autotuning for the step
+shapes of that pass (token counts, producer/consumer layouts) land outside the timing. Each row records its
+warm-up's wall time and steps (``warmup_wall_s``, ``warmup_steps``) beside the timed pass's. Sanity columns: checkpoint hits (requests whose provenance says they started
 from the prefix state) and the share of first tokens equal to the ``none`` mode's on the same prompts.
 """
 from __future__ import annotations
@@ -136,7 +141,8 @@ def drive_score(engine: LLMEngine, groups: list[Group]) -> dict[str, Any]:
 
 
 def _row(wl: Workload, mode: str, pass_: str, groups: list[Group], r: dict[str, Any],
-         ref_first: dict[str, int] | None) -> dict[str, Any]:
+         ref_first: dict[str, int] | None, warm: dict[str, Any] | None = None, warm_groups: int = 0
+         ) -> dict[str, Any]:
     n = sum(len(c) for _, c in groups)
     tok = sum(len(p) + len(s) for p, c in groups for s in c) if mode == "none" else \
         sum(len(p) + sum(map(len, c)) for p, c in groups)
@@ -147,7 +153,9 @@ def _row(wl: Workload, mode: str, pass_: str, groups: list[Group], r: dict[str, 
     return {"workload": wl.name, "mode": mode, "pass": pass_, "groups": len(groups), "requests": n,
             "wall_s": r["wall_s"], "qps": n / r["wall_s"], "groups_per_s": len(groups) / r["wall_s"],
             "ttft_ms": pct([t * 1e3 for t in r["ttft_s"]]), "hits": r["hits"], "steps": r["steps"],
-            "prefill_tokens": tok, "first_token_agreement_vs_none": agree}
+            "prefill_tokens": tok, "first_token_agreement_vs_none": agree,
+            "warmup_groups": warm_groups, "warmup_wall_s": None if warm is None else warm["wall_s"],
+            "warmup_steps": None if warm is None else warm["steps"]}
 
 
 def table(res: dict[str, Any]) -> list[str]:
@@ -155,10 +163,12 @@ def table(res: dict[str, Any]) -> list[str]:
          "QPS = requests per second over the pass's wall time (groups/s beside it); TTFT ms: median and P90 "
          "from submission to the step returning the first token. latency = one group at a time on an idle engine; "
          "throughput = all groups submitted at once. ×none: QPS over the `none` row of the same workload and pass. "
-         "hits: requests started from the prefix state; agree: first tokens equal to `none`'s.", "",
+         "hits: requests started from the prefix state; agree: first tokens equal to `none`'s. warm-up s: wall time "
+         "of the untimed pass of the same shape (other prompts) run just before, on the same engine (1 group before "
+         "the latency pass, all groups at once before the throughput pass).", "",
          "| workload | mode | pass | groups × req | QPS | groups/s | ×none | TTFT ms median | TTFT P90 | "
-         "prefill tokens | steps | hits | agree |",
-         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+         "prefill tokens | steps | hits | agree | warm-up s |",
+         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     none = {(r["workload"], r["pass"]): r["qps"] for r in res["rows"] if r["mode"] == "none"}
     for r in res["rows"]:
         base = none.get((r["workload"], r["pass"]))
@@ -166,7 +176,8 @@ def table(res: dict[str, Any]) -> list[str]:
         ag = "" if r["first_token_agreement_vs_none"] is None else f"{100 * r['first_token_agreement_vs_none']:.0f} %"
         L.append(f"| {r['workload']} | {r['mode']} | {r['pass']} | {r['groups']} × {r['requests'] // r['groups']} | "
                  f"{r['qps']:.1f} | {r['groups_per_s']:.2f} | {x} | {r['ttft_ms']['p50']:.1f} | "
-                 f"{r['ttft_ms']['p90']:.1f} | {r['prefill_tokens']:,} | {r['steps']} | {r['hits']} | {ag} |")
+                 f"{r['ttft_ms']['p90']:.1f} | {r['prefill_tokens']:,} | {r['steps']} | {r['hits']} | {ag} | "
+                 + ("—" if r.get("warmup_wall_s") is None else f"{r['warmup_wall_s']:.2f}") + " |")
     t = res.get("target")
     if t:
         L += ["", f"Target: fused ≥ 2.1x the QPS of `none` on the RFC workload (throughput pass): measured "
@@ -183,31 +194,35 @@ def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for wl in plan.workloads:
         rng = random.Random(wl.prefix)
-        warm = wl.make_groups(1, vocab, rng)
+        warm = wl.make_groups(1, vocab, rng)                 # the latency pass's warm-up (one group)
         lat_groups = wl.make_groups(wl.latency_groups, vocab, rng)
         tp_groups = wl.make_groups(wl.groups, vocab, rng)
+        warm_tp = wl.make_groups(wl.groups, vocab, rng)      # the throughput pass's warm-up: the same shape
         ref: dict[str, dict[str, int]] = {}
         for mode in MODES:
             if rep.over_budget(f"{wl.name} {mode}"):
                 continue
-            rep.log(f"{wl.name}: {mode} (warm-up group, then {wl.latency_groups} latency + {wl.groups} throughput)")
+            rep.log(f"{wl.name}: {mode} (warm-up group, {wl.latency_groups} latency; warm-up pass of {wl.groups} "
+                    f"groups, {wl.groups} throughput)")
             try:
                 engine = make_engine(model, mode, plan)
                 if mode == "score":
-                    drive_score(engine, warm)
+                    w_lat = drive_score(engine, warm)
                     lat = [drive_score(engine, [g]) for g in lat_groups]
+                    w_tp = drive_score(engine, warm_tp)
                     tp = drive_score(engine, tp_groups)
                 else:
-                    drive(engine, warm, mode, params, "w")
+                    w_lat = drive(engine, warm, mode, params, "w")
                     lat = [drive(engine, [g], mode, params, f"l{i}-") for i, g in enumerate(lat_groups)]
+                    w_tp = drive(engine, warm_tp, mode, params, "wt")
                     tp = drive(engine, tp_groups, mode, params, "t")
                 merged = {"wall_s": sum(r["wall_s"] for r in lat), "ttft_s": [t for r in lat for t in r["ttft_s"]],
                           "first": {f"l{i}-{k}": v for i, r in enumerate(lat) for k, v in r["first"].items()},
                           "hits": sum(r["hits"] for r in lat), "steps": sum(r["steps"] for r in lat)}
                 if mode == "none":
                     ref = {"latency": merged["first"], "throughput": tp["first"]}
-                rep.add(_row(wl, mode, "latency", lat_groups, merged, ref.get("latency")))
-                rep.add(_row(wl, mode, "throughput", tp_groups, tp, ref.get("throughput")))
+                rep.add(_row(wl, mode, "latency", lat_groups, merged, ref.get("latency"), w_lat, len(warm)))
+                rep.add(_row(wl, mode, "throughput", tp_groups, tp, ref.get("throughput"), w_tp, len(warm_tp)))
             except Exception as e:  # noqa: BLE001
                 rep.error(f"{wl.name} {mode}", e)
             engine = None
@@ -226,7 +241,10 @@ def run(device: torch.device, quick: bool, out_dir: Path, layers: int | None, ex
                  table=table, model_config=hf_cfg, dtype=str(dtype), model_summary=model_summary(hf_cfg, dtype),
                  engine=f"max_step_tokens {plan.max_step_tokens}, max_num_seqs {plan.max_num_seqs}, "
                         f"{plan.num_pages} KV pages of 16, greedy, max_tokens {max_tokens}, no CUDA graphs",
-                 workloads=[w.__dict__ for w in plan.workloads])
+                 workloads=[w.__dict__ for w in plan.workloads],
+                 warmup="before every timed pass, on the same engine, an untimed pass of the same shape on other "
+                        "prompts (1 group before the latency pass, all groups at once before the throughput pass); "
+                        "rows: warmup_wall_s, warmup_steps, warmup_groups")
     try:
         _measure(rep, plan, hf_cfg, dtype, device, max_tokens)
     except Exception as e:  # noqa: BLE001 — set-up failed: the report says so

@@ -1,6 +1,7 @@
 """``gdnserve bench serve``: a quick CPU run drives shared-prefix groups through LLMEngine in every mode and
 writes its JSON and markdown; with checkpoints every candidate but the group's first starts from the
-prefix state, prefills only prefix + suffixes, and gets the same first token as without checkpoints."""
+prefix state, prefills only prefix + suffixes, and gets the same first token as without checkpoints; every timed pass
+follows an untimed pass of the same shape (its wall time recorded)."""
 import json
 
 import pytest
@@ -39,5 +40,10 @@ def test_quick_cpu_run_writes_json_and_markdown(tmp_path):
             assert rows[(w["name"], "score", p)]["hits"] == n
             for r in (none, fused):
                 assert r["qps"] > 0 and r["ttft_ms"]["p50"] > 0
+            for mode in ("none", "fused", "two_phase", "score"):   # an untimed pass of the same shape first
+                r = rows[(w["name"], mode, p)]
+                assert r["warmup_wall_s"] > 0 and r["warmup_groups"] == (1 if p == "latency" else r["groups"])
+                if mode != "score":
+                    assert r["warmup_steps"] == (r["steps"] if p == "throughput" else r["steps"] // r["groups"])
     assert res["target"]["result"].startswith("n/a")
-    assert "| workload | mode | pass |" in md[0].read_text()
+    assert "| workload | mode | pass |" in md[0].read_text() and "| warm-up s |" in md[0].read_text()
