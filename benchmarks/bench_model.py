@@ -36,7 +36,10 @@ and HF in bf16 and in fp32 with the same (bf16-representable) weights, their pai
 argmax agreement, and the share of MoE (token, layer) top-k expert sets that differ between runs (each MoE
 block's own router re-run on its input by a forward pre-hook). The run's dtype is measured with the parity
 check at the start; the other dtype at the end (HF's parameters converted in place, exactly, and ours
-rebuilt from them). The markdown gets a table and one sentence of interpretation generated from the numbers.
+rebuilt from them); ``--diagnosis only`` runs both dtypes without the throughput cases, ``off`` the parity
+check alone. On CUDA the fp32 runs trace Triton's default-precision fp32 dots as IEEE (``ieee_fp32_dots``:
+fla's would be TF32). The markdown gets a table and one sentence of interpretation generated from the
+numbers.
 
 Times: perf_counter around the call with the device synchronised before and after (host work included).
 HF runs eagerly; ours runs the ModelRunner's default, which captures decode steps in CUDA graphs when the
@@ -49,6 +52,7 @@ state read and written, KV read) / copy rate.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import inspect
 import math
@@ -57,7 +61,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -333,12 +337,43 @@ def _params_to_(model: torch.nn.Module, dtype: torch.dtype) -> None:
             p.data = p.data.to(dtype)
 
 
+@contextlib.contextmanager
+def ieee_fp32_dots(device: torch.device, dtype: torch.dtype) -> Iterator[str | None]:
+    """For fp32 runs on CUDA: Triton's default precision of fp32 ``tl.dot`` set to IEEE while they trace their
+    kernels (fla leaves ``input_precision`` at the default, TF32; ours picks IEEE for fp32 itself), so HF's fp32
+    run is a true fp32 reference. Left alone when TRITON_F32_DEFAULT is set. Yields the precision in force."""
+    env = os.environ.get("TRITON_F32_DEFAULT")
+    if device.type != "cuda" or dtype != torch.float32 or env:
+        yield env
+        return
+    try:
+        from triton import knobs
+        lang = knobs.language
+    except (ImportError, AttributeError):
+        yield None
+        return
+    prev = lang.fp32_default
+    lang.fp32_default = "ieee"
+    try:
+        yield "ieee"
+    finally:
+        lang.fp32_default = prev
+
+
 def diagnose_other_dtype(diag: Diagnosis, hf, hf_cfg: dict[str, Any], dtype: torch.dtype,
                          device: torch.device, rep: Report) -> None:
     """The diagnosis' second dtype: HF's parameters converted in place (HF's run first: the reference), then
     ours rebuilt from them; a failure of either is recorded and the other still runs."""
-    tag = _tag(dtype)
     _params_to_(hf, dtype)
+    with ieee_fp32_dots(device, dtype) as prec:
+        if device.type == "cuda" and dtype == torch.float32:
+            diag.res["tf32"]["triton_fp32_dot_default_in_fp32_runs"] = prec or "tf32 (Triton's default)"
+        _other_dtype_runs(diag, hf, hf_cfg, dtype, device, rep)
+
+
+def _other_dtype_runs(diag: Diagnosis, hf, hf_cfg: dict[str, Any], dtype: torch.dtype,
+                      device: torch.device, rep: Report) -> None:
+    tag = _tag(dtype)
     try:
         diag.run(f"hf_{tag}", hf, lambda: hf_logits(hf, diag.ids, device))
     except Exception as e:  # noqa: BLE001
