@@ -89,3 +89,23 @@ def test_interpretation_follows_the_numbers(a, b, d, word):
     assert word in bm.interpret(rel, flips)
     assert "Only the bf16 pair" in bm.interpret({"ours_bf16 vs hf_bf16": 0.19}, {})
     assert "Only the fp32 pair" in bm.interpret({"ours_fp32 vs hf_fp32": 4e-7}, {})
+
+
+def test_loops_stop_at_their_deadlines():
+    """Past the case's deadline the timed calls stop after one sample (capped); past the whole budget after HF's
+    untimed first call, nothing is timed; HF's first call is never a sample."""
+    import time
+
+    import torch
+    bm = cli.load_benchmark("bench_model")
+    plan = bm.make_plan(False, False)
+    calls = []
+    dev, past = torch.device("cpu"), time.perf_counter() - 1
+    m = bm._capped_loop(lambda: calls.append(1), plan, dev)
+    assert not m["capped"] and len(m["times"]) == plan.iters and len(calls) == 1 + plan.warmup + plan.iters
+    m = bm._capped_loop(lambda: None, plan, dev, deadline=past)
+    assert m["capped"] and len(m["times"]) == 1 and m["first_call_s"] >= 0
+    assert bm._capped_loop(lambda: None, plan, dev, hard_end=past)["times"] == []
+    m = bm._timed_loop(lambda _: None, plan, dev, deadline=past)
+    assert m["capped"] and len(m["times"]) == 1
+    assert len(bm._timed_loop(lambda _: None, plan, dev, deadline=float("inf"))["times"]) == plan.iters
