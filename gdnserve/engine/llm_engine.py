@@ -19,8 +19,9 @@ prefix — the next turn of a chat, or a resend that extends an earlier prompt.
 A plain prompt longer than the step's token budget is prefilled chunk by chunk over several steps (its GDN
 state and KV carried in its running slot, other requests decoding meanwhile); sampling starts after its last chunk.
 
-Under KV-page pressure, READY checkpoints are evicted and then the newest single-sample requests preempted
-and later recomputed (prompt + output so far), so a step never fails for lack of pages.
+Under KV-page pressure, READY checkpoints are evicted and then the newest requests preempted (every sample's
+state slot and pages freed) and later recomputed — n > 1 samples forking from the prompt again, each re-prefilling
+its own output so far — so a step never fails for lack of pages and outputs are unchanged.
 
 Speculative decoding (``spec_k > 0``): single-sample requests verify k drafts per step (docs/spec_decode.md),
 n-gram drafts proposed here on the host or, with ``spec_draft="mtp"``, the model's MTP head drafting inside the
@@ -240,23 +241,22 @@ class LLMEngine:
 
     def _make_room(self) -> None:
         """Before a step: if the running requests cannot get their KV pages, evict unreferenced READY
-        checkpoints, then preempt the most recently admitted single-sample requests (their state is dropped
-        and they are requeued first, to recompute prompt + output so far) — never fail the step."""
+        checkpoints, then preempt the most recently admitted requests (every sample's state slot and pages are
+        freed; the request is requeued first, to recompute prompt + output so far in ``_readmit``; finished
+        samples keep their outputs) — never fail the step."""
         if self._pages_for_running() <= self.runner.pages.num_free:
             return
         self._evict(len(self.ckpt_pages))
-        while self._pages_for_running() > self.runner.pages.num_free:
-            victim = next((r for r in reversed(self.running) if len(r.samples) == 1), None)
-            if victim is None or (victim is self.running[0] and len(self.running) == 1):
-                break                                  # nothing left to preempt: the runner will report it
-            self.running.remove(victim)
-            s = victim.samples[0]
-            if s.seq is not None:
-                self.runner.free_seq(s.seq)
-                s.seq = None
+        while self._pages_for_running() > self.runner.pages.num_free and len(self.running) > 1:
+            victim = self.running.pop()
+            for s in victim.samples:
+                if s.seq is not None:
+                    self.runner.free_seq(s.seq)
+                    s.seq = None
             victim.fed, victim.running = 0, False
             self.waiting.insert(0, victim)
             self.counters["preemptions"] += 1
+        # a single running request that still does not fit: nothing left to preempt, the runner will report it
 
     def step(self) -> list[RequestOutput]:
         self._make_room()
@@ -330,11 +330,12 @@ class LLMEngine:
         free_slots = self.runner.state.num_free
         while self.waiting:
             req = self.waiting[0]
-            if req.samples[0].token_ids:                 # a preempted request: recompute its tokens so far
-                if not self._readmit(req, items, owner, budget, free_slots):
+            if any(s.token_ids for s in req.samples):    # a preempted request: recompute its tokens so far
+                cost = self._readmit(req, items, owner, temps, budget, free_slots)
+                if cost is None:
                     break
-                budget -= len(req.prompt_ids) + len(req.samples[0].token_ids) - 1
-                free_slots -= 1
+                budget -= cost
+                free_slots = self.runner.state.num_free   # its sequences are allocated; evictions may have freed some
                 continue
             n, ids, c = len(req.samples), req.prompt_ids, req.checkpoint_at
             hit = None
@@ -424,22 +425,47 @@ class LLMEngine:
         (computed at the start of the admission pass) and what this pass has already promised."""
         return self.runner.pages.num_free - self._running_pages - self._admitted_pages
 
-    def _readmit(self, req: _Request, items, owner, budget: int, free_slots: int) -> bool:
-        """Prefill a preempted request's prompt + output minus its last token (whose logits are not needed:
-        the next step decodes that token), as one plain prefill."""
-        s = req.samples[0]
-        ids = req.prompt_ids + s.token_ids[:-1]
-        pages = len(ids) // self.runner.pages.page_size + 2
-        if free_slots < 1 or (items and len(ids) > budget) or pages > self._page_room():
-            return False
+    def _readmit(self, req: _Request, items, owner, temps, budget: int, free_slots: int) -> int | None:
+        """Recompute a preempted request: every unfinished sample's state after prompt + its output minus the
+        last token (whose logits are not needed: the next step decodes that token). Several unfinished samples
+        fork as on first admission: a producer prefills the prompt minus its last token once (a temporary, freed
+        after the step) and each sample continues it with the last prompt token + its own output; a single one
+        is one plain prefill. Finished samples keep their outputs. Seeded samples continue their random stream
+        unchanged (a row's noise depends only on seed, sample index and token count). Returns the tokens of the
+        step budget it takes, or None (nothing changed) when it does not fit now."""
+        live = [s for s in req.samples if s.finish_reason is None]
+        prompt, ps = req.prompt_ids, self.runner.pages.page_size
+        fork = len(live) > 1 and len(prompt) > 1
+        head = prompt[:-1] if fork else []
+        tails = [(prompt[-1:] if fork else prompt) + s.token_ids[:-1] for s in live]
+        cost = len(head) + sum(map(len, tails))
+        need = len(live) + fork
+        # a tail's pages: its copied partial page, its tokens, the next decode's token
+        pages = (len(head) // ps + 1 if fork else 0) + sum(len(t) // ps + 2 for t in tails)
+        seqs_now = sum(1 for r in self.running for s in r.samples if s.finish_reason is None)
+        if need > free_slots and self._evict(need - free_slots):
+            free_slots = self.runner.state.num_free
+        if pages > self._page_room():
+            self._evict(len(self.ckpt_pages))
+        if (need > free_slots or seqs_now + len(live) > self.max_num_seqs or (items and cost > budget)
+                or pages > self._page_room()):
+            return None
         self.waiting.pop(0)
-        s.seq = self.runner.new_seq()
-        items.append(PrefillItem(s.seq, ids))
-        owner.append(None)
+        producer = -1
+        if fork:
+            prod = self.runner.new_seq()
+            temps.append(prod)
+            producer = len(items)
+            items.append(PrefillItem(prod, head))
+            owner.append(None)
+        for s, toks in zip(live, tails):
+            s.seq = self.runner.new_seq()
+            items.append(PrefillItem(s.seq, toks, producer=producer))
+            owner.append(None)                           # nothing is sampled: the next step decodes the last token
         self._admitted_pages += pages
-        req.fed, req.running = len(req.prompt_ids), True
+        req.fed, req.running = len(prompt), True
         self.running.append(req)
-        return True
+        return cost
 
     def _prompt_logprobs(self, items, owner, first, logits) -> None:
         """Fill ``prompt_logprobs`` of requests that asked (their items ran with all_logits): token j + 1 of the
