@@ -44,14 +44,47 @@ def grouped_mm_experts(x, w, idx, gu_t, dn_t):
     return torch.zeros_like(x).index_add_(0, token, y)
 
 
+def sweep(dev: torch.device, tokens: list[int], experts: list[int]) -> None:
+    """GPU µs (graph replay, median) of the Triton path per tile config, and of the alignment alone."""
+    from gdnserve.ops.moe import grouped_triton as gt
+    from gdnserve.ops.moe.align import align_pairs
+    configs = [(16, 32, 64, 4, 3), (32, 64, 64, 4, 3), (32, 64, 128, 4, 3), (64, 128, 64, 4, 3),
+               (64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (32, 32, 64, 2, 4)]
+    for E in experts:
+        gu = (torch.randn(E, 2 * I, H, device=dev) / H ** 0.5).bfloat16()
+        dn = (torch.randn(E, H, I, device=dev) / I ** 0.5).bfloat16()
+        for T in tokens:
+            x = torch.randn(T, H, device=dev).bfloat16()
+            p, idx = torch.topk(torch.softmax(torch.randn(T, E, device=dev), -1), K, dim=-1)
+            w = (p / p.sum(-1, keepdim=True)).bfloat16()
+            al_us = time_call(lambda: align_pairs(idx, E, gt.block_rows(T * K, E)), iters=10, warmup=2)["gpu_us"]["p50"]
+            line = [f"E={E} T={T} align {al_us:.1f} us | default {gt.config(min(T * K, E), H, I)}"]
+            res = {}
+            for c in [None] + configs:
+                gt.CONFIG_OVERRIDE = c
+                try:
+                    res[c] = time_call(lambda: moe_experts(x, w, idx, gu, dn, backend="triton"), iters=10,
+                                       warmup=2)["gpu_us"]["p50"]
+                except Exception as exc:  # noqa: BLE001
+                    res[c] = float("nan")
+                    print(f"  {c}: {type(exc).__name__}: {str(exc)[:120]}")
+            gt.CONFIG_OVERRIDE = None
+            best = min((v, str(k)) for k, v in res.items() if v == v)
+            line += [f"{k}: {v:.1f}" for k, v in res.items()]
+            print(" | ".join(line) + f" || best {best[1]} {best[0]:.1f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tokens", default="1,16,64,256,1024,4096")
     ap.add_argument("--experts", default="64,256")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="time tile configs of the Triton kernels instead")
     a = ap.parse_args()
     dev = torch.device("cuda")
+    if a.sweep:
+        return sweep(dev, [int(t) for t in a.tokens.split(",")], [int(e) for e in a.experts.split(",")])
     ceil = measure_ceilings(dev, quick=True)
     rows = []
     for E in map(int, a.experts.split(",")):

@@ -86,6 +86,20 @@ def block_rows(num_pairs: int, num_experts: int) -> int:
     return 16 if per <= 16 else (32 if per <= 32 else 64)
 
 
+# (BN gate_up, BN down, BK, num_warps, num_stages); None = pick from the shapes (``config``).
+CONFIG_OVERRIDE: tuple[int, int, int, int, int] | None = None
+
+
+def config(num_blocks: int, H: int, I: int) -> tuple[int, int, int, int, int]:
+    """Tile widths so that the grid has enough programs to stream the weights: with few row blocks (decode)
+    narrower N tiles, else 64 / 128."""
+    if CONFIG_OVERRIDE is not None:
+        return CONFIG_OVERRIDE
+    bn1 = 64 if num_blocks * cdiv(I, 64) >= 256 else 32
+    bn2 = 128 if num_blocks * cdiv(H, 128) >= 256 else 64
+    return bn1, bn2, 64, 4, 3
+
+
 def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, al: Alignment, w_gate_up: torch.Tensor,
                        w_down: torch.Tensor, top_k: int) -> torch.Tensor:
     """x [T, H] (unit column stride), weights [T, k], w_gate_up [E, 2I, H], w_down [E, H, I] (contiguous)
@@ -93,15 +107,16 @@ def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, al: Alignment, w_
     T, H = x.shape
     I = w_down.shape[2]
     N, P, BM = T * top_k, al.rows.numel(), al.BM
+    # blocks that can hold rows: every pair alone in its expert's block at worst (the rest exit at once)
+    live = min(P // BM, N)
+    BN1, BN2, BK, warps, stages = config(live, H, I)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     inter = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    BN, BK = 64, 64
-    launch(_gate_up_kernel, (P // BM, cdiv(I, BN)),
-           (x, w_gate_up, al.rows, al.block_expert, inter, N, H, I, x.stride(0), top_k, BM, BN, BK, prec),
-           num_warps=4, num_stages=3)
+    launch(_gate_up_kernel, (P // BM, cdiv(I, BN1)),
+           (x, w_gate_up, al.rows, al.block_expert, inter, N, H, I, x.stride(0), top_k, BM, BN1, BK, prec),
+           num_warps=warps, num_stages=stages)
     pair_out = torch.empty(N, H, dtype=x.dtype, device=x.device)
-    BN2 = 128 if H >= 1024 else 64
     launch(_down_kernel, (P // BM, cdiv(H, BN2)),
            (inter, w_down, al.rows, al.block_expert, weights.reshape(-1), pair_out, N, H, I, BM, BN2, BK, prec),
-           num_warps=4, num_stages=3)
+           num_warps=warps, num_stages=stages)
     return pair_out.view(T, top_k, H).sum(dim=1)
