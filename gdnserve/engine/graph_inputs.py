@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from gdnserve.engine.step_plan import IndexStager
+from gdnserve.ops.varlen import aligned
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -65,7 +66,7 @@ def _layout(kind: StepKind, Bk: int, W: int) -> tuple[dict[str, tuple[int, int]]
     lay, off = {}, 0
     for name, n in [(v, Bk * kind.L) for v in ("ids", "pos", "smap")] + [(v, Bk) for v in kind.row_vectors()]:
         lay[name] = (off, off + n)
-        off += n
+        off = aligned(off + n)                          # 16-byte aligned views (step_plan.ALIGN_INTS)
     lay["table"] = (off, off + Bk * W)
     return lay, off + Bk * W
 

@@ -17,6 +17,7 @@ from gdnserve.engine.step_plan import IndexStager, InitFrom, PrefillSegment, bui
 from gdnserve.layers.forward_context import AttnMeta, ForwardContext, VerifyMeta, forward_context
 from gdnserve.layers.moe import SparseMoE
 from gdnserve.ops.gdn.recurrent import GDNPending
+from gdnserve.ops.varlen import aligned
 
 
 @dataclass(eq=False)
@@ -126,8 +127,9 @@ class ModelRunner:
     def _upload(self, *vecs: list[int]) -> list[torch.Tensor]:
         """Equal-length int32 vectors in one upload (flush / commit run outside the step's plan)."""
         n = len(vecs[0])
-        dev = self.stager.upload([x for v in vecs for x in v])
-        return [dev[i * n:(i + 1) * n] for i in range(len(vecs))]
+        m = aligned(n)                                   # each view 16-byte aligned (step_plan.ALIGN_INTS)
+        dev = self.stager.upload([x for v in vecs for x in [*v, *[0] * (m - n)]])
+        return [dev[i * m:i * m + n] for i in range(len(vecs))]
 
     @torch.inference_mode()
     def flush(self, seqs: list[SeqState]) -> None:

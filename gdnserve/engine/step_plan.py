@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 import torch
 
 from gdnserve.layers.prefill_plan import PREFILL_MODES, LaunchGroup, PrefillPlan, StateCopy
-from gdnserve.ops.varlen import VarlenMeta
+from gdnserve.ops.varlen import VarlenMeta, aligned
 
 
 class PlanError(ValueError):
@@ -98,12 +98,14 @@ class IndexStager:
 
 
 class _Packer:
-    """Collects int vectors on the host; views are resolved after the single upload."""
+    """Collects int vectors on the host, each at a 16-byte aligned offset (ops/varlen.py ALIGN_INTS); views are
+    resolved after the single upload."""
 
     def __init__(self) -> None:
         self.vals: list[int] = []
 
     def add(self, v: Sequence[int]) -> tuple[int, int]:
+        self.vals.extend([0] * (aligned(len(self.vals)) - len(self.vals)))
         start = len(self.vals)
         self.vals.extend(int(x) for x in v)
         return start, len(self.vals)

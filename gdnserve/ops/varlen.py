@@ -21,6 +21,17 @@ from gdnserve.ops.checks import INDEX_DTYPE
 CHUNK = 64  # chunk length of the chunked algorithm and token block of the conv prefill kernel
 
 
+ALIGN_INTS = 4
+"""Packed int32 vectors start on 16-byte boundaries: Triton specialises a kernel on each pointer's 16-byte
+alignment, so views at arbitrary offsets compiled a new variant whenever a step's vector lengths shifted them
+(seen on the H200: 1-5 s compiles inside serving passes)."""
+
+
+def aligned(n: int) -> int:
+    """n rounded up to a multiple of ALIGN_INTS."""
+    return -(-n // ALIGN_INTS) * ALIGN_INTS
+
+
 def num_chunks(length: int) -> int:
     return max(1, -(-length // CHUNK))
 
@@ -61,7 +72,8 @@ class VarlenMeta:
             if pad_chunks_to < offs[-1]:
                 raise ValueError(f"pad_chunks_to={pad_chunks_to} < needed chunk rows {offs[-1]}")
             rows += [-1, -1] * (pad_chunks_to - offs[-1])
-        return cu + offs + rows
+        gap = [0] * (aligned(len(lens) + 1) - len(lens) - 1)   # each of the three vectors starts 16-byte aligned
+        return cu + gap + offs + gap + rows
 
     @staticmethod
     def from_device(vec: torch.Tensor, seqlens: Sequence[int]) -> "VarlenMeta":
@@ -69,11 +81,12 @@ class VarlenMeta:
         lens = tuple(int(x) for x in seqlens)
         n = len(lens)
         nt = sum(num_chunks(L) for L in lens)
-        nrows = (vec.numel() - 2 * n - 2) // 2
+        m = aligned(n + 1)
+        nrows = (vec.numel() - 2 * m) // 2
         return VarlenMeta(
             cu_seqlens=vec[: n + 1],
-            chunk_offsets=vec[n + 1: 2 * n + 2],
-            chunk_indices=vec[2 * n + 2: 2 * n + 2 + 2 * nrows].view(nrows, 2),
+            chunk_offsets=vec[m: m + n + 1],
+            chunk_indices=vec[2 * m: 2 * m + 2 * nrows].view(nrows, 2),
             seqlens=lens,
             num_tokens=sum(lens),
             num_chunks=nt,

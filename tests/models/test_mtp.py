@@ -126,7 +126,9 @@ def test_draft_logits_match_float64_reference(tmp_path, family, mode, backend):
     through the Triton kernels (the interpreter on CPU)."""
     hf = FAMILIES[family](tmp_path)
     add_mtp(tmp_path, seed=2)
-    model, cfg = load_model(tmp_path, dtype=torch.float32)
+    # the Triton case runs the real kernels on a GPU host (the interpreter serves CPU-only machines)
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    model, cfg = load_model(tmp_path, dtype=torch.float32, device=device)
     W, hidden = reference_weights(tmp_path, cfg), _target_hidden(tmp_path)
     k = 3
     runner = ModelRunner(model, RunnerConfig(backend=backend, page_size=8, spec_mode=mode, spec_tokens=k + 1,
