@@ -109,12 +109,12 @@ def _target_hidden(folder):
     return hidden
 
 
-def _check_drafts(runner, b, hidden, W, cfg, hist, nxt, what):
+def _check_drafts(runner, b, hidden, W, cfg, hist, nxt, what, tol=TOL):
     drafts = runner.drafts[b].tolist()
     ref = reference_draft_logits(W, cfg, hidden(hist), hist + [nxt], drafts)
     for j in range(len(drafts)):
         err = rel_rms(runner.mtp.logits[j][b], ref[j])
-        assert err < TOL, f"{what}: draft step {j + 1} rel-RMS {err:.3g}"
+        assert err < tol, f"{what}: draft step {j + 1} rel-RMS {err:.3g}"
     return drafts
 
 
@@ -126,6 +126,13 @@ def test_draft_logits_match_float64_reference(tmp_path, family, mode, backend):
     through the Triton kernels (the interpreter on CPU)."""
     hf = FAMILIES[family](tmp_path)
     add_mtp(tmp_path, seed=2)
+    # The reference's target hidden states come from a separate fp32 prefill, the drafter's from the chunked /
+    # decode / verify path: on a random MoE target the two summation orders differ by up to ~1e-4 (8e-5 on the
+    # CI machine, 1.8e-4 on the H200 host's 16-thread CPU BLAS), so MoE families get 3e-4 (dense keep 1e-4); a
+    # sharper router (x4) keeps top-k away from near-ties.
+    if family != "qwen3_5":
+        _rewrite(tmp_path, lambda sd: [sd[n].mul_(4) for n in list(sd) if n.endswith("mlp.gate.weight")])
+    tol = TOL if family == "qwen3_5" else 3 * TOL
     # the Triton case runs the real kernels on a GPU host (the interpreter serves CPU-only machines)
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     model, cfg = load_model(tmp_path, dtype=torch.float32, device=device)
@@ -144,7 +151,7 @@ def test_draft_logits_match_float64_reference(tmp_path, family, mode, backend):
     nxt = int(torch.randint(0, 97, ()))
     for rnd, keep in enumerate([1, 4, 2, 3, 1]):
         logits = runner.step([], [], verifies=[(seq, [nxt])])
-        drafts = _check_drafts(runner, 0, hidden, W, cfg, hist, nxt, f"round {rnd}")
+        drafts = _check_drafts(runner, 0, hidden, W, cfg, hist, nxt, f"round {rnd}", tol)
         if family == "qwen3_5":            # the hidden the head reads is HF's last_hidden_state (after the norm)
             with torch.no_grad():
                 want = hf.model(torch.tensor([hist])).last_hidden_state[0, -1]
