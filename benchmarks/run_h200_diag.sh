@@ -2,12 +2,7 @@
 # One device call (<= 10 min): serving-pass diagnosis, spec bench (MoE model on the grouped GEMM), MTP GPU
 # tests, bf16/fp32 parity diagnosis. Packed in one tar.  device run: carry [".whl"], command: bash benchmarks/run_h200_diag.sh
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:. || exit 1
-export PYTHONUNBUFFERED=1
-FINAL=${OUT:-/tmp/out}; mkdir -p "$FINAL"
-OUT=/tmp/res5; rm -rf $OUT; mkdir -p $OUT
-pack() { tar -C /tmp -cf "$FINAL/res.tar" res5; }
+source benchmarks/device_env.sh res5
 timeout 100 python3 -m benchmarks.serve_diag > "$OUT/serve_diag.log" 2>&1; echo "serve_diag rc=$?"
 grep "pass" $OUT/serve_diag.log | cut -c1-700
 pack

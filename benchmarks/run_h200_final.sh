@@ -4,12 +4,7 @@
 # budgets. Everything comes back in one tar (at most 8 files return).
 #   device run: carry [".whl"], command: bash benchmarks/run_h200_final.sh
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:. || exit 1
-export PYTHONUNBUFFERED=1
-FINAL=${OUT:-/tmp/out}; mkdir -p "$FINAL"
-OUT=/tmp/res; mkdir -p $OUT
-pack() { tar -C /tmp -cf "$FINAL/res.tar" res; }
+source benchmarks/device_env.sh res
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers as t, fla; print(torch.__version__, triton.__version__, t.__version__, 'fla', fla.__version__)" | tee -a "$OUT/gpu.txt"
 t() { timeout "$2" python3 -m pytest -q -x "${@:3}" "$1" > "$OUT/gpu_tests_$(basename $1 .py).log" 2>&1; echo "$1 rc=$?: $(tail -1 "$OUT/gpu_tests_$(basename $1 .py).log")"; }

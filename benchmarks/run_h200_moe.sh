@@ -2,12 +2,7 @@
 # One device call: GPU tests of the Triton routed experts and of captured MoE steps, then the MoE op
 # benchmark. Results come back packed in one tar.   device run: carry [".whl"], command: bash benchmarks/run_h200_moe.sh
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:. || exit 1
-export PYTHONUNBUFFERED=1
-FINAL=${OUT:-/tmp/out}; mkdir -p "$FINAL"
-OUT=/tmp/res; mkdir -p $OUT
-pack() { tar -C /tmp -cf "$FINAL/res.tar" res; }
+source benchmarks/device_env.sh res
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 t() { timeout "$2" python3 -m pytest -q "${@:3}" "$1" > "$OUT/gpu_tests_$(basename $1 .py).log" 2>&1; echo "$1 rc=$?: $(tail -1 "$OUT/gpu_tests_$(basename $1 .py).log")"; }
 t tests/ops/test_moe_experts.py 150

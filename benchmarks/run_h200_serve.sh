@@ -2,12 +2,7 @@
 # One device call: serving diagnosis (launch-cache growth per step must stop after warm-up), the serving
 # benchmark, the MTP GPU tests. Packed in one tar.  device run: carry [".whl"], command: bash benchmarks/run_h200_serve.sh
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:. || exit 1
-export PYTHONUNBUFFERED=1
-FINAL=${OUT:-/tmp/out}; mkdir -p "$FINAL"
-OUT=/tmp/res6; rm -rf $OUT; mkdir -p $OUT
-pack() { tar -C /tmp -cf "$FINAL/res.tar" res6; }
+source benchmarks/device_env.sh res6
 timeout 90 python3 -m benchmarks.serve_diag --modes fused,two_phase > "$OUT/serve_diag.log" 2>&1; echo "serve_diag rc=$?"
 grep "pass" $OUT/serve_diag.log | cut -c1-400
 pack
