@@ -48,6 +48,7 @@ def sweep(dev: torch.device, tokens: list[int], experts: list[int]) -> None:
     """GPU µs (graph replay, median) of the Triton path per tile config, and of the alignment alone."""
     from gdnserve.ops.moe import grouped_triton as gt
     from gdnserve.ops.moe.align import align_pairs
+    from gdnserve.ops.moe.align_triton import MAX_PAIRS, align_pairs_triton
     configs = [(16, 32, 64, 4, 3), (32, 64, 64, 4, 3), (32, 64, 128, 4, 3), (64, 128, 64, 4, 3),
                (64, 128, 64, 8, 3), (64, 64, 64, 4, 4), (128, 128, 64, 8, 3), (32, 32, 64, 2, 4)]
     for E in experts:
@@ -57,8 +58,12 @@ def sweep(dev: torch.device, tokens: list[int], experts: list[int]) -> None:
             x = torch.randn(T, H, device=dev).bfloat16()
             p, idx = torch.topk(torch.softmax(torch.randn(T, E, device=dev), -1), K, dim=-1)
             w = (p / p.sum(-1, keepdim=True)).bfloat16()
-            al_us = time_call(lambda: align_pairs(idx, E, gt.block_rows(T * K, E)), iters=10, warmup=2)["gpu_us"]["p50"]
-            line = [f"E={E} T={T} align {al_us:.1f} us | default {gt.config(min(T * K, E), H, I)}"]
+            bm = gt.block_rows(T * K, E)
+            al_us = time_call(lambda: align_pairs(idx, E, bm), iters=10, warmup=2)["gpu_us"]["p50"]
+            al_tr = (time_call(lambda: align_pairs_triton(idx, E, bm), iters=10, warmup=2)["gpu_us"]["p50"]
+                     if T * K <= MAX_PAIRS else float("nan"))
+            line = [f"E={E} T={T} align torch {al_us:.1f} us, triton {al_tr:.1f} us | default "
+                    f"{gt.config(min(T * K, E), H, I)}"]
             res = {}
             for c in [None] + configs:
                 gt.CONFIG_OVERRIDE = c

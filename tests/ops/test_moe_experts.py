@@ -97,3 +97,13 @@ def test_layer_backends_agree(device):
     moe.backend = "triton"
     b = moe(x)
     assert rel_rms(b, a) < 2e-5
+
+
+@pytest.mark.parametrize("T,k,E,BM", [(1, 8, 64, 16), (3, 2, 4, 16), (37, 3, 8, 32), (50, 8, 256, 16), (64, 8, 64, 64)])
+def test_triton_alignment_equals_torch(T, k, E, BM, device):
+    from gdnserve.ops.moe.align_triton import align_pairs_triton
+    idx = torch.stack([torch.randperm(E, device=device)[:k] for _ in range(T)])
+    if T > 10:
+        idx[: T // 2, 0] = 1                       # a long run for one expert (a repeat within a row is fine here)
+    a, b = align_pairs(idx, E, BM), align_pairs_triton(idx, E, BM)
+    assert torch.equal(a.rows, b.rows) and torch.equal(a.block_expert, b.block_expert)

@@ -5,6 +5,7 @@ import torch
 
 from gdnserve.ops.backend import Backend, resolve
 from gdnserve.ops.moe.align import align_pairs
+from gdnserve.ops.moe.align_triton import MAX_PAIRS, align_pairs_triton
 from gdnserve.ops.moe.grouped_triton import block_rows, moe_experts_triton
 from gdnserve.ops.moe.torch_path import moe_experts_torch
 
@@ -30,5 +31,6 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     T, k = experts.shape
     if T == 0:
         return torch.zeros_like(x)
-    al = align_pairs(experts, E, block_rows(T * k, E))
+    BM = block_rows(T * k, E)
+    al = align_pairs_triton(experts, E, BM) if T * k <= MAX_PAIRS else align_pairs(experts, E, BM)
     return moe_experts_triton(x, weights.contiguous(), al, w_gate_up.contiguous(), w_down.contiguous(), k)

@@ -92,12 +92,12 @@ CONFIG_OVERRIDE: tuple[int, int, int, int, int] | None = None
 
 def config(num_blocks: int, H: int, I: int) -> tuple[int, int, int, int, int]:
     """Tile widths so that the grid has enough programs to stream the weights: with few row blocks (decode)
-    narrower N tiles, else 64 / 128."""
+    narrower N tiles and K steps of 128, else 64 / 128 and K steps of 64 (H200 sweep: moe_sweep_h200_run4.log)."""
     if CONFIG_OVERRIDE is not None:
         return CONFIG_OVERRIDE
-    bn1 = 64 if num_blocks * cdiv(I, 64) >= 256 else 32
+    few = num_blocks * cdiv(I, 64) < 256                # decode-sized: narrower N tiles, longer K steps
     bn2 = 128 if num_blocks * cdiv(H, 128) >= 256 else 64
-    return bn1, bn2, 64, 4, 3
+    return (32, bn2, 128, 4, 3) if few else (64, bn2, 64, 4, 3)
 
 
 def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, al: Alignment, w_gate_up: torch.Tensor,
