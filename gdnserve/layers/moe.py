@@ -3,9 +3,10 @@ weights, and a dense shared expert scaled by a sigmoid gate.
 
 Rounding follows HF's ``Qwen3NextSparseMoeBlock`` / ``Qwen3_5MoeSparseMoeBlock``: router logits in the
 activation dtype, softmax and the top-k renormalisation in fp32, routing weights cast back to the activation
-dtype. The routed experts are ``ops.moe.moe_experts``: on CPU HF's order of roundings exactly (per-expert
-loop); on CUDA a Triton grouped GEMM with device-side offsets (fp32 accumulation, no host read, so the block
-can be captured in a CUDA graph).
+dtype. The routed experts are ``ops.moe.moe_experts`` on ``self.backend`` (set by the model runner; "auto":
+Triton on CUDA tensors): the PyTorch path keeps HF's order of roundings exactly (per-expert loop, host-read
+counts); the Triton path is a grouped GEMM with device-side offsets (fp32 accumulation, no host read, so the
+block can be captured in a CUDA graph).
 
 Tensor parallel: every expert's intermediate dim is split across ranks (gate and up rows each split, down's
 input columns split), the shared expert likewise (an ``MLP`` without its own reduction); router and shared

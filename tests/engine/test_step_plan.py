@@ -145,3 +145,17 @@ def test_every_device_vector_is_16_byte_aligned(n_consumers):
         for t in tensors:
             if t is not None and t.numel():
                 assert t.data_ptr() % 16 == 0, mode
+
+
+def test_graph_input_views_and_runner_uploads_are_16_byte_aligned():
+    from gdnserve.engine.graph_inputs import StepKind, _layout
+    from gdnserve.engine.model_runner import ModelRunner, RunnerConfig
+    from gdnserve.models.builtin import build_builtin_model
+    for kind in (StepKind(1), StepKind(3, "intermediate"), StepKind(4, "replay")):
+        for Bk in (1, 3, 5, 17):
+            lay, _ = _layout(kind, Bk, 7)
+            assert all(a % 4 == 0 for a, _ in lay.values()), (kind, Bk)
+    r = ModelRunner(build_builtin_model(), RunnerConfig(num_slots=8, num_pages=16))
+    for n in (1, 2, 3, 5):
+        for v in r._upload(*[list(range(n))] * 3):
+            assert v.data_ptr() % 16 == 0 and v.tolist() == list(range(n))

@@ -43,6 +43,14 @@ def test_triton_topk_shapes_and_skew(k, E, device):
     assert rel_rms(moe_experts(x, w, idx, gu, dn, backend="triton"), ref) < TOL[torch.float32]
 
 
+def test_bad_weights_are_refused(device):
+    x, w, idx, gu, dn = case(4, 32, 16, 4, 2, torch.float32, device)
+    with pytest.raises(ValueError, match="dtype"):
+        moe_experts(x, w, idx, gu.double(), dn, backend="triton")
+    with pytest.raises(ValueError, match="contiguous"):
+        moe_experts(x, w, idx, gu.transpose(1, 2).contiguous().transpose(1, 2), dn, backend="triton")
+
+
 def test_triton_strided_input_and_empty(device):
     x, w, idx, gu, dn = case(9, 32, 16, 4, 2, torch.float32, device)
     wide = torch.randn(9, 50, device=device)
@@ -54,7 +62,8 @@ def test_triton_strided_input_and_empty(device):
 
 
 def test_token_independent_of_batch(device):
-    """A token's output is the same bits alone or inside a batch with other tokens (same block size)."""
+    """A token's output is the same bits alone or inside a batch with other tokens of the same batch shape
+    (the tile config follows T*k: batches of another size may round differently)."""
     x, w, idx, gu, dn = case(40, 32, 16, 4, 2, torch.bfloat16, device)
     full = moe_experts(x, w, idx, gu, dn, backend="triton")
     for t in (0, 17, 39):
@@ -99,7 +108,9 @@ def test_layer_backends_agree(device):
     assert rel_rms(b, a) < 2e-5
 
 
-@pytest.mark.parametrize("T,k,E,BM", [(1, 8, 64, 16), (3, 2, 4, 16), (37, 3, 8, 32), (50, 8, 256, 16), (64, 8, 64, 64)])
+@pytest.mark.parametrize("T,k,E,BM", [(1, 8, 64, 16), (3, 2, 4, 16), (37, 3, 8, 32), (50, 8, 256, 16), (64, 8, 64, 64),
+                                      (9, 4, 15, 16), (40, 8, 63, 32), (16, 8, 511, 16), (512, 8, 512, 16),
+                                      (4096, 1, 63, 64)])
 def test_triton_alignment_equals_torch(T, k, E, BM, device):
     from gdnserve.ops.moe.align_triton import align_pairs_triton
     idx = torch.stack([torch.randperm(E, device=device)[:k] for _ in range(T)])

@@ -24,8 +24,13 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     if H != x.shape[1] or w_down.shape != (E, H, I2 // 2):
         raise ValueError(f"moe_experts: w_gate_up {list(w_gate_up.shape)} / w_down {list(w_down.shape)} do not "
                          f"match hidden {x.shape[1]}")
+    if w_gate_up.dtype != x.dtype or w_down.dtype != x.dtype:
+        raise ValueError(f"moe_experts: expert weights ({w_gate_up.dtype}, {w_down.dtype}) must have x's dtype "
+                         f"{x.dtype}")
     if resolve(backend, x) == "torch":
         return moe_experts_torch(x, weights, experts, w_gate_up, w_down)
+    if not (w_gate_up.is_contiguous() and w_down.is_contiguous()):   # never copy every expert on every step
+        raise ValueError("moe_experts: the Triton path needs contiguous expert weights (make them so at load time)")
     if x.stride(1) != 1:
         x = x.contiguous()
     T, k = experts.shape
@@ -33,4 +38,4 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
         return torch.zeros_like(x)
     BM = block_rows(T * k, E)
     al = align_pairs_triton(experts, E, BM) if T * k <= MAX_PAIRS else align_pairs(experts, E, BM)
-    return moe_experts_triton(x, weights.contiguous(), al, w_gate_up.contiguous(), w_down.contiguous(), k)
+    return moe_experts_triton(x, weights.contiguous(), al, w_gate_up, w_down, k)

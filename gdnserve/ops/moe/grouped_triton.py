@@ -4,9 +4,11 @@ rows multiplies the rows' tokens by its expert's weights. Two kernels:
   gate_up:  inter[r, n] = silu(x[tok(r)] . Wg[e, n]) * (x[tok(r)] . Wu[e, n])     r: padded sorted row
   down:     pair_out[pair(r), n] = w(pair) * (inter[r] . Wd[e, n])                 written per pair, no atomics
 
-and the k pair outputs of a token are summed afterwards (fp32 accumulation, one rounding), so every token's
-result depends only on its own row: deterministic, and the same whatever else is in the batch. Matmuls
-accumulate in fp32; the intermediate is rounded to the activation dtype once (HF rounds gate_up too).
+and the k pair outputs of a token are summed afterwards. Matmuls accumulate in fp32; the intermediate and each
+pair output are rounded to the activation dtype, the k-sum accumulates in fp32 and rounds once. A token's
+result does not depend on the other tokens' values (no atomics, rows of a tile are independent), so it is
+deterministic; the tile config (row block BM, K step BK) is chosen from the batch shape T*k and can change its
+rounding, so batches of different sizes may differ in the last bits.
 """
 from __future__ import annotations
 
