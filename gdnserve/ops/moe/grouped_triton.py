@@ -22,6 +22,15 @@ from gdnserve.ops.tl_compat import cast, mma
 
 
 @triton.jit
+def _tile(rows, pid_m, pid_n, N, n_out, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """The row block's padded rows, their pairs (N = padding) and the N / K offsets of this program's tile."""
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    r = tl.load(rows + offs_m)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    return offs_m, r, r < N, offs_n, offs_n < n_out, tl.arange(0, BK)
+
+
+@triton.jit
 def _gate_up_kernel(x, w, rows, block_expert, inter, N, H, I, stride_x,
                     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     PREC: tl.constexpr):
@@ -29,13 +38,8 @@ def _gate_up_kernel(x, w, rows, block_expert, inter, N, H, I, stride_x,
     pid_n = tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e >= 0:
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        r = tl.load(rows + offs_m)
-        valid = r < N
+        offs_m, r, valid, offs_n, n_ok, offs_k = _tile(rows, pid_m, pid_n, N, I, BM, BN, BK)
         tok = (r // TOP_K).to(tl.int64)
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        n_ok = offs_n < I
-        offs_k = tl.arange(0, BK)
         w_e = w + e * (2 * I) * H
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
@@ -60,12 +64,7 @@ def _down_kernel(inter, w, rows, block_expert, pair_w, out, N, H, I,
     pid_n = tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e >= 0:
-        offs_m = pid_m * BM + tl.arange(0, BM)
-        r = tl.load(rows + offs_m)
-        valid = r < N
-        offs_n = pid_n * BN + tl.arange(0, BN)
-        n_ok = offs_n < H
-        offs_k = tl.arange(0, BK)
+        offs_m, r, valid, offs_n, n_ok, offs_k = _tile(rows, pid_m, pid_n, N, H, BM, BN, BK)
         w_e = w + e * H * I
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, I, BK):
