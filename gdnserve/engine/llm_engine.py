@@ -18,6 +18,13 @@ prefix — the next turn of a chat, or a resend that extends an earlier prompt.
 
 A plain prompt longer than the step's token budget is prefilled chunk by chunk over several steps (its GDN
 state and KV carried in its running slot, other requests decoding meanwhile); sampling starts after its last chunk.
+So is a checkpoint producer longer than a step (prefix + continuation): its prefix's chunks run into the reserved
+checkpoint slot (and the checkpoint's KV pages) while the index entry stays PENDING; the step after its last chunk,
+when the checkpoint is READY, the request's samples continue from it. Requests naming the same prefix meanwhile
+wait in the queue (skipped by admission, which goes on with the requests behind them) and are admitted as READY
+hits once it is published; if the producer is aborted or preempted, the PENDING entry is dropped and the first
+waiter becomes the new producer. While chunks continue, admissions stay within the step budget: new requests may
+take up to half of it, the chunks get the rest (at least MIN_CHUNK each).
 
 Under KV-page pressure, READY checkpoints are evicted and then the newest requests preempted (every sample's
 state slot and pages freed) and later recomputed — n > 1 samples forking from the prompt again, each re-prefilling
@@ -37,7 +44,7 @@ import torch
 
 from gdnserve.engine.engine_api import (CandidateScore, CheckpointInfo, CompletionOutput, RequestOutput,
                                         ScoreResult)
-from gdnserve.engine.checkpoint_index import CheckpointIndex
+from gdnserve.engine.checkpoint_index import Checkpoint, CheckpointIndex, CheckpointStatus
 from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig, SeqState
 from gdnserve.engine.page_pool import PageTable
 from gdnserve.engine.sampler import Sampler, SamplingTensors, stop_check, stop_holdback, token_logprobs
@@ -75,6 +82,15 @@ class _Sample:
 
 
 @dataclass(eq=False)
+class _Producer:
+    """A chunked checkpoint producer in flight: the index entry (PENDING while chunks run; READY, with a
+    reference held by the request, between its last chunk and the step its samples continue from it) and the
+    sequence over the entry's slot that carries the prefix's KV pages."""
+    entry: Checkpoint
+    seq: SeqState
+
+
+@dataclass(eq=False)
 class _Request:
     request_id: str
     prompt_ids: list[int]
@@ -85,6 +101,7 @@ class _Request:
     checkpoint: CheckpointInfo = field(default_factory=CheckpointInfo)
     prompt_logprobs: list | None = None
     fed: int = 0                      # prompt tokens scheduled so far (< len(prompt_ids) while chunked)
+    prod: _Producer | None = None     # while its checkpoint prefix is prefilled chunk by chunk (fed <= checkpoint_at)
 
     @property
     def finished(self) -> bool:
@@ -133,6 +150,8 @@ class LLMEngine:
         self.counters["checkpoint_misses"] = {}
         self._pending: list = []                           # (entry, producer seq) published this step
         self._acquired: list = []                          # READY entries read this step
+        self._producing: dict[tuple[int, ...], _Request] = {}   # PENDING prefix -> its chunked producer
+        self._prod_step: list[tuple[_Request, bool]] = []      # chunked producers in this step (last chunk?)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams,
@@ -230,8 +249,16 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def _pages_for_running(self) -> int:
         """KV pages the running requests need this step (decode 1 / verify k+1 tokens, next prefill chunk)."""
-        need = 0
+        need, ps = 0, self.runner.pages.page_size
         for req in self.running:
+            split = req.checkpoint_at
+            if req.prod is not None and req.fed < split:          # the producer's next prefix chunk
+                need += req.prod.seq.pages.pages_needed(min(split - req.fed, max(self.max_step_tokens, MIN_CHUNK)))
+                continue
+            if req.prod is not None:        # the samples continue from the READY prefix: tail page copy + tokens
+                live = sum(s.finish_reason is None for s in req.samples)
+                need += live * (-(-len(req.prompt_ids) // ps) - split // ps)
+                continue
             for s in req.samples:
                 if s.finish_reason is None and s.seq is not None:
                     n = (min(len(req.prompt_ids) - req.fed, max(self.max_step_tokens, MIN_CHUNK))
@@ -248,13 +275,9 @@ class LLMEngine:
             return
         self._evict(len(self.ckpt_pages))
         while self._pages_for_running() > self.runner.pages.num_free and len(self.running) > 1:
-            victim = self.running.pop()
-            for s in victim.samples:
-                if s.seq is not None:
-                    self.runner.free_seq(s.seq)
-                    s.seq = None
-            victim.fed, victim.running = 0, False
-            self.waiting.insert(0, victim)
+            victim = self.running[-1]
+            self._drop_production(victim)
+            self._requeue(victim)
             self.counters["preemptions"] += 1
         # a single running request that still does not fit: nothing left to preempt, the runner will report it
 
@@ -262,10 +285,21 @@ class LLMEngine:
         self._make_room()
         running_pages = self._pages_for_running()       # before this step's chunks advance `fed`
         decodes, dec_owner, verifies, verified = [], [], [], []
-        chunks: list[tuple[_Request, _Sample, int]] = []
+        chunks: list[_Request] = []
+        ready: list[tuple[PrefillItem, tuple[_Request, _Sample]]] = []
         for req in self.running:
-            if req.fed < len(req.prompt_ids):         # a long prompt still being prefilled chunk by chunk
-                chunks.append((req, req.samples[0], req.fed))
+            if req.prod is not None and req.fed == req.checkpoint_at:
+                # its chunked prefix is READY now: the samples continue from it (the held reference is released
+                # after this step, like any READY hit's)
+                entry, tail = req.prod.entry, req.prompt_ids[req.checkpoint_at:]
+                for s in req.samples:
+                    ready.append((PrefillItem(s.seq, list(tail), checkpoint=(entry.slot, self.ckpt_pages[entry.key])),
+                                  (req, s)))
+                self._acquired.append(entry)
+                req.prod, req.fed = None, len(req.prompt_ids)
+                continue
+            if req.fed < len(req.prompt_ids):         # a long prompt (or checkpoint prefix) still being prefilled
+                chunks.append(req)
                 continue
             for s in req.samples:
                 if s.finish_reason is None:
@@ -278,18 +312,30 @@ class LLMEngine:
                     else:
                         decodes.append((s.seq, s.token_ids[-1]))
                         dec_owner.append((req, s))
-        budget = self.max_step_tokens - len(decodes) - len(verifies) * (self.spec_k + 1)
-        cont = []
-        for req, smp, fed in chunks:                  # continue chunked prompts (OWN_SLOT continuation)
-            n = min(len(req.prompt_ids) - fed, max(budget, MIN_CHUNK))
-            req.fed += n
-            budget -= n
-            cont.append((PrefillItem(smp.seq, req.prompt_ids[fed:fed + n]),
-                         (req, smp) if req.fed == len(req.prompt_ids) else None))
-        items, item_owner, temps = self._admit(budget, running_pages)
-        for it, o in cont:                            # appended after _admit's items: producer indices unchanged
+        budget = (self.max_step_tokens - len(decodes) - len(verifies) * (self.spec_k + 1)
+                  - sum(len(it.tokens) for it, _ in ready))
+        # Chunks in progress are guaranteed MIN_CHUNK tokens each (or half the budget); new admissions may use the
+        # rest and must fit in it; the chunks then take whatever the admissions left.
+        rem = [(req.checkpoint_at if req.prod is not None else len(req.prompt_ids)) - req.fed for req in chunks]
+        reserve = min(sum(rem), max(budget // 2, MIN_CHUNK * len(chunks))) if chunks else 0
+        items, item_owner, temps, left = self._admit(budget - reserve, running_pages, busy=bool(chunks or ready))
+        left += reserve
+        for it, o in ready:                           # appended after _admit's items: producer indices unchanged
             items.append(it)
             item_owner.append(o)
+        for req, r in zip(chunks, rem):               # continue chunked prompts (OWN_SLOT continuation)
+            fed = req.fed
+            n = min(r, max(left, MIN_CHUNK))
+            req.fed += n
+            left -= n
+            if req.prod is not None:                  # a checkpoint prefix: into the PENDING checkpoint's slot
+                items.append(PrefillItem(req.prod.seq, req.prompt_ids[fed:fed + n]))
+                item_owner.append(None)
+                self._prod_step.append((req, n == r))
+                continue
+            smp = req.samples[0]
+            items.append(PrefillItem(smp.seq, req.prompt_ids[fed:fed + n]))
+            item_owner.append((req, smp) if req.fed == len(req.prompt_ids) else None)
         if not items and not decodes and not verifies:
             return []
         try:
@@ -321,17 +367,24 @@ class LLMEngine:
             outs.append(self._output(req))
         return outs
 
-    def _admit(self, budget: int, running_pages: int):
+    def _admit(self, budget: int, running_pages: int, busy: bool = False):
+        """Admit waiting requests in arrival order while slots, pages and ``budget`` allow; the first that does
+        not fit stops the pass. A request whose checkpoint prefix is being produced by a chunked producer
+        (PENDING) is skipped — it waits in place for the READY checkpoint — and the pass goes on behind it.
+        ``busy``: the step already has prefill work (chunks in progress), so even the first admission must fit
+        ``budget``. Returns the items, their owners, the step's temporary sequences and the budget left."""
         self._running_pages, self._admitted_pages = running_pages, 0
         items: list[PrefillItem] = []
         owner: list[tuple[_Request, _Sample] | None] = []
         temps: list[SeqState] = []
         producers: dict[tuple[int, ...], int] = {}
         free_slots = self.runner.state.num_free
-        while self.waiting:
-            req = self.waiting[0]
+        ps = self.runner.pages.page_size
+        pos = 0
+        while pos < len(self.waiting):
+            req = self.waiting[pos]
             if any(s.token_ids for s in req.samples):    # a preempted request: recompute its tokens so far
-                cost = self._readmit(req, items, owner, temps, budget, free_slots)
+                cost = self._readmit(req, items, owner, temps, budget, free_slots, busy)
                 if cost is None:
                     break
                 budget -= cost
@@ -345,6 +398,9 @@ class LLMEngine:
             else:
                 split = c if c is not None else (len(ids) - 1 if n > 1 and len(ids) > 1 else None)
             key = tuple(ids[:split]) if split else None
+            if c is not None and key not in producers and key in self._producing:
+                pos += 1                         # its checkpoint is PENDING (a chunked producer): wait for READY
+                continue
             if c is not None and key not in producers:
                 look = self.index.lookup(key)
                 hit = look.entry if look.hit else None
@@ -356,38 +412,59 @@ class LLMEngine:
             cost = (len(ids) if split is None else len(ids) - split) * n + (split if new_producer else 0)
             need = n + (1 if new_producer else 0)
             seqs_now = sum(1 for r in self.running for s in r.samples if s.finish_reason is None)
-            pages = (cost + (n + 1) * self.runner.pages.page_size) // self.runner.pages.page_size + n + 1
+            pages = (cost + (n + 1) * ps) // ps + n + 1
+            if hit is not None:     # consumers of a READY checkpoint: the copied tail page, their tokens, a decode
+                pages = n * (-(-len(ids) // ps) - split // ps + 1)
             if need > free_slots and self._evict(need - free_slots):
                 free_slots = self.runner.state.num_free
             if pages > self._page_room():
                 self._evict(len(self.ckpt_pages))
-            chunk = None
-            if (key is None and n == 1 and req.params.prompt_logprobs is None and cost > max(budget, MIN_CHUNK)
-                    and need <= free_slots):
-                chunk = max(budget, MIN_CHUNK)           # a long plain prompt: prefill its first chunk now
-                cost = chunk
-                pages = chunk // self.runner.pages.page_size + 2
-            if (need > free_slots or seqs_now + n > self.max_num_seqs or (items and cost > budget)
+            chunk = prod_chunk = None
+            if cost > max(budget, MIN_CHUNK) and need <= free_slots and req.params.prompt_logprobs is None:
+                if key is None and n == 1:
+                    chunk = max(budget, MIN_CHUNK)       # a long plain prompt: prefill its first chunk now
+                    cost = chunk
+                    pages = chunk // ps + 2
+                elif new_producer and c is not None and (busy or cost > self.max_step_tokens):
+                    # a checkpoint producer too long for any step (or a step busy with chunks): its prefix runs
+                    # chunk by chunk into the PENDING checkpoint, the samples continue from it once it is READY.
+                    # One that fits a step waits for one instead, to run with its same-pass consumers.
+                    prod_chunk = min(split, max(budget, MIN_CHUNK))
+                    cost = prod_chunk
+                    pages = split // ps + 2      # admitted only when the whole prefix fits: not preempted for it
+            if (need > free_slots or seqs_now + n > self.max_num_seqs or ((items or busy) and cost > budget)
                     or pages > self._page_room()):
                 if hit is not None:
                     self._acquired.remove(hit)
                     self.index.release(hit)
+                    if not self.running and not items and hit.refcount == 0:
+                        # nothing runs that could free room and the checkpoint itself takes it: drop it (with
+                        # every unreferenced checkpoint) and take the request again as a miss, never wait forever
+                        self._evict(len(self.ckpt_pages))
+                        continue
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(pos)
             ckpt_item = None
             if new_producer:
                 if c is not None:       # publish the prefix as a checkpoint: PENDING now, READY after the step
                     entry = self.index.reserve(key)
                     prod = SeqState(entry.slot, PageTable(self.runner.pages))
-                    self._pending.append((entry, prod))
                     req.checkpoint = CheckpointInfo(hit_length=0, miss_reason=miss, published=True)
                     self.counters["checkpoints_published"] += 1
                     self.counters["checkpoint_misses"][miss] = self.counters["checkpoint_misses"].get(miss, 0) + 1
+                    if prod_chunk is not None:       # READY after its last chunk's step (_after_step)
+                        req.prod = _Producer(entry, prod)
+                        self._producing[key] = req
+                        self._prod_step.append((req, prod_chunk == split))
+                    else:
+                        self._pending.append((entry, prod))
                 else:
                     prod = self.runner.new_seq()
                     temps.append(prod)
-                producers[key] = len(items)
-                items.append(PrefillItem(prod, list(key), all_logits=req.params.prompt_logprobs is not None))
+                if prod_chunk is None:
+                    producers[key] = len(items)
+                items.append(PrefillItem(prod, list(key[:prod_chunk]),
+                                         all_logits=req.params.prompt_logprobs is not None))
                 owner.append(None)
             elif hit is not None:                           # acquired above; released after the step
                 ckpt_item = (hit.slot, self.ckpt_pages[hit.key])
@@ -398,12 +475,16 @@ class LLMEngine:
                 self.counters["checkpoint_hits"] += c is not None
             want_all = req.params.prompt_logprobs is not None
             req.fed = len(ids) if chunk is None else chunk
+            if prod_chunk is not None:
+                req.fed = prod_chunk
             for s in req.samples:
                 s.seq = self.runner.new_seq()
                 if chunk is not None:
                     items.append(PrefillItem(s.seq, list(ids[:chunk])))
                     owner.append(None)                  # no token is sampled until the last chunk
                     continue
+                if prod_chunk is not None:
+                    continue                            # the slot waits for the READY prefix
                 if key is None:
                     items.append(PrefillItem(s.seq, list(ids), all_logits=want_all))
                 elif ckpt_item is not None:
@@ -418,14 +499,15 @@ class LLMEngine:
             req.running = True
             self.running.append(req)
             self.counters["prompt_tokens"] += len(ids)
-        return items, owner, temps
+        return items, owner, temps, budget
 
     def _page_room(self) -> int:
         """KV pages new admissions may take this step: free pages minus what the running requests need
         (computed at the start of the admission pass) and what this pass has already promised."""
         return self.runner.pages.num_free - self._running_pages - self._admitted_pages
 
-    def _readmit(self, req: _Request, items, owner, temps, budget: int, free_slots: int) -> int | None:
+    def _readmit(self, req: _Request, items, owner, temps, budget: int, free_slots: int,
+                 busy: bool = False) -> int | None:
         """Recompute a preempted request: every unfinished sample's state after prompt + its output minus the
         last token (whose logits are not needed: the next step decodes that token). Several unfinished samples
         fork as on first admission: a producer prefills the prompt minus its last token once (a temporary, freed
@@ -447,10 +529,10 @@ class LLMEngine:
             free_slots = self.runner.state.num_free
         if pages > self._page_room():
             self._evict(len(self.ckpt_pages))
-        if (need > free_slots or seqs_now + len(live) > self.max_num_seqs or (items and cost > budget)
+        if (need > free_slots or seqs_now + len(live) > self.max_num_seqs or ((items or busy) and cost > budget)
                 or pages > self._page_room()):
             return None
-        self.waiting.pop(0)
+        self.waiting.remove(req)
         producer = -1
         if fork:
             prod = self.runner.new_seq()
@@ -511,6 +593,52 @@ class LLMEngine:
         for entry in self._acquired:
             self.index.release(entry)
         self._pending, self._acquired = [], []
+        prods, self._prod_step = self._prod_step, []
+        for req, last in prods:
+            if not ok:
+                # the PENDING prefix may be half written: drop it and recompute the request from the start
+                # (an aborted request is simply gone); waiters then find no checkpoint and one of them produces it
+                self._drop_production(req)
+                self._requeue(req)
+            elif last:          # the prefix is complete: READY, pinned by the request until its samples read it
+                entry = req.prod.entry
+                self.index.mark_ready(entry)
+                self.index.acquire(entry)
+                self.ckpt_pages[entry.key] = req.prod.seq.pages
+                self._producing.pop(entry.token_ids, None)
+
+    def _drop_production(self, req: _Request) -> None:
+        """Give up a chunked producer's checkpoint (abort, preemption, failed step): a PENDING entry is dropped
+        with its KV pages, so requests waiting for it find no checkpoint and one of them produces it; a READY one
+        stays published, only the request's reference is released."""
+        p, req.prod = req.prod, None
+        if p is None:
+            return
+        if p.entry.status is CheckpointStatus.PENDING:
+            if self._producing.get(p.entry.token_ids) is req:
+                del self._producing[p.entry.token_ids]
+            self.index.abort(p.entry)
+            p.seq.pages.release()
+            # it was never published: undo its admission's counts (its next producer counts them)
+            self.counters["checkpoints_published"] -= 1
+            miss = req.checkpoint.miss_reason
+            if self.counters["checkpoint_misses"].get(miss):
+                self.counters["checkpoint_misses"][miss] -= 1
+            req.checkpoint = CheckpointInfo()
+        elif p.entry.status is CheckpointStatus.READY:
+            self.index.release(p.entry)
+
+    def _requeue(self, req: _Request) -> None:
+        """Back to the front of the queue with nothing allocated (preemption, failed producer step)."""
+        for s in req.samples:
+            if s.seq is not None:
+                self.runner.free_seq(s.seq)
+                s.seq = None
+        req.fed, req.running = 0, False
+        if req in self.running:
+            self.running.remove(req)
+        if req not in self.waiting:
+            self.waiting.insert(0, req)
 
     def _evict(self, n: int) -> bool:
         """Evict up to n unreferenced READY checkpoints (LRU), freeing their state slots and KV pages."""
@@ -628,6 +756,7 @@ class LLMEngine:
         return None
 
     def _retire(self, req: _Request) -> None:
+        self._drop_production(req)
         for s in req.samples:
             if s.seq is not None:
                 self.runner.free_seq(s.seq)

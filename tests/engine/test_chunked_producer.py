@@ -1,0 +1,249 @@
+"""Chunked checkpoint producers: a checkpoint prefix longer than the step budget is prefilled chunk by chunk into
+its PENDING checkpoint; requests naming the same prefix meanwhile wait (without blocking requests behind them) and
+run as READY hits once it is published; an aborted, failed or preempted producer hands the prefix to a waiter, and
+page starvation never leaves a waiter hanging. Greedy outputs equal the same prompts without checkpoints in one
+big-budget run, in every prefill executor."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gdnserve.engine.checkpoint_index import CheckpointStatus
+from gdnserve.engine.sampling_params import SamplingParams
+from gdnserve.entrypoints.llm import LLM
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+TWO = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, n=2)
+QUICK = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+BUDGET = 64
+_rng = random.Random(1234)
+PRE = [_rng.randrange(3, 250) for _ in range(300)]          # the shared prefix: 300 tokens, > 4 step budgets
+C = len(PRE)
+TAILS = {name: [_rng.randrange(3, 250) for _ in range(k)] for name, k in
+         (("p", 7), ("w1", 5), ("w2", 9), ("w3", 3), ("late", 6))}
+SHORT = [_rng.randrange(3, 250) for _ in range(10)]         # an unrelated request
+XS = [[_rng.randrange(3, 250) for _ in range(31)] for _ in range(6)]   # unrelated requests (page pressure)
+EIGHT = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+CHUNKS = [64, 64, 64, 64, 44]                                # the prefix's chunks alone in a 64-token budget
+
+
+def engine(mode: str = "fused", budget: int = BUDGET, num_pages: int = 256):
+    return LLM(device="cpu", max_num_seqs=16, num_pages=num_pages, auto_checkpoints=False, max_step_tokens=budget,
+               prefill_mode=mode).engine
+
+
+@pytest.fixture(scope="module")
+def want():
+    """Greedy tokens of every prompt without a checkpoint, all in one big-budget step (nothing chunked)."""
+    e = engine(budget=4096)
+    ids = {name: e.add_request(name, PRE + t, GREEDY) for name, t in TAILS.items()}
+    ids["short"] = e.add_request("short", SHORT, QUICK)
+    ids["p2"] = e.add_request("p2", PRE + TAILS["p"], TWO)
+    for i, x in enumerate(XS):
+        ids[f"x{i}"] = e.add_request(f"x{i}", x, EIGHT)
+    out = {}
+    while e.has_unfinished():
+        out.update({o.request_id: [c.token_ids for c in o.outputs] for o in e.step() if o.finished})
+    assert out["p2"] == [out["p"][0]] * 2
+    return out
+
+
+class Driver:
+    """Steps an engine, recording per step its prefill tokens and decode/verify rows, each request's first-token
+    step and its final output."""
+
+    def __init__(self, e):
+        self.e, self.steps, self.done, self.first_token = e, [], {}, {}
+        real = e.runner.step
+
+        def spy(prefills, decodes, is_ready=lambda s: False, verifies=()):
+            self.steps.append((sum(len(it.tokens) for it in prefills), len(decodes) + sum(len(v) for _, v in verifies)))
+            return real(prefills, decodes, is_ready=is_ready, verifies=verifies)
+        e.runner.step = spy
+
+    def add(self, name, prompt, params=GREEDY, at=C):
+        return self.e.add_request(name, prompt, params, checkpoint_at=at)
+
+    def step(self):
+        for o in self.e.step():
+            if o.outputs[0].token_ids:
+                self.first_token.setdefault(o.request_id, len(self.steps))
+            if o.finished:
+                self.done[o.request_id] = o
+
+    def pending(self) -> bool:
+        return tuple(PRE) in self.e._producing
+
+    def drain(self):
+        while self.e.has_unfinished():
+            self.step()
+
+    def check_budget(self):
+        for prefill, rows in self.steps:        # a step exceeds the budget by its decode/verify rows at most
+            assert prefill <= BUDGET, self.steps
+
+
+def no_leaks(e):
+    assert e.runner.state.check_integrity() == [] and e.runner.pages.check_integrity() == []
+    assert e.index.check_integrity() == [] and e.index.stats()["entries_pending"] == 0
+    assert not e._producing and not e.waiting and not e.running
+    e._evict(len(e.index))                                   # every READY checkpoint gone: every slot and page free
+    assert len(e.index) == 0 and not e.ckpt_pages
+    assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
+
+
+@pytest.mark.parametrize("mode", ["fused", "two_phase", "two_phase_indexed", "serial"])
+def test_producer_is_chunked_and_waiters_hit_it(want, mode):
+    """P (n=2) and W1 in the first pass, W2 while the prefix is chunked, W3 once it is READY: the prefix runs in
+    ceil(300/64) steps into the PENDING checkpoint, nobody waits on it for more, every output is exact."""
+    d = Driver(engine(mode))
+    e = d.e
+    d.add("p2", PRE + TAILS["p"], TWO)
+    d.add("w1", PRE + TAILS["w1"])
+    d.step()
+    entry = e.running[0].prod.entry
+    assert entry.status is CheckpointStatus.PENDING and d.pending() and [r.request_id for r in e.waiting] == ["w1"]
+    d.add("w2", PRE + TAILS["w2"])
+    for _ in range(len(CHUNKS) - 1):
+        assert d.pending() and entry.status is CheckpointStatus.PENDING
+        d.step()
+    assert entry.status is CheckpointStatus.READY and not d.pending() and entry.refcount == 1   # pinned by P
+    assert [p for p, _ in d.steps] == CHUNKS and not d.first_token      # the prefix alone, chunk by chunk
+    d.add("w3", PRE + TAILS["w3"])
+    d.step()                       # P's samples and every waiter start from the READY checkpoint in one step
+    assert {"p2", "w1", "w2", "w3"} <= d.first_token.keys() and d.steps[-1][0] == 2 * 7 + 5 + 9 + 3
+    d.add("late", PRE + TAILS["late"])
+    d.drain()
+    d.check_budget()
+    assert [c.token_ids for c in d.done["p2"].outputs] == want["p2"]
+    for name in ("w1", "w2", "w3", "late"):
+        assert [c.token_ids for c in d.done[name].outputs] == want[name], name
+        ck = d.done[name].checkpoint
+        assert ck.hit_length == C and ck.miss_reason is None and not ck.published
+    ck = d.done["p2"].checkpoint
+    assert ck.hit_length == 0 and ck.miss_reason == "absent" and ck.published
+    assert e.counters["checkpoints_published"] == 1 and e.counters["checkpoint_hits"] == 4
+    assert e.counters["checkpoint_misses"] == {"absent": 1}
+    assert len(e.index) == 1 and entry.refcount == 0
+    no_leaks(e)
+
+
+def test_waiters_do_not_block_requests_behind_them(want):
+    """An unrelated short request queued behind a waiting consumer is admitted while the prefix is still PENDING,
+    and finishes before the waiter gets a token; the producer's chunks shrink to make room for it."""
+    d = Driver(engine())
+    d.add("p", PRE + TAILS["p"])
+    d.add("w1", PRE + TAILS["w1"])
+    d.add("short", SHORT, QUICK, at=None)
+    d.step()
+    assert [r.request_id for r in d.e.waiting] == ["w1", "short"]       # the first chunk took the whole budget
+    while "short" not in d.done:
+        d.step()
+        assert "w1" not in d.first_token
+    assert d.pending()                                     # done before the producer's prefix is
+    d.drain()
+    d.check_budget()
+    assert d.steps[1][0] == BUDGET                         # short (10) + the prefix's chunk (54) share step 2
+    for name in ("p", "w1", "short"):
+        assert [c.token_ids for c in d.done[name].outputs] == want[name], name
+    assert d.first_token["short"] < d.first_token["p"] and d.first_token["w1"] == d.first_token["p"]
+    no_leaks(d.e)
+
+
+@pytest.mark.parametrize("when", ["chunking", "ready"])
+def test_aborted_producer_hands_the_prefix_to_a_waiter(want, when):
+    """The producer is aborted while waiters wait: mid-chunking the PENDING entry and its pages are dropped and the
+    first waiter produces the prefix again; after its last chunk (READY, pinned by it) only its reference goes.
+    Either way every waiter completes with exact outputs and nothing leaks."""
+    d = Driver(engine())
+    e = d.e
+    d.add("p", PRE + TAILS["p"])
+    d.add("w1", PRE + TAILS["w1"])
+    d.add("w2", PRE + TAILS["w2"])
+    for _ in range(2 if when == "chunking" else len(CHUNKS)):
+        d.step()
+    free_pages = e.runner.pages.num_free
+    e.abort("p")
+    if when == "chunking":
+        assert not d.pending() and len(e.index) == 0 and e.runner.pages.num_free > free_pages
+        assert e.counters["checkpoints_published"] == 0
+    else:
+        assert len(e.index) == 1 and next(iter(e.ckpt_pages.values())).length == C
+    d.drain()
+    d.check_budget()
+    assert "p" not in d.done
+    for name in ("w1", "w2"):
+        assert [c.token_ids for c in d.done[name].outputs] == want[name], name
+    w1, w2 = d.done["w1"].checkpoint, d.done["w2"].checkpoint
+    if when == "chunking":
+        assert w1.published and w1.miss_reason == "absent" and w1.hit_length == 0
+    else:
+        assert not w1.published and w1.hit_length == C
+    assert w2.hit_length == C and not w2.published
+    assert e.counters["checkpoints_published"] == 1
+    no_leaks(e)
+
+
+def test_a_failed_chunk_step_drops_the_pending_prefix(want):
+    """A step that fails while the prefix is chunked drops the PENDING checkpoint (half written) and requeues its
+    producer; the engine goes on and produces the same outputs."""
+    d = Driver(engine())
+    e = d.e
+    d.add("p", PRE + TAILS["p"])
+    d.add("w1", PRE + TAILS["w1"])
+    d.step()
+    real = e.runner.step
+    e.runner.step = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
+    with pytest.raises(RuntimeError, match="injected"):
+        e.step()
+    e.runner.step = real
+    assert not d.pending() and len(e.index) == 0 and [r.request_id for r in e.waiting] == ["p", "w1"]
+    d.drain()
+    for name in ("p", "w1"):
+        assert [c.token_ids for c in d.done[name].outputs] == want[name], name
+    assert d.done["p"].checkpoint.published and d.done["w1"].checkpoint.hit_length == C
+    assert e.counters["checkpoints_published"] == 1
+    no_leaks(e)
+
+
+def test_a_preempted_producer_drops_its_pending_prefix(want):
+    """Six running requests each need a new KV page while the prefix is chunked: the producer (the newest request)
+    is preempted mid-chunking — its PENDING checkpoint and pages dropped, the waiter left waiting — and produces the
+    prefix again once there is room (a chunked producer is admitted only when its whole prefix fits). Outputs are
+    exact and nothing leaks."""
+    d = Driver(engine(budget=256, num_pages=32))          # 16-token pages: the prefix alone takes 19
+    e = d.e
+    for i, x in enumerate(XS):                            # 31 tokens: their second decode starts a third page
+        d.add(f"x{i}", x, EIGHT, at=None)
+    d.step()
+    assert len(e.running) == len(XS)
+    d.add("p", PRE + TAILS["p"])
+    d.add("w1", PRE + TAILS["w1"])
+    dropped = False
+    while e.has_unfinished():
+        was = d.pending()
+        d.step()
+        dropped |= was and not d.pending() and "p" in [r.request_id for r in e.waiting]
+    assert dropped and e.counters["preemptions"] == 1
+    for name in ["p", "w1"] + [f"x{i}" for i in range(len(XS))]:
+        assert [c.token_ids for c in d.done[name].outputs] == want[name], name
+    assert d.done["p"].checkpoint.published and d.done["w1"].checkpoint.hit_length == C
+    assert e.counters["checkpoints_published"] == 1 and e.counters["checkpoint_misses"] == {"absent": 1}
+    no_leaks(e)
+
+
+def test_a_checkpoint_that_leaves_its_consumer_no_room_never_hangs(want):
+    """A page pool that holds the READY prefix but not one more consumer beside it: with nothing else running,
+    the waiter drops the checkpoint and computes the prefix itself (miss_reason "evicted") instead of waiting
+    forever."""
+    d = Driver(engine(num_pages=21))
+    e = d.e
+    d.add("p", PRE + TAILS["p"])
+    d.add("w1", PRE + TAILS["w1"])
+    d.drain()
+    for name in ("p", "w1"):
+        assert [c.token_ids for c in d.done[name].outputs] == want[name], name
+    w1 = d.done["w1"].checkpoint
+    assert w1.published and w1.miss_reason == "evicted" and w1.hit_length == 0
+    no_leaks(e)
