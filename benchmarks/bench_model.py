@@ -65,8 +65,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from benchmarks.bench_ops import resolve_device
-from benchmarks.e2e_report import Report, fmt_pct, model_summary, one_thread_on_cpu, pct, timed
+from benchmarks.e2e_report import Report, fmt_pct, model_summary, pct, run_cli, timed
 from benchmarks.random_model import VOCAB, bench_hf_config, build_hf_model, build_random_model, config_for, ours_from_hf
 from benchmarks.timing import measure_ceilings
 from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
@@ -685,15 +684,9 @@ def run(device: torch.device, quick: bool, out_dir: Path, use_hf: bool, layers: 
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    try:
-        device = resolve_device(args.device)
-    except (ValueError, RuntimeError) as e:
-        print(f"bench model: {e}", file=sys.stderr)
-        return 2
-    with one_thread_on_cpu(device):
-        res = run(device, args.quick, Path(args.out), args.hf, args.layers, args.experts, args.time_budget,
-                  getattr(args, "diagnosis", "on"), getattr(args, "shape", "auto"), getattr(args, "vocab", None))
-    return 1 if res["errors"] else 0
+    return run_cli("model", args.device, lambda device: run(
+        device, args.quick, Path(args.out), args.hf, args.layers, args.experts, args.time_budget,
+        getattr(args, "diagnosis", "on"), getattr(args, "shape", "auto"), getattr(args, "vocab", None)))
 
 
 def add_extra_arguments(p: argparse.ArgumentParser) -> None:

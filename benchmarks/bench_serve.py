@@ -44,8 +44,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_ops import resolve_device
-from benchmarks.e2e_report import Report, model_summary, one_thread_on_cpu, pct
+from benchmarks.e2e_report import Report, model_summary, pct, run_cli
 from benchmarks.random_model import NullTokenizer, build_random_model, config_for
 from gdnserve.engine.llm_engine import LLMEngine
 from gdnserve.engine.model_runner import RunnerConfig
@@ -259,15 +258,8 @@ def run(device: torch.device, quick: bool, out_dir: Path, layers: int | None, ex
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    try:
-        device = resolve_device(args.device)
-    except (ValueError, RuntimeError) as e:
-        print(f"bench serve: {e}", file=sys.stderr)
-        return 2
-    with one_thread_on_cpu(device):
-        res = run(device, args.quick, Path(args.out), args.layers, args.experts, args.groups, args.max_tokens,
-                  args.time_budget)
-    return 1 if res["errors"] else 0
+    return run_cli("serve", args.device, lambda device: run(
+        device, args.quick, Path(args.out), args.layers, args.experts, args.groups, args.max_tokens, args.time_budget))
 
 
 def main(argv: list[str] | None = None) -> int:

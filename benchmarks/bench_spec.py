@@ -40,8 +40,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.bench_ops import resolve_device
-from benchmarks.e2e_report import Report, fmt_pct, model_summary, one_thread_on_cpu, pct, timed
+from benchmarks.e2e_report import Report, fmt_pct, model_summary, pct, run_cli, timed
 from benchmarks.oracle_drafter import RecordedOracleDrafter
 from benchmarks.random_model import NullTokenizer, build_random_model, config_for, make_greedy_chain_
 from gdnserve.engine.llm_engine import LLMEngine
@@ -229,16 +228,10 @@ def run(device: torch.device, quick: bool, out_dir: Path, layers: int | None, ex
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    try:
-        device = resolve_device(args.device)
-        make_plan(device.type == "cuda", args.quick, args.batches, args.ks, args.acceptance)
-    except (ValueError, RuntimeError) as e:
-        print(f"bench spec: {e}", file=sys.stderr)
-        return 2
-    with one_thread_on_cpu(device):
-        res = run(device, args.quick, Path(args.out), args.layers, args.experts, args.batches, args.ks, args.acceptance,
-                  args.time_budget)
-    return 1 if res["errors"] else 0
+    return run_cli("spec", args.device, lambda device: run(
+        device, args.quick, Path(args.out), args.layers, args.experts, args.batches, args.ks, args.acceptance,
+        args.time_budget),
+        validate=lambda device: make_plan(device.type == "cuda", args.quick, args.batches, args.ks, args.acceptance))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,23 @@ def one_thread_on_cpu(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def run_cli(name: str, device_arg: str, run: Callable[[torch.device], dict[str, Any]],
+            validate: Callable[[torch.device], Any] | None = None) -> int:
+    """The ``run_from_args`` of the end-to-end benchmarks: resolve ``--device`` (and ``validate`` the options
+    against it), 2 with a message on bad options; ``run(device)`` with one CPU thread; 1 if it recorded errors."""
+    from benchmarks.bench_ops import resolve_device
+    try:
+        device = resolve_device(device_arg)
+        if validate is not None:
+            validate(device)
+    except (ValueError, RuntimeError) as e:
+        print(f"bench {name}: {e}", file=sys.stderr)
+        return 2
+    with one_thread_on_cpu(device):
+        res = run(device)
+    return 1 if res["errors"] else 0
+
+
 def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     """(result, seconds): perf_counter around ``fn()`` with the device synchronised before and after, so the
     time covers the host work and every kernel of the call."""

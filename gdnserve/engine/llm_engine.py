@@ -411,7 +411,7 @@ class LLMEngine:
             new_producer = key is not None and key not in producers and hit is None
             cost = (len(ids) if split is None else len(ids) - split) * n + (split if new_producer else 0)
             need = n + (1 if new_producer else 0)
-            seqs_now = sum(1 for r in self.running for s in r.samples if s.finish_reason is None)
+            seqs_now = self._live_seqs()
             pages = (cost + (n + 1) * ps) // ps + n + 1
             if hit is not None:     # consumers of a READY checkpoint: the copied tail page, their tokens, a decode
                 pages = n * (-(-len(ids) // ps) - split // ps + 1)
@@ -474,9 +474,7 @@ class LLMEngine:
                 req.checkpoint = CheckpointInfo(hit_length=split)
                 self.counters["checkpoint_hits"] += c is not None
             want_all = req.params.prompt_logprobs is not None
-            req.fed = len(ids) if chunk is None else chunk
-            if prod_chunk is not None:
-                req.fed = prod_chunk
+            req.fed = chunk if chunk is not None else prod_chunk if prod_chunk is not None else len(ids)
             for s in req.samples:
                 s.seq = self.runner.new_seq()
                 if chunk is not None:
@@ -501,6 +499,10 @@ class LLMEngine:
             self.counters["prompt_tokens"] += len(ids)
         return items, owner, temps, budget
 
+    def _live_seqs(self) -> int:
+        """Unfinished samples of the running requests (what ``max_num_seqs`` bounds)."""
+        return sum(1 for r in self.running for s in r.samples if s.finish_reason is None)
+
     def _page_room(self) -> int:
         """KV pages new admissions may take this step: free pages minus what the running requests need
         (computed at the start of the admission pass) and what this pass has already promised."""
@@ -524,7 +526,7 @@ class LLMEngine:
         need = len(live) + fork
         # a tail's pages: its copied partial page, its tokens, the next decode's token
         pages = (len(head) // ps + 1 if fork else 0) + sum(len(t) // ps + 2 for t in tails)
-        seqs_now = sum(1 for r in self.running for s in r.samples if s.finish_reason is None)
+        seqs_now = self._live_seqs()
         if need > free_slots and self._evict(need - free_slots):
             free_slots = self.runner.state.num_free
         if pages > self._page_room():
@@ -628,12 +630,16 @@ class LLMEngine:
         elif p.entry.status is CheckpointStatus.READY:
             self.index.release(p.entry)
 
-    def _requeue(self, req: _Request) -> None:
-        """Back to the front of the queue with nothing allocated (preemption, failed producer step)."""
+    def _free_samples(self, req: _Request) -> None:
+        """Free every sample's state slot and KV pages."""
         for s in req.samples:
             if s.seq is not None:
                 self.runner.free_seq(s.seq)
                 s.seq = None
+
+    def _requeue(self, req: _Request) -> None:
+        """Back to the front of the queue with nothing allocated (preemption, failed producer step)."""
+        self._free_samples(req)
         req.fed, req.running = 0, False
         if req in self.running:
             self.running.remove(req)
@@ -757,10 +763,7 @@ class LLMEngine:
 
     def _retire(self, req: _Request) -> None:
         self._drop_production(req)
-        for s in req.samples:
-            if s.seq is not None:
-                self.runner.free_seq(s.seq)
-                s.seq = None
+        self._free_samples(req)
         if req in self.waiting:
             self.waiting.remove(req)
         if req in self.running:
