@@ -22,17 +22,24 @@ from gdnserve.ops import launch as L
 
 
 def timed_drive(engine, groups, mode, params, tag):
-    steps = []
-    for g, (prefix, cands) in enumerate(groups):
-        for j, suffix in enumerate(cands):
-            engine.add_request(f"{tag}g{g}c{j}", prefix + suffix, params, None if mode == "none" else len(prefix))
-    while engine.has_unfinished():
+    """``bench_serve.drive`` with each engine step timed (device synchronised) and its new launch-cache entries
+    counted: [(ms, new keys)] per step."""
+    steps, step = [], engine.step
+
+    def timed_step():
         n0 = len(L._compiled)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        engine.step()
+        out = step()
         torch.cuda.synchronize()
         steps.append((round((time.perf_counter() - t) * 1e3, 1), len(L._compiled) - n0))
+        return out
+
+    engine.step = timed_step
+    try:
+        bs.drive(engine, groups, mode, params, tag)
+    finally:
+        del engine.step
     return steps
 
 
