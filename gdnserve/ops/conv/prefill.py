@@ -15,6 +15,7 @@ import triton.language as tl
 from gdnserve.ops.backend import Backend, resolve
 from gdnserve.ops.checks import ACT_DTYPES, check_contiguous, check_index, check_tensor
 from gdnserve.ops.launch import cdiv, launch, pow2
+from gdnserve.ops.tl_compat import cast
 from gdnserve.ops.varlen import CHUNK, VarlenMeta
 
 ACTIVATIONS = ("silu", None)
@@ -28,7 +29,9 @@ def conv_load_ext(x, conv_pool, pos, bos, L, hx_end, hlen, hsrc, o_d, mask_d, st
     before those are pool[hsrc] rows shifted by hlen, or zeros when hsrc < 0."""
     m_x = ((pos >= 0) & (pos < L)) | ((pos < 0) & (pos >= -hlen))
     row = tl.where(pos >= 0, bos + pos, hx_end + pos)
-    m_h = (pos < -hlen) & (hsrc >= 0)
+    # `!= 0`: a block predicate combined with a scalar one must stay boolean on every Triton (3.9's
+    # interpreter keeps int32 data for block & scalar, which tl.load refuses as a mask).
+    m_h = ((pos < -hlen) & (hsrc >= 0)) != 0
     p_x = x + row.to(tl.int64)[:, None] * stride_x + o_d[None, :]
     p_h = conv_pool + (hsrc.to(tl.int64) * (W - 1) + (W - 1 + hlen + pos))[:, None] * D + o_d[None, :]
     # One load through a per-row pointer select (both sources are contiguous along d).
@@ -71,7 +74,7 @@ def conv_prefill_kernel(x, weight, conv_pool, y, cu_seqlens, chunk_indices, src_
     if SILU:
         b_acc = b_acc * tl.sigmoid(b_acc)
     p_y = y + (bos + o_t).to(tl.int64)[:, None] * stride_y + o_d[None, :]
-    tl.store(p_y, b_acc.to(y.dtype.element_ty), mask=(o_t < L)[:, None] & mask_d[None, :])
+    tl.store(p_y, cast(b_acc, y.dtype.element_ty), mask=(o_t < L)[:, None] & mask_d[None, :])
 
     # Only the chunk-0 program writes the new history, so a zero-length sequence still copies src -> dst.
     if i_c == 0:

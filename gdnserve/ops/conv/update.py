@@ -19,6 +19,7 @@ from gdnserve.ops.backend import Backend, resolve
 from gdnserve.ops.checks import check_contiguous, check_index, check_tensor
 from gdnserve.ops.conv.prefill import check_conv_common, silu_fp32
 from gdnserve.ops.launch import cdiv, launch, pow2
+from gdnserve.ops.tl_compat import cast
 
 WriteState = Literal["final", "after_pending", "none"]
 WRITE_STATES = {"none": 0, "final": 1, "after_pending": 2}
@@ -65,7 +66,7 @@ def conv_update_kernel(x, weight, conv_pool, y, slots, pending_x, pending_in_row
         p_pin = pending_x + tl.maximum(i_pin, 0).to(tl.int64) * (LP * D) + o_d
         for i in tl.static_range(W - 1):  # shift in pending rows n_a-(W-1)+i that exist
             i_a = n_a - (W - 1) + i
-            b_v = tl.load(p_pin + tl.maximum(i_a, 0) * D, mask=mask_d & (i_a >= 0), other=0.)
+            b_v = tl.load(p_pin + tl.maximum(i_a, 0) * D, mask=(mask_d & (i_a >= 0)) != 0, other=0.)
             b_h1, b_h2, b_h3 = (tl.where(i_a >= 0, b_h2, b_h1), tl.where(i_a >= 0, b_h3, b_h2),
                                 tl.where(i_a >= 0, b_v, b_h3))
 
@@ -96,9 +97,9 @@ def conv_update_kernel(x, weight, conv_pool, y, slots, pending_x, pending_in_row
         b_acc += b_x.to(tl.float32) * b_w4
         if SILU:
             b_acc = b_acc * tl.sigmoid(b_acc)
-        tl.store(y + (i_n * LQ + t).to(tl.int64) * stride_y + o_d, b_acc.to(y.dtype.element_ty), mask=mask_d)
+        tl.store(y + (i_n * LQ + t).to(tl.int64) * stride_y + o_d, cast(b_acc, y.dtype.element_ty), mask=mask_d)
         if HAS_POUT:
-            tl.store(p_pout + t * D, b_x, mask=mask_d & (i_pout >= 0))
+            tl.store(p_pout + t * D, b_x, mask=(mask_d & (i_pout >= 0)) != 0)
         b_h1, b_h2, b_h3 = b_h2, b_h3, b_x
 
     if WRITE == 1:

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from gdnserve.ops.gdn import gates
 from gdnserve.ops.launch import cdiv, launch, pow2
+from gdnserve.ops.tl_compat import cast
 
 # jit'ed code may read globals only as constexpr
 SOFTPLUS_THRESHOLD = tl.constexpr(gates.SOFTPLUS_THRESHOLD)
@@ -92,20 +93,20 @@ def gdn_recurrent_fwd_kernel(
         for t in tl.static_range(LP):
             live = t < n_pend
             i_pt = i_pin.to(tl.int64) * LP + t
-            b_k = tl.load(pk + (i_pt * H + i_h) * K + o_k, mask=mask_k & live, other=0).to(tl.float32)
-            b_v = tl.load(pv + (i_pt * HV + i_hv) * V + o_v, mask=mask_v & live, other=0).to(tl.float32)
+            b_k = tl.load(pk + (i_pt * H + i_h) * K + o_k, mask=(mask_k & live) != 0, other=0).to(tl.float32)
+            b_v = tl.load(pv + (i_pt * HV + i_hv) * V + o_v, mask=(mask_v & live) != 0, other=0).to(tl.float32)
             b_g = _decay(tl.load(pa + i_pt * HV + i_hv, mask=live, other=0).to(tl.float32), b_dt, b_A)
             b_beta = tl.sigmoid(tl.load(pb + i_pt * HV + i_hv, mask=live, other=0).to(tl.float32))
             if live:
                 b_h = _delta_step(b_h, _l2norm(b_k), b_v, b_g, b_beta)
         if WRITE_AFTER_PENDING:
             if n_pend > 0:  # nothing applied: the slot already holds this state bit for bit
-                tl.store(p_h, b_h.to(pool.dtype.element_ty), mask=mask_h)
+                tl.store(p_h, cast(b_h, pool.dtype.element_ty), mask=mask_h)
 
     if HAS_SCRATCH:
         i_srow = tl.load(scratch_rows + i_n).to(tl.int64)
         p_s = scratch + i_srow * (LS * HV * V * K) + o_h
-        mask_s = mask_h & (i_srow >= 0)
+        mask_s = (mask_h & (i_srow >= 0)) != 0
     if PENDING_OUT:
         # raw-input copies: every program writes its own v tile; a/b go to the V-tile-0 program of
         # each value head and the k row (shared by r value heads) to the first head of the group
@@ -123,8 +124,8 @@ def gdn_recurrent_fwd_kernel(
         b_br = tl.load(b + i_t * s_bt + i_hv)
         if PENDING_OUT:
             i_pt = i_pout * LP + t
-            tl.store(pk + (i_pt * H + i_h) * K + o_k, b_kr, mask=mask_k & own_k)
-            tl.store(pv + (i_pt * HV + i_hv) * V + o_v, b_vr, mask=mask_v & own_v)
+            tl.store(pk + (i_pt * H + i_h) * K + o_k, b_kr, mask=(mask_k & own_k) != 0)
+            tl.store(pv + (i_pt * HV + i_hv) * V + o_v, b_vr, mask=(mask_v & own_v) != 0)
             tl.store(pa + i_pt * HV + i_hv, b_ar, mask=own_ab)
             tl.store(pb + i_pt * HV + i_hv, b_br, mask=own_ab)
         b_g = _decay(b_ar.to(tl.float32), b_dt, b_A)
@@ -132,12 +133,12 @@ def gdn_recurrent_fwd_kernel(
         b_h = _delta_step(b_h, _l2norm(b_kr.to(tl.float32)), b_vr.to(tl.float32), b_g, b_beta)
         b_q = _l2norm(b_q.to(tl.float32)) * scale
         b_o = tl.sum(b_h * b_q[None, :], 1)
-        tl.store(p_o + t * s_ot, b_o.to(o.dtype.element_ty), mask=mask_v)
+        tl.store(p_o + t * s_ot, cast(b_o, o.dtype.element_ty), mask=mask_v)
         if HAS_SCRATCH:
-            tl.store(p_s + t * (HV * V * K), b_h.to(scratch.dtype.element_ty), mask=mask_s)
+            tl.store(p_s + t * (HV * V * K), cast(b_h, scratch.dtype.element_ty), mask=mask_s)
 
     if WRITE_FINAL:
-        tl.store(p_h, b_h.to(pool.dtype.element_ty), mask=mask_h)
+        tl.store(p_h, cast(b_h, pool.dtype.element_ty), mask=mask_h)
 
 
 def _tile(B: int, HV: int, K: int, V: int) -> tuple[int, int, int]:
@@ -195,7 +196,7 @@ def gdn_commit_fwd_kernel(pool, scratch, scratch_rows, slots, num_accepted,
     o_x = i_b * BLOCK + tl.arange(0, BLOCK)
     mask = o_x < N
     b_x = tl.load(scratch + (i_row * LS + n_acc - 1) * N + o_x, mask=mask)
-    tl.store(pool + slot * N + o_x, b_x.to(pool.dtype.element_ty), mask=mask)
+    tl.store(pool + slot * N + o_x, cast(b_x, pool.dtype.element_ty), mask=mask)
 
 
 def gdn_commit_fwd(ssm_pool: torch.Tensor, scratch: torch.Tensor, scratch_rows: torch.Tensor,

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The one device script: GPU tests and benchmarks on the H200, in one call of the device tool.
+#
+#   device run: carry [".whl"], command: bash benchmarks/device.sh SUITE[:SECONDS] ...
+#
+# Suites (run in the order given; SECONDS = the suite's budget, a default otherwise):
+#   tests[:s]    every test file in its own process (a CUDA fault stays in its file), 4 at a time;
+#                TESTS="tests/ops tests/layers" narrows it. One summary line per file in gpu_tests.log.
+#   ops[:s]      python -m benchmarks.bench_ops            (kernels vs fla, one run)
+#   grouped[:s]  python -m benchmarks.bench_grouped_prefill (four executors vs fla two-phase)
+#   profile[:s]  python -m benchmarks.profile_kernels       (per-kernel GPU time of the grouped step)
+#   tune[:s]     python -m benchmarks.tune_chunk            (per-stage launch configs)
+#   model[:s] serve[:s] spec[:s] moe[:s]   the end-to-end benchmarks (--time-budget s)
+#
+# .whl/ holds py3.12 wheels of what the device image may lack (fla-core, flash-linear-attention, pytest,
+# hypothesis, fastapi, openai, ...); pip takes from it only what is not installed. Everything a suite writes
+# lands in /tmp/res and comes back as $OUT/res.tar (at most 8 files return from a call); unpack it into
+# benchmarks/results/ (newest result per benchmark; git keeps the history).
+set -u
+cd "$(dirname "$0")/.."
+FINAL=${OUT:-/tmp/out}; mkdir -p "$FINAL"
+OUT=/tmp/res; rm -rf "$OUT"; mkdir -p "$OUT"
+pack() { tar -C /tmp -cf "$FINAL/res.tar" res; }
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --find-links .whl --no-compile --no-cache-dir \
+    fla-core==0.6.0 flash-linear-attention==0.6.0 pytest hypothesis fastapi uvicorn openai httpx \
+    prometheus-client tqdm einops > "$OUT/pip.log" 2>&1 || { echo "wheel install failed:"; tail -5 "$OUT/pip.log"; }
+fi
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+  python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
+  python3 -c "import transformers, fla; print('transformers', transformers.__version__, 'fla', fla.__version__)" 2>&1 | tail -1
+  git rev-parse HEAD 2>/dev/null || true
+} | tee "$OUT/env.txt"
+
+run_tests() {  # budget
+  mkdir -p "$OUT/tests"
+  local files; files=$(find ${TESTS:-tests} -name 'test_*.py' | sort)
+  local per=$(( $1 < 300 ? $1 : 300 ))
+  echo "$files" | xargs -P 4 -I{} bash -c '
+    f={}; log='"$OUT"'/tests/$(echo "$f" | tr / _ | sed "s/.py$//").log
+    timeout '"$per"' python3 -m pytest -q -p no:cacheprovider "$f" > "$log" 2>&1; rc=$?
+    echo "$f rc=$rc: $(tail -1 "$log")"' | sort | tee "$OUT/gpu_tests.log"
+  grep -h "^FAILED\|^ERROR" "$OUT"/tests/*.log | cut -c1-220 | head -40
+}
+bench() {  # module budget [args...]
+  local m=$1 b=$2; shift 2
+  timeout $(( b + 60 )) python3 -m "benchmarks.$m" --out "$OUT" "$@" > "$OUT/$m.log" 2>&1
+  echo "$m rc=$?"; grep -h "^|\|^## Targets\|^Target" "$OUT"/*.md 2>/dev/null | tail -40 | cut -c1-240
+}
+
+for arg in "$@"; do
+  suite=${arg%%:*}; b=${arg#*:}; [ "$b" = "$arg" ] && b=""
+  echo "== $suite ${b:+(budget ${b}s)}"
+  case $suite in
+    tests)   run_tests "${b:-480}" ;;
+    ops)     bench bench_ops "${b:-200}" ;;
+    grouped) bench bench_grouped_prefill "${b:-200}" ;;
+    profile) timeout "${b:-60}" python3 -m benchmarks.profile_kernels > "$OUT/profile.log" 2>&1; grep -A5 "^##" "$OUT/profile.log" | head -60 ;;
+    tune)    timeout "${b:-200}" python3 -m benchmarks.tune_chunk > "$OUT/tune_chunk.log" 2>&1; tail -30 "$OUT/tune_chunk.log" ;;
+    model|serve|spec|moe) bench "bench_$suite" "${b:-120}" --time-budget "${b:-120}" ;;
+    *)       echo "unknown suite $suite" ;;
+  esac
+  pack
+done
