@@ -20,6 +20,17 @@ import pytest  # noqa: E402
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The versions this run used, printed last (also under -q): CI's log says what it tested."""
+    import platform
+
+    import numpy
+    import triton
+    terminalreporter.write_line(
+        f"versions: python {platform.python_version()} | torch {torch.__version__} | triton {triton.__version__} | "
+        f"numpy {numpy.__version__} | device {DEVICE} | TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

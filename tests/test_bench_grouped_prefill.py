@@ -74,3 +74,15 @@ def test_quick_cpu_run_writes_json_and_markdown_with_executors_agreeing(tmp_path
     assert (js[0].with_suffix(".png")).exists() == has_mpl
     err = capsys.readouterr().err
     assert f"{len(res['rows']) * 8}/{len(res['rows']) * 8}" in err   # the progress counter reached the end
+
+
+def test_stager_capacity_fits_every_mode_of_the_h200_workloads():
+    """The staging is sized from the plans themselves (aligned vectors): 4P512x8C64 failed on the H200 with
+    "step needs 904 index ints, staging capacity is 896" under a formula that ignored the alignment."""
+    from gdnserve.engine.step_plan import IndexStager, build_step_plan
+    gp = cli.load_benchmark("bench_grouped_prefill")
+    for wl in (gp.Workload(4, 8, 512, 64), gp.Workload(1, 16, 512, 64), gp.Workload(1, 64, 4096, 256)):
+        cap = gp.stager_capacity(wl, MODES)
+        for mode in MODES:
+            build_step_plan(wl.segments(0), mode, IndexStager(cap, "cpu"))   # raises PlanError if short
+        assert cap >= 904 or wl.label != "4P512x8C64"

@@ -15,15 +15,21 @@ from gdnserve.engine.sampling_params import SamplingParams
 from gdnserve.entrypoints.llm import LLM
 from gdnserve.models.builtin import build_builtin_model
 
+
 S = 16
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 VOCAB = build_builtin_model().cfg.vocab_size
 
 
 def make_runner(graphs: bool, mode: str | None = None, k: int = 0, backend: str = "torch", **kw) -> ModelRunner:
-    """A runner on its own model instance (a runner binds its pools into the model's layers)."""
+    """A runner on its own model instance (a runner binds its pools into the model's layers). The Triton
+    backend runs where its kernels run: on the GPU when there is one (the interpreter is off there), else
+    interpreted on the CPU; the graph-shaped path stays eager (graph_capture=False) on either device."""
+    device = DEVICE if backend == "triton" else torch.device("cpu")
     rc = RunnerConfig(backend=backend, num_slots=S, num_pages=128, page_size=4, spec_mode=mode,
-                      spec_tokens=k + 1 if mode else 0, cuda_graphs=graphs, **kw)
-    return ModelRunner(build_builtin_model(), rc)
+                      spec_tokens=k + 1 if mode else 0, cuda_graphs=graphs,
+                      **({"graph_capture": False} if graphs else {}), **kw)
+    return ModelRunner(build_builtin_model(device=device), rc)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -73,16 +79,16 @@ def check_step(shaped: ModelRunner, ref: ModelRunner, snap: dict, live, ref_live
         s.parity = p                                             # written_rows wants the step's parities
     ref_bufs = state_buffers(ref)
     for name, (t, dim) in state_buffers(shaped).items():
-        rows = torch.tensor(written_rows(name, live, mode))
+        rows = torch.tensor(written_rows(name, live, mode), device=t.device)
         assert same_bits(t.index_select(dim, rows), ref_bufs[name][0].index_select(dim, rows)), name
-        keep = torch.ones(t.shape[dim], dtype=torch.bool)
+        keep = torch.ones(t.shape[dim], dtype=torch.bool, device=t.device)
         keep[rows] = False
         idx = keep.nonzero().squeeze(1)
         assert same_bits(t.index_select(dim, idx), snap[name].index_select(dim, idx)), f"{name}: padding wrote"
     for kv in ("k", "v"):
         got, want = getattr(shaped.pages, f"{kv}_pools").flatten(1, 2), getattr(ref.pages, f"{kv}_pools").flatten(1, 2)
         assert same_bits(got[:, kv_slots(live)], want[:, kv_slots(ref_live)]), kv
-        keep = torch.ones(got.shape[1], dtype=torch.bool)
+        keep = torch.ones(got.shape[1], dtype=torch.bool, device=got.device)
         keep[kv_slots(live)] = False
         assert same_bits(got[:, keep], snap[kv].flatten(1, 2)[:, keep]), f"{kv} cache: padding wrote"
 

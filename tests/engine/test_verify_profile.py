@@ -64,10 +64,16 @@ def counted(e) -> bool:
     return True
 
 
-def index_label(e) -> str | None:
+def input_dtypes(prof) -> dict[int, list[str]]:
+    """Event id -> its inputs' dtypes. ``FunctionEvent.input_dtypes`` exists from torch 2.12 on; on older
+    releases (the H200's 2.11) the dtypes live only on the kineto event of the same correlation id."""
+    return {k.correlation_id(): list(k.dtypes()) for k in prof.profiler.kineto_results.events()}
+
+
+def index_label(e, dtypes: dict[int, list[str]]) -> str | None:
     """A label for an op that creates, converts or copies an integer tensor, else None (0-dim wrapped Python
     scalars are arithmetic, not indices). Copies are labelled with their dtypes and non_blocking flag."""
-    dts, args = e.input_dtypes or [], e.concrete_inputs or []
+    dts, args = dtypes.get(e.id) or [], e.concrete_inputs or []
     if e.name in ALWAYS_INDEX:
         return e.name
     if e.name in CONVERSIONS and e.input_shapes and e.input_shapes[0] and any(d in INT_DTYPES for d in dts[:2]):
@@ -91,8 +97,8 @@ def profile_verify(n_gdn: int, mode: str, graphs: bool) -> tuple[Counter, Counte
         r.step([], [], verifies=[(s, [4, 5, 6]) for s in seqs])
     if graphs:
         assert r.graphs.stats["eager"] == 2                        # both verifies took the graph-shaped path
-    events = prof.events()
-    index = Counter(index_label(e) for e in events if counted(e))
+    events, dtypes = prof.events(), input_dtypes(prof)
+    index = Counter(index_label(e, dtypes) for e in events if counted(e))
     del index[None]
     return index, Counter(e.name for e in events)
 

@@ -10,8 +10,9 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
+
+httpx = pytest.importorskip("httpx")
 
 openai = pytest.importorskip("openai")
 

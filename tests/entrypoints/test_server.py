@@ -17,10 +17,13 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-import httpx
-import openai
 import pytest
-import uvicorn
+
+# test-only dependencies (the [test] extra); a machine without them skips this file with the reason
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
 
 from gdnserve.engine.engine_api import (AsyncEngineClient, CandidateScore, CheckpointInfo, CompletionOutput,
                                         GenerateRequest, RequestOutput, ScoreResult)

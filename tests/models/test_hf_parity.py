@@ -127,20 +127,21 @@ def test_triton_kernel_path_matches_hf(tmp_path, mode):
     """The whole model through the Triton kernels (conv, chunked prefill, decode, paged attention; the
     interpreter on CPU, the real kernels on a GPU): prompt, decode steps and a grouped prefix/suffix step."""
     hf = tiny_qwen35(tmp_path)
-    ours, _ = load_model(tmp_path, dtype=torch.float32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"      # Triton runs on the GPU, else interpreted
+    ours, _ = load_model(tmp_path, dtype=torch.float32, device=device)
     runner = ModelRunner(ours, RunnerConfig(backend="triton", page_size=8, prefill_mode=mode))
     ids = torch.randint(0, 97, (1, 34))
     with torch.no_grad():
         ref = hf(ids).logits[0].float()
     seq = runner.new_seq()
     got = runner.step([PrefillItem(seq, ids[0, :30].tolist())], [])
-    assert rel_rms(got[0], ref[29]) < TOL
+    assert rel_rms(got[0].cpu(), ref[29]) < TOL
     for t in range(30, 34):
         got = runner.step([], [(seq, int(ids[0, t]))])
-        assert rel_rms(got[0], ref[t]) < TOL
+        assert rel_rms(got[0].cpu(), ref[t]) < TOL
     prefix, suffixes = ids[0, :21].tolist(), [ids[0, 21:26].tolist(), ids[0, 5:14].tolist()]
     items = [PrefillItem(runner.new_seq(), prefix)] + [PrefillItem(runner.new_seq(), s, producer=0) for s in suffixes]
     got = runner.step(items, [])
     with torch.no_grad():
         for i, s in enumerate(suffixes):
-            assert rel_rms(got[1 + i], hf(torch.tensor([prefix + s])).logits[0, -1]) < TOL
+            assert rel_rms(got[1 + i].cpu(), hf(torch.tensor([prefix + s])).logits[0, -1]) < TOL
