@@ -12,7 +12,11 @@
 #   tune[:s]     python -m benchmarks.tune_chunk            (per-stage launch configs)
 #   model[:s] serve[:s] spec[:s] moe[:s]   the end-to-end benchmarks (--time-budget s)
 #
-# .whl/ holds py3.12 wheels of what the device image may lack (fla-core, flash-linear-attention, pytest,
+# .whl/ (git-ignored; make it once on the workstation:
+#   P="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
+#   pip download --no-deps $P -d .whl fla-core==0.6.0 flash-linear-attention==0.6.0
+#   pip download $P -d .whl fastapi uvicorn openai httpx pytest hypothesis prometheus-client tqdm einops)
+# holds py3.12 wheels of what the device image may lack (fla-core, flash-linear-attention, pytest,
 # hypothesis, fastapi, openai, ...); pip takes from it only what is not installed. Everything a suite writes
 # lands in /tmp/res and comes back as $OUT/res.tar (at most 8 files return from a call); unpack it into
 # benchmarks/results/ (newest result per benchmark; git keeps the history).
@@ -31,7 +35,6 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
   python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
   python3 -c "import transformers, fla; print('transformers', transformers.__version__, 'fla', fla.__version__)" 2>&1 | tail -1
-  git rev-parse HEAD 2>/dev/null || true
 } | tee "$OUT/env.txt"
 
 run_tests() {  # budget
