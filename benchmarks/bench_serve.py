@@ -16,8 +16,9 @@ tokens + 16 candidates of 64. Each request generates ``--max-tokens`` greedy tok
 
 Modes: ``fused`` and ``two_phase`` — requests carry ``checkpoint_at``, automatic checkpoints on (the
 engine default); ``none`` — no ``checkpoint_at``, automatic checkpoints off: every request prefilled in
-full. ``score`` (RFC and 1P2048 rows, fused engine) — ``engine.score(prefix, candidates)`` once per group,
-the structured API (candidate log-probs, no token generated).
+full. ``score`` (RFC and 1P2048 rows, fused engine) — one score job per group (``engine.add_score(prefix,
+candidates)``, the structured API: candidate log-probs, no token generated), scheduled like every other
+request: the throughput pass submits all groups at once and the engine batches them.
 
 Two passes per mode: **latency** — one group at a time on an idle engine (TTFT without queueing);
 **throughput** — all groups submitted at once, the engine batching them back to back. QPS = requests
@@ -127,16 +128,23 @@ def drive(engine: LLMEngine, groups: list[Group], mode: str, params: SamplingPar
 
 
 def drive_score(engine: LLMEngine, groups: list[Group]) -> dict[str, Any]:
-    """``engine.score(prefix, candidates)`` per group, back to back; 'TTFT' = the call's latency."""
-    lat = []
+    """One score job per group, all submitted now and scheduled together (like the other modes' requests);
+    'TTFT' = each job's latency from submission to its result."""
     t0 = time.perf_counter()
+    t_sub, lat = {}, {}
     for prefix, cands in groups:
-        t = time.perf_counter()
-        res = engine.score(prefix, cands)
-        float(res.candidates[-1].sum_logprob)
-        lat.append(time.perf_counter() - t)
+        rid = engine.add_score(prefix, cands)
+        t_sub[rid] = time.perf_counter()
+    steps = 0
+    while len(lat) < len(t_sub):
+        engine.step()
+        steps += 1
+        now = time.perf_counter()
+        for rid in t_sub:
+            if rid not in lat and engine.take_score(rid) is not None:
+                lat[rid] = now - t_sub[rid]
     n = sum(len(c) for _, c in groups)
-    return {"wall_s": time.perf_counter() - t0, "ttft_s": lat, "first": {}, "hits": n, "steps": len(groups)}
+    return {"wall_s": time.perf_counter() - t0, "ttft_s": list(lat.values()), "first": {}, "hits": n, "steps": steps}
 
 
 def _row(wl: Workload, mode: str, pass_: str, groups: list[Group], r: dict[str, Any],

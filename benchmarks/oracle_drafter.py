@@ -16,7 +16,7 @@ import hashlib
 import math
 from typing import Sequence
 
-from gdnserve.engine.spec.ngram import Drafter
+from gdnserve.speculative.ngram import Drafter
 
 
 class RecordedOracleDrafter(Drafter):

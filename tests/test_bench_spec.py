@@ -24,7 +24,7 @@ def test_bad_k_is_a_usage_error(tmp_path, capsys):
 
 def test_oracle_drafter_accepts_rate_times_k_on_average():
     od = cli.load_benchmark("oracle_drafter")
-    from gdnserve.engine.spec.acceptance import greedy_accept
+    from gdnserve.speculative.acceptance import greedy_accept
     import torch
     prompt = [5, 6, 7]
     future = prompt + list(range(10, 410))

@@ -1,15 +1,22 @@
-"""The engine as the server sees it (``engine_api.AsyncEngineClient``): the synchronous LLMEngine steps
-on one worker thread; requests are added and aborted under a lock from the event loop, and each
-request's outputs are handed to its own asyncio queue with ``call_soon_threadsafe``. A failing step
-fails the requests that were in it, never the process."""
+"""The engine as the server sees it (``engine_api.AsyncEngineClient``). The synchronous LLMEngine runs on its
+own thread behind a command queue: the event loop only validates (pure functions of the frozen config),
+enqueues and awaits. Nothing on the event loop takes an engine lock or waits for a step: ``generate``,
+``abort`` and ``score`` post commands, ``stats`` reads the snapshot the engine thread publishes after every
+step. Outputs go to each request's own asyncio queue (score results to a future) with
+``call_soon_threadsafe``. A request the engine fails (its step raised and it was isolated as the cause) gets
+the error; every other request continues."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import queue
 import threading
 from typing import Any, AsyncIterator
 
 from gdnserve.engine.engine_api import GenerateRequest, RequestOutput, ScoreResult
 from gdnserve.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
 
 
 class AsyncEngine:
@@ -18,70 +25,106 @@ class AsyncEngine:
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
-        self._lock = threading.Lock()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._stats: dict[str, Any] = engine.stats()
         self._thread = threading.Thread(target=self._run, name="gdnserve-engine", daemon=True)
         self._thread.start()
+
+    # ------------------------------------------------------------------ the event loop's side
+    def _post(self, cmd: tuple) -> None:
+        self._inbox.put(cmd)
+        self._wake.set()
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        with self._lock:                         # raises ValueError for bad input: the server answers 400
-            rid = self.engine.add_request(req.request_id, req.prompt, req.params, req.checkpoint_at)
-            self._queues[rid] = (loop, q)
-        self._wake.set()
+        # raises ValueError for bad input (the server answers 400); reads only the frozen config
+        job = self.engine.make_request(req.request_id, req.prompt, req.params, req.checkpoint_at)
+        rid = job.request_id
+        if rid in self._streams:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        self._streams[rid] = (loop, q)
+        self._post(("submit", job))
         finished = False
         try:
             while not finished:
                 out = await q.get()
                 if isinstance(out, BaseException):
+                    finished = True
                     raise out
                 finished = out.finished
                 yield out
         finally:
-            self._queues.pop(rid, None)
+            self._streams.pop(rid, None)
             if not finished:                     # the client went away or the consumer stopped early
-                with self._lock:
-                    self.engine.abort(rid)
+                self._post(("abort", rid))
 
     async def abort(self, request_id: str) -> None:
-        with self._lock:
-            self.engine.abort(request_id)
+        self._post(("abort", request_id))
 
     async def score(self, prefix, candidates, label_token_ids=None) -> ScoreResult:
-        def run() -> ScoreResult:
-            with self._lock:                     # between two engine steps
-                return self.engine.score(prefix, candidates, label_token_ids)
-        return await asyncio.to_thread(run)
+        loop = asyncio.get_running_loop()
+        job = self.engine.make_score(None, prefix, candidates, label_token_ids)    # ValueError: 400
+        fut = loop.create_future()
+        self._futures[job.request_id] = (loop, fut)
+        self._post(("submit", job))
+        try:
+            return await fut
+        finally:
+            if self._futures.pop(job.request_id, None) is not None and not fut.done():
+                self._post(("abort", job.request_id))
 
     def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return self.engine.stats()
+        """The snapshot published after the engine's last step (no lock, no wait)."""
+        return dict(self._stats)
 
+    # ------------------------------------------------------------------ the engine thread
     def _deliver(self, rid: str, item: Any) -> None:
-        target = self._queues.get(rid)
+        target = self._streams.get(rid)
         if target is not None:
             loop, q = target
             loop.call_soon_threadsafe(q.put_nowait, item)
+            return
+        fut = self._futures.get(rid)
+        if fut is not None:
+            loop, f = fut
+            setter = f.set_exception if isinstance(item, BaseException) else f.set_result
+            loop.call_soon_threadsafe(lambda: None if f.done() else setter(item))
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                cmd, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if cmd == "submit":
+                try:
+                    self.engine.submit(arg)
+                except ValueError as e:
+                    self._deliver(arg.request_id, e)
+            else:
+                self.engine.abort(arg)
 
     def _run(self) -> None:
+        e = self.engine
         while True:
-            self._wake.wait()
-            with self._lock:
-                if not self.engine.has_unfinished():
-                    self._wake.clear()
-                    continue
-                in_step = [r.request_id for r in self.engine.running] + [r.request_id for r in self.engine.waiting]
-                try:
-                    outs = self.engine.step()
-                    err = None
-                except Exception as e:           # noqa: BLE001  one bad step fails its requests only
-                    outs, err = [], e
-                    for rid in in_step:
-                        self.engine.abort(rid)
-            if err is not None:
-                for rid in in_step:
-                    self._deliver(rid, RuntimeError(f"engine step failed: {err!r}"))
+            self._wake.clear()
+            self._drain()
+            if not e.has_unfinished():
+                self._stats = e.stats()
+                self._wake.wait()
+                continue
+            try:
+                outs = e.step()
+            except Exception as err:             # noqa: BLE001  rolled back; the culprit is isolated next
+                logger.warning("engine step failed (isolating the request that causes it): %r", err)
+                outs = []
             for out in outs:
-                self._deliver(out.request_id, out)
+                self._deliver(out.request_id, RuntimeError(f"request failed in the engine: {out.error}")
+                              if out.error else out)
+            for rid in list(e.scores):
+                self._deliver(rid, e.take_score(rid))
+            self._stats = e.stats()

@@ -101,6 +101,11 @@ class StepGraphs:
         kind, Bk = key
         return self.inputs.views(kind, Bk)["ids"][:B * kind.L].view(B, kind.L)[:, 1:].long()
 
+    def verify_slots(self, key: Key, B: int) -> torch.Tensor:
+        """[B] int32 slots of the verify step just run (its static input: the commit reads it, no upload)."""
+        kind, Bk = key
+        return self.inputs.views(kind, Bk)["slots"][:B]
+
     def _forward(self, key: Key) -> torch.Tensor:
         """The captured region: static views in, final-normed hidden states [Bk*L, hidden] out."""
         kind, Bk = key

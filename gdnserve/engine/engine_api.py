@@ -68,6 +68,7 @@ class RequestOutput:
     finished: bool = False
     checkpoint: CheckpointInfo = field(default_factory=CheckpointInfo)
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # only with SamplingParams.prompt_logprobs
+    error: str | None = None    # set when the engine failed this request alone (finish_reason "abort")
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,8 +11,9 @@ import torch
 
 from gdnserve.engine.cuda_graphs import build_step_graphs
 from gdnserve.engine.page_pool import PagePool, PagePoolConfig, PageTable
-from gdnserve.engine.spec.mtp import MTPDrafter, MTPStepIndex
+from gdnserve.speculative.mtp import MTPDrafter, MTPStepIndex
 from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
+from gdnserve.engine.step_inputs import DeviceInputs, StepInputs
 from gdnserve.engine.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan, segment_phases
 from gdnserve.layers.forward_context import AttnMeta, ForwardContext, VerifyMeta, forward_context
 from gdnserve.layers.moe import SparseMoE
@@ -58,32 +59,54 @@ class RunnerConfig:
     max_model_len: int = 4096        # sets the graphs' page-table width; longer sequences step eagerly
 
 
+def pool_shapes(model, rc: RunnerConfig) -> tuple[StatePoolConfig, PagePoolConfig]:
+    """The state and KV page pools a model needs under ``rc`` (per rank: this rank's GDN value/key heads and
+    attention KV heads; the MTP head's KV cache is one more page-pool layer after the target's)."""
+    cfg = model.cfg
+    w = model.embed_tokens.weight
+    gdn, attn = model.gdn_layers(), model.attention_layers()
+    g, a = cfg.gdn, cfg.attn
+    tp = getattr(model, "tp_size", 1)
+    H, HV, KVH = g.num_k_heads // tp, g.num_v_heads // tp, a.num_kv_heads // tp
+    if rc.spec_draft not in ("ngram", "mtp"):
+        raise ValueError(f"spec_draft must be 'ngram' or 'mtp', got {rc.spec_draft!r}")
+    use_mtp = rc.spec_mode is not None and rc.spec_draft == "mtp"
+    if use_mtp and getattr(model, "mtp", None) is None:    # fail before any pool is allocated
+        raise ValueError(f"spec_draft='mtp': this model has no MTP head: {getattr(model, 'mtp_unavailable', '')}")
+    state = StatePoolConfig(num_layers=max(1, len(gdn)), num_slots=rc.num_slots, HV=HV, K=g.head_k_dim,
+                            V=g.head_v_dim, conv_dim=2 * H * g.head_k_dim + HV * g.head_v_dim,
+                            conv_width=g.conv_kernel, ssm_dtype=torch.float32, conv_dtype=w.dtype, device=w.device)
+    pages = PagePoolConfig(num_layers=max(1, len(attn)) + use_mtp, num_pages=rc.num_pages, page_size=rc.page_size,
+                           num_kv_heads=KVH, head_dim=a.head_dim, dtype=w.dtype, device=w.device)
+    return state, pages
+
+
+def build_pools(model, rc: RunnerConfig) -> tuple[StatePool, PagePool]:
+    """Allocate the pools (the scheduler side owns them; the runner binds their tensors into the layers)."""
+    sc, pc = pool_shapes(model, rc)
+    return StatePool(sc), PagePool(pc)
+
+
 class ModelRunner:
-    def __init__(self, model, rc: RunnerConfig | None = None):
+    def __init__(self, model, rc: RunnerConfig | None = None, pools: tuple[StatePool, PagePool] | None = None):
+        """``pools``: the (state, pages) pools to bind, allocated by the caller (``build_pools``); built here
+        when None (a runner on its own, as in the kernel-level tests)."""
         rc = rc or RunnerConfig()
         self.model, self.rc = model, rc
         cfg = model.cfg
         w = model.embed_tokens.weight
         self.device, self.dtype = w.device, w.dtype
         gdn, attn = model.gdn_layers(), model.attention_layers()
-        g, a = cfg.gdn, cfg.attn
+        g = cfg.gdn
         tp = getattr(model, "tp_size", 1)
-        # Pools are per rank: they hold this rank's (local) GDN value/key heads and attention KV heads.
-        H, HV, KVH = g.num_k_heads // tp, g.num_v_heads // tp, a.num_kv_heads // tp
-        self.state = StatePool(StatePoolConfig(
-            num_layers=max(1, len(gdn)), num_slots=rc.num_slots, HV=HV, K=g.head_k_dim, V=g.head_v_dim,
-            conv_dim=2 * H * g.head_k_dim + HV * g.head_v_dim, conv_width=g.conv_kernel,
-            ssm_dtype=torch.float32, conv_dtype=self.dtype, device=self.device))
-        if rc.spec_draft not in ("ngram", "mtp"):
-            raise ValueError(f"spec_draft must be 'ngram' or 'mtp', got {rc.spec_draft!r}")
+        H, HV = g.num_k_heads // tp, g.num_v_heads // tp
+        sc, pc = pool_shapes(model, rc)
+        self.state, self.pages = pools if pools is not None else (StatePool(sc), PagePool(pc))
+        if self.state.config != sc or self.pages.config != pc:
+            raise ValueError(f"pools: shapes {self.state.config}, {self.pages.config} do not match the model's "
+                             f"{sc}, {pc}")
         use_mtp = rc.spec_mode is not None and rc.spec_draft == "mtp"
-        if use_mtp and getattr(model, "mtp", None) is None:    # fail before any pool is allocated
-            raise ValueError(f"spec_draft='mtp': this model has no MTP head: {getattr(model, 'mtp_unavailable', '')}")
-        # the MTP head's KV cache is one more layer of the page pool (after the target's attention layers)
         n_attn = max(1, len(attn))
-        self.pages = PagePool(PagePoolConfig(num_layers=n_attn + use_mtp, num_pages=rc.num_pages,
-                                             page_size=rc.page_size, num_kv_heads=KVH, head_dim=a.head_dim,
-                                             dtype=self.dtype, device=self.device))
         for i, layer in enumerate(gdn):
             layer.bind_state(self.state.conv(i), self.state.ssm(i))
             layer.backend = rc.backend
@@ -101,6 +124,7 @@ class ModelRunner:
         if self.mtp is not None:
             self.mtp.head.attention.backend = rc.backend
         self.drafts: torch.Tensor | None = None      # [B, k] int64: the last verify step's drafts, on the device
+        self.verify_slots: torch.Tensor | None = None   # [B] int32: the last verify step's slots (its upload)
         self.graphs = build_step_graphs(model, rc, self.device)
 
     def capture_graphs(self) -> None:
@@ -147,20 +171,25 @@ class ModelRunner:
             s.pending = 0
 
     @torch.inference_mode()
-    def accept(self, verified: list[tuple[SeqState, int]]) -> None:
+    def accept(self, verified: list[tuple[SeqState, int]], counts: torch.Tensor | None = None) -> None:
         """After a verify step: sequence n keeps the first ``a_n`` of its L verify tokens (the last accepted
         token plus a_n - 1 drafts). KV of rejected positions is left to be overwritten; GDN state is committed
-        (intermediate: copy the scratch row, fold conv inputs) or left pending for the next verify (replay)."""
+        (intermediate: copy the scratch row, fold conv inputs) or left pending for the next verify (replay).
+        ``counts``: the same a_n on the device (acceptance's own tensor); the commit then reads them and the
+        verify step's own slot vector, uploading nothing."""
         if not verified:
             return
         for seq, a in verified:
             seq.length -= self.rc.spec_tokens - a
             seq.pages.length = seq.length
         if self.mtp is not None or self.rc.spec_mode == "intermediate":
-            # one upload: slots, accepted counts, and the row of the last accepted token (the MTP head's hidden)
             L = self.rc.spec_tokens
-            slots, num, rows = self._upload([s.slot for s, _ in verified], [a for _, a in verified],
-                                            [b * L + a - 1 for b, (_, a) in enumerate(verified)])
+            if counts is not None and self.verify_slots is not None and len(self.verify_slots) == len(verified):
+                slots, num = self.verify_slots, counts.to(torch.int32)
+                rows = torch.arange(0, len(verified) * L, L, device=counts.device, dtype=torch.int32) + num - 1
+            else:   # one upload: slots, accepted counts, the row of the last accepted token (the MTP head's hidden)
+                slots, num, rows = self._upload([s.slot for s, _ in verified], [a for _, a in verified],
+                                                [b * L + a - 1 for b, (_, a) in enumerate(verified)])
             if self.mtp is not None:
                 self.mtp.accept(slots.long(), rows.long())
         if self.rc.spec_mode == "intermediate":
@@ -204,142 +233,125 @@ class ModelRunner:
                 logits = self.graphs.run(key, list(verifies or decodes))
                 if verifies:
                     self.drafts = self.graphs.drafts(key, len(verifies))
+                    self.verify_slots = self.graphs.verify_slots(key, len(verifies))
                 return logits
             self.graphs.stats["fallback"] += 1
+        segs = self._segments(prefills)
+        host = StepInputs()
+        mtp = MTPStepIndex() if self.mtp is not None else None    # the MTP head's vectors (speculative/mtp.py)
+        self._lay_prefills(prefills, segs, host, mtp)
+        self._lay_decodes(decodes, verifies, host, mtp)
+        plan = build_step_plan(segs, self.rc.prefill_mode, self.stager, decode_slots=[s.slot for s, _ in decodes],
+                               extra=host.vectors(), is_ready=is_ready)
+        x = DeviceInputs.from_views(plan.extra, host)
+        L = self.rc.spec_tokens
+        max_q = max([len(it.tokens) for it in prefills] + [1] * bool(decodes) + [L] * bool(verifies), default=0)
+        attn = AttnMeta(x.cu, x.kv, x.table, x.slots.long(), x.tok.long() if x.tok is not None else None,
+                        max_q_len=max_q)
+        vmeta = VerifyMeta(self.rc.spec_mode, L, x.v_slots, x.v_out, x.v_in, x.v_num) if verifies else None
+        ctx = ForwardContext(x.pos.long(), host.num_prefill, plan.prefill, plan.decode_slots, attn, vmeta)
+        ids_dev = x.ids.long()
+        if verifies:
+            B, v0 = len(verifies), host.v_start
+            self.drafts = ids_dev[v0:].view(B, L)[:, 1:]
+            self.verify_slots = x.v_slots
+            if mtp is not None:                  # k MTP steps; their drafts go into the verify rows
+                meta = mtp.draft_meta(x.mtp, B, L - 1, attn.page_table[len(host.tables) - B:])
+                self.drafts.copy_(self.mtp.draft(ids_dev[v0::L], meta))
+        with forward_context(ctx):
+            if mtp is None:
+                return self.model(ids_dev, x.rows.long())
+            logits, hidden = self.model(ids_dev, x.rows.long(), return_hidden=True)
+        self.mtp.feed(hidden, ids_dev, ctx.positions, attn, mtp.feed_meta(x.mtp, host.v_start))
+        return logits
+
+    @staticmethod
+    def _segments(prefills: list[PrefillItem]) -> list[PrefillSegment]:
+        """Each prefill item's state source: a same-step producer, a READY checkpoint, its own slot, zeros."""
         segs = []
         for i, it in enumerate(prefills):
             if not it.tokens:
                 raise ValueError(f"prefill {i}: no tokens")
             if (it.producer >= 0 or it.checkpoint is not None) and it.seq.length != 0:
                 raise ValueError(f"prefill {i}: a consumer of a producer or checkpoint must be a fresh sequence")
+            n, dst = len(it.tokens), it.seq.slot
             if it.producer >= 0:
-                segs.append(PrefillSegment(len(it.tokens), InitFrom.PRODUCER, it.seq.slot, producer=it.producer))
+                segs.append(PrefillSegment(n, InitFrom.PRODUCER, dst, producer=it.producer))
             elif it.checkpoint is not None:
-                segs.append(PrefillSegment(len(it.tokens), InitFrom.CHECKPOINT, it.seq.slot,
-                                           init_slot=it.checkpoint[0]))
+                segs.append(PrefillSegment(n, InitFrom.CHECKPOINT, dst, init_slot=it.checkpoint[0]))
             elif it.seq.length > 0:
-                segs.append(PrefillSegment(len(it.tokens), InitFrom.OWN_SLOT, it.seq.slot, init_slot=it.seq.slot))
+                segs.append(PrefillSegment(n, InitFrom.OWN_SLOT, dst, init_slot=dst))
             else:
-                segs.append(PrefillSegment(len(it.tokens), InitFrom.ZEROS, it.seq.slot))
+                segs.append(PrefillSegment(n, InitFrom.ZEROS, dst))
+        return segs
+
+    def _fork(self, prefills: list[PrefillItem], it: PrefillItem, host: StepInputs, start_row: dict) -> None:
+        """A consumer's page table: the producer's (same step) or READY checkpoint's full pages shared, the
+        partial tail page private. Positions stored in earlier steps are copied now (they are final); the
+        producer's positions of this step are written into both pages by one store_kv (duplicated rows)."""
+        if it.producer >= 0:
+            prod = prefills[it.producer].seq
+            child, cow = prod.pages.fork(prod.length)
+            it.seq.pages, it.seq.length = child, prod.length
+            if cow is None:
+                return
+            p_before = prod.length - len(prefills[it.producer].tokens)
+            if p_before > cow.first_position:
+                self.pages.copy_pages([cow.src_page], [cow.dst_page])
+            for o, (_, dst) in enumerate(cow.slot_pairs()):
+                p = cow.first_position + o
+                if p >= p_before:
+                    host.dup_rows.append(start_row[it.producer] + p - p_before)
+                    host.dup_slots.append(dst)
+        elif it.checkpoint is not None:
+            child, cow = it.checkpoint[1].fork(it.checkpoint[1].length)
+            if cow is not None:
+                self.pages.copy_pages([cow.src_page], [cow.dst_page])
+            it.seq.pages, it.seq.length = child, it.checkpoint[1].length
+
+    def _lay_prefills(self, prefills: list[PrefillItem], segs: list[PrefillSegment], host: StepInputs,
+                      mtp: MTPStepIndex | None) -> None:
+        """Prefill tokens in the plan's order (producers first, every executor's layout); logits rows."""
         phase1, phase2 = segment_phases(segs)
-        order = phase1 + phase2                       # the token layout every executor expects
-        ids: list[int] = []
-        pos: list[int] = []
-        slot_map: list[int] = []
-        dup_rows: list[int] = []
-        dup_slots: list[int] = []
-        cu, kv_lens, tables = [0], [], []
-        last_row: dict[int, int] = {}
         start_row: dict[int, int] = {}
-        mtp = MTPStepIndex() if self.mtp is not None else None    # the MTP head's vectors (engine/spec/mtp.py)
-        for i in order:
+        last_row: dict[int, int] = {}
+        for i in phase1 + phase2:
             it = prefills[i]
-            seq, n = it.seq, len(it.tokens)
-            if it.producer >= 0:
-                prod = prefills[it.producer].seq
-                child, cow = prod.pages.fork(prod.length)
-                seq.pages, seq.length = child, prod.length
-                if cow is not None:
-                    # The consumer's private copy of the prefix's partial tail page: positions stored in earlier
-                    # steps are copied now (they are final); the producer's positions of this step are written
-                    # into both pages by one store_kv (duplicated slot_mapping rows).
-                    p_before = prod.length - len(prefills[it.producer].tokens)
-                    if p_before > cow.first_position:
-                        self.pages.copy_pages([cow.src_page], [cow.dst_page])
-                    for o, (_, dst) in enumerate(cow.slot_pairs()):
-                        p = cow.first_position + o
-                        if p >= p_before:
-                            dup_rows.append(start_row[it.producer] + p - p_before)
-                            dup_slots.append(dst)
-            if it.checkpoint is not None:
-                # a READY checkpoint's pages are final: share its full pages, copy its partial tail page now
-                child, cow = it.checkpoint[1].fork(it.checkpoint[1].length)
-                if cow is not None:
-                    self.pages.copy_pages([cow.src_page], [cow.dst_page])
-                seq.pages, seq.length = child, it.checkpoint[1].length
-            row0 = len(ids)
+            self._fork(prefills, it, host, start_row)
+            row0, n, seq = len(host.ids), len(it.tokens), it.seq
             start_row[i] = row0
-            p0 = seq.length
             if mtp is not None:      # the hidden before its first token: producer's last row, checkpoint's, own
-                src = it.checkpoint[0] if it.checkpoint is not None else (seq.slot if p0 > 0 else None)
+                src = it.checkpoint[0] if it.checkpoint is not None else (seq.slot if seq.length > 0 else None)
                 mtp.segment(row0, n, last_row[it.producer] if it.producer >= 0 else None,
                             None if it.producer >= 0 else src, seq.slot)
-            slot_map += seq.pages.append_tokens(n)
-            seq.length += n
-            ids += it.tokens
-            pos += range(p0, p0 + n)
-            cu.append(len(ids))
-            kv_lens.append(seq.length)
-            tables.append(seq.pages)
-            last_row[i] = len(ids) - 1
-        num_prefill = len(ids)
+            host.add(seq, it.tokens, n)
+            last_row[i] = len(host.ids) - 1
+        host.num_prefill = len(host.ids)
+        host.rows = [r for i, it in enumerate(prefills)
+                     for r in (range(start_row[i], last_row[i] + 1) if it.all_logits else (last_row[i],))]
+
+    def _lay_decodes(self, decodes, verifies, host: StepInputs, mtp: MTPStepIndex | None) -> None:
+        """Decode tokens, then the L tokens of each verify (MTP drafts are filled in on the device later)."""
         for seq, tok in decodes:
-            p0 = seq.length
             if mtp is not None:
-                mtp.segment(len(ids), 1, None, seq.slot, seq.slot)
-            slot_map += seq.pages.append_tokens(1)
-            seq.length += 1
-            ids.append(tok)
-            pos.append(p0)
-            cu.append(len(ids))
-            kv_lens.append(seq.length)
-            tables.append(seq.pages)
+                mtp.segment(len(host.ids), 1, None, seq.slot, seq.slot)
+            host.add(seq, [tok], 1)
         L = self.rc.spec_tokens
-        v_start = len(ids)
+        host.v_start = len(host.ids)
         for seq, toks in verifies:     # token counts were checked at the top of the step
-            toks = list(toks) * L if mtp is not None else toks    # MTP drafts are filled in on the device below
-            p0 = seq.length
             if mtp is not None:
-                mtp.segment(len(ids), L, None, seq.slot, None)
-                mtp.v_p0.append(p0)
-            slot_map += seq.pages.append_tokens(L)
-            seq.length += L
-            ids += toks
-            pos += range(p0, p0 + L)
-            cu.append(len(ids))
-            kv_lens.append(seq.length)
-            tables.append(seq.pages)
-        width = max(1, max((len(t.pages) for t in tables), default=1))
-        rows = [r for i, it in enumerate(prefills)
-                for r in (range(start_row[i], last_row[i] + 1) if it.all_logits else (last_row[i],))]
-        rows += range(num_prefill, len(ids))
-        extra = {"ids": ids, "pos": pos, "slots": slot_map + dup_slots, "cu": cu, "kv": kv_lens,
-                 "table": [p for t in tables for p in t.page_row(width, pad=0)], "rows": rows}
-        if dup_rows:
-            extra["tok"] = list(range(len(ids))) + dup_rows
+                mtp.segment(len(host.ids), L, None, seq.slot, None)
+                mtp.v_p0.append(seq.length)
+            host.add(seq, list(toks) * L if mtp is not None else toks, L)
+        host.rows += range(host.num_prefill, len(host.ids))
         if mtp is not None:
-            extra.update(mtp.extra(slot_map[v_start:len(ids)], L))
+            host.mtp = mtp.extra(host.slots[host.v_start:len(host.ids)], L)
         if verifies:
-            S = self.rc.num_slots
-            vs = [s for s, _ in verifies]
-            extra["v_slots"] = [s.slot for s in vs]
+            S, vs = self.rc.num_slots, [s for s, _ in verifies]
+            host.v_slots = [s.slot for s in vs]
             if self.rc.spec_mode == "replay":
-                extra["v_in"] = [s.slot + s.parity * S for s in vs]
-                extra["v_out"] = [s.slot + (s.parity ^ 1) * S for s in vs]
-                extra["v_num"] = [s.pending for s in vs]
+                host.v_in = [s.slot + s.parity * S for s in vs]
+                host.v_out = [s.slot + (s.parity ^ 1) * S for s in vs]
+                host.v_num = [s.pending for s in vs]
             else:
-                extra["v_out"] = [s.slot for s in vs]
-        plan = build_step_plan(segs, self.rc.prefill_mode, self.stager, decode_slots=[s.slot for s, _ in decodes],
-                               extra=extra, is_ready=is_ready)
-        x = plan.extra
-        max_q = max([len(it.tokens) for it in prefills] + [1] * bool(decodes) + [L] * bool(verifies), default=0)
-        attn = AttnMeta(x["cu"], x["kv"], x["table"].view(len(tables), width), x["slots"].long(),
-                        x["tok"].long() if dup_rows else None, max_q_len=max_q)
-        vmeta = None
-        if verifies:
-            vmeta = VerifyMeta(self.rc.spec_mode, L, x["v_slots"], x["v_out"], x.get("v_in"), x.get("v_num"))
-        ctx = ForwardContext(x["pos"].long(), num_prefill, plan.prefill, plan.decode_slots, attn, vmeta)
-        ids_dev = x["ids"].long()
-        if verifies:
-            B = len(verifies)
-            self.drafts = ids_dev[v_start:].view(B, L)[:, 1:]
-            if mtp is not None:                  # k MTP steps; their drafts go into the verify rows
-                meta = mtp.draft_meta(x, B, L - 1, attn.page_table[len(tables) - B:])
-                self.drafts.copy_(self.mtp.draft(ids_dev[v_start::L], meta))
-        if mtp is None:
-            with forward_context(ctx):
-                return self.model(ids_dev, x["rows"].long())
-        with forward_context(ctx):
-            logits, hidden = self.model(ids_dev, x["rows"].long(), return_hidden=True)
-        self.mtp.feed(hidden, ids_dev, ctx.positions, attn, mtp.feed_meta(x, v_start))
-        return logits
+                host.v_out = list(host.v_slots)

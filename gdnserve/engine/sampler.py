@@ -26,6 +26,7 @@ from gdnserve.engine.sampling_params import SamplingParams
 
 _M64 = (1 << 64) - 1
 _TINY = torch.finfo(torch.float32).tiny
+_MIN_T = 1e-5   # SamplingParams normalises smaller temperatures to greedy; a guard for hand-built params
 
 
 def _splitmix64(x: int) -> int:
@@ -60,7 +61,7 @@ class SamplingTensors:
     def build(cls, params: Sequence[SamplingParams], device: torch.device | str) -> SamplingTensors:
         device = torch.device(device)
         greedy = [p.greedy for p in params]
-        host = torch.tensor([[1.0 if g else p.temperature for p, g in zip(params, greedy)],
+        host = torch.tensor([[1.0 if g else max(p.temperature, _MIN_T) for p, g in zip(params, greedy)],
                              [float(g) for g in greedy],
                              [1.0 if g else p.top_p for p, g in zip(params, greedy)],
                              [0.0 if g else float(p.top_k) for p, g in zip(params, greedy)]],
@@ -121,7 +122,8 @@ def _keep_threshold(x: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     mass_before = F.pad(ps.cumsum(-1)[:, :-1], (1, 0))     # shifted cumsum: monotone, exactly 0 first
     top_p = t.top_p[:, None]
     # p = 1 keeps all: the fp32 cumsum can reach 1.0 before the tail and would drop tiny tokens
-    keep = in_k & ((mass_before < top_p) | (top_p >= 1))   # a prefix; rank 0 always kept
+    keep = in_k & ((mass_before < top_p) | (top_p >= 1))   # a prefix; rank 0 always kept ...
+    keep[:, 0] = True                                       # ... even if a row's top_p underflowed to 0
     return xs.gather(1, (keep.sum(-1) - 1)[:, None]).squeeze(1)
 
 
@@ -146,6 +148,10 @@ class Sampler:
                 else:
                     g.manual_seed(self._seed)
         return g
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The shared (unseeded-rows) generator of ``device``: what rejection sampling of drafts draws from."""
+        return self._generator(device, per_row=False)
 
     @staticmethod
     def probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -10,6 +10,11 @@ from dataclasses import dataclass
 
 MAX_N = 64
 MAX_LOGPROBS = 20
+# Below these the float32 sampler would underflow (T -> 0 divides by ~0: inf, then NaN; top_p -> 0 keeps no
+# token), so they are normalised to their limits: greedy, and only the most likely token (any top_p below
+# 1/vocab keeps exactly that one). vLLM's _SAMPLING_EPS for the temperature.
+MIN_TEMPERATURE = 1e-5
+MIN_TOP_P = 1e-6
 
 
 def _is_int(value: object) -> bool:
@@ -24,8 +29,8 @@ def _is_number(value: object) -> bool:
 class SamplingParams:
     """How to sample one request.
 
-    ``temperature`` 0 is greedy (argmax of the raw logits; top-p/top-k/seed are then irrelevant).
-    ``top_k`` 0 and ``top_p`` 1 are off. ``logprobs`` is how many top alternatives to return per generated
+    ``temperature`` 0 (or below ``MIN_TEMPERATURE``) is greedy (argmax of the raw logits; top-p/top-k/seed are then irrelevant).
+    ``top_k`` 0 and ``top_p`` 1 are off; a ``top_p`` below ``MIN_TOP_P`` is ``MIN_TOP_P`` (the top token only). ``logprobs`` is how many top alternatives to return per generated
     token besides the chosen one (0 = only the chosen token's); ``prompt_logprobs`` the same per prompt
     token; None = none. ``stop`` strings are excluded from the returned text; ``stop_token_ids`` end the
     request like EOS does (``ignore_eos`` only disables the model's EOS).
@@ -70,8 +75,8 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
             raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
         # frozen: normalise through object.__setattr__ (lists -> tuples, ints -> floats)
-        object.__setattr__(self, "temperature", float(t))
-        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "temperature", float(t) if t >= MIN_TEMPERATURE else 0.0)
+        object.__setattr__(self, "top_p", max(float(p), MIN_TOP_P))
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(ids))
 

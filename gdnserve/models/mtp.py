@@ -15,7 +15,7 @@ for Qwen3.5, sparse MoE for Qwen3.5-MoE, Qwen3-Next's ``mlp_only_layers`` / ``de
 (vLLM builds ``mtp.layers.{i}`` with layer index i). Draft step j > 1 feeds the head its own ``g`` and the
 draft of step j - 1. Only ``layers[0]`` drafts (as vLLM's proposer); further layers load but are unused.
 
-The engine drives it (``engine/spec/mtp.py``); this module only holds the weights and the math.
+The engine drives it (``speculative/mtp.py``); this module only holds the weights and the math.
 """
 from __future__ import annotations
 

@@ -73,7 +73,7 @@ class Driver:
                 self.done[o.request_id] = o
 
     def pending(self) -> bool:
-        return tuple(PRE) in self.e._producing
+        return tuple(PRE) in self.e.scheduler.producing
 
     def drain(self):
         while self.e.has_unfinished():
@@ -87,8 +87,8 @@ class Driver:
 def no_leaks(e):
     assert e.runner.state.check_integrity() == [] and e.runner.pages.check_integrity() == []
     assert e.index.check_integrity() == [] and e.index.stats()["entries_pending"] == 0
-    assert not e._producing and not e.waiting and not e.running
-    e._evict(len(e.index))                                   # every READY checkpoint gone: every slot and page free
+    assert not e.scheduler.producing and not e.waiting and not e.running
+    e.evict_checkpoints(len(e.index))                                   # every READY checkpoint gone: every slot and page free
     assert len(e.index) == 0 and not e.ckpt_pages
     assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
 
@@ -234,9 +234,10 @@ def test_a_preempted_producer_drops_its_pending_prefix(want):
 
 
 def test_a_checkpoint_that_leaves_its_consumer_no_room_never_hangs(want):
-    """A page pool that holds the READY prefix but not one more consumer beside it: with nothing else running,
-    the waiter drops the checkpoint and computes the prefix itself (miss_reason "evicted") instead of waiting
-    forever."""
+    """A page pool that holds the READY prefix and just one consumer's pages beside it (the page need is exact:
+    KVCache.pages_for): the waiter runs from the checkpoint instead of waiting forever. (Were it one page short,
+    with nothing else running it would drop the checkpoint and compute the prefix itself; with exact needs a
+    prefix that fits with one consumer always fits with another of the same size.)"""
     d = Driver(engine(num_pages=21))
     e = d.e
     d.add("p", PRE + TAILS["p"])
@@ -245,5 +246,5 @@ def test_a_checkpoint_that_leaves_its_consumer_no_room_never_hangs(want):
     for name in ("p", "w1"):
         assert [c.token_ids for c in d.done[name].outputs] == want[name], name
     w1 = d.done["w1"].checkpoint
-    assert w1.published and w1.miss_reason == "evicted" and w1.hit_length == 0
+    assert w1.hit_length == C and w1.miss_reason is None and e.runner.pages.num_pages == 21
     no_leaks(e)

@@ -36,7 +36,7 @@ def test_checkpoint_groups_equal_plain_runs(llm):
     assert texts(later) == plain[::-1]
     assert all(o.checkpoint.hit_length > 0 and o.checkpoint.miss_reason is None and not o.checkpoint.published
                for o in later)
-    assert e._evict(len(e.index)) and len(e.index) == 0              # eviction frees slot and pages
+    assert e.evict_checkpoints(len(e.index)) and len(e.index) == 0              # eviction frees slot and pages
     assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
     again = llm.generate(PREFIX + "<|state_checkpoint|>" + SUFFIXES[0], GREEDY)[0]
     assert again.checkpoint.miss_reason == "evicted" and texts([again]) == plain[:1]
@@ -83,7 +83,7 @@ def test_bad_requests_are_refused_and_nothing_leaks(llm):
     e.step()
     e.abort(rid)
     assert not e.has_unfinished()
-    e._evict(len(e.index))
+    e.evict_checkpoints(len(e.index))
     assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
 
 
@@ -110,12 +110,14 @@ def test_score_equals_full_sequence_logprobs(llm):
         assert got.checkpoint.hit_length == len(p)
     with pytest.raises(RequestError, match="candidates\\[1\\] is empty"):
         e.score(prefix, ["a", ""])
+    assert len(e.index) == 1                     # the prefix stays cached as a READY checkpoint, evictable
+    e.evict_checkpoints(len(e.index))
     assert e.runner.state.num_free == e.runner.state.num_slots
 
 
 def test_a_failed_step_publishes_nothing(llm):
     e = llm.engine
-    e._evict(len(e.index))
+    e.evict_checkpoints(len(e.index))
     real = e.runner.step
     e.runner.step = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("injected"))
     rid = e.add_request(None, PREFIX + "<|state_checkpoint|>tail", GREEDY)
@@ -133,7 +135,7 @@ def test_prompt_logprobs_plain_grouped_and_from_checkpoint(llm):
     from the producer), and None for positions a READY checkpoint covers."""
     from gdnserve.engine.model_runner import PrefillItem
     e = llm.engine
-    e._evict(len(e.index))
+    e.evict_checkpoints(len(e.index))
     p = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
     text = PREFIX + "tail words"
     ids = e.tokenizer.encode(text)
@@ -166,7 +168,7 @@ def test_automatic_checkpoints_serve_the_next_turn():
     turn2 = first.prompt_token_ids + first.outputs[0].token_ids + e.tokenizer.encode(" and turn two")
     warm = llm.generate(turn2, GREEDY)[0]
     assert warm.checkpoint.hit_length == len(first.prompt_token_ids) + len(first.outputs[0].token_ids) - 1
-    e._evict(len(e.index))
+    e.evict_checkpoints(len(e.index))
     cold = llm.generate(turn2, GREEDY)[0]
     assert cold.checkpoint.hit_length == 0 and cold.outputs[0].token_ids == warm.outputs[0].token_ids
     assert e.runner.state.check_integrity() == [] and e.index.check_integrity() == []

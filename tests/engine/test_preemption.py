@@ -52,7 +52,7 @@ def assert_same(got, want):
 def assert_nothing_leaks(e):
     assert e.runner.state.check_integrity() == [] and e.runner.pages.check_integrity() == []
     assert e.index.check_integrity() == []
-    e._evict(len(e.index))                                   # READY checkpoints hold the only slots and pages left
+    e.evict_checkpoints(len(e.index))                                   # READY checkpoints hold the only slots and pages left
     assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
 
 

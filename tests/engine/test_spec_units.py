@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from gdnserve.engine.spec.acceptance import emitted_tokens, greedy_accept, rejection_sample
-from gdnserve.engine.spec.ngram import NgramDrafter, OracleDrafter
+from gdnserve.speculative.acceptance import emitted_tokens, greedy_accept, rejection_sample
+from gdnserve.speculative.ngram import NgramDrafter, OracleDrafter
 from tests.engine.test_sampler import chi2_limit
 
 # ---------------------------------------------------------------- n-gram drafter

@@ -1,0 +1,325 @@
+"""Admission of waiting jobs into a step, one function per case: a fresh request (plain, checkpoint producer,
+consumer of a same-step producer, READY hit, first chunk of a long prompt or prefix), a preempted request's
+readmission, a score job's wave. Each case plans its cost (budget tokens, state slots, KV pages from the one
+formula ``KVCache.pages_for``), makes room by evicting READY checkpoints, and commits or reports why not.
+
+Outcomes: ADMITTED (out of the queue, into the step), SKIP (waits in place without blocking the jobs behind:
+no slot, page or sequence room now, or its checkpoint prefix is PENDING), STOP (the step's budget is spent).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from gdnserve.engine.engine_api import CheckpointInfo
+from gdnserve.engine.model_runner import PrefillItem
+from gdnserve.engine.request import Producer, Request, ScoreJob
+from gdnserve.engine.step_batch import ScoreWave, StepBatch
+
+if TYPE_CHECKING:
+    from gdnserve.engine.scheduler import Scheduler
+
+ADMITTED, SKIP, STOP = "admitted", "skip", "stop"
+MIN_CHUNK = 32   # smallest prefill chunk of a long prompt, so a busy step still makes progress on it
+
+
+@dataclass(eq=False)
+class AdmitPass:
+    """One admission pass's accounting: the budget left, pages promised (running requests' next step and this
+    pass's admissions), whether the step already has prefill work, and this pass's same-step producers."""
+    budget: int
+    reserved: int
+    busy: bool
+    producers: dict[tuple[int, ...], int] = field(default_factory=dict)
+
+    def over(self, batch: StepBatch, cost: int) -> bool:
+        """The first prefill of an otherwise idle step may exceed the budget (a long prompt must start)."""
+        return bool(batch.items or self.busy) and cost > self.budget
+
+
+def admit_waiting(s: Scheduler, batch: StepBatch, p: AdmitPass) -> None:
+    pos = 0
+    while pos < len(s.waiting):
+        job = s.waiting[pos]
+        if not s.runnable(job):
+            pos += 1
+            continue
+        if isinstance(job, ScoreJob):
+            r = admit_score(s, job, batch, p)
+        elif job.preempted:
+            r = readmit(s, job, batch, p)
+            if r == SKIP:
+                r = STOP          # a preempted request goes first: nothing overtakes it
+        else:
+            r = admit_fresh(s, job, batch, p)
+        if r == STOP:
+            break
+        if r == SKIP:
+            pos += 1
+
+
+# ---------------------------------------------------------------------------- fresh requests
+@dataclass(eq=False)
+class _Plan:
+    split: int | None
+    key: tuple[int, ...] | None
+    hit: object = None
+    miss: str | None = None
+    new_producer: bool = False
+    cost: int = 0
+    need: int = 0
+    pages: int = 0
+    chunk: int | None = None
+    prod_chunk: int | None = None
+
+
+def _plan(s: Scheduler, req: Request, p: AdmitPass) -> _Plan | None:
+    """Where the request's state starts (a READY checkpoint, a same-step producer, its own producer, zeros)
+    and what it costs. None: its checkpoint prefix is PENDING under a chunked producer (wait for READY)."""
+    ck, n, ids, c = s.kv.checkpoints, len(req.samples), req.prompt_ids, req.checkpoint_at
+    auto = ck.longest_hit(ids) if c is None and s.cfg.auto_checkpoints else None
+    if auto is not None:                 # an earlier request's state covers a prefix of this prompt
+        pl = _Plan(auto.length, tuple(ids[:auto.length]), hit=auto)
+    else:
+        split = c if c is not None else (len(ids) - 1 if n > 1 and len(ids) > 1 else None)
+        pl = _Plan(split, tuple(ids[:split]) if split else None)
+    if c is not None and pl.key not in p.producers:
+        if pl.key in s.producing:
+            return None
+        look = ck.lookup(pl.key)
+        pl.hit = look.entry if look.hit else None
+        pl.miss = None if look.hit else look.reason.value
+    pl.new_producer = pl.key is not None and pl.key not in p.producers and pl.hit is None
+    tail = len(ids) if pl.split is None else len(ids) - pl.split
+    pl.cost = tail * n + (pl.split if pl.new_producer else 0)
+    pl.need = n + (1 if pl.new_producer else 0)
+    if pl.split is None:
+        pl.pages = n * s.kv.pages_for(len(ids))
+    else:
+        pl.pages = n * s.kv.pages_for(tail, shared=pl.split) + (s.kv.pages_for(pl.split) if pl.new_producer else 0)
+    return pl
+
+
+def _chunking(s: Scheduler, req: Request, pl: _Plan, p: AdmitPass) -> None:
+    """A long plain prompt prefills its first chunk now; a checkpoint producer too long for any step (or a step
+    busy with chunks) runs its prefix chunk by chunk into the PENDING checkpoint (one that fits a step waits for
+    one instead, to run with its same-pass consumers)."""
+    n, c = len(req.samples), req.checkpoint_at
+    if pl.cost <= max(p.budget, MIN_CHUNK) or req.params.prompt_logprobs is not None:
+        return
+    if pl.key is None and n == 1:
+        pl.chunk = pl.cost = max(p.budget, MIN_CHUNK)
+        pl.pages = s.kv.pages_for(pl.chunk)
+    elif pl.new_producer and c is not None and (p.busy or pl.cost > s.cfg.max_step_tokens):
+        pl.prod_chunk = pl.cost = min(pl.split, max(p.budget, MIN_CHUNK))
+        pl.pages = s.kv.pages_for(pl.split)      # admitted only when the whole prefix fits: not preempted for it
+
+
+def admit_fresh(s: Scheduler, req: Request, batch: StepBatch, p: AdmitPass) -> str:
+    pl = _plan(s, req, p)
+    if pl is None:
+        return SKIP
+    if pl.hit is not None:
+        s.kv.checkpoints.acquire(pl.hit)          # pinned now, so the evictions below cannot take it
+    s.kv.make_room(pl.need, pl.pages, p.reserved)
+    _chunking(s, req, pl, p)
+    why = None
+    if not s.kv.fits(pl.need, pl.pages, p.reserved) or s.live_seqs() + len(req.samples) > s.cfg.max_num_seqs:
+        why = SKIP
+    elif p.over(batch, pl.cost):
+        why = STOP
+    if why is None:
+        if pl.hit is not None:
+            batch.acquired.append(pl.hit)
+        _commit_fresh(s, req, pl, batch, p)
+        return ADMITTED
+    if pl.hit is not None:
+        s.kv.checkpoints.release(pl.hit)
+        if not s.running and not batch.items and pl.hit.refcount == 0:
+            # nothing runs that could free room and the checkpoint itself takes it: drop it (with every
+            # unreferenced checkpoint) and take the request again as a miss, never wait forever
+            s.kv.checkpoints.evict(len(s.kv.checkpoints))
+            return admit_fresh(s, req, batch, p)
+    return why
+
+
+def _producer_item(s: Scheduler, req: Request, pl: _Plan, batch: StepBatch, p: AdmitPass) -> None:
+    if req.checkpoint_at is not None:     # publish the prefix as a checkpoint: PENDING now, READY after the step
+        entry, prod = s.kv.checkpoints.reserve(pl.key, s.kv.pages)
+        req.checkpoint = CheckpointInfo(hit_length=0, miss_reason=pl.miss, published=True)
+        s.counters["checkpoints_published"] += 1
+        s.counters["checkpoint_misses"][pl.miss] = s.counters["checkpoint_misses"].get(pl.miss, 0) + 1
+        if pl.prod_chunk is not None:     # READY after its last chunk's step
+            req.prod = Producer(entry, prod)
+            s.producing[pl.key] = req
+            batch.prod_chunks.append((req, pl.prod_chunk == pl.split))
+        else:
+            batch.pending.append((entry, prod))
+    else:                                  # the fork of n samples: a temporary, freed after the step
+        prod = s.kv.new_seq()
+        batch.temps.append(prod)
+    idx = batch.add(PrefillItem(prod, list(pl.key[:pl.prod_chunk]), all_logits=req.params.prompt_logprobs is not None))
+    if pl.prod_chunk is None:
+        p.producers[pl.key] = idx
+
+
+def _commit_fresh(s: Scheduler, req: Request, pl: _Plan, batch: StepBatch, p: AdmitPass) -> None:
+    s.waiting.remove(req)
+    s.running.append(req)                 # first, so a failure below still finds what it holds
+    batch.join(req, admitted=True)
+    ids, want_all = req.prompt_ids, req.params.prompt_logprobs is not None
+    ckpt = None
+    if pl.new_producer:
+        _producer_item(s, req, pl, batch, p)
+    elif pl.hit is not None:              # acquired; released after the step
+        ckpt = s.kv.checkpoints.kv_of(pl.hit)
+        req.checkpoint = CheckpointInfo(hit_length=pl.split)
+        s.counters["checkpoint_hits"] += 1
+    elif pl.key is not None:
+        req.checkpoint = CheckpointInfo(hit_length=pl.split)
+        s.counters["checkpoint_hits"] += req.checkpoint_at is not None
+    req.num_computed = pl.chunk if pl.chunk is not None else pl.prod_chunk if pl.prod_chunk is not None else len(ids)
+    for smp in req.samples:
+        smp.seq = s.kv.new_seq()
+        if pl.chunk is not None:
+            batch.add(PrefillItem(smp.seq, list(ids[:pl.chunk])))   # nothing is sampled until the last chunk
+        elif pl.prod_chunk is not None:
+            continue                       # the slot waits for the READY prefix
+        elif pl.key is None:
+            batch.add(PrefillItem(smp.seq, list(ids), all_logits=want_all), (req, smp))
+        elif ckpt is not None:
+            batch.add(PrefillItem(smp.seq, list(ids[pl.split:]), checkpoint=ckpt, all_logits=want_all), (req, smp))
+        else:
+            prod = p.producers[pl.key]
+            batch.items[prod].all_logits |= want_all
+            batch.add(PrefillItem(smp.seq, list(ids[pl.split:]), producer=prod, all_logits=want_all), (req, smp))
+    p.budget -= pl.cost
+    p.reserved += pl.pages
+    s.counters["prompt_tokens"] += len(ids)
+
+
+# ---------------------------------------------------------------------------- readmission
+def readmit(s: Scheduler, req: Request, batch: StepBatch, p: AdmitPass) -> str:
+    """Recompute a preempted request: every unfinished sample's state after prompt + its output minus the last
+    token (the next step decodes that token). Several unfinished samples fork as on first admission: a producer
+    prefills the prompt minus its last token once (a temporary) and each sample continues it with the last
+    prompt token + its own output; a single one is one plain prefill. Finished samples keep their outputs;
+    seeded samples continue their random streams unchanged."""
+    live = req.live_samples
+    prompt = req.prompt_ids
+    fork = len(live) > 1 and len(prompt) > 1
+    head = prompt[:-1] if fork else []
+    tails = [(prompt[-1:] if fork else prompt) + smp.token_ids[:-1] for smp in live]
+    cost = len(head) + sum(map(len, tails))
+    need = len(live) + fork
+    pages = (s.kv.pages_for(len(head)) if fork else 0) + sum(s.kv.pages_for(len(t), shared=len(head)) for t in tails)
+    s.kv.make_room(need, pages, p.reserved)
+    if not s.kv.fits(need, pages, p.reserved) or s.live_seqs() + len(live) > s.cfg.max_num_seqs:
+        return SKIP
+    if p.over(batch, cost):
+        return STOP
+    s.waiting.remove(req)
+    s.running.append(req)
+    batch.join(req, admitted=True)
+    producer = -1
+    if fork:
+        prod = s.kv.new_seq()
+        batch.temps.append(prod)
+        producer = batch.add(PrefillItem(prod, head))
+    for smp, toks in zip(live, tails):
+        smp.seq = s.kv.new_seq()
+        batch.add(PrefillItem(smp.seq, toks, producer=producer))    # nothing sampled: the next step decodes
+    p.budget -= cost
+    p.reserved += pages
+    req.num_computed = len(prompt)
+    return ADMITTED
+
+
+# ---------------------------------------------------------------------------- score waves
+def _score_source(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass):
+    """Where this wave's candidates start: ("ready", kv) from the prefix checkpoint (held by the job or hit now),
+    ("producer", item) of this step, ("zeros", None) for a one-token prefix; None: wait (PENDING elsewhere, or
+    the prefix is still being produced chunk by chunk — its next chunk is added here)."""
+    key = tuple(job.prefix_ids[:-1])
+    ck = s.kv.checkpoints
+    if not key:
+        return "zeros", None
+    if job.prod is not None:                      # chunked prefix in production: its next chunk
+        rem = len(key) - job.num_computed
+        n = min(rem, max(p.budget, MIN_CHUNK))
+        need = job.prod.pages.pages_needed(n)
+        s.kv.make_room(0, need, p.reserved)
+        if not s.kv.fits(0, need, p.reserved):
+            return None
+        p.reserved += need
+        batch.join(job)
+        batch.add(PrefillItem(job.prod, list(key[job.num_computed:job.num_computed + n])))
+        batch.prod_chunks.append((job, n == rem))
+        job.num_computed += n
+        p.budget -= n
+        return None
+    if job.entry is not None:
+        return "ready", ck.kv_of(job.entry)
+    if key in p.producers:
+        return "producer", p.producers[key]
+    if key in s.producing:
+        return None
+    look = ck.lookup(key)
+    if look.hit:
+        ck.acquire(look.entry)
+        batch.acquired.append(look.entry)
+        job.hit = True
+        return "ready", ck.kv_of(look.entry)
+    if look.entry is not None:                    # PENDING under another producer
+        return None
+    s.kv.make_room(1, s.kv.pages_for(len(key)), p.reserved)
+    if not s.kv.fits(1, s.kv.pages_for(len(key)), p.reserved):
+        return None
+    entry, prod = ck.reserve(key, s.kv.pages)
+    p.reserved += s.kv.pages_for(len(key))
+    smallest = min(len(job.candidates[i]) + 1 for i in job.todo)
+    if len(key) + smallest > max(p.budget, MIN_CHUNK) and (batch.items or p.busy or len(key) > s.cfg.max_step_tokens):
+        job.entry, job.prod = entry, prod         # a long prefix: chunk by chunk into the PENDING checkpoint
+        s.producing[key] = job
+        return _score_source(s, job, batch, p)
+    batch.pending.append((entry, prod))
+    idx = batch.add(PrefillItem(prod, list(key)))
+    p.producers[key] = idx
+    p.budget -= len(key)
+    batch.join(job)
+    return "producer", idx
+
+
+def admit_score(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass) -> str:
+    """As many of the job's candidates as fit this step (slots, pages, budget), each a consumer of the prefix
+    minus its last token fed ``[last prefix token] + candidate`` with every row's logits."""
+    src = _score_source(s, job, batch, p)
+    if src is None:
+        return SKIP
+    kind, ref = src
+    shared = len(job.prefix_ids) - 1
+    wave = ScoreWave(job)
+    batch.join(job, admitted=True)
+    for i in list(job.todo):
+        toks = job.prefix_ids[-1:] + job.candidates[i]
+        pages = s.kv.pages_for(len(toks), shared=shared)
+        s.kv.make_room(1, pages, p.reserved)
+        if not s.kv.fits(1, pages, p.reserved) or p.over(batch, len(toks)):
+            break
+        seq = s.kv.new_seq()
+        batch.temps.append(seq)
+        item = PrefillItem(seq, toks, all_logits=True, producer=ref if kind == "producer" else -1,
+                           checkpoint=ref if kind == "ready" else None)
+        wave.items.append(batch.add(item))
+        wave.cands.append(i)
+        job.todo.remove(i)
+        p.budget -= len(toks)
+        p.reserved += pages
+    if wave.cands:
+        batch.waves.append(wave)
+        s.counters["prompt_tokens"] += sum(len(job.candidates[i]) for i in wave.cands)
+        s.counters["checkpoint_hits"] += len(wave.cands)
+    if not job.todo:
+        s.waiting.remove(job)
+        return ADMITTED
+    return STOP if p.budget <= 0 else SKIP

@@ -1,0 +1,79 @@
+"""EngineConfig: every engine default, once. The offline ``LLM``, the CLI and the server build one; the engine
+derives the runner's config from it (a new object: nothing the caller passed is mutated)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from gdnserve.engine.model_runner import RunnerConfig
+
+PREFILL_MODES = ("serial", "two_phase", "two_phase_indexed", "fused")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """``num_slots`` None = ``2 * max_num_seqs + 2`` (running samples, their fork producers and checkpoints).
+    ``cuda_graphs`` None = on for CUDA devices (decode-only and verify-only steps replay bucketed graphs)."""
+    max_num_seqs: int = 64
+    max_step_tokens: int = 4096
+    max_model_len: int = 4096
+    num_pages: int = 2048
+    page_size: int = 16
+    num_slots: int | None = None
+    prefill_mode: str = "fused"
+    backend: str = "auto"
+    auto_checkpoints: bool = True
+    spec_k: int = 0
+    spec_mode: str = "replay"
+    spec_draft: str = "ngram"
+    cuda_graphs: bool | None = None
+    graph_capture: bool | None = None
+    seed: int | None = None
+    model_name: str = "gdnserve"
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_step_tokens", "max_model_len", "num_pages", "page_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.num_slots is not None and (not isinstance(self.num_slots, int) or self.num_slots < 2):
+            raise ValueError(f"num_slots must be null or an int >= 2, got {self.num_slots!r}")
+        if self.prefill_mode not in PREFILL_MODES:
+            raise ValueError(f"prefill_mode must be one of {PREFILL_MODES}, got {self.prefill_mode!r}")
+        if self.spec_draft not in ("ngram", "mtp"):
+            raise ValueError(f"spec_draft must be 'ngram' or 'mtp', got {self.spec_draft!r}")
+        if self.spec_mode not in ("replay", "intermediate"):
+            raise ValueError(f"spec_mode must be 'replay' or 'intermediate', got {self.spec_mode!r}")
+        if not isinstance(self.spec_k, int) or self.spec_k < 0:
+            raise ValueError(f"spec_k must be an int >= 0, got {self.spec_k!r}")
+
+    @property
+    def slots(self) -> int:
+        return self.num_slots if self.num_slots is not None else 2 * self.max_num_seqs + 2
+
+    def runner_config(self) -> RunnerConfig:
+        k = self.spec_k
+        return RunnerConfig(num_slots=self.slots, num_pages=self.num_pages, page_size=self.page_size,
+                            prefill_mode=self.prefill_mode, backend=self.backend,
+                            spec_mode=self.spec_mode if k else None, spec_tokens=k + 1 if k else 0,
+                            spec_draft=self.spec_draft, cuda_graphs=self.cuda_graphs,
+                            graph_capture=self.graph_capture, graph_max_batch=self.max_num_seqs,
+                            max_model_len=self.max_model_len)
+
+    @classmethod
+    def from_runner(cls, rc: RunnerConfig, **kw) -> EngineConfig:
+        """The config of an engine built from an explicit RunnerConfig (benchmarks and tests size the pools)."""
+        base = dict(num_slots=rc.num_slots, num_pages=rc.num_pages, page_size=rc.page_size,
+                    prefill_mode=rc.prefill_mode, backend=rc.backend, graph_capture=rc.graph_capture)
+        if rc.cuda_graphs is not None:
+            base["cuda_graphs"] = rc.cuda_graphs
+        base.update({k: v for k, v in kw.items() if v is not None or k in ("seed", "cuda_graphs")})
+        if base.get("cuda_graphs") is None and rc.cuda_graphs is not None:
+            base["cuda_graphs"] = rc.cuda_graphs
+        return cls(**base)
+
+    def with_(self, **kw) -> EngineConfig:
+        known = {f.name for f in fields(self)}
+        bad = sorted(set(kw) - known)
+        if bad:
+            raise TypeError(f"EngineConfig has no field(s) {bad}")
+        return replace(self, **kw)

@@ -1,0 +1,74 @@
+"""Requests at the public boundary: tokenized, validated and checked against the engine's capacity before they
+are queued. A request that can never fit (``n`` samples beyond ``max_num_seqs`` or the state slots, or
+``n × (prompt + max_tokens)`` tokens of KV pages beyond the pool) is refused here with the numbers, never
+admitted to wait forever. Pure functions of the frozen config: safe to call from any thread."""
+from __future__ import annotations
+
+from gdnserve.engine.config import EngineConfig
+from gdnserve.engine.detokenizer import IncrementalDetokenizer
+from gdnserve.engine.request import Request, RequestError, Sample, ScoreJob
+from gdnserve.engine.sampling_params import SamplingParams
+
+
+def _pages(cfg: EngineConfig, tokens: int) -> int:
+    return -(-tokens // cfg.page_size)
+
+
+def make_request(cfg: EngineConfig, tokenizer, vocab_size: int, request_id: str, prompt: str | list[int],
+                 params: SamplingParams, checkpoint_at: int | None = None) -> Request:
+    if not isinstance(params, SamplingParams):
+        raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt, str):
+        ids, marker_at = tokenizer.encode_with_marker(prompt)
+        if marker_at is not None and checkpoint_at is not None and marker_at != checkpoint_at:
+            raise RequestError(f"checkpoint_at={checkpoint_at} disagrees with the marker at token {marker_at}")
+        checkpoint_at = marker_at if marker_at is not None else checkpoint_at
+    else:
+        ids = list(prompt)
+    if not ids:
+        raise RequestError("prompt is empty")
+    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
+        raise RequestError(f"prompt has token ids outside the vocabulary 0..{vocab_size - 1}")
+    if len(ids) + params.max_tokens > cfg.max_model_len:
+        raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                           f"context length {cfg.max_model_len}")
+    if checkpoint_at is not None and not 0 < checkpoint_at < len(ids):
+        raise RequestError(f"checkpoint_at must be inside the prompt (0 < c < {len(ids)}), got {checkpoint_at}")
+    n = params.n
+    if n > cfg.max_num_seqs:
+        raise RequestError(f"n: {n} samples exceed max_num_seqs = {cfg.max_num_seqs} (the engine's concurrently "
+                           "running sequences)")
+    if n + 1 > cfg.slots:
+        raise RequestError(f"n: {n} samples (+1 for their fork) need {n + 1} state slots, the pool has {cfg.slots}")
+    need = n * _pages(cfg, len(ids) + params.max_tokens)
+    if need > cfg.num_pages:
+        raise RequestError(f"n x (prompt + max_tokens) = {n} x ({len(ids)} + {params.max_tokens}) tokens need "
+                           f"{need} KV pages of {cfg.page_size}, the pool has {cfg.num_pages}; send fewer samples "
+                           "or a smaller max_tokens")
+    return Request(request_id, ids, params, checkpoint_at,
+                   [Sample(i, IncrementalDetokenizer(tokenizer)) for i in range(n)])
+
+
+def make_score_job(cfg: EngineConfig, tokenizer, vocab_size: int, request_id: str, prefix: str | list[int],
+                   candidates: list[str | list[int]], label_token_ids: list[int] | None = None) -> ScoreJob:
+    enc = lambda x: tokenizer.encode(x) if isinstance(x, str) else list(x)  # noqa: E731
+    p_ids = enc(prefix)
+    c_ids = [enc(c) for c in candidates]
+    if not p_ids:
+        raise RequestError("prefix is empty")
+    if not c_ids:
+        raise RequestError("candidates is empty")
+    for i, c in enumerate(c_ids):
+        if not c:
+            raise RequestError(f"candidates[{i}] is empty")
+        if len(p_ids) + len(c) + 1 > cfg.max_model_len:
+            raise RequestError(f"candidates[{i}]: prefix + candidate exceed the context length {cfg.max_model_len}")
+        need = _pages(cfg, len(p_ids) + len(c) + 1) + 1
+        if need > cfg.num_pages:
+            raise RequestError(f"candidates[{i}]: prefix ({len(p_ids)} tokens) + candidate ({len(c)}) need {need} KV "
+                               f"pages of {cfg.page_size}, the pool has {cfg.num_pages}")
+    labels = list(label_token_ids or [])
+    bad = [t for t in labels if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad or any(not 0 <= t < vocab_size for c in [p_ids, *c_ids] for t in c):
+        raise RequestError(f"label_token_ids / token ids outside the vocabulary 0..{vocab_size - 1}: {bad[:4]}")
+    return ScoreJob(request_id, p_ids, c_ids, labels or None, list(range(len(c_ids))), [None] * len(c_ids))

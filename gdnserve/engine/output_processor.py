@@ -1,0 +1,192 @@
+"""From a step's logits to outputs: sampling (one vectorised call, one device-to-host read), acceptance of
+verified drafts, stop rules, append-only logprobs, incremental detokenization, prompt logprobs and score
+results. ``process`` returns the samples that finished this step (the engine publishes or frees them) and
+the requests it touched; a failure while processing one request is that request's alone (``failed``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gdnserve.engine.engine_api import CandidateScore, CheckpointInfo, CompletionOutput, RequestOutput
+from gdnserve.engine.request import Request, Sample
+from gdnserve.engine.sampler import Sampler, SamplingTensors, stop_check, stop_holdback, token_logprobs
+from gdnserve.engine.step_batch import StepBatch
+from gdnserve.speculative.acceptance import emitted_tokens, greedy_accept, rejection_sample
+
+
+@dataclass(eq=False)
+class Processed:
+    touched: list[Request] = field(default_factory=list)
+    finished: list[tuple[Request, Sample]] = field(default_factory=list)
+    failed: list[tuple[Request, str]] = field(default_factory=list)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, sampler: Sampler, counters: dict, max_model_len: int, spec_k: int) -> None:
+        self.tokenizer, self.sampler, self.counters = tokenizer, sampler, counters
+        self.eos = set(tokenizer.eos_token_ids)
+        self.max_model_len, self.spec_k = max_model_len, spec_k
+
+    # ------------------------------------------------------------------ batched, device side
+    def sample(self, logits: torch.Tensor, rows: list[int], owners: list) -> list[tuple[int, float, dict | None]]:
+        """Sample the step's rows; per owner (token, logprob, logprobs dict). The step's one device-to-host read."""
+        if not rows:
+            return []
+        lg = logits[torch.tensor(rows, device=logits.device)]
+        params = [r.params for r, _ in owners]
+        res = self.sampler.sample(lg, params, steps=[len(s.token_ids) for _, s in owners],
+                                  sample_indices=[s.index for _, s in owners])
+        B = len(owners)
+        parts = [res.token_ids.double(), res.logprobs.double()]
+        if res.top_ids is not None:
+            parts += [res.top_ids.double().flatten(), res.top_logprobs.double().flatten()]
+        flat = torch.cat(parts).tolist()
+        toks, lps = [int(t) for t in flat[:B]], flat[B:2 * B]
+        out = []
+        k = res.top_ids.shape[1] if res.top_ids is not None else 0
+        for i, (req, _) in enumerate(owners):
+            d = None
+            want = req.params.logprobs
+            if want is not None:
+                d = {toks[i]: lps[i]}
+                if k:
+                    ti = flat[2 * B + i * k:2 * B + i * k + want]
+                    tl = flat[2 * B + B * k + i * k:2 * B + B * k + i * k + want]
+                    d.update(zip((int(x) for x in ti), tl))
+            out.append((toks[i], lps[i], d))
+        return out
+
+    def accept(self, logits: torch.Tensor, verified: list, drafts: torch.Tensor, generator_of) -> tuple:
+        """Acceptance of the verify rows: greedy requests by exact match with the target's argmax, sampled ones by
+        rejection sampling against the sampler's filtered distribution. Each row keeps its accepted drafts plus
+        one target token, capped by what the sample may still emit (max_tokens, context length), so the state
+        holds exactly the tokens the sample gets. Returns (device counts [B] int64, host token lists)."""
+        B, L, dev = len(verified), self.spec_k + 1, logits.device
+        lg = logits.view(B, L, -1)
+        num = torch.empty(B, dtype=torch.int64, device=dev)
+        emitted = torch.empty(B, L, dtype=torch.int64, device=dev)
+        greedy = [i for i, (r, _) in enumerate(verified) if r.params.greedy]
+        sampled = [i for i, (r, _) in enumerate(verified) if not r.params.greedy]
+        for rows, sample in ((greedy, False), (sampled, True)):
+            if not rows:
+                continue
+            ix = torch.tensor(rows, device=dev)
+            if sample:
+                t = SamplingTensors.build([verified[i][0].params for i in rows for _ in range(L)], dev)
+                probs = Sampler.probs(lg[ix].reshape(len(rows) * L, -1), t).view(len(rows), L, -1)
+                n, e = rejection_sample(drafts[ix], None, probs, generator_of(dev))
+            else:
+                n, e = greedy_accept(drafts[ix], lg[ix].argmax(-1))
+            num[ix], emitted[ix] = n, e
+        room = torch.tensor([self._room(r, s) for r, s in verified], dtype=torch.int64).to(dev, non_blocking=True)
+        num = torch.minimum(num, room - 1)           # tokens kept = num + 1 <= room
+        toks = emitted_tokens(num, emitted)
+        return num + 1, toks
+
+    def _room(self, req: Request, s: Sample) -> int:
+        return max(1, min(req.params.max_tokens - len(s.token_ids),
+                          self.max_model_len - len(req.prompt_ids) - len(s.token_ids)))
+
+    # ------------------------------------------------------------------ per request, host side
+    def append(self, req: Request, s: Sample, tok: int, lp: float | None, d: dict | None, out: Processed) -> None:
+        """One generated token: logprobs (append-only), stop rules, new text."""
+        p = req.params
+        s.token_ids.append(tok)
+        if lp is not None:
+            s.cumulative_logprob += lp
+        if p.logprobs is not None:
+            if s.logprobs is None:
+                s.logprobs = []
+            s.logprobs.append(d)
+        self.counters["tokens_generated"] += 1
+        ended = tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos)
+        full = len(s.token_ids) >= p.max_tokens or len(req.prompt_ids) + len(s.token_ids) >= self.max_model_len
+        new = s.detok.step(s.token_ids, final=ended or full)
+        stopped = False
+        if p.stop:
+            s.text, stopped = stop_check(s.text, new, p.stop)
+        else:
+            s.text += new
+        if stopped or ended:
+            s.finish_reason = "stop"
+        elif full:
+            s.finish_reason = "length"
+        if s.finish_reason is not None:
+            out.finished.append((req, s))
+
+    def prompt_logprobs(self, batch: StepBatch, first: list[int], logits: torch.Tensor, i: int) -> None:
+        """``prompt_logprobs`` of item i's request (it ran with all_logits): token j + 1 of the prompt from the row
+        of token j; the first token has none, nor does a prefix read from a READY checkpoint (only its state is
+        kept), nor the first token after it (its logits were the checkpoint's last row)."""
+        it, (req, _) = batch.items[i], batch.owners[i]
+        rows: list[int] = []
+        if it.producer >= 0:                                   # the prefix's rows come from the producer
+            prod = batch.items[it.producer]
+            rows += range(first[it.producer], first[it.producer] + len(prod.tokens))
+        rows += range(first[i], first[i] + len(it.tokens) - 1)
+        lead = len(req.prompt_ids) - 1 - len(rows)             # positions covered only by a READY checkpoint
+        out: list[dict[int, float] | None] = [None] * (lead + 1)
+        if rows:                                               # a one-token prompt has nothing to score
+            target = req.prompt_ids[lead + 1:]
+            lp, ids, vals = token_logprobs(logits[torch.tensor(rows, device=logits.device)],
+                                           torch.tensor(target, device=logits.device), req.params.prompt_logprobs)
+            lp = lp.tolist()
+            top = (ids.tolist(), vals.tolist()) if ids is not None else None
+            for j, tok in enumerate(target):
+                d = {tok: lp[j]}
+                if top is not None:
+                    d.update(zip(top[0][j], top[1][j]))
+                out.append(d)
+        req.prompt_logprobs = out
+
+    def output(self, req: Request) -> RequestOutput:
+        stop = req.params.stop
+        outs = [CompletionOutput(s.index, s.text if s.finish_reason or not stop
+                                 else s.text[:len(s.text) - stop_holdback(s.text, stop)],
+                                 list(s.token_ids), list(s.logprobs) if s.logprobs else None,
+                                 s.cumulative_logprob, s.finish_reason) for s in req.samples]
+        return RequestOutput(req.request_id, req.prompt_ids, outs, req.finished, req.checkpoint, req.prompt_logprobs,
+                             error=req.error)
+
+    # ------------------------------------------------------------------ score
+    @staticmethod
+    def score_results(batch: StepBatch, first: list[int], logits: torch.Tensor) -> None:
+        """Each wave's candidates: row j of a candidate item ([last prefix token] + candidate) predicts candidate
+        token j; its last row the label tokens. One device-to-host read for the step's waves."""
+        rows, targets, seg, last, labels = [], [], [], [], []
+        for w in batch.waves:
+            for i, item in zip(w.cands, w.items):
+                c = w.job.candidates[i]
+                rows += range(first[item], first[item] + len(c))
+                targets += c
+                seg.append(len(c))
+                last.append(first[item] + len(c))
+        dev = logits.device
+        lp, _, _ = token_logprobs(logits[torch.tensor(rows, device=dev)], torch.tensor(targets, device=dev))
+        idx = torch.repeat_interleave(torch.arange(len(seg), device=dev), torch.tensor(seg, device=dev))
+        sums = torch.zeros(len(seg), dtype=lp.dtype, device=dev).index_add_(0, idx, lp)
+        parts = [sums.double()]
+        k = 0
+        for w in batch.waves:
+            ids = w.job.label_token_ids
+            n = len(w.cands)
+            if ids:
+                probs = logits[torch.tensor(last[k:k + n], device=dev)].softmax(-1)
+                parts.append(probs[:, torch.tensor(ids, device=dev)].double().flatten())
+            labels.append((k, n, ids))
+            k += n
+        flat = torch.cat(parts).tolist()
+        off = len(seg)
+        for w, (k, n, ids) in zip(batch.waves, labels):
+            for j, i in enumerate(w.cands):
+                c = w.job.candidates[i]
+                lab = None
+                if ids:
+                    lab = dict(zip(ids, flat[off + j * len(ids):off + (j + 1) * len(ids)]))
+                s = flat[k + j]
+                w.job.results[i] = CandidateScore(i, s, s / len(c), len(c), lab,
+                                                  CheckpointInfo(hit_length=len(w.job.prefix_ids)))
+            if ids:
+                off += n * len(ids)

@@ -1,0 +1,110 @@
+"""What the scheduler schedules: a generation ``Request`` (``n`` ``Sample``s of one prompt) and a ``ScoreJob``
+(a prefix and its candidates). Both carry one progress counter, ``num_computed``: the prompt (or score prefix)
+tokens whose state is computed or scheduled in the running step, in the spirit of vLLM's
+``num_computed_tokens`` (each sample's own output progress is its token list)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gdnserve.engine.checkpoint_index import Checkpoint
+from gdnserve.engine.detokenizer import IncrementalDetokenizer
+from gdnserve.engine.engine_api import CandidateScore, CheckpointInfo
+from gdnserve.engine.model_runner import SeqState
+from gdnserve.engine.sampling_params import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; the message names the problem (the server answers 400)."""
+
+
+@dataclass(eq=False)
+class Sample:
+    index: int
+    detok: IncrementalDetokenizer
+    seq: SeqState | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float] | None] | None = None
+    cumulative_logprob: float = 0.0
+    text: str = ""
+    finish_reason: str | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.finish_reason is None
+
+
+@dataclass(eq=False)
+class Producer:
+    """A chunked checkpoint producer in flight: the index entry (PENDING while chunks run; READY, with a
+    reference held by the request, between its last chunk and the step its samples continue from it) and the
+    sequence over the entry's slot that carries the prefix's KV pages."""
+    entry: Checkpoint
+    seq: SeqState
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    checkpoint_at: int | None
+    samples: list[Sample]
+    checkpoint: CheckpointInfo = field(default_factory=CheckpointInfo)
+    prompt_logprobs: list | None = None
+    num_computed: int = 0             # prompt tokens scheduled so far (< len(prompt_ids) while chunked)
+    prod: Producer | None = None      # while its checkpoint prefix is prefilled chunk by chunk
+    error: str | None = None          # why the engine failed it (finish_reason "abort")
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+    @property
+    def live_samples(self) -> list[Sample]:
+        return [s for s in self.samples if s.finish_reason is None]
+
+    @property
+    def preempted(self) -> bool:
+        """Waiting with output already generated: it is recomputed on readmission."""
+        return any(s.token_ids for s in self.samples)
+
+    def progress(self) -> tuple[int, int]:
+        """(tokens generated, prompt tokens computed): grows with every step the request takes part in."""
+        return sum(len(s.token_ids) for s in self.samples), self.num_computed
+
+    def fail(self, reason: str) -> None:
+        self.error = reason
+        for s in self.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+
+
+@dataclass(eq=False)
+class ScoreJob:
+    """``/v1/score`` / ``LLM.score`` as a request: the prefix is produced once (into a checkpoint, so later
+    waves and later calls read it), candidates run as its consumers in waves that fit the step's budget and
+    free slots. ``results[i]`` fills in as candidate i's wave completes."""
+    request_id: str
+    prefix_ids: list[int]
+    candidates: list[list[int]]
+    label_token_ids: list[int] | None
+    todo: list[int]                               # candidate indices not yet scored
+    results: list[CandidateScore | None]
+    num_computed: int = 0                         # prefix tokens computed (chunks of a long prefix)
+    entry: Checkpoint | None = None               # the prefix checkpoint while the job holds a reference
+    prod: SeqState | None = None                  # the PENDING prefix's sequence while it is being produced
+    error: str | None = None
+    hit: bool = False                             # the prefix came from an earlier checkpoint
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or not self.todo
+
+    def progress(self) -> tuple[int, int]:
+        return len(self.candidates) - len(self.todo), self.num_computed
+
+    def fail(self, reason: str) -> None:
+        self.error = reason
+
+
+Job = Request | ScoreJob

@@ -1,0 +1,221 @@
+"""The scheduler: what runs in the next step. ``schedule()`` fills a :class:`StepBatch`:
+
+1. make room: if the running requests cannot get their next KV pages, evict unreferenced READY checkpoints,
+   then preempt the newest requests (state dropped, requeued first, recomputed on readmission) — one policy;
+2. every running sample's decode token or verify tokens (k drafts), the READY prefix of a finished chunked
+   producer, and the next chunk of each long prompt;
+3. admission of waiting jobs in arrival order within the step's token budget (``admission.py``: plain,
+   producer, READY hit, chunk, readmission, score wave). A job that does not fit for lack of slots or pages
+   waits without blocking the jobs behind it; the pass stops when the budget is spent.
+
+While chunks continue, admissions stay within the step budget: new requests may take up to half of it, the
+chunks get the rest (at least MIN_CHUNK each). The scheduler owns the KV cache (pools and checkpoints).
+"""
+from __future__ import annotations
+
+from gdnserve.engine.admission import MIN_CHUNK, AdmitPass, admit_waiting
+from gdnserve.engine.checkpoint_index import CheckpointStatus
+from gdnserve.engine.config import EngineConfig
+from gdnserve.engine.engine_api import CheckpointInfo
+from gdnserve.engine.kv_cache import KVCache
+from gdnserve.engine.model_runner import PrefillItem
+from gdnserve.engine.request import Job, Request, ScoreJob
+from gdnserve.engine.step_batch import StepBatch
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, kv: KVCache, counters: dict, drafter=None) -> None:
+        self.cfg, self.kv, self.counters, self.drafter = cfg, kv, counters, drafter
+        self.waiting: list[Job] = []
+        self.running: list[Request] = []
+        self.producing: dict[tuple[int, ...], Job] = {}    # PENDING prefix -> its chunked producer
+        self.allowed: set[Job] | None = None              # while isolating a failure: only these run
+
+    # ------------------------------------------------------------------ queues
+    def add(self, job: Job) -> None:
+        self.waiting.append(job)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def live_seqs(self) -> int:
+        """Unfinished samples of the running requests (what ``max_num_seqs`` bounds)."""
+        return sum(len(r.live_samples) for r in self.running)
+
+    def runnable(self, job: Job) -> bool:
+        return self.allowed is None or job in self.allowed
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self, batch: StepBatch) -> None:
+        self.make_room()
+        reserved = self.pages_for_running()       # before this step's chunks advance num_computed
+        chunks, ready = self._collect_running(batch)
+        k = self.cfg.spec_k
+        budget = (self.cfg.max_step_tokens - len(batch.decodes) - len(batch.verifies) * (k + 1)
+                  - sum(len(it.tokens) for it, _ in ready))
+        rem = [self._chunk_end(r) - r.num_computed for r in chunks]
+        reserve = min(sum(rem), max(budget // 2, MIN_CHUNK * len(chunks))) if chunks else 0
+        p = AdmitPass(budget=budget - reserve, reserved=reserved, busy=bool(chunks or ready))
+        admit_waiting(self, batch, p)
+        for it, o in ready:                       # after the admissions' items: producer indices unchanged
+            batch.add(it, o)
+        self._continue_chunks(batch, chunks, rem, p.budget + reserve)
+
+    @staticmethod
+    def _chunk_end(req: Request) -> int:
+        return req.checkpoint_at if req.prod is not None else len(req.prompt_ids)
+
+    def _collect_running(self, batch: StepBatch):
+        chunks: list[Request] = []
+        ready = []
+        for req in self.running:
+            if not self.runnable(req):          # paused while a failure is isolated among others
+                continue
+            batch.join(req)
+            if req.prod is not None and req.num_computed == req.checkpoint_at:
+                # its chunked prefix is READY now: the samples continue from it (the reference it holds is
+                # released after this step, like any READY hit's)
+                entry, tail = req.prod.entry, req.prompt_ids[req.checkpoint_at:]
+                kv = self.kv.checkpoints.kv_of(entry)
+                ready += [(PrefillItem(s.seq, list(tail), checkpoint=kv), (req, s)) for s in req.samples]
+                batch.acquired.append(entry)
+                req.prod, req.num_computed = None, len(req.prompt_ids)
+            elif req.num_computed < len(req.prompt_ids):
+                chunks.append(req)
+            else:
+                self._decode(req, batch)
+        return chunks, ready
+
+    def _decode(self, req: Request, batch: StepBatch) -> None:
+        for s in req.live_samples:
+            if self.speculates(req, s):
+                toks = [s.token_ids[-1]]
+                if self.drafter is not None:
+                    toks += self.drafter.propose_padded(req.prompt_ids + s.token_ids, self.cfg.spec_k)[0]
+                batch.verifies.append((s.seq, toks))
+                batch.verified.append((req, s))
+            else:
+                batch.decodes.append((s.seq, s.token_ids[-1]))
+                batch.dec_owners.append((req, s))
+
+    def speculates(self, req: Request, s) -> bool:
+        """Single-sample requests without logprobs, stop strings or a seed (a seeded request's tokens are tied
+        to per-step generators) verify k drafts per step when room is left."""
+        p, k = req.params, self.cfg.spec_k
+        return (k > 0 and (p.greedy or p.seed is None) and len(req.samples) == 1 and p.logprobs is None
+                and not p.stop and p.max_tokens - len(s.token_ids) > 1
+                and len(req.prompt_ids) + len(s.token_ids) + k + 1 < self.cfg.max_model_len)
+
+    def _continue_chunks(self, batch: StepBatch, chunks: list[Request], rem: list[int], left: int) -> None:
+        """The next chunk of each long prompt (an OWN_SLOT continuation), or of a checkpoint prefix (into the
+        PENDING checkpoint's slot)."""
+        for req, r in zip(chunks, rem):
+            start = req.num_computed
+            n = min(r, max(left, MIN_CHUNK))
+            req.num_computed += n
+            left -= n
+            if req.prod is not None:
+                batch.add(PrefillItem(req.prod.seq, req.prompt_ids[start:start + n]))
+                batch.prod_chunks.append((req, n == r))
+                continue
+            smp = req.samples[0]
+            last = req.num_computed == len(req.prompt_ids)
+            batch.add(PrefillItem(smp.seq, req.prompt_ids[start:start + n]), (req, smp) if last else None)
+
+    # ------------------------------------------------------------------ pages and preemption
+    def pages_for_running(self) -> int:
+        """KV pages the running requests need this step (decode 1 / verify k+1 tokens, next prefill chunk)."""
+        need, ps = 0, self.kv.page_size
+        chunk = max(self.cfg.max_step_tokens, MIN_CHUNK)
+        for req in self.running:
+            split = req.checkpoint_at
+            if req.prod is not None and req.num_computed < split:      # the producer's next prefix chunk
+                need += req.prod.seq.pages.pages_needed(min(split - req.num_computed, chunk))
+            elif req.prod is not None:      # the samples continue from the READY prefix: tail page copy + tokens
+                need += len(req.live_samples) * (-(-len(req.prompt_ids) // ps) - split // ps)
+            else:
+                for s in req.live_samples:
+                    if s.seq is not None:
+                        n = (min(len(req.prompt_ids) - req.num_computed, chunk)
+                             if req.num_computed < len(req.prompt_ids) else self.cfg.spec_k + 1)
+                        need += s.seq.pages.pages_needed(n)
+        return need
+
+    def make_room(self) -> None:
+        """If the running requests cannot get their KV pages: evict unreferenced READY checkpoints, then
+        preempt the most recently admitted requests (requeued first, recomputed on readmission; finished
+        samples keep their outputs) — never fail the step for pages. A single request too large for the pool
+        was refused at submission."""
+        pages = self.kv.pages
+        if self.pages_for_running() <= pages.num_free:
+            return
+        self.kv.checkpoints.evict(len(self.kv.checkpoints))
+        while self.pages_for_running() > pages.num_free and len(self.running) > 1:
+            self.requeue(self.running[-1])
+            self.counters["preemptions"] += 1
+
+    # ------------------------------------------------------------------ giving things back
+    def free_samples(self, req: Request) -> None:
+        for s in req.samples:
+            if s.seq is not None:
+                self.kv.free_seq(s.seq)
+                s.seq = None
+
+    def requeue(self, job: Job, front: int = 0) -> None:
+        """Back into the queue (at ``front``) with nothing allocated: preemption, a failed step. Outputs so
+        far are kept; the request is recomputed on readmission."""
+        if isinstance(job, Request):
+            self.drop_production(job)
+            self.free_samples(job)
+            job.num_computed = 0
+            if job in self.running:
+                self.running.remove(job)
+        else:
+            self.drop_score_production(job)
+        if job not in self.waiting:
+            self.waiting.insert(front, job)
+
+    def drop_production(self, req: Request) -> None:
+        """Give up a chunked producer's checkpoint (abort, preemption, failed step): a PENDING entry is dropped
+        with its KV pages, so requests waiting for it find no checkpoint and one of them produces it; a READY
+        one stays published, only the request's reference is released."""
+        p, req.prod = req.prod, None
+        if p is None:
+            return
+        ck = self.kv.checkpoints
+        if ck.is_pending(p.entry):
+            if self.producing.get(p.entry.token_ids) is req:
+                del self.producing[p.entry.token_ids]
+            ck.abort(p.entry, p.seq.pages)
+            # it was never published: undo its admission's counts (its next producer counts them)
+            self.counters["checkpoints_published"] -= 1
+            miss = req.checkpoint.miss_reason
+            if self.counters["checkpoint_misses"].get(miss):
+                self.counters["checkpoint_misses"][miss] -= 1
+            req.checkpoint = CheckpointInfo()
+        elif p.entry.status is CheckpointStatus.READY:
+            ck.release(p.entry)
+
+    def drop_score_production(self, job: ScoreJob) -> None:
+        """A score job's chunked prefix in production (PENDING) or its held READY prefix."""
+        ck = self.kv.checkpoints
+        if job.prod is not None and job.entry is not None and ck.is_pending(job.entry):
+            self.producing.pop(job.entry.token_ids, None)
+            ck.abort(job.entry, job.prod.pages)
+        elif job.entry is not None and job.entry.status is CheckpointStatus.READY:
+            ck.release(job.entry)
+        job.prod, job.entry, job.num_computed = None, None, 0
+
+    def remove(self, job: Job) -> None:
+        """Out of every queue with everything it holds (finished, aborted, failed)."""
+        if isinstance(job, Request):
+            self.drop_production(job)
+            self.free_samples(job)
+            if job in self.running:
+                self.running.remove(job)
+        else:
+            self.drop_score_production(job)
+        if job in self.waiting:
+            self.waiting.remove(job)
+        if self.allowed is not None:
+            self.allowed.discard(job)
