@@ -239,7 +239,7 @@ def readmit(s: Scheduler, req: Request, batch: StepBatch, p: AdmitPass) -> str:
 def _score_source(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass):
     """Where this wave's candidates start: ("ready", kv) from the prefix checkpoint (held by the job or hit now),
     ("producer", item) of this step, ("zeros", None) for a one-token prefix; None: wait (PENDING elsewhere, or
-    the prefix is still being produced chunk by chunk — its next chunk is added here)."""
+    the prefix is still being produced chunk by chunk — its next chunk is added here); STOP: the budget is spent."""
     key = tuple(job.prefix_ids[:-1])
     ck = s.kv.checkpoints
     if not key:
@@ -272,13 +272,18 @@ def _score_source(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass):
         return "ready", ck.kv_of(look.entry)
     if look.entry is not None:                    # PENDING under another producer
         return None
+    first = len(key) + min(len(job.candidates[i]) + 1 for i in job.todo)
+    # a prefix that fits a step waits for one (as a checkpoint producer does) to run with its candidates;
+    # one too long for any step (or a step busy with chunks) is produced chunk by chunk
+    chunked = first > max(p.budget, MIN_CHUNK) and (p.busy or first > s.cfg.max_step_tokens)
+    if not chunked and p.over(batch, first):
+        return STOP
     s.kv.make_room(1, s.kv.pages_for(len(key)), p.reserved)
     if not s.kv.fits(1, s.kv.pages_for(len(key)), p.reserved):
         return None
     entry, prod = ck.reserve(key, s.kv.pages)
     p.reserved += s.kv.pages_for(len(key))
-    smallest = min(len(job.candidates[i]) + 1 for i in job.todo)
-    if len(key) + smallest > max(p.budget, MIN_CHUNK) and (batch.items or p.busy or len(key) > s.cfg.max_step_tokens):
+    if chunked:
         job.entry, job.prod = entry, prod         # a long prefix: chunk by chunk into the PENDING checkpoint
         s.producing[key] = job
         return _score_source(s, job, batch, p)
@@ -294,8 +299,8 @@ def admit_score(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass) -> 
     """As many of the job's candidates as fit this step (slots, pages, budget), each a consumer of the prefix
     minus its last token fed ``[last prefix token] + candidate`` with every row's logits."""
     src = _score_source(s, job, batch, p)
-    if src is None:
-        return SKIP
+    if src is None or src == STOP:
+        return SKIP if src is None else STOP
     kind, ref = src
     shared = len(job.prefix_ids) - 1
     wave = ScoreWave(job)

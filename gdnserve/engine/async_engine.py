@@ -117,6 +117,7 @@ class AsyncEngine:
                 self._stats = e.stats()
                 self._wake.wait()
                 continue
+            idle = e.counters["idle_steps"]
             try:
                 outs = e.step()
             except Exception as err:             # noqa: BLE001  rolled back; the culprit is isolated next
@@ -128,3 +129,5 @@ class AsyncEngine:
             for rid in list(e.scores):
                 self._deliver(rid, e.take_score(rid))
             self._stats = e.stats()
+            if e.counters["idle_steps"] != idle:      # nothing could run (waiting on room): do not spin
+                self._wake.wait(0.005)

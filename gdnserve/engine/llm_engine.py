@@ -60,7 +60,7 @@ class LLMEngine:
         self.vocab_size = model.cfg.vocab_size
         self.counters = {"prompt_tokens": 0, "tokens_generated": 0, "requests_finished": 0, "checkpoint_hits": 0,
                          "checkpoints_published": 0, "spec_drafted": 0, "spec_accepted": 0, "preemptions": 0,
-                         "requests_failed": 0, "checkpoint_misses": {}}
+                         "requests_failed": 0, "idle_steps": 0, "checkpoint_misses": {}}
         # n-gram drafts are proposed by the scheduler on the host; MTP drafts inside the runner's step, on the device
         drafter = NgramDrafter(cfg.spec_k) if cfg.spec_k and cfg.spec_draft == "ngram" else None
         self.scheduler = Scheduler(cfg, self.kv, self.counters, drafter)
@@ -162,9 +162,11 @@ class LLMEngine:
         try:
             self.scheduler.schedule(batch)
             if batch.empty:
-                if self.isolation.active:
+                self.counters["idle_steps"] += 1
+                if self.isolation.active:       # the trial's jobs cannot run now: stop isolating, retry all
                     self.isolation.give_up()
-                return []
+                    return []
+                return self._unfit()
             logits = self.runner.step(batch.items, batch.decodes, is_ready=self.kv.checkpoints.is_ready_slot,
                                       verifies=batch.verifies)
         except Exception as e:       # noqa: BLE001
@@ -301,6 +303,18 @@ class LLMEngine:
         if culprit is None or culprit.request_id not in self.requests:
             return []
         return self._fail(culprit, f"{type(err).__name__}: {err}")
+
+    def _unfit(self) -> list[RequestOutput]:
+        """Nothing runs and nothing waiting could be admitted even with every checkpoint evicted: those jobs
+        can never run (the submission check bounds pages per token, not a producer's extra pages); fail them
+        rather than wait forever."""
+        if self.running or not self.waiting:
+            return []
+        self.kv.checkpoints.evict(len(self.kv.checkpoints))
+        st, pg = self.kv.state, self.kv.pages
+        why = (f"does not fit the engine even alone ({st.num_slots} state slots, {pg.num_pages} KV pages of "
+               f"{pg.page_size}, max_num_seqs {self.config.max_num_seqs})")
+        return [o for job in list(self.waiting) for o in self._fail(job, why)]
 
     def _fail(self, job: Job, why: str) -> list[RequestOutput]:
         self.counters["requests_failed"] += 1
