@@ -164,7 +164,9 @@ class OutputProcessor:
                 seg.append(len(c))
                 last.append(first[item] + len(c))
         dev = logits.device
-        lp, _, _ = token_logprobs(logits[torch.tensor(rows, device=dev)], torch.tensor(targets, device=dev))
+        R = torch.tensor(rows, device=dev)
+        # log-softmax at the targets without copying the [rows, vocab] block: gather, minus each row's logsumexp
+        lp = logits[R, torch.tensor(targets, device=dev)] - logits.logsumexp(-1)[R]
         idx = torch.repeat_interleave(torch.arange(len(seg), device=dev), torch.tensor(seg, device=dev))
         sums = torch.zeros(len(seg), dtype=lp.dtype, device=dev).index_add_(0, idx, lp)
         parts = [sums.double()]
