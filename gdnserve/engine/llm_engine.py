@@ -140,6 +140,7 @@ class LLMEngine:
         """Score now: the job is scheduled with everything else, in waves that fit the step (other requests'
         outputs produced meanwhile come out of the next ``step()``)."""
         rid = self.add_score(prefix, candidates, label_token_ids)
+        failures = 0
         while True:
             res = self.take_score(rid)
             if res is not None:
@@ -148,8 +149,12 @@ class LLMEngine:
                 return res
             try:
                 self._backlog += self._step()
+                failures = 0
             except Exception:       # noqa: BLE001  rolled back; the isolation trials follow
-                continue
+                failures += 1
+                if failures > 3:    # not a request's fault: every step fails
+                    self.abort(rid)
+                    raise
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:

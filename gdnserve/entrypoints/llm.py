@@ -47,11 +47,16 @@ class LLM:
         reqs = [e.make_request(None, p, params, checkpoint_at) for p in batch]    # all validated first
         ids = [e.submit(r) for r in reqs]
         final: dict[str, RequestOutput] = {}
+        failures = 0
         try:
             while len(final) < len(ids) and e.has_unfinished():
                 try:
                     outs = e.step()
+                    failures = 0
                 except Exception as err:     # noqa: BLE001  rolled back; the engine isolates the culprit next
+                    failures += 1
+                    if failures > 3:         # not a request's fault: every step fails
+                        raise
                     logger.warning("engine step failed (isolating the request that causes it): %r", err)
                     continue
                 final.update({o.request_id: o for o in outs if o.finished})

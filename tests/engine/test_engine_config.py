@@ -1,0 +1,38 @@
+"""EngineConfig: every default once, frozen, validated with the field's name; the engine derives the runner's
+config without touching the caller's; the CLI's defaults are EngineConfig's."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from gdnserve.engine.config import EngineConfig
+from gdnserve.engine.llm_engine import LLMEngine
+from gdnserve.engine.model_runner import RunnerConfig
+from gdnserve.entrypoints.serve import add_serve_arguments
+from gdnserve.models.builtin import build_builtin_model
+from gdnserve.models.tokenizer import ByteTokenizer
+
+
+def test_the_callers_runner_config_is_not_mutated():
+    rc = RunnerConfig(num_slots=7, num_pages=33, page_size=8)
+    before = dataclasses.replace(rc)
+    e = LLMEngine(build_builtin_model(), ByteTokenizer(), runner=rc, max_num_seqs=3, spec_k=2, max_model_len=512)
+    assert rc == before
+    assert e.runner.rc is not rc and e.runner.rc.spec_tokens == 3 and e.runner.rc.graph_max_batch == 3
+    assert e.kv.state.num_slots == 7 and e.kv.pages.num_pages == 33 and e.runner.state is e.kv.state
+
+
+def test_frozen_validated_and_the_cli_defaults_are_its_own():
+    c = EngineConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.max_num_seqs = 3
+    for field, bad in [("max_num_seqs", 0), ("prefill_mode", "x"), ("spec_k", -1), ("spec_draft", "eagle")]:
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**{field: bad})
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    args = p.parse_args([])
+    for name in ("max_num_seqs", "max_model_len", "num_pages", "prefill_mode", "spec_k", "spec_mode", "spec_draft"):
+        assert getattr(args, name) == getattr(c, name), name
