@@ -82,7 +82,8 @@ def test_serve_spec_draft_reaches_the_engine(monkeypatch, capsys):
     monkeypatch.setattr(async_engine, "AsyncEngine", lambda engine: engine)
     monkeypatch.setattr(server, "run_server", lambda engine, **kw: seen.update(served=engine))
     assert cli.main(["serve", "--device", "cpu", "--spec-k", "2", "--spec-draft", "mtp"]) == 0
-    assert (seen["spec_k"], seen["spec_draft"], seen["served"]) == (2, "mtp", "engine")
+    cfg = seen["config"]                          # serve builds the EngineConfig (issue 12)
+    assert (cfg.spec_k, cfg.spec_draft, seen["served"]) == (2, "mtp", "engine")
     with pytest.raises(SystemExit):
         cli.main(["serve", "--spec-draft", "eagle"])
     assert "invalid choice: 'eagle'" in capsys.readouterr().err
