@@ -16,7 +16,7 @@ from gdnserve.entrypoints.llm import LLM
 _rng = random.Random(12)
 PREFIX = [_rng.randrange(3, 250) for _ in range(37)]
 TAILS = [[_rng.randrange(3, 250) for _ in range(_rng.randint(1, 12))] for _ in range(6)]
-PLAIN = [[_rng.randrange(3, 250) for _ in range(_rng.randint(1, 70))] for _ in range(6)]
+PLAIN = [[_rng.randrange(3, 250) for _ in range(_rng.randint(1, 60))] for _ in range(6)]
 CANDS = [[_rng.randrange(3, 250) for _ in range(_rng.randint(1, 6))] for _ in range(12)]
 
 _ref_cache: dict = {}
@@ -24,7 +24,7 @@ _ref_cache: dict = {}
 
 @pytest.fixture(scope="module")
 def engines():
-    kw = dict(device="cpu", max_num_seqs=6, num_pages=40, page_size=8, max_step_tokens=64)
+    kw = dict(device="cpu", max_num_seqs=6, num_pages=20, page_size=8, max_step_tokens=64)
     return {"plain": LLM(**kw).engine, "spec": LLM(spec_k=2, **kw).engine,
             "ref": LLM(device="cpu", max_num_seqs=8, num_pages=512, auto_checkpoints=False).engine}
 
@@ -48,7 +48,7 @@ def score_ref(ref, cands):
 
 
 op = st.tuples(st.integers(0, 6), st.sampled_from(["plain", "group", "fork", "score", "abort"]),
-               st.integers(0, 5), st.integers(1, 7))
+               st.integers(0, 5), st.integers(1, 16))
 
 
 @settings(max_examples=6, deadline=None, derandomize=True,
