@@ -16,9 +16,14 @@ from gdnserve.ops.numerics import rel_rms
 
 BACKENDS = ["torch", "triton"]
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# verify+commit / replay equal token-by-token decode bit for bit where the arithmetic order is fixed
-# (CPU: torch and Triton's interpreter); on a GPU the unrolled verify kernel may contract differently
+# verify+commit equals token-by-token decode bit for bit where the arithmetic order is fixed (CPU: torch and
+# Triton's interpreter); on a GPU the unrolled verify kernel may contract differently. Replay is exact only on
+# the torch path: the Triton path replays pending + new tokens as one chunk (WY form, another summation order).
 EXACT = DEV.type == "cpu"
+
+
+def replay_exact(backend: str) -> bool:
+    return EXACT and backend == "torch"
 BF16, F32, I32 = torch.bfloat16, torch.float32, torch.int32
 TOL_O_BF16, TOL_S = 2.5e-3, 1e-5  # §6.4: recurrent decode/verify, bf16 in, fp32 state
 TOL_F32 = 1e-5                     # §6.4: fp32 inputs vs fp64
@@ -308,7 +313,7 @@ def test_replay_verify_then_flush(backend):
     dec = decode_steps(x, pool.clone(), slots, acc, L, backend)
     for s, a in zip(slots.tolist(), acc):
         assert same_bits(new[s], pool[s]) if a == 0 else rel_rms(new[s], dec[s]) <= TOL_S
-        assert same_bits(new[s], dec[s]) or not EXACT
+        assert same_bits(new[s], dec[s]) or not replay_exact(backend)
     assert same_bits(new[2], pool[2])
 
 
@@ -338,7 +343,7 @@ def test_replay_two_steps_ping_pong(backend, finish):
     dec1 = decode_steps(x1, pool.clone(), slots, acc1, L, backend)
     for n, s in enumerate(slots.tolist()):            # slot = committed state after acc1 tokens
         assert rel_rms(new[s], dec1[s]) <= TOL_S
-        assert same_bits(new[s], dec1[s]) or not EXACT
+        assert same_bits(new[s], dec1[s]) or not replay_exact(backend)
         sl = slice(n * L, (n + 1) * L)
         ro, _ = ref_run(x2, sl, dec1[s].double())
         assert rel_rms(o2[sl], stored(ro, BF16, backend)) <= TOL_O_BF16
@@ -356,7 +361,7 @@ def test_replay_two_steps_ping_pong(backend, finish):
             assert rel_rms(o3[n], stored(ro[0], BF16, backend)) <= TOL_O_BF16
     for s in slots.tolist():
         assert rel_rms(new[s], want[s]) <= TOL_S
-        assert same_bits(new[s], want[s]) or not EXACT
+        assert same_bits(new[s], want[s]) or not replay_exact(backend)
     assert same_bits(new[[1, 3]], pool[[1, 3]])
 
 

@@ -12,39 +12,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from gdnserve.ops.gdn import gates
+from gdnserve.ops.gdn.recurrent_chunk_triton import gdn_recurrent_chunk_kernel
+from gdnserve.ops.gdn.recurrent_jit import _STRIDES, _decay, _delta_step, _l2norm
 from gdnserve.ops.launch import cdiv, launch, pow2
 from gdnserve.ops.tl_compat import cast
 
-# jit'ed code may read globals only as constexpr
-SOFTPLUS_THRESHOLD = tl.constexpr(gates.SOFTPLUS_THRESHOLD)
-L2_EPS = tl.constexpr(gates.L2_EPS)
 MAX_GRID_Z = 65535  # CUDA grid limit of the request axis
-
-
-@triton.jit
-def _l2norm(b_x):
-    return b_x * tl.math.rsqrt(tl.sum(b_x * b_x, 0) + L2_EPS)
-
-
-@triton.jit
-def _decay(b_a, b_dt, b_A):
-    """g = -exp(A_log) * softplus(a + dt_bias), with b_A = -exp(A_log); all fp32 scalars."""
-    b_x = b_a + b_dt
-    # clamp before exp: the untaken branch of the select must not overflow
-    b_sp = tl.where(b_x > SOFTPLUS_THRESHOLD, b_x, tl.log(1.0 + tl.exp(tl.minimum(b_x, SOFTPLUS_THRESHOLD))))
-    return b_A * b_sp
-
-
-@triton.jit
-def _delta_step(b_h, b_k, b_v, b_g, b_beta):
-    """St <- exp(g) St; u = beta (v - St k); St <- St + u k^T. b_h [BV, BK], b_k [BK] (normalised)."""
-    b_h = b_h * tl.exp(b_g)
-    b_u = b_beta * (b_v - tl.sum(b_h * b_k[None, :], 1))
-    return b_h + b_u[:, None] * b_k[None, :]
-
-
-_STRIDES = ["s_qt", "s_qh", "s_kt", "s_kh", "s_vt", "s_vh", "s_at", "s_bt", "s_ot", "s_oh"]
 
 
 @triton.jit(do_not_specialize=_STRIDES)
@@ -156,14 +129,22 @@ def _ptr_key(t):  # the specialisation of a pointer argument (see ops/launch.py)
     return None if t is None else (t.dtype, t.data_ptr() % 16 == 0)
 
 
-def gdn_recurrent_fwd(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per_req, write_state,
-                      scratch, scratch_rows, pending, pending_in_rows, num_pending, pending_out_rows,
-                      scale, out):
-    """Launcher of ``gdn_recurrent_fwd_kernel``; arguments as ``recurrent.gdn_recurrent``, already
-    validated (scale a float, out allocated)."""
+MAX_CHUNK_POSITIONS = 16   # pending + new tokens per request that the chunked kernel takes
+CHUNK_PREC = "tf32x3"      # its state products: fp32-level error on tensor cores
+
+
+def recurrent_plan(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per_req, write_state,
+                   scratch, scratch_rows, pending, pending_in_rows, num_pending, pending_out_rows,
+                   scale, out, chunked=None, tile=None, prec=None):
+    """(kernel, grid, args, num_warps, key) of one recurrent call; arguments as ``recurrent.gdn_recurrent``,
+    already validated (scale a float, out allocated). ``chunked``: None = the chunked (WY-form) kernel
+    whenever no per-token scratch states are asked for and a request has 2..16 positions (pending + new
+    tokens), else the token-by-token kernel; ``tile`` = (BV, num_warps) and ``prec`` override the fixed
+    configs (benchmarks compare variants through these)."""
     B = slots.shape[0]
     _, HV, V, K = ssm_pool.shape
     H = k.shape[1]
+    L = tokens_per_req
     BK, BV, nw = _tile(B, HV, K, V)
     if pending is None:
         pk = pv = pa = pb = None
@@ -171,16 +152,42 @@ def gdn_recurrent_fwd(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per
     else:
         pk, pv, pa, pb = pending.k, pending.v, pending.a, pending.b
         LP = pk.shape[1]
-    LS = 0 if scratch is None else scratch.shape[1]
+    P0 = LP if pending_in_rows is not None else 0
+    if chunked is None:
+        chunked = scratch is None and 2 <= P0 + L <= MAX_CHUNK_POSITIONS
+    if tile is not None:
+        BV, nw = tile
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], a.stride(0), b.stride(0), *out.stride()[:2])
-    ptrs = (q, k, v, a, b, A_log, dt_bias, out, ssm_pool, slots, scratch, scratch_rows,
-            pk, pv, pa, pb, pending_in_rows, num_pending, pending_out_rows)
-    consts = (tokens_per_req, H, HV, K, V, LS, LP, BK, BV,
-              scratch is not None, pending_in_rows is not None, pending_out_rows is not None,
-              write_state == "after_pending", write_state == "final")
+    grid = (cdiv(V, BV), HV, B)
+    if chunked:
+        BK, BV = max(BK, 16), max(BV, 16)
+        grid = (cdiv(V, BV), HV, B)
+        NC = max(16, pow2(P0 + L))
+        NF = max(1, (P0 + L - 1).bit_length())            # 2^NF >= P0 + L positions
+        after = write_state == "after_pending" and pending_in_rows is not None
+        PW = P0 if after else (P0 + L if write_state == "final" else 0)
+        ptrs = (q, k, v, a, b, A_log, dt_bias, out, ssm_pool, slots,
+                pk, pv, pa, pb, pending_in_rows, num_pending, pending_out_rows)
+        consts = (L, H, HV, K, V, LP, P0, NC, NF, BK, BV, pending_in_rows is not None,
+                  pending_out_rows is not None, PW, after, prec or CHUNK_PREC)
+        fn = gdn_recurrent_chunk_kernel
+    else:
+        LS = 0 if scratch is None else scratch.shape[1]
+        ptrs = (q, k, v, a, b, A_log, dt_bias, out, ssm_pool, slots, scratch, scratch_rows,
+                pk, pv, pa, pb, pending_in_rows, num_pending, pending_out_rows)
+        consts = (L, H, HV, K, V, LS, LP, BK, BV,
+                  scratch is not None, pending_in_rows is not None, pending_out_rows is not None,
+                  write_state == "after_pending", write_state == "final")
+        fn = gdn_recurrent_fwd_kernel
     key = (max(strides) >> 31, *consts, *map(_ptr_key, ptrs))
-    launch(gdn_recurrent_fwd_kernel, (cdiv(V, BV), HV, B), (*ptrs, scale, *strides, *consts), nw, key=key)
-    return out
+    return fn, grid, (*ptrs, scale, *strides, *consts), nw, key
+
+
+def gdn_recurrent_fwd(*args, **kw):
+    """Launcher of the recurrent kernels (arguments as ``recurrent_plan``); returns ``out``."""
+    fn, grid, targs, nw, key = recurrent_plan(*args, **kw)
+    launch(fn, grid, targs, nw, key=key)
+    return args[18]
 
 
 @triton.jit
@@ -207,3 +214,4 @@ def gdn_commit_fwd(ssm_pool: torch.Tensor, scratch: torch.Tensor, scratch_rows: 
     ptrs = (ssm_pool, scratch, scratch_rows, slots, num_accepted)
     key = (LS, N, *map(_ptr_key, ptrs))
     launch(gdn_commit_fwd_kernel, (cdiv(N, BLOCK), slots.shape[0], 1), (*ptrs, LS, N, BLOCK), 4, key=key)
+
