@@ -24,7 +24,8 @@ import torch
 from gdnserve.ops.backend import Backend, resolve
 from gdnserve.ops.checks import ACT_DTYPES, STATE_DTYPES, check_contiguous, check_index, check_tensor
 from gdnserve.ops.gdn.gates import gates, l2norm
-from gdnserve.ops.gdn.recurrent_triton import MAX_GRID_Z, gdn_commit_fwd, gdn_recurrent_fwd
+from gdnserve.ops.gdn.recurrent_triton import MAX_GRID_Z, gdn_commit_fwd, gdn_recurrent_fwd, recurrent_plan
+from gdnserve.ops.launch import Prepared
 
 WriteState = Literal["final", "after_pending", "none"]
 _WRITE_STATES = ("final", "after_pending", "none")
@@ -169,6 +170,73 @@ def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Te
     return out
 
 
+_ACTS = (0, 1, 2, 3, 4, 7)   # q, k, v, a, b, out: their positions in both kernels' arguments
+
+
+class PreparedRecurrent:
+    """``gdn_recurrent`` prepared once per step shape (``prepare_recurrent``): validated and planned at
+    construction; a call launches the kernel directly (about one Triton launch of host time).
+
+    ``p()`` runs on the bound tensors; ``p(q, k, v, a, b, out)`` on new activations (another layer's, or
+    the next step's): they must have the shapes, strides and dtypes of the bound ones (not re-checked;
+    alignment is). Returns ``out``."""
+
+    __slots__ = ("_launch", "_args", "out")
+
+    def __init__(self, launch_or_none, args: tuple):
+        self._launch, self._args, self.out = launch_or_none, args, args[18]
+
+    def __call__(self, *acts: torch.Tensor) -> torch.Tensor:
+        if self._launch is not None:
+            self._launch(*acts)
+            return acts[5] if acts else self.out
+        args = list(self._args)
+        if acts:
+            args[0:5], args[18] = acts[:5], acts[5]
+        gdn_recurrent_torch(*args)
+        return args[18]
+
+
+def prepare_recurrent(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, *, tokens_per_req: int,
+                      write_state: WriteState = "final", scratch=None, scratch_rows=None, pending=None,
+                      pending_in_rows=None, num_pending=None, pending_out_rows=None, scale=None, out=None,
+                      backend: Backend = "auto") -> PreparedRecurrent:
+    """Arguments as ``gdn_recurrent``, checked here once; returns the prepared call (``PreparedRecurrent``).
+    Everything but the activations (pool, gates, index vectors, scratch, pending) stays bound: build one
+    per layer and step shape from the step's persistent buffers."""
+    _check(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per_req, write_state, scratch, scratch_rows,
+           pending, pending_in_rows, num_pending, pending_out_rows, out)
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    if out is None:
+        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    args = (q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per_req, write_state, scratch, scratch_rows,
+            pending, pending_in_rows, num_pending, pending_out_rows, scale, out)
+    if resolve(backend, ssm_pool) != "triton":
+        return PreparedRecurrent(None, args)
+    fn, grid, targs, nw, key = recurrent_plan(*args)
+    return PreparedRecurrent(Prepared(fn, grid, targs, nw, key=key, per_call=_ACTS), args)
+
+
+def prepare_decode(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, *, pending=None, pending_in_rows=None,
+                   num_pending=None, scale=None, out=None, backend: Backend = "auto") -> PreparedRecurrent:
+    """``gdn_decode`` prepared (see ``prepare_recurrent``)."""
+    return prepare_recurrent(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per_req=1, write_state="final",
+                             pending=pending, pending_in_rows=pending_in_rows, num_pending=num_pending,
+                             scale=scale, out=out, backend=backend)
+
+
+def prepare_verify(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, *, tokens_per_req: int,
+                   mode: Literal["intermediate", "replay"], scratch=None, scratch_rows=None, pending=None,
+                   pending_in_rows=None, num_pending=None, pending_out_rows=None, scale=None, out=None,
+                   backend: Backend = "auto") -> PreparedRecurrent:
+    """``gdn_verify`` prepared (see ``prepare_recurrent``)."""
+    return prepare_recurrent(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per_req=tokens_per_req,
+                             write_state=_verify_write_state(mode, scratch, pending, pending_out_rows),
+                             scratch=scratch, scratch_rows=scratch_rows, pending=pending,
+                             pending_in_rows=pending_in_rows, num_pending=num_pending,
+                             pending_out_rows=pending_out_rows, scale=scale, out=out, backend=backend)
+
+
 def gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, *, pending=None, pending_in_rows=None,
                num_pending=None, scale=None, out=None, backend: Backend = "auto") -> torch.Tensor:
     """One token per request, state written back to the slot. q, k: [B, H, K]; v: [B, HV, V];
@@ -189,20 +257,22 @@ def gdn_verify(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, *, tokens_per_req
     replay: apply the num_pending[n] accepted pending tokens (row pending_in_rows[n]), write that
         state to the slot, run the L tokens without writing the slot, store their raw inputs in row
         pending_out_rows[n]. Returns o: [B*L, HV, V]."""
+    return gdn_recurrent(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per_req=tokens_per_req,
+                         write_state=_verify_write_state(mode, scratch, pending, pending_out_rows), scratch=scratch, scratch_rows=scratch_rows, pending=pending,
+                         pending_in_rows=pending_in_rows, num_pending=num_pending,
+                         pending_out_rows=pending_out_rows, scale=scale, out=out, backend=backend)
+
+
+def _verify_write_state(mode, scratch, pending, pending_out_rows) -> WriteState:
     if mode == "intermediate":
         if scratch is None:
             raise ValueError("scratch: required by mode='intermediate'")
-        write_state = "none"
-    elif mode == "replay":
+        return "none"
+    if mode == "replay":
         if pending is None or pending_out_rows is None:
             raise ValueError("pending/pending_out_rows: required by mode='replay'")
-        write_state = "after_pending"
-    else:
-        raise ValueError(f"mode: expected 'intermediate' or 'replay', got {mode!r}")
-    return gdn_recurrent(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per_req=tokens_per_req,
-                         write_state=write_state, scratch=scratch, scratch_rows=scratch_rows, pending=pending,
-                         pending_in_rows=pending_in_rows, num_pending=num_pending,
-                         pending_out_rows=pending_out_rows, scale=scale, out=out, backend=backend)
+        return "after_pending"
+    raise ValueError(f"mode: expected 'intermediate' or 'replay', got {mode!r}")
 
 
 def gdn_commit_intermediate(ssm_pool: torch.Tensor, scratch: torch.Tensor, scratch_rows: torch.Tensor,
