@@ -406,11 +406,11 @@ CHUNK_VARIANTS = (((16, 2), "tf32x3"), ((32, 4), "ieee"), ((64, 4), "tf32x3"), (
                   ((128, 8), "tf32x3"))
 
 
-def _variant(ours: SimpleNamespace, name: str, tile, prec, chunked, bind: Callable[[Any], dict]) -> Impl:
+def _variant(ours: SimpleNamespace, name: str, tile, prec, chunked, bind: Callable[[Any], dict], **kw) -> Impl:
     """A launch-config variant of a recurrent call (the private planner's overrides), prepared per input set."""
     def fn(s):
         if name not in s.prep:
-            s.prep[name] = ours.prepared_plan(*bind(s)["args"], tile=tile, prec=prec, chunked=chunked)
+            s.prep[name] = ours.prepared_plan(*bind(s)["args"], tile=tile, prec=prec, chunked=chunked, **kw)
         s.prep[name]()
         return s.o
     return Impl(name, fn, {}, True)
@@ -462,6 +462,9 @@ def build_recurrent(ctx: Ctx, B: int, L: int) -> Case:
                 case.impls.append(_variant(ours, f"ours tile {tile}", tile, None, None, lambda s: dict(
                     args=(s.q, s.k, s.v, s.a, s.b, p.A_log, p.dt_bias, pool, s.slots, 1, "final", None, None, None,
                           None, None, None, s.o))))
+            case.impls.append(_variant(ours, "ours evict_first", None, None, None, lambda s: dict(
+                args=(s.q, s.k, s.v, s.a, s.b, p.A_log, p.dt_bias, pool, s.slots, 1, "final", None, None, None,
+                      None, None, None, s.o)), evict="evict_first"))
     if ours is not None and verify:
         scratch = torch.empty(B * n_sets, L, d.HV, d.V, d.K, device=dev, dtype=STATE)
         pending = ours.Pending.empty(2 * B * n_sets, L, d.H, d.HV, d.K, d.V, ACT, dev)

@@ -30,7 +30,7 @@ def gdn_recurrent_fwd_kernel(
     L: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     LS: tl.constexpr, LP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_SCRATCH: tl.constexpr, PENDING_IN: tl.constexpr, PENDING_OUT: tl.constexpr,
-    WRITE_AFTER_PENDING: tl.constexpr, WRITE_FINAL: tl.constexpr,
+    WRITE_AFTER_PENDING: tl.constexpr, WRITE_FINAL: tl.constexpr, EVICT: tl.constexpr,
 ):
     i_v, i_hv, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
@@ -51,7 +51,7 @@ def gdn_recurrent_fwd_kernel(
     # within one slot offsets fit int32; the slot stride (HV*V*K) times the slot id may not
     o_h = i_hv * (V * K) + o_v[:, None] * K + o_k[None, :]
     p_h = pool + slot * (HV * V * K) + o_h
-    b_h = tl.load(p_h, mask=mask_h, other=0).to(tl.float32)
+    b_h = tl.load(p_h, mask=mask_h, other=0, eviction_policy=EVICT).to(tl.float32)
     b_A = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
     b_dt = tl.load(dt_bias + i_hv).to(tl.float32)
 
@@ -135,12 +135,13 @@ CHUNK_PREC = "tf32x3"      # its state products: fp32-level error on tensor core
 
 def recurrent_plan(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per_req, write_state,
                    scratch, scratch_rows, pending, pending_in_rows, num_pending, pending_out_rows,
-                   scale, out, chunked=None, tile=None, prec=None):
+                   scale, out, chunked=None, tile=None, prec=None, evict=""):
     """(kernel, grid, args, num_warps, key) of one recurrent call; arguments as ``recurrent.gdn_recurrent``,
     already validated (scale a float, out allocated). ``chunked``: None = the chunked (WY-form) kernel
     whenever no per-token scratch states are asked for and a request has 2..16 positions (pending + new
     tokens), else the token-by-token kernel; ``tile`` = (BV, num_warps) and ``prec`` override the fixed
-    configs (benchmarks compare variants through these)."""
+    configs, ``evict`` is the state load's eviction policy in the token-by-token kernel (benchmarks compare
+    variants through these)."""
     B = slots.shape[0]
     _, HV, V, K = ssm_pool.shape
     H = k.shape[1]
@@ -177,7 +178,7 @@ def recurrent_plan(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per_re
                 pk, pv, pa, pb, pending_in_rows, num_pending, pending_out_rows)
         consts = (L, H, HV, K, V, LS, LP, BK, BV,
                   scratch is not None, pending_in_rows is not None, pending_out_rows is not None,
-                  write_state == "after_pending", write_state == "final")
+                  write_state == "after_pending", write_state == "final", evict)
         fn = gdn_recurrent_fwd_kernel
     key = (max(strides) >> 31, *consts, *map(_ptr_key, ptrs))
     return fn, grid, (*ptrs, scale, *strides, *consts), nw, key
