@@ -1,7 +1,8 @@
 """Op benchmarks: gdnserve's conv + chunked prefill, decode and verify, against fla 0.6.0.
 
 Run ``gdnserve bench ops`` or ``python -m benchmarks.bench_ops`` (options: --device, --quick, --out,
---no-fla). Writes ``ops_<device>_<date>.json`` and ``.md`` to --out and prints the table.
+--no-fla; ``python -m benchmarks.bench_ops`` also --only KIND[:SIZES]). Writes ``ops_<device>.json`` and
+``.md`` to --out (rewritten after every case; the date and commit are inside) and prints the table.
 
 Workloads on CUDA: the GDN layer of Qwen3.5-35B-A3B (H=16, HV=32, K=V=128, W=4, D=8192), bf16
 activations, fp32 state pool ``[S, HV, V, K]``. q/k/v are column slices of the conv output; slots are
@@ -51,7 +52,7 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -401,9 +402,8 @@ def build_prefill(ctx: Ctx, N: int, L: int) -> Case:
 
 
 TILE_SWEEP_B = (256,)     # batch sizes whose decode/verify rows also time launch-config variants
-DECODE_TILES = ((16, 2), (32, 2), (32, 8), (64, 4), (64, 8), (128, 8))   # (BV, num_warps); (32, 4) is "ours"
-CHUNK_VARIANTS = (((16, 2), "tf32x3"), ((32, 4), "ieee"), ((64, 4), "tf32x3"), ((64, 8), "tf32x3"),
-                  ((128, 8), "tf32x3"))
+DECODE_TILES = ((16, 2), (64, 4), (64, 8))   # (BV, num_warps); (32, 4) is "ours" at B = 256
+CHUNK_VARIANTS = (((16, 2), "tf32x3"), ((64, 4), "tf32x3"), ((32, 4), "ieee"))   # (32, 4) tf32x3 is "ours"
 
 
 def _variant(ours: SimpleNamespace, name: str, tile, prec, chunked, bind: Callable[[Any], dict], **kw) -> Impl:
@@ -790,10 +790,37 @@ def load_fla(use_fla: bool, cuda: bool, notes: list[str], cpu_note: str = "", mi
         return None
 
 
-def run(device: torch.device, quick: bool, out_dir: Path, use_fla: bool) -> dict[str, Any]:
-    """Run every case, write the JSON and markdown, return the result dict (with ``paths``)."""
+def parse_only(specs: list[str] | None) -> dict[str, set[int] | None] | None:
+    """--only KIND[:SIZES] options -> {kind: sizes or None (all)}; None = every case."""
+    if not specs:
+        return None
+    out: dict[str, set[int] | None] = {}
+    for spec in specs:
+        kind, _, sizes = spec.partition(":")
+        if kind not in ("prefill", "decode", "verify"):
+            raise ValueError(f"--only {spec}: kind must be prefill, decode or verify")
+        try:
+            out[kind] = {int(x) for x in sizes.split(",")} if sizes else None
+        except ValueError:
+            raise ValueError(f"--only {spec}: sizes must be comma-separated integers") from None
+    return out
+
+
+def restrict(plan: Plan, only: dict[str, set[int] | None] | None) -> Plan:
+    if only is None:
+        return plan
+    keep = lambda kind, xs, size: tuple(x for x in xs if kind in only and (only[kind] is None  # noqa: E731
+                                                                        or size(x) in only[kind]))
+    return replace(plan, prefill=keep("prefill", plan.prefill, lambda x: x[0]),
+                   decode=keep("decode", plan.decode, int), verify=keep("verify", plan.verify, int))
+
+
+def run(device: torch.device, quick: bool, out_dir: Path, use_fla: bool,
+        only: dict[str, set[int] | None] | None = None) -> dict[str, Any]:
+    """Run every case (or those ``only`` names), write the JSON and markdown (rewritten after every case, so a
+    run cut short keeps what it measured), return the result dict (with ``paths``)."""
     cuda = device.type == "cuda"
-    plan = make_plan(cuda, quick)
+    plan = restrict(make_plan(cuda, quick), only)
     notes: list[str] = []
     errors: list[dict[str, str]] = []
     seed = int.from_bytes(os.urandom(4), "little")
@@ -810,6 +837,18 @@ def run(device: torch.device, quick: bool, out_dir: Path, use_fla: bool) -> dict
                    missing="no comparison rows")
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 60 << 20) if cuda else 0
     ctx = Ctx(plan, device, ours, fla, l2)
+    git = _git()
+
+    def assemble() -> dict[str, Any]:
+        return {
+            "schema": 1, "device": device_name(device), "device_slug": device_slug(device),
+            "date": _dt.date.today().isoformat(), **_versions(), "fla": fla.version if fla else None,
+            "fla_note": fla.note if fla else None, "git": git, "seed": seed, "quick": quick,
+            "only": None if only is None else {k: None if v is None else sorted(v) for k, v in only.items()},
+            "dims": {**plan.dims.__dict__, "D": plan.dims.D}, "iters": plan.iters, "host_iters": plan.host_iters,
+            "ceilings": ceilings, "rows": rows, "errors": errors, "notes": notes,
+            "targets": evaluate_targets(rows, cuda and plan.dims == QWEN35_GDN),
+        }
 
     log(f"{device_name(device)}: measuring ceilings")
     with torch.inference_mode():
@@ -833,30 +872,30 @@ def run(device: torch.device, quick: bool, out_dir: Path, use_fla: bool) -> dict
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
+            write_results(assemble(), out_dir, final=False)
     if not any(r["ours"] and "gpu_us" in r for r in rows):
         errors.append({"where": "run", "error": "no row of ours was timed"})
     if fla is not None and not fla.gates_in_kernel:
         notes.append(fla.note)
     notes += [f"{r['case']} {r['shape']} {r['impl']}: not graph-capturable, GPU column is batched events "
               f"({r['graph_error']})" for r in rows if r.get("graph_error")]
-    res: dict[str, Any] = {
-        "schema": 1, "device": device_name(device), "device_slug": device_slug(device),
-        "date": _dt.date.today().isoformat(), **_versions(), "fla": fla.version if fla else None,
-        "fla_note": fla.note if fla else None, "git": _git(), "seed": seed, "quick": quick,
-        "dims": {**plan.dims.__dict__, "D": plan.dims.D}, "iters": plan.iters, "host_iters": plan.host_iters,
-        "ceilings": ceilings, "rows": rows, "errors": errors, "notes": notes,
-        "targets": evaluate_targets(rows, cuda and plan.dims == QWEN35_GDN),
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"ops_{res['device_slug']}_{res['date']}"
-    res["paths"] = {"json": str(stem.with_suffix(".json")), "md": str(stem.with_suffix(".md"))}
-    Path(res["paths"]["json"]).write_text(json.dumps(res, indent=1, default=str) + "\n")
-    md = to_markdown(res)
-    Path(res["paths"]["md"]).write_text(md)
-    print(md)
+    res = write_results(assemble(), out_dir, final=True)
+    print(res.pop("_md"))
     if res["rows"]:  # the table is long: repeat the targets last, where a log's tail shows them
         print("\n".join(["# Summary", ""] + targets_table(res["targets"])))
     log(f"wrote {res['paths']['json']} and {res['paths']['md']}" + (f"; {len(errors)} error(s)" if errors else ""))
+    return res
+
+
+def write_results(res: dict[str, Any], out_dir: Path, final: bool) -> dict[str, Any]:
+    """The JSON and markdown of ``res`` (``partial`` until the last case has run)."""
+    res["partial"] = not final
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"ops_{res['device_slug']}"
+    res["paths"] = {"json": str(stem.with_suffix(".json")), "md": str(stem.with_suffix(".md"))}
+    Path(res["paths"]["json"]).write_text(json.dumps(res, indent=1, default=str) + "\n")
+    res["_md"] = to_markdown(res)
+    Path(res["paths"]["md"]).write_text(res["_md"])
     return res
 
 
@@ -878,7 +917,12 @@ def run_from_args(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"bench ops: {e}", file=sys.stderr)
         return 2
-    res = run(device, quick=args.quick, out_dir=Path(args.out), use_fla=args.fla)
+    try:
+        only = parse_only(getattr(args, "only", None))
+    except ValueError as e:
+        print(f"bench ops: {e}", file=sys.stderr)
+        return 2
+    res = run(device, quick=args.quick, out_dir=Path(args.out), use_fla=args.fla, only=only)
     return 1 if res["errors"] else 0
 
 
@@ -886,6 +930,9 @@ def main(argv: list[str] | None = None) -> int:
     from gdnserve.entrypoints.cli import add_bench_ops_arguments
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_ops", description=__doc__.split("\n")[0])
     add_bench_ops_arguments(parser)
+    parser.add_argument("--only", action="append", default=None, metavar="KIND[:SIZES]",
+                        help="run only these cases, e.g. --only decode:1,256 --only verify:256 (kinds prefill, "
+                             "decode, verify; sizes: N for prefill N x L, B otherwise; repeatable)")
     return run_from_args(parser.parse_args(argv))
 
 
