@@ -6,9 +6,11 @@
 # Suites (run in the order given; SECONDS = the suite's budget, a default otherwise):
 #   tests[:s]    every test file in its own process (a CUDA fault stays in its file), 4 at a time;
 #                TESTS="tests/ops tests/layers" narrows it. One summary line per file in gpu_tests.log.
-#   ops[:s]      python -m benchmarks.bench_ops            (kernels vs fla, one run)
+#   ops[:s]      python -m benchmarks.bench_ops            (kernels vs fla, one run; OPS_ARGS="--quick
+#                --only decode:1,256 --only verify:256" narrows it)
 #   grouped[:s]  python -m benchmarks.bench_grouped_prefill (four executors vs fla two-phase)
-#   profile[:s]  python -m benchmarks.profile_kernels       (per-kernel GPU time of the grouped step)
+#   profile[:s]  python -m benchmarks.profile_kernels       (per-kernel GPU time of the grouped step;
+#                PROFILE_ARGS=--host adds the host-time profile of one eager call per case)
 #   tune[:s]     python -m benchmarks.tune_chunk            (per-stage launch configs)
 #   model[:s] serve[:s] spec[:s] moe[:s]   the end-to-end benchmarks (--time-budget s)
 #
@@ -18,13 +20,17 @@
 #   pip download $P -d .whl fastapi uvicorn openai httpx pytest hypothesis prometheus-client tqdm einops)
 # holds py3.12 wheels of what the device image may lack (fla-core, flash-linear-attention, pytest,
 # hypothesis, fastapi, openai, ...); pip takes from it only what is not installed. Everything a suite writes
-# lands in /tmp/res and comes back as $OUT/res.tar (at most 8 files return from a call); unpack it into
-# benchmarks/results/ (newest result per benchmark; git keeps the history).
+# lands in /tmp/res and comes back as $OUT/res.tar (at most 8 files return from a call), re-packed every 20 s
+# so a call cut short by its time limit still returns what was written (bench ops rewrites its tables after
+# every case); unpack it into benchmarks/results/ under the stable names (newest result per benchmark, no run
+# numbers; git keeps the history).
 set -u
 cd "$(dirname "$0")/.."
 FINAL=${OUT:-/tmp/out}; mkdir -p "$FINAL"
 OUT=/tmp/res; rm -rf "$OUT"; mkdir -p "$OUT"
-pack() { tar -C /tmp -cf "$FINAL/res.tar" res; }
+pack() { tar -C /tmp -cf "$FINAL/res.tar.part" res 2>/dev/null && mv -f "$FINAL/res.tar.part" "$FINAL/res.tar"; }
+( while sleep 20; do pack; done ) & PACKER=$!
+trap 'kill $PACKER 2>/dev/null; pack' EXIT
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --find-links .whl --no-compile --no-cache-dir \
     fla-core==0.6.0 flash-linear-attention==0.6.0 pytest hypothesis fastapi uvicorn openai httpx \
@@ -58,9 +64,10 @@ for arg in "$@"; do
   echo "== $suite ${b:+(budget ${b}s)}"
   case $suite in
     tests)   run_tests "${b:-480}" ;;
-    ops)     bench bench_ops "${b:-200}" ;;
+    ops)     bench bench_ops "${b:-200}" ${OPS_ARGS:-} ;;
     grouped) bench bench_grouped_prefill "${b:-200}" ;;
-    profile) timeout "${b:-60}" python3 -m benchmarks.profile_kernels > "$OUT/profile.log" 2>&1; grep -A5 "^##" "$OUT/profile.log" | head -60 ;;
+    profile) timeout "${b:-60}" python3 -m benchmarks.profile_kernels ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
+             grep -A5 "^##" "$OUT/profile.log" | head -60 ;;
     tune)    timeout "${b:-200}" python3 -m benchmarks.tune_chunk > "$OUT/tune_chunk.log" 2>&1; tail -30 "$OUT/tune_chunk.log" ;;
     model|serve|spec|moe) bench "bench_$suite" "${b:-120}" --time-budget "${b:-120}" ;;
     *)       echo "unknown suite $suite" ;;

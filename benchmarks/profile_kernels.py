@@ -1,16 +1,20 @@
 """Per-kernel GPU time of our GDN ops on the Qwen3.5-35B-A3B GDN shape (torch.profiler), so a
-missed target can be traced to a stage. python -m benchmarks.profile_kernels [--set NAME=VALUE ...]
-(--set overrides a launch constant of gdnserve.ops.gdn.chunk_triton, e.g. --set PREP_WARPS=4)."""
+missed target can be traced to a stage: python -m benchmarks.profile_kernels [--cases A,B] [--host].
+--host adds where the host time of one eager call goes (perf_counter over 300 calls, then cProfile's top
+entries). Launch configs are compared by benchmarks/tune_chunk.py (prefill) and bench_ops' variant rows
+(decode/verify), not by patching kernel constants here."""
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import pstats
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from gdnserve.ops.conv import causal_conv1d_prefill
-from gdnserve.ops.gdn import chunk_triton
 from gdnserve.ops.gdn.chunk import ChunkWorkspace, chunk_gated_delta_rule
 from gdnserve.ops.gdn.recurrent import GDNPending, gdn_decode, gdn_verify
 from gdnserve.ops.varlen import VarlenMeta
@@ -91,7 +95,28 @@ def verify_case(B, L, mode, dev):
                               scratch=scratch, scratch_rows=slots, out=ov)
 
 
+def host_profile(name: str, fn, n: int = 300) -> None:
+    """Mean host µs of one eager call (GPU idle at the start of the loop), then cProfile's top entries."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    print(f"## host {name}: {dt:.1f} us per call (no profiler)", flush=True)
+    pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+
+
 CASES = {
+    "decode B=1": lambda dev: decode_case(1, dev),
     "fused 1P512+16C64": lambda dev: prefill_case([512] + [64] * 16, [-1] + [0] * 16, dev),
     "fused 1P4096+64C256": lambda dev: prefill_case([4096] + [256] * 64, [-1] + [0] * 64, dev),
     "plain 1x576": lambda dev: prefill_case([576], None, dev),
@@ -103,17 +128,18 @@ CASES = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--set", action="append", default=[])
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.profile_kernels", description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES))
+    ap.add_argument("--host", action="store_true", help="also profile the host time of one eager call per case")
     args = ap.parse_args()
-    for kv in args.set:
-        name, val = kv.split("=")
-        setattr(chunk_triton, name, type(getattr(chunk_triton, name))(eval(val)))
     dev = torch.device("cuda")
-    print("overrides:", args.set or "none", flush=True)
     for name in args.cases.split(","):
-        rows = kernel_table(CASES[name](dev))
+        if name not in CASES:
+            ap.error(f"--cases: unknown case {name!r}")
+        fn = CASES[name](dev)
+        if args.host:
+            host_profile(name, fn)
+        rows = kernel_table(fn)
         total = sum(t for _, t, _ in rows)
         print(f"## {name}: {total:.1f} us GPU per call", flush=True)
         for n, t, c in rows:
