@@ -4,8 +4,10 @@ documented on the public functions in ``recurrent.py``; the launchers here do no
 
 One program owns (V-tile, value head j, request n): a ``[BV, BK]`` fp32 tile of ``S^T`` (pool
 layout ``[S, HV, V, K]``, K contiguous) that stays in registers for the whole call, so a call reads
-the state once and writes it at most once per target. Both per-token reductions (``S^T k`` and
-``S^T q``) run along K inside the tile, which is why the whole (padded) K row is held.
+the state once and writes it at most once per target. This file's kernel goes token by token (two
+reductions along K per token, inside the tile); ``recurrent_chunk_triton.py`` takes the calls without
+per-token scratch states and with 2..16 positions per request as one WY-form chunk. ``recurrent_plan``
+picks the kernel and builds the launch (also for ``ops/launch.Prepared``).
 """
 from __future__ import annotations
 
@@ -156,13 +158,14 @@ def recurrent_plan(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per_re
     P0 = LP if pending_in_rows is not None else 0
     if chunked is None:
         chunked = scratch is None and 2 <= P0 + L <= MAX_CHUNK_POSITIONS
+    elif chunked and (scratch is not None or P0 + L > MAX_CHUNK_POSITIONS):
+        raise ValueError("chunked: the chunked kernel writes no scratch states and takes <= "
+                         f"{MAX_CHUNK_POSITIONS} positions per request")
     if tile is not None:
         BV, nw = tile
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], a.stride(0), b.stride(0), *out.stride()[:2])
-    grid = (cdiv(V, BV), HV, B)
     if chunked:
-        BK, BV = max(BK, 16), max(BV, 16)
-        grid = (cdiv(V, BV), HV, B)
+        BK, BV = max(BK, 16), max(BV, 16)   # tl.dot operands are >= 16 wide
         NC = max(16, pow2(P0 + L))
         NF = max(1, (P0 + L - 1).bit_length())            # 2^NF >= P0 + L positions
         after = write_state == "after_pending" and pending_in_rows is not None
@@ -180,6 +183,7 @@ def recurrent_plan(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per_re
                   scratch is not None, pending_in_rows is not None, pending_out_rows is not None,
                   write_state == "after_pending", write_state == "final", evict)
         fn = gdn_recurrent_fwd_kernel
+    grid = (cdiv(V, BV), HV, B)
     key = (max(strides) >> 31, *consts, *map(_ptr_key, ptrs))
     return fn, grid, (*ptrs, scale, *strides, *consts), nw, key
 
