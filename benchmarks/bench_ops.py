@@ -1,8 +1,9 @@
 """Op benchmarks: gdnserve's conv + chunked prefill, decode and verify, against fla 0.6.0.
 
 Run ``gdnserve bench ops`` or ``python -m benchmarks.bench_ops`` (options: --device, --quick, --out,
---no-fla; ``python -m benchmarks.bench_ops`` also --only KIND[:SIZES]). Writes ``ops_<device>.json`` and
-``.md`` to --out (rewritten after every case; the date and commit are inside) and prints the table.
+--no-fla; ``python -m benchmarks.bench_ops`` also --only KIND[:SIZES]). Writes ``ops_<device>_<date>.json``
+and ``.md`` to --out (rewritten after every case, so a run cut short keeps what it measured; committed as
+``benchmarks/results/ops_<device>.*``, the newest only) and prints the table.
 
 Workloads on CUDA: the GDN layer of Qwen3.5-35B-A3B (H=16, HV=32, K=V=128, W=4, D=8192), bf16
 activations, fp32 state pool ``[S, HV, V, K]``. q/k/v are column slices of the conv output; slots are
@@ -891,7 +892,7 @@ def write_results(res: dict[str, Any], out_dir: Path, final: bool) -> dict[str, 
     """The JSON and markdown of ``res`` (``partial`` until the last case has run)."""
     res["partial"] = not final
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"ops_{res['device_slug']}"
+    stem = out_dir / f"ops_{res['device_slug']}_{res['date']}"
     res["paths"] = {"json": str(stem.with_suffix(".json")), "md": str(stem.with_suffix(".md"))}
     Path(res["paths"]["json"]).write_text(json.dumps(res, indent=1, default=str) + "\n")
     res["_md"] = to_markdown(res)
