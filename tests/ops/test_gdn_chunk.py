@@ -154,18 +154,18 @@ def test_bad_inputs_name_the_tensor(device):
 
 
 @pytest.mark.parametrize("HV", [2, 6])
-def test_prep_split_over_value_heads_is_bit_identical(HV, device, monkeypatch):
+def test_prep_split_over_value_heads_is_bit_identical(HV, device):
     """The prep runs one program per key head (large grids) or per value head (small grids): the same
     arithmetic per value head, so outputs and states agree bit for bit."""
-    from gdnserve.ops.gdn import chunk_triton
+    from gdnserve.ops.gdn.chunk_configs import override
     H, K, V = 2, 32, 16
     lens = [1, 63, 64, 65, 130]
     q, k, v, a, b, A_log, dt_bias = gdn_inputs(sum(lens), H, HV, K, V, torch.bfloat16, device)
     pool0 = random_pool(12, HV, V, K, torch.float32, device)
     res = []
     for below in (0, 1 << 30):     # never split / always split
-        monkeypatch.setattr(chunk_triton, "PREP_SPLIT_BELOW", below)
         pool = pool0.clone()
-        o = run("triton", q, k, v, a, b, A_log, dt_bias, pool, lens, [3, -1, 5, 6, 7], [8, 9, 5, 10, 11])
+        with override(prep_split_below=below):
+            o = run("triton", q, k, v, a, b, A_log, dt_bias, pool, lens, [3, -1, 5, 6, 7], [8, 9, 5, 10, 11])
         res.append((o, pool))
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])

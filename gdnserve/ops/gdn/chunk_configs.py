@@ -1,0 +1,72 @@
+"""Launch configs of the chunked prefill, one row per GPU model (keyed by ``torch.cuda.get_device_name``),
+chosen offline by ``benchmarks/tune_chunk.py`` and read at launch; no autotuning at call time.
+
+Fields that change results (the context-parallel segmentation, operand precisions) are per device, so a
+given GPU always computes the same bits for the same sequence, whatever batch it sits in.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkConfig:
+    # prep (gates, cumsum, K Kᵀ, 𝒯, 𝒲, Ũ)
+    prep_warps: int = 4
+    prep_min_block: int = 64        # K/V tiles padded to >= 64 (Triton 3.6's 4-warp dot at K=16 read out of bounds)
+    prep_split_below: int = 2048    # fewer (chunk row x key head) programs: one program per value head
+    inv_mode: int = 1               # 1: product form of (I+𝒜)⁻¹, 0: blockwise substitution + merge
+    prep_bf16: bool = True          # bf16 operands for K Kᵀ, 𝒲, Ũ (fp32 accumulation)
+    # state pass (and, fused, the output)
+    state_bv: int = 32
+    state_warps: int = 4
+    state_f32: bool = False         # tf32 products on the fp32 state instead of bf16-rounded state
+    fused_out: bool = True          # the state pass writes the outputs itself (no snapshots h, no U round trip)
+    # context parallelism: a sequence of >= cp_min_chunks chunks runs as segments of cp_seg_chunks chunks
+    cp_min_chunks: int = 64
+    cp_seg_chunks: int = 16
+    seg_warps: int = 4
+    comb_prec: str = "tf32x3"       # precision of the segment combine S·P + B (bf16/fp16 inputs; fp32: ieee)
+    # separate output kernel (fused_out=False)
+    out_bv: int = 128
+    out_warps: int = 4
+    out_f32: bool = False
+
+
+DEFAULT = ChunkConfig()
+# Rows chosen by benchmarks/tune_chunk.py (results: benchmarks/results/tune_chunk_h200.json).
+TABLE: dict[str, ChunkConfig] = {
+    "NVIDIA H200": ChunkConfig(),
+}
+_OVERRIDES: dict[str, object] = {}
+
+
+@functools.lru_cache(maxsize=16)
+def _device_row(dev: int) -> ChunkConfig:
+    return TABLE.get(torch.cuda.get_device_name(dev), DEFAULT)
+
+
+def chunk_config(device: torch.device) -> ChunkConfig:
+    base = _device_row(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else DEFAULT
+    return dataclasses.replace(base, **_OVERRIDES) if _OVERRIDES else base
+
+
+@contextlib.contextmanager
+def override(**fields):
+    """Temporarily replace config fields on every device (tests, tuning)."""
+    bad = set(fields) - {f.name for f in dataclasses.fields(ChunkConfig)}
+    if bad:
+        raise ValueError(f"override: unknown ChunkConfig fields {sorted(bad)}")
+    old = dict(_OVERRIDES)
+    _OVERRIDES.update(fields)
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(old)
