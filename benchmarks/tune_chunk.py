@@ -1,22 +1,46 @@
-"""Offline tuning of the chunked prefill on the GPU: each of the three launches timed alone for
-several launch configs, with the error of each variant against our fp32 PyTorch path, beside fla.
-Run on the device: python -m benchmarks.tune_chunk  (writes $OUT/tune_chunk.json)."""
+"""Offline tuning of the chunked prefill on the GPU: the whole chunk call timed for several launch configs
+(``gdnserve/ops/gdn/chunk_configs.py`` fields), each variant's error against our fp32 PyTorch path, fla
+beside; then the final-state error against length and head size (bf16 activations, fp32 pool).
+
+    python -m benchmarks.tune_chunk [--quick] [--out DIR]     # on the device; writes tune_chunk_<gpu>.json
+    python -m benchmarks.tune_chunk --bench [--out DIR]       # + bench_ops' prefill rows with the chosen row
+
+The row of ``chunk_configs.TABLE`` for a GPU is chosen from the "variants" table this prints.
+"""
 from __future__ import annotations
 
-import itertools
+import argparse
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 
 from gdnserve.ops.gdn import chunk_triton as ct
 from gdnserve.ops.gdn.chunk import chunk_gated_delta_rule
+from gdnserve.ops.gdn.chunk_configs import chunk_config, override
 from gdnserve.ops.gdn.chunk_workspace import ChunkWorkspace
 from gdnserve.ops.numerics import rel_rms
 from gdnserve.ops.varlen import VarlenMeta
 
 H, HV, K, V = 16, 32, 128, 128
 dev = "cuda"
+VARIANTS = {   # name -> ChunkConfig overrides
+    "base": {},
+    "unfused, no CP (before)": dict(fused_out=False, cp_min_chunks=1 << 20),
+    "fused, no CP": dict(cp_min_chunks=1 << 20),
+    "CP seg 8": dict(cp_seg_chunks=8),
+    "CP seg 32": dict(cp_seg_chunks=32),
+    "CP min 32": dict(cp_min_chunks=32),
+    "state BV 64": dict(state_bv=64),
+    "seg 8 warps": dict(seg_warps=8),
+    "state f32 (tf32 products)": dict(state_f32=True),
+    "prep inverse: blocks by product form + merge": dict(inv_mode=2),
+    "prep inverse: bf16 products": dict(inv_bf16=True),
+}
+SHAPES = {"1x32768": [32768], "64x256": [256] * 64, "8x4096": [4096] * 8, "1x8192": [8192],
+          "1P512+16C64 (independent)": [512] + [64] * 16}
 
 
 def events(fn, iters=20, warm=3):
@@ -29,43 +53,49 @@ def events(fn, iters=20, warm=3):
         s.record(); fn(); e.record(); torch.cuda.synchronize()
         ts.append(s.elapsed_time(e) * 1e3)
     ts.sort()
-    return round(ts[len(ts) // 2], 1)
+    n = len(ts)
+    return {"p50": round(ts[n // 2], 1), "p10": round(ts[n // 10], 1), "p90": round(ts[(9 * n) // 10], 1)}
 
 
-def inputs(lens):
+def inputs(lens, k_dim=K, regime_alog=(1, 16)):
     T = sum(lens)
-    D = 2 * H * K + HV * V
+    D = 2 * H * k_dim + HV * k_dim
     x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
-    q, k, v = x[:, :H * K].view(T, H, K), x[:, H * K:2 * H * K].view(T, H, K), x[:, 2 * H * K:].view(T, HV, V)
+    q = x[:, :H * k_dim].view(T, H, k_dim)
+    k = x[:, H * k_dim:2 * H * k_dim].view(T, H, k_dim)
+    v = x[:, 2 * H * k_dim:].view(T, HV, k_dim)
     a = torch.randn(T, HV, device=dev, dtype=torch.bfloat16)
     b = torch.randn(T, HV, device=dev, dtype=torch.bfloat16)
-    A_log = torch.log(torch.empty(HV, device=dev).uniform_(1, 16))
+    A_log = torch.log(torch.empty(HV, device=dev).uniform_(*regime_alog))
     dt_bias = torch.rand(HV, device=dev)
     return q, k, v, a, b, A_log, dt_bias
 
 
-def setv(var):
-    for kk, vv in var.items():
-        setattr(ct, kk, vv)
-
-
-def main():
-    out = {"device": torch.cuda.get_device_name(), "rows": []}
+def fla_fn():
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
         from fla.ops.utils.index import prepare_chunk_indices
-        have_fla = True
-    except Exception as e:  # pragma: no cover
-        print("no fla:", e); have_fla = False
-    base = {kk: getattr(ct, kk) for kk in ('PREP_WARPS', 'INV_MODE', 'PREP_BF16', 'STATE_F32', 'STATE_BV', 'STATE_WARPS',
-                                         'OUT_F32', 'OUT_BV', 'OUT_WARPS')}
-    prep_vars = [dict(INV_MODE=m, PREP_WARPS=w, PREP_BF16=bf) for m, w, bf in itertools.product([0, 1], [4, 8], [True, False])]
-    state_vars = [dict(STATE_F32=f, STATE_BV=bv, STATE_WARPS=w) for f, bv, w in
-                  itertools.product([True, False], [16, 32, 64], [4, 8])]
-    out_vars = [dict(OUT_F32=f, OUT_BV=bv, OUT_WARPS=w) for f, bv, w in itertools.product([True, False], [64, 128], [4, 8])]
-    stages = os.environ.get("STAGES", "prep,state,out").split(",")
-    shapes = [[32768], [256] * 64, [512] + [64] * 16][:int(os.environ.get("NSHAPES", "3"))]
-    for lens in shapes:
+    except Exception as e:  # noqa: BLE001
+        print("no fla:", e)
+        return None
+
+    def make(q, k, v, a, b, A_log, dt_bias, h0, lens):
+        g = -A_log.exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+        beta = b.float().sigmoid()
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev, dtype=torch.long)
+        ci = prepare_chunk_indices(cu, 64)
+        cpu = cu.cpu()
+        return lambda: fla_chunk(q[None], k[None], v[None], g[None], beta[None], initial_state=h0,
+                                 output_final_state=True, use_qk_l2norm_in_kernel=True, state_v_first=True,
+                                 cu_seqlens=cu, cu_seqlens_cpu=cpu, chunk_indices=ci)
+    return make
+
+
+def tune(quick: bool) -> list[dict]:
+    rows = []
+    make_fla = fla_fn()
+    shapes = {k: SHAPES[k] for k in (["1x32768", "64x256", "8x4096"] if quick else SHAPES)}
+    for label, lens in shapes.items():
         T, N = sum(lens), len(lens)
         q, k, v, a, b, A_log, dt_bias = inputs(lens)
         pool = torch.randn(2 * N + 2, HV, V, K, device=dev) * 0.1
@@ -74,51 +104,96 @@ def main():
         dst = torch.arange(N, 2 * N, dtype=torch.int32, device=dev)
         ws = ChunkWorkspace.empty(T, meta.num_chunk_rows, HV, K, V, torch.bfloat16, dev)
         o = torch.empty(T, HV, V, device=dev, dtype=torch.bfloat16)
-        row = {"shape": f"{N}x{lens[0]}" if len(set(lens)) == 1 else "1P512+16C64(independent)", "T": T}
         ref_pool = pool.clone()
         ref_o = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ref_pool, meta, src, dst, backend="torch")
+        for name, var in VARIANTS.items():
+            row = {"shape": label, "T": T, "variant": name, "overrides": var}
+            try:
+                with override(**var):
+                    p = pool.clone()
+                    chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, p, meta, src, dst, out=o, workspace=ws)
+                    row["err_o"], row["err_state"] = rel_rms(o, ref_o), rel_rms(p[N:2 * N], ref_pool[N:2 * N])
+                    row["us"] = events(lambda: chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, p, meta, src,
+                                                                      dst, out=o, workspace=ws))
+                    if name == "base":
+                        row["prep_us"] = events(lambda: ct.launch_prep(q, k, v, a, b, A_log, dt_bias, meta, ws))
+                        row["state_us"] = events(lambda: ct.launch_state(q, k, v, p, meta, src, dst, None, ws,
+                                                                         K ** -0.5, o))
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if make_fla is not None:
+            f = make_fla(q, k, v, a, b, A_log, dt_bias, pool[:N].clone(), lens)
+            fo, fs = f()
+            row = {"shape": label, "T": T, "variant": "fla", "err_o": rel_rms(fo[0], ref_o),
+                   "err_state": rel_rms(fs, ref_pool[N:2 * N]), "us": events(f)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del ws, q, k, v, pool, ref_pool
+        torch.cuda.empty_cache()
+    return rows
 
-        def check(name):
-            p = pool.clone()
-            chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, p, meta, src, dst, out=o, workspace=ws)
-            row[name + "_err"] = (round(rel_rms(o, ref_o), 5), round(rel_rms(p[N:2 * N], ref_pool[N:2 * N]), 5))
-            return p
-        for stage, vars_, fn in [
-            ("prep", prep_vars, lambda p: ct.launch_prep(q, k, v, a, b, A_log, dt_bias, meta, ws)),
-            ("state", state_vars, lambda p: ct.launch_state(k, v, p, meta, src, dst, None, ws)),
-            ("out", out_vars, lambda p: ct.launch_output(q, k, v, meta, K ** -0.5, o, ws)),
-        ]:
-            if stage not in stages:
-                continue
-            for var in vars_:
-                setv(base); setv(var)
-                name = stage + ":" + ",".join(f"{kk}={int(vv) if isinstance(vv, bool) else vv}" for kk, vv in var.items())
-                p = check(name)
-                row[name] = events(lambda: fn(p))
-        setv(base)
-        p = check("full")
-        row["full"] = events(lambda: chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, p, meta, src, dst,
-                                                            out=o, workspace=ws))
-        if have_fla:
-            g = -A_log.exp() * torch.nn.functional.softplus(a.float() + dt_bias)
-            beta = b.float().sigmoid()
-            cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=dev, dtype=torch.long)
-            ci = prepare_chunk_indices(cu, 64)
-            h0 = pool[:N].clone()
 
-            def fla_call():
-                return fla_chunk(q[None], k[None], v[None], g[None], beta[None], initial_state=h0,
-                                 output_final_state=True, use_qk_l2norm_in_kernel=True, state_v_first=True,
-                                 cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(), chunk_indices=ci)
-            fo, fs = fla_call()
-            row["fla_err"] = (round(rel_rms(fo[0], ref_o), 5), round(rel_rms(fs, ref_pool[N:2 * N]), 5))
-            row["fla"] = events(fla_call)
-        out["rows"].append(row)
-        print(json.dumps(row), flush=True)
-    os.makedirs(os.environ.get("OUT", "/tmp"), exist_ok=True)
-    with open(os.path.join(os.environ.get("OUT", "/tmp"), "tune_chunk.json"), "w") as f:
-        json.dump(out, f, indent=1)
+def accuracy(quick: bool) -> list[dict]:
+    """Final-state rel-RMS vs length and head size against our fp32 PyTorch path (itself ~3e-7 from a float64
+    recurrence, docs/kernels.md), one sequence from a random initial state, Qwen-like and slow decay."""
+    rows = []
+    make_fla = fla_fn()
+    for kd in (64, 128):
+        for regime, alog in (("qwen", (1, 16)), ("slow", (0.004, 0.006))):
+            for L in [1, 1024, 8192] + ([32768] if kd == 128 or not quick else []):
+                q, k, v, a, b, A_log, dt_bias = inputs([L], kd, alog)
+                pool = torch.randn(2, HV, kd, kd, device=dev) * 0.1
+                meta = VarlenMeta.build([L], dev)
+                s0, s1 = (torch.tensor([i], dtype=torch.int32, device=dev) for i in (0, 1))
+                ref = pool.clone()
+                chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ref, meta, s0, s1, backend="torch")
+                row = {"K=V": kd, "gates": regime, "L": L}
+                for name, var in (("ours", {}), ("ours state_f32", dict(state_f32=True))):
+                    with override(**var):
+                        p = pool.clone()
+                        chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, p, meta, s0, s1)
+                        row[name] = rel_rms(p[1], ref[1])
+                if make_fla is not None:
+                    row["fla"] = rel_rms(make_fla(q, k, v, a, b, A_log, dt_bias, pool[:1].clone(), [L])()[1], ref[1:])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def bench_prefill(out: Path) -> None:
+    """bench_ops' prefill rows only (conv + chunk, ours vs fla, same run), written as ops_prefill_<gpu>.*"""
+    from benchmarks import bench_ops as bo
+    bo.make_plan = lambda cuda, quick: bo.Plan(bo.QWEN35_GDN, ((1, 8192), (1, 32768), (8, 4096), (64, 256)), (), (),
+                                               iters=30, warmup=3, host_iters=50)
+    sub = out / "ops_prefill"
+    res = bo.run(torch.device("cuda"), quick=False, out_dir=sub, use_fla=True)
+    for kind, p in res["paths"].items():
+        Path(p).rename(out / f"ops_prefill_{res['device_slug']}.{kind}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tune_chunk", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--bench", action="store_true", help="also run bench_ops' prefill rows")
+    ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name()
+    res = {"device": name, "config": repr(chunk_config(torch.device("cuda")))}
+    with torch.inference_mode():
+        if not args.no_tune:
+            res["variants"] = tune(args.quick)
+            res["accuracy"] = accuracy(args.quick)
+            slug = name.lower().replace("nvidia ", "").replace(" ", "_")
+            (out / f"tune_chunk_{slug}.json").write_text(json.dumps(res, indent=1) + "\n")
+        if args.bench:
+            bench_prefill(out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -20,7 +20,9 @@ class ChunkConfig:
     prep_warps: int = 4
     prep_min_block: int = 64        # K/V tiles padded to >= 64 (Triton 3.6's 4-warp dot at K=16 read out of bounds)
     prep_split_below: int = 2048    # fewer (chunk row x key head) programs: one program per value head
-    inv_mode: int = 1               # 1: product form of (I+𝒜)⁻¹, 0: blockwise substitution + merge
+    inv_mode: int = 1               # 1: product form of (I+𝒜)⁻¹; 0 / 2: diagonal 16x16 blocks by substitution /
+                                    # by a batched product form, then the blockwise merge
+    inv_bf16: bool = False          # bf16 operands in the product-form inverse
     prep_bf16: bool = True          # bf16 operands for K Kᵀ, 𝒲, Ũ (fp32 accumulation)
     # state pass (and, fused, the output)
     state_bv: int = 32

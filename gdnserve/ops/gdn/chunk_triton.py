@@ -64,7 +64,7 @@ def chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, 
                       s_kt, s_kh, s_vt, s_vh, s_at, s_ah, s_bt, s_bh,
                       R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
-                      INV_MODE: tl.constexpr, PREP_BF16: tl.constexpr, SPLIT: tl.constexpr):
+                      INV_MODE: tl.constexpr, PREP_BF16: tl.constexpr, SPLIT: tl.constexpr, INV_BF16: tl.constexpr):
     # SPLIT programs per key head, each taking R // SPLIT of its value heads (more programs for small grids)
     i_row, i_hs = tl.program_id(0), tl.program_id(1)
     i_h, i_s = i_hs // SPLIT, i_hs % SPLIT
@@ -103,15 +103,22 @@ def chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, 
         b_A = tl.where(strict, b_kk * b_beta[:, None] * tl.exp(diff), 0.)       # strictly lower [C, C]
 
         # --- T = (I + A)^-1 ---
-        if INV_MODE == 0:
+        if INV_MODE != 1:
             b_A4 = tl.reshape(b_A, (4, 16, 4, 16))
             b_Ad = tl.sum(tl.where(same_blk, b_A4, 0.), 2)                     # diagonal blocks [4, 16, 16]
-            b_Ti = tl.broadcast_to(eye16[None, :, :], (4, 16, 16))
-            for i in tl.static_range(1, 16):
-                sel = (o_16 == i)[None, :, None]
-                row = tl.sum(tl.where(sel, b_Ad, 0.), 1)                        # [4, 16] = A[blk, i, :]
-                upd = tl.sum(row[:, :, None] * b_Ti, 1)                         # [4, 16]
-                b_Ti = tl.where(sel, b_Ti - upd[:, None, :], b_Ti)
+            if INV_MODE == 0:   # forward substitution, batched over the four blocks
+                b_Ti = tl.broadcast_to(eye16[None, :, :], (4, 16, 16))
+                for i in tl.static_range(1, 16):
+                    sel = (o_16 == i)[None, :, None]
+                    row = tl.sum(tl.where(sel, b_Ad, 0.), 1)                    # [4, 16] = A[blk, i, :]
+                    upd = tl.sum(row[:, :, None] * b_Ti, 1)                     # [4, 16]
+                    b_Ti = tl.where(sel, b_Ti - upd[:, None, :], b_Ti)
+            else:               # product form on the blocks: 6 batched 16x16 products (A_d^16 = 0)
+                b_Pd = -b_Ad
+                b_Ti = eye16[None, :, :] + b_Pd
+                for _ in tl.static_range(3):
+                    b_Pd = mma(b_Pd, b_Pd, DOT_PREC)
+                    b_Ti = b_Ti + mma(b_Ti, b_Pd, DOT_PREC)
             b_D = tl.reshape(tl.where(same_blk, tl.expand_dims(b_Ti, 2), 0.), (C, C))   # blockdiag
             b_Ao = tl.reshape(tl.where(same_blk, 0., b_A4), (C, C))            # block-strictly-lower part
             b_N = mma(b_D, b_Ao, DOT_PREC)
@@ -124,8 +131,12 @@ def chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, 
             b_P = -b_A
             b_T = eye + b_P
             for _ in tl.static_range(5):
-                b_P = mma(b_P, b_P, DOT_PREC)
-                b_T = b_T + mma(b_T, b_P, DOT_PREC)
+                if INV_BF16:   # bf16 operands, fp32 accumulation (measured for cost and error only)
+                    b_P = mma(cast(b_P, w.dtype.element_ty), cast(b_P, w.dtype.element_ty), DOT_PREC)
+                    b_T = b_T + mma(cast(b_T, w.dtype.element_ty), cast(b_P, w.dtype.element_ty), DOT_PREC)
+                else:
+                    b_P = mma(b_P, b_P, DOT_PREC)
+                    b_T = b_T + mma(b_T, b_P, DOT_PREC)
 
         b_kb = b_k * (b_beta * tl.exp(b_gc))[:, None]
         if PREP_BF16:
@@ -200,7 +211,7 @@ def launch_prep(q, k, v, a, b, A_log, dt_bias, meta: VarlenMeta, ws: ChunkWorksp
         q, k, v, a, b, A_log, dt_bias, meta.cu_seqlens, meta.chunk_indices, ws.gcum, ws.w, ws.u,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         R, HV, K, V, max(pow2(K), cfg.prep_min_block), max(pow2(V), cfg.prep_min_block), CHUNK, _prec(v),
-        cfg.inv_mode, cfg.prep_bf16 and v.dtype != torch.float32, split),
+        cfg.inv_mode, cfg.prep_bf16 and v.dtype != torch.float32, split, cfg.inv_bf16 and v.dtype != torch.float32),
         cfg.prep_warps)
 
 
