@@ -26,18 +26,14 @@ from gdnserve.ops.varlen import VarlenMeta
 
 H, HV, K, V = 16, 32, 128, 128
 dev = "cuda"
-VARIANTS = {   # name -> ChunkConfig overrides
-    "base": {},
-    "unfused, no CP (before)": dict(fused_out=False, cp_min_chunks=1 << 20),
-    "fused, no CP": dict(cp_min_chunks=1 << 20),
-    "CP seg 8": dict(cp_seg_chunks=8),
-    "CP seg 32": dict(cp_seg_chunks=32),
-    "CP min 32": dict(cp_min_chunks=32),
-    "state BV 64": dict(state_bv=64),
-    "seg 8 warps": dict(seg_warps=8),
-    "state f32 (tf32 products)": dict(state_f32=True),
-    "prep inverse: blocks by product form + merge": dict(inv_mode=2),
-    "prep inverse: bf16 products": dict(inv_bf16=True),
+BIG = dict(state_bv=128, state_warps=8, seg_bv=128, seg_warps=8)
+VARIANTS = {   # name -> ChunkConfig overrides (the first round, see docs/kernels.md, ruled out BV 32 fused)
+    "before: unfused, no CP, BV 32": dict(fused_out=False, cp_min_chunks=1 << 20),
+    "unfused + CP (state BV 32; seg BV 128, 8 warps)": dict(fused_out=False, seg_bv=128, seg_warps=8),
+    "fused + CP, BV 128 8 warps": BIG,
+    "fused + CP, BV 128 16 warps": {**BIG, "state_warps": 16},
+    "fused + CP seg 32, BV 128 8 warps": {**BIG, "cp_seg_chunks": 32},
+    "fused + CP, BV 64 4 warps": dict(state_bv=64, seg_bv=128, seg_warps=8),
 }
 SHAPES = {"1x32768": [32768], "64x256": [256] * 64, "8x4096": [4096] * 8, "1x8192": [8192],
           "1P512+16C64 (independent)": [512] + [64] * 16}
@@ -57,7 +53,8 @@ def events(fn, iters=20, warm=3):
     return {"p50": round(ts[n // 2], 1), "p10": round(ts[n // 10], 1), "p90": round(ts[(9 * n) // 10], 1)}
 
 
-def inputs(lens, k_dim=K, regime_alog=(1, 16)):
+def inputs(lens, k_dim=None, regime_alog=(1, 16)):
+    k_dim = k_dim or K
     T = sum(lens)
     D = 2 * H * k_dim + HV * k_dim
     x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
@@ -91,10 +88,55 @@ def fla_fn():
     return make
 
 
+def exactness(var: dict) -> dict:
+    """On the GPU, at the real head dims: varlen == per-sequence and parents == serial, bit for bit, with a
+    context-parallel sequence among them (mild gates, so segment starts matter)."""
+    lens, par = [4200, 300, 64], [-1, 0, 0]
+    q, k, v, a, b, A_log, dt_bias = inputs(lens, regime_alog=(0.04, 0.06))
+    pool = torch.randn(8, HV, V, K, device=dev) * 0.1
+    cu = [0, 4200, 4500, 4564]
+    I = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)  # noqa: E731
+    call = lambda sl, ln, p, s_, d_, pa=None: chunk_gated_delta_rule(  # noqa: E731
+        q[sl], k[sl], v[sl], a[sl], b[sl], A_log, dt_bias, p, VarlenMeta.build(ln, dev), I(s_), I(d_),
+        None if pa is None else I(pa))
+    with override(**var):
+        p1, p2 = pool.clone(), pool.clone()
+        o1 = call(slice(None), lens, p1, [0, 1, 2], [3, 4, 5])
+        o2 = torch.cat([call(slice(cu[i], cu[i + 1]), [lens[i]], p2, [i], [3 + i]) for i in range(3)])
+        varlen = bool(torch.equal(o1, o2) and torch.equal(p1, p2))
+        p3, p4 = pool.clone(), pool.clone()
+        o3 = call(slice(None), lens, p3, [0, -1, -1], [3, 4, 5], par)
+        o4 = torch.cat([call(slice(0, 4200), [4200], p4, [0], [3]), call(slice(4200, None), lens[1:], p4, [3, 3], [4, 5])])
+        parents = bool(torch.equal(o3, o4) and torch.equal(p3, p4))
+        ref = pool.clone()
+        ro = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ref, VarlenMeta.build(lens, dev), I([0, -1, -1]),
+                                    I([3, 4, 5]), I(par), backend="torch")
+    return {"varlen_eq_per_seq": varlen, "parents_eq_serial": parents, "parents_err_o": rel_rms(o3, ro),
+            "parents_err_state": rel_rms(p3, ref)}
+
+
+def conv_times() -> list[dict]:
+    from gdnserve.ops.conv import causal_conv1d_prefill
+    rows = []
+    for label, lens in (("1x32768", [32768]), ("64x256", [256] * 64)):
+        T, N, D = sum(lens), len(lens), 2 * H * K + HV * V
+        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+        w = torch.randn(D, 4, device=dev, dtype=torch.bfloat16)
+        cp = torch.randn(2 * N, 3, D, device=dev, dtype=torch.bfloat16)
+        meta = VarlenMeta.build(lens, dev)
+        s_ = torch.arange(N, dtype=torch.int32, device=dev)
+        y = torch.empty_like(x)
+        f = lambda: causal_conv1d_prefill(x, w, cp, meta, s_, s_ + N, out=y)  # noqa: E731
+        t = events(f)
+        rows.append({"conv": label, "us": t, "TBps": round(2 * x.numel() * 2 / (t["p50"] * 1e-6) / 1e12, 2)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def tune(quick: bool) -> list[dict]:
     rows = []
     make_fla = fla_fn()
-    shapes = {k: SHAPES[k] for k in (["1x32768", "64x256", "8x4096"] if quick else SHAPES)}
+    shapes = {k: SHAPES[k] for k in (["1x32768", "64x256"] if quick else SHAPES)}
     for label, lens in shapes.items():
         T, N = sum(lens), len(lens)
         q, k, v, a, b, A_log, dt_bias = inputs(lens)
@@ -109,13 +151,15 @@ def tune(quick: bool) -> list[dict]:
         for name, var in VARIANTS.items():
             row = {"shape": label, "T": T, "variant": name, "overrides": var}
             try:
+                if label == "1x32768":
+                    row.update(exactness(var))
                 with override(**var):
                     p = pool.clone()
                     chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, p, meta, src, dst, out=o, workspace=ws)
                     row["err_o"], row["err_state"] = rel_rms(o, ref_o), rel_rms(p[N:2 * N], ref_pool[N:2 * N])
                     row["us"] = events(lambda: chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, p, meta, src,
                                                                       dst, out=o, workspace=ws))
-                    if name == "base":
+                    if name == next(iter(VARIANTS)) or name == "fused + CP, BV 128 8 warps":
                         row["prep_us"] = events(lambda: ct.launch_prep(q, k, v, a, b, A_log, dt_bias, meta, ws))
                         row["state_us"] = events(lambda: ct.launch_state(q, k, v, p, meta, src, dst, None, ws,
                                                                          K ** -0.5, o))
@@ -123,7 +167,7 @@ def tune(quick: bool) -> list[dict]:
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
-        if make_fla is not None:
+        if make_fla is not None and not quick:
             f = make_fla(q, k, v, a, b, A_log, dt_bias, pool[:N].clone(), lens)
             fo, fs = f()
             row = {"shape": label, "T": T, "variant": "fla", "err_o": rel_rms(fo[0], ref_o),
@@ -140,9 +184,9 @@ def accuracy(quick: bool) -> list[dict]:
     recurrence, docs/kernels.md), one sequence from a random initial state, Qwen-like and slow decay."""
     rows = []
     make_fla = fla_fn()
-    for kd in (64, 128):
-        for regime, alog in (("qwen", (1, 16)), ("slow", (0.004, 0.006))):
-            for L in [1, 1024, 8192] + ([32768] if kd == 128 or not quick else []):
+    for kd in ((128,) if quick else (128, 64)):
+        for regime, alog in ((("slow", (0.004, 0.006)),) if quick else (("qwen", (1, 16)), ("slow", (0.004, 0.006)))):
+            for L in [1, 1024, 8192, 32768]:
                 q, k, v, a, b, A_log, dt_bias = inputs([L], kd, alog)
                 pool = torch.randn(2, HV, kd, kd, device=dev) * 0.1
                 meta = VarlenMeta.build([L], dev)
@@ -150,7 +194,7 @@ def accuracy(quick: bool) -> list[dict]:
                 ref = pool.clone()
                 chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ref, meta, s0, s1, backend="torch")
                 row = {"K=V": kd, "gates": regime, "L": L}
-                for name, var in (("ours", {}), ("ours state_f32", dict(state_f32=True))):
+                for name, var in (("ours", {}), ("ours state_f32", dict(state_f32=True)), ("ours fused+CP BV128", BIG)):
                     with override(**var):
                         p = pool.clone()
                         chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, p, meta, s0, s1)
@@ -184,12 +228,13 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name()
     res = {"device": name, "config": repr(chunk_config(torch.device("cuda")))}
+    slug = name.lower().replace("nvidia ", "").replace(" ", "_")
     with torch.inference_mode():
         if not args.no_tune:
-            res["variants"] = tune(args.quick)
-            res["accuracy"] = accuracy(args.quick)
-            slug = name.lower().replace("nvidia ", "").replace(" ", "_")
-            (out / f"tune_chunk_{slug}.json").write_text(json.dumps(res, indent=1) + "\n")
+            for key, fn in (("variants", lambda: tune(args.quick)), ("conv", conv_times),
+                            ("accuracy", lambda: accuracy(args.quick))):
+                res[key] = fn()
+                (out / f"tune_chunk_{slug}.json").write_text(json.dumps(res, indent=1) + "\n")
         if args.bench:
             bench_prefill(out)
     return 0

@@ -32,6 +32,7 @@ class ChunkConfig:
     # context parallelism: a sequence of >= cp_min_chunks chunks runs as segments of cp_seg_chunks chunks
     cp_min_chunks: int = 64
     cp_seg_chunks: int = 16
+    seg_bv: int = 32                # row tile of the segment-transition kernel (over the V + K rows)
     seg_warps: int = 4
     comb_prec: str = "tf32x3"       # precision of the segment combine S·P + B (bf16/fp16 inputs; fp32: ieee)
     # separate output kernel (fused_out=False)

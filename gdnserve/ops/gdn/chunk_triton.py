@@ -235,9 +235,10 @@ def launch_state(q, k, v, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, pare
     seg_b = seg_p = ws.gcum
     if ms > 1:
         seg_b, seg_p = ws.seg_buffers(meta.num_chunk_rows // cfg.cp_seg_chunks + 1)
-        launch(chunk_seg_kernel, (nvt + cdiv(K, sbv), N * ms, HV), (
+        gbv = min(cfg.seg_bv, pow2(max(K, V)))
+        launch(chunk_seg_kernel, (cdiv(V, gbv) + cdiv(K, gbv), N * ms, HV), (
             k, ws.w, ws.u, ws.gcum, seg_b, seg_p, meta.cu_seqlens, meta.chunk_offsets, k.stride(0), k.stride(1),
-            ms, R, HV, K, V, BK, sbv, CHUNK, cfg.cp_min_chunks, cfg.cp_seg_chunks, prec, cfg.state_f32),
+            ms, R, HV, K, V, BK, gbv, CHUNK, cfg.cp_min_chunks, cfg.cp_seg_chunks, prec, cfg.state_f32),
             cfg.seg_warps)
     tickets = parents is not None or ms > 1
     nflags = N * HV * nvt
