@@ -148,7 +148,10 @@ def tune(quick: bool) -> list[dict]:
         o = torch.empty(T, HV, V, device=dev, dtype=torch.bfloat16)
         ref_pool = pool.clone()
         ref_o = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ref_pool, meta, src, dst, backend="torch")
-        for name, var in VARIANTS.items():
+        names = list(VARIANTS)
+        pick = os.environ.get("TUNE_VARIANTS")     # e.g. "2,0": a subset, in that order
+        for name in ([names[int(i)] for i in pick.split(",")] if pick else names):
+            var = VARIANTS[name]
             row = {"shape": label, "T": T, "variant": name, "overrides": var}
             try:
                 if label == "1x32768":
