@@ -66,21 +66,11 @@ def conv_prefill_kernel(x, weight, conv_pool, y, cu_seqlens, chunk_indices, src_
     o_d = i_d * BD + tl.arange(0, BD)
     mask_d = o_d < D
     b_acc = tl.zeros([BT, BD], dtype=tl.float32)
-    if i_c > 0:
-        # the whole window lies inside the sequence: plain row loads (contiguous along d, vectorised),
-        # the same values as the select path below, so the same bits
-        m_t = (o_t < L)[:, None] & mask_d[None, :]
-        for m in tl.static_range(W):
-            b_w = tl.load(weight + o_d * stride_w + m, mask=mask_d, other=0.).to(tl.float32)
-            b_e = tl.load(x + (bos + o_t + (m - (W - 1))).to(tl.int64)[:, None] * stride_x + o_d[None, :],
-                          mask=m_t, other=0.)
-            b_acc += b_e.to(tl.float32) * b_w[None, :]
-    else:
-        for m in tl.static_range(W):
-            b_w = tl.load(weight + o_d * stride_w + m, mask=mask_d, other=0.).to(tl.float32)
-            b_e = conv_load_ext(x, conv_pool, o_t + (m - (W - 1)), bos, L, hx_end, hlen, hsrc, o_d, mask_d,
-                                stride_x, D, W)
-            b_acc += b_e.to(tl.float32) * b_w[None, :]
+    for m in tl.static_range(W):
+        b_w = tl.load(weight + o_d * stride_w + m, mask=mask_d, other=0.).to(tl.float32)
+        b_e = conv_load_ext(x, conv_pool, o_t + (m - (W - 1)), bos, L, hx_end, hlen, hsrc, o_d, mask_d,
+                            stride_x, D, W)
+        b_acc += b_e.to(tl.float32) * b_w[None, :]
     if SILU:
         b_acc = b_acc * tl.sigmoid(b_acc)
     p_y = y + (bos + o_t).to(tl.int64)[:, None] * stride_y + o_d[None, :]

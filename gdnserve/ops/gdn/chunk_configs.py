@@ -28,9 +28,9 @@ class ChunkConfig:
     state_bv: int = 32
     state_warps: int = 4
     state_f32: bool = False         # tf32 products on the fp32 state instead of bf16-rounded state
-    fused_out: bool = True          # the state pass writes the outputs itself (no snapshots h, no U round trip)
+    fused_out: bool = False         # the state pass writes the outputs itself (no snapshots h, no U round trip)
     # context parallelism: a sequence of >= cp_min_chunks chunks runs as segments of cp_seg_chunks chunks
-    cp_min_chunks: int = 64
+    cp_min_chunks: int = 1 << 30    # off (see TABLE)
     cp_seg_chunks: int = 16
     seg_bv: int = 32                # row tile of the segment-transition kernel (over the V + K rows)
     seg_warps: int = 4
@@ -42,7 +42,11 @@ class ChunkConfig:
 
 
 DEFAULT = ChunkConfig()
-# Rows chosen by benchmarks/tune_chunk.py (results: benchmarks/results/tune_chunk_h200.json).
+# Rows chosen by benchmarks/tune_chunk.py (benchmarks/results/tune_chunk_h200*.{json,log}, docs/kernels.md).
+# H200, Triton 3.6: the sequential, unfused state pass stays: context parallelism and the fused output, both
+# exact on CPU, measured slower or wrong there so far — fused output at BV 32 gave wrong outputs (rel-RMS
+# 0.87; correct at BV 64), fused + CP at BV 32 took 4218 µs for the state pass at 1x32768 (sequential unfused
+# state + output: ~1.3 ms), BV 128 ran out of shared memory (262144 > 232448 B).
 TABLE: dict[str, ChunkConfig] = {
     "NVIDIA H200": ChunkConfig(),
 }

@@ -121,13 +121,36 @@ def _publish(p_flag):
 
 
 @triton.jit
+def _initial_state(pool, src_slots, dst_slots, parents, sync, i_n, i_hv, i_vt, o_s, m_s,
+                   HV: tl.constexpr, NVT: tl.constexpr, SLOT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
+                   HAS_PARENT: tl.constexpr):
+    """A sequence's initial tile: its parent's final state (waiting for the parent's program of this tile to
+    publish it in the parent's dst slot), else pool[src], else zeros."""
+    i_p = -1
+    if HAS_PARENT:
+        i_p = tl.load(parents + i_n)
+    if i_p >= 0:
+        _wait(sync + 1 + (i_p * HV + i_hv) * NVT + i_vt)
+        s_pd = tl.load(dst_slots + i_p)
+        b_S = tl.load(pool + s_pd.to(tl.int64) * SLOT + o_s, mask=m_s, other=0., cache_modifier=".cg").to(tl.float32)
+    else:
+        s_src = tl.load(src_slots + i_n)
+        b_S = tl.zeros([BV, BK], dtype=tl.float32)
+        if s_src >= 0:
+            b_S = tl.load(pool + s_src.to(tl.int64) * SLOT + o_s, mask=m_s, other=0.).to(tl.float32)
+    return b_S
+
+
+@triton.jit
 def chunk_state_kernel(q, k, w, u, gcum, vnew, h, o, pool, seg_b, seg_p, cu_seqlens, chunk_offsets,
                        src_slots, dst_slots, parents, sync, scale, s_qt, s_qh, s_kt, s_kh, MS, NSEQ_FLAGS,
                        R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, CP_MIN: tl.constexpr,
-                       SEG: tl.constexpr, HAS_PARENT: tl.constexpr, TICKETS: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
+                       CP_MIN: tl.constexpr, SEG: tl.constexpr, HAS_PARENT: tl.constexpr, TICKETS: tl.constexpr,
                        FUSED_OUT: tl.constexpr, DOT_PREC: tl.constexpr, COMB_PREC: tl.constexpr,
                        STATE_F32: tl.constexpr):
+    # CP (a constexpr: some sequence of the call is long enough to be cut) compiles the segment machinery;
+    # without it the kernel is the plain sequential walk, one program per (sequence, value head, V tile)
     NVT: tl.constexpr = (V + BV - 1) // BV
     if TICKETS:
         i_t = tl.atomic_add(sync, 1)
@@ -135,12 +158,6 @@ def chunk_state_kernel(q, k, w, u, gcum, vnew, h, o, pool, seg_b, seg_p, cu_seql
     else:
         i_vt, i_r = tl.program_id(0), tl.program_id(1)
     i_hv = i_r % HV
-    i_n, i_s = (i_r // HV) // MS, (i_r // HV) % MS
-    bos = tl.load(cu_seqlens + i_n)
-    L = tl.load(cu_seqlens + i_n + 1) - bos
-    nseg = _num_segs(L, C, CP_MIN, SEG)
-    if i_s >= nseg:
-        return
     i_h = i_hv // R
     o_c = tl.arange(0, C)
     o_k = tl.arange(0, BK)
@@ -150,50 +167,53 @@ def chunk_state_kernel(q, k, w, u, gcum, vnew, h, o, pool, seg_b, seg_p, cu_seql
     m_s = m_v[:, None] & m_k[None, :]
     o_s = (i_hv * V + o_v[:, None]).to(tl.int64) * K + o_k[None, :]            # offset inside a slot
     SLOT: tl.constexpr = HV * V * K
-    off = tl.load(chunk_offsets + i_n)
-    # flags: [1, 1 + NSEQ_FLAGS) a sequence's final state is in its dst slot; then a segment's start is published
-    p_segflag = sync + 1 + NSEQ_FLAGS + ((i_n * MS + i_s) * HV + i_hv) * NVT + i_vt
-
-    if i_s > 0:
-        _wait(p_segflag)
-        i_x = (off + i_s * SEG) // SEG
-        b_S = tl.load(seg_b + (i_x * HV).to(tl.int64) * V * K + o_s, mask=m_s, other=0., cache_modifier=".cg")
+    if CP:
+        i_n, i_s = (i_r // HV) // MS, (i_r // HV) % MS
     else:
-        i_p = -1
-        if HAS_PARENT:
-            i_p = tl.load(parents + i_n)
-        if i_p >= 0:
-            # the parent's final state, published by the parent's (last segment's) program of this tile
-            _wait(sync + 1 + (i_p * HV + i_hv) * NVT + i_vt)
-            s_pd = tl.load(dst_slots + i_p)
-            b_S = tl.load(pool + s_pd.to(tl.int64) * SLOT + o_s, mask=m_s, other=0.,
-                          cache_modifier=".cg").to(tl.float32)
+        i_n, i_s = i_r // HV, 0
+    bos = tl.load(cu_seqlens + i_n)
+    L = tl.load(cu_seqlens + i_n + 1) - bos
+    off = tl.load(chunk_offsets + i_n)
+    nc = tl.cdiv(L, C)                      # 0 for an empty sequence: src -> dst only
+    if CP:
+        nseg = _num_segs(L, C, CP_MIN, SEG)
+        if i_s >= nseg:
+            return
+        # flags: [1, 1 + NSEQ_FLAGS) a sequence's final state is in its dst slot; then segment starts published
+        if i_s > 0:
+            _wait(sync + 1 + NSEQ_FLAGS + ((i_n * MS + i_s) * HV + i_hv) * NVT + i_vt)
+            i_x = (off + i_s * SEG) // SEG
+            b_S = tl.load(seg_b + (i_x * HV).to(tl.int64) * V * K + o_s, mask=m_s, other=0., cache_modifier=".cg")
         else:
-            s_src = tl.load(src_slots + i_n)
-            b_S = tl.zeros([BV, BK], dtype=tl.float32)
-            if s_src >= 0:
-                b_S = tl.load(pool + s_src.to(tl.int64) * SLOT + o_s, mask=m_s, other=0.).to(tl.float32)
-    if i_s < nseg - 1:
-        # publish the next segment's start: S·P + B, written over B (only this tile reads it)
-        i_x1 = (off + (i_s + 1) * SEG) // SEG
-        p_b = seg_b + (i_x1 * HV).to(tl.int64) * V * K + o_s
-        b_P = tl.load(seg_p + ((i_x1 * HV + i_hv) * K + o_k[:, None]).to(tl.int64) * K + o_k[None, :],
-                      mask=m_k[:, None] & m_k[None, :], other=0.)
-        b_N = mma(b_S, b_P, COMB_PREC) + tl.load(p_b, mask=m_s, other=0.)
-        tl.store(p_b, b_N, mask=m_s)
-        _publish(sync + 1 + NSEQ_FLAGS + ((i_n * MS + i_s + 1) * HV + i_hv) * NVT + i_vt)
+            b_S = _initial_state(pool, src_slots, dst_slots, parents, sync, i_n, i_hv, i_vt, o_s, m_s,
+                                 HV, NVT, SLOT, BV, BK, HAS_PARENT)
+        if i_s < nseg - 1:
+            # publish the next segment's start: S·P + B, written over B (only this tile reads it)
+            i_x1 = (off + (i_s + 1) * SEG) // SEG
+            p_b = seg_b + (i_x1 * HV).to(tl.int64) * V * K + o_s
+            b_P = tl.load(seg_p + ((i_x1 * HV + i_hv) * K + o_k[:, None]).to(tl.int64) * K + o_k[None, :],
+                          mask=m_k[:, None] & m_k[None, :], other=0.)
+            b_N = mma(b_S, b_P, COMB_PREC) + tl.load(p_b, mask=m_s, other=0.)
+            tl.store(p_b, b_N, mask=m_s)
+            _publish(sync + 1 + NSEQ_FLAGS + ((i_n * MS + i_s + 1) * HV + i_hv) * NVT + i_vt)
+        c_beg = i_s * SEG
+        c_end = tl.where(nseg > 1, tl.minimum(nc, (i_s + 1) * SEG), nc)
+        is_last = i_s == nseg - 1
+    else:
+        b_S = _initial_state(pool, src_slots, dst_slots, parents, sync, i_n, i_hv, i_vt, o_s, m_s,
+                             HV, NVT, SLOT, BV, BK, HAS_PARENT)
+        c_beg = 0
+        c_end = nc
+        is_last = True
 
     DT: tl.constexpr = w.dtype.element_ty
-    nc = tl.cdiv(L, C)                      # 0 for an empty sequence: src -> dst only
-    c_end = tl.where(nseg > 1, tl.minimum(nc, (i_s + 1) * SEG), nc)
-    for i_c in range(i_s * SEG, c_end):
+    for i_c in range(c_beg, c_end):
         t0 = bos + i_c * C
         n_valid = tl.minimum(C, L - i_c * C)
         m_rows, o_rows, b_k, b_w, b_gc, g_last = _load_chunk(k, w, gcum, t0, n_valid, i_h, i_hv, s_kt, s_kh,
                                                              o_c, o_k, m_k, HV, K)
         b_u = tl.load(u + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :],
                       mask=m_rows[:, None] & m_v[None, :], other=0.).to(tl.float32)
-        b_Sd = cast(b_S, DT)
         if not FUSED_OUT:
             tl.store(h + ((off + i_c).to(tl.int64) * SLOT) + o_s, cast(b_S, h.dtype.element_ty), mask=m_s)
         b_U, b_S1 = _advance(b_S, b_u, b_w, b_k, b_gc, g_last, m_rows, DT, DOT_PREC, STATE_F32)
@@ -206,13 +226,13 @@ def chunk_state_kernel(q, k, w, u, gcum, vnew, h, o, pool, seg_b, seg_p, cu_seql
             incl = (o_c[:, None] >= o_c[None, :]) & m_rows[:, None]
             b_qk = mma(b_q, tl.trans(cast(b_k, DT)), DOT_PREC)
             b_qk = tl.where(incl, b_qk * tl.exp(tl.where(incl, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
-            b_o = mma(b_q, tl.trans(b_Sd), DOT_PREC) * tl.exp(b_gc)[:, None]
+            b_o = mma(b_q, tl.trans(cast(b_S, DT)), DOT_PREC) * tl.exp(b_gc)[:, None]
             b_o += mma(cast(b_qk, DT), cast(b_U, DT), DOT_PREC)
             tl.store(o + p_rv, cast(b_o * scale, o.dtype.element_ty), mask=m_rv)
         else:
             tl.store(vnew + p_rv, cast(b_U, vnew.dtype.element_ty), mask=m_rv)
         b_S = b_S1
-    if i_s == nseg - 1:
+    if is_last:
         s_dst = tl.load(dst_slots + i_n)
         if s_dst >= 0:
             tl.store(pool + s_dst.to(tl.int64) * SLOT + o_s, cast(b_S, pool.dtype.element_ty), mask=m_s)

@@ -252,7 +252,8 @@ def launch_state(q, k, v, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, pare
         q, k, ws.w, ws.u, ws.gcum, vnew, h, out, ssm_pool, seg_b, seg_p,
         meta.cu_seqlens, meta.chunk_offsets, src_slots, dst_slots, parents if parents is not None else src_slots,
         sync, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), ms, nflags,
-        R, HV, K, V, BK, sbv, CHUNK, cfg.cp_min_chunks, cfg.cp_seg_chunks, parents is not None, tickets, fused,
+        R, HV, K, V, BK, sbv, CHUNK, ms > 1, cfg.cp_min_chunks, cfg.cp_seg_chunks, parents is not None, tickets,
+        fused,
         prec, cfg.comb_prec if prec == "tf32" else "ieee", cfg.state_f32), cfg.state_warps)
 
 
