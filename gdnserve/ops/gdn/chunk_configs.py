@@ -34,7 +34,9 @@ class ChunkConfig:
     cp_seg_chunks: int = 16
     seg_bv: int = 32                # row tile of the segment-transition kernel (over the V + K rows)
     seg_warps: int = 4
-    comb_prec: str = "tf32x3"       # precision of the segment combine S·P + B (bf16/fp16 inputs; fp32: ieee)
+    comb_prec: str = "tf32"         # precision of the segment combine S·P + B (bf16/fp16 inputs; fp32: ieee);
+                                    # finer than the bf16 state the chunk steps multiply with
+    comb_block: int = 32            # the combine runs over column blocks of P of this width
     # separate output kernel (fused_out=False)
     out_bv: int = 128
     out_warps: int = 4

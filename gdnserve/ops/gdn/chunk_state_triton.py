@@ -148,7 +148,7 @@ def chunk_state_kernel(q, k, w, u, gcum, vnew, h, o, pool, seg_b, seg_p, cu_seql
                        BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
                        CP_MIN: tl.constexpr, SEG: tl.constexpr, HAS_PARENT: tl.constexpr, TICKETS: tl.constexpr,
                        FUSED_OUT: tl.constexpr, DOT_PREC: tl.constexpr, COMB_PREC: tl.constexpr,
-                       STATE_F32: tl.constexpr):
+                       STATE_F32: tl.constexpr, CB: tl.constexpr):
     # CP (a constexpr: some sequence of the call is long enough to be cut) compiles the segment machinery;
     # without it the kernel is the plain sequential walk, one program per (sequence, value head, V tile)
     NVT: tl.constexpr = (V + BV - 1) // BV
@@ -189,12 +189,17 @@ def chunk_state_kernel(q, k, w, u, gcum, vnew, h, o, pool, seg_b, seg_p, cu_seql
                                  HV, NVT, SLOT, BV, BK, HAS_PARENT)
         if i_s < nseg - 1:
             # publish the next segment's start: S·P + B, written over B (only this tile reads it)
+            # in column blocks of P ([BK, CB] operands: the whole fp32 P, split for tf32x3, does not fit in
+            # shared memory at BV = K = 128)
             i_x1 = (off + (i_s + 1) * SEG) // SEG
-            p_b = seg_b + (i_x1 * HV).to(tl.int64) * V * K + o_s
-            b_P = tl.load(seg_p + ((i_x1 * HV + i_hv) * K + o_k[:, None]).to(tl.int64) * K + o_k[None, :],
-                          mask=m_k[:, None] & m_k[None, :], other=0.)
-            b_N = mma(b_S, b_P, COMB_PREC) + tl.load(p_b, mask=m_s, other=0.)
-            tl.store(p_b, b_N, mask=m_s)
+            p_p = seg_p + (i_x1 * HV + i_hv).to(tl.int64) * K * K
+            for jb in tl.static_range(0, BK, CB):
+                o_j = jb + tl.arange(0, CB)
+                m_j = o_j < K
+                p_b = seg_b + (i_x1 * HV).to(tl.int64) * V * K + (i_hv * V + o_v[:, None]).to(tl.int64) * K + o_j[None, :]
+                m_b = m_v[:, None] & m_j[None, :]
+                b_P = tl.load(p_p + o_k[:, None] * K + o_j[None, :], mask=m_k[:, None] & m_j[None, :], other=0.)
+                tl.store(p_b, mma(b_S, b_P, COMB_PREC) + tl.load(p_b, mask=m_b, other=0.), mask=m_b)
             _publish(sync + 1 + NSEQ_FLAGS + ((i_n * MS + i_s + 1) * HV + i_hv) * NVT + i_vt)
         c_beg = i_s * SEG
         c_end = tl.where(nseg > 1, tl.minimum(nc, (i_s + 1) * SEG), nc)

@@ -254,7 +254,7 @@ def launch_state(q, k, v, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, pare
         sync, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), ms, nflags,
         R, HV, K, V, BK, sbv, CHUNK, ms > 1, cfg.cp_min_chunks, cfg.cp_seg_chunks, parents is not None, tickets,
         fused,
-        prec, cfg.comb_prec if prec == "tf32" else "ieee", cfg.state_f32), cfg.state_warps)
+        prec, cfg.comb_prec if prec == "tf32" else "ieee", cfg.state_f32, min(cfg.comb_block, BK)), cfg.state_warps)
 
 
 def launch_output(q, k, v, meta: VarlenMeta, scale: float, out, ws: ChunkWorkspace):
