@@ -4,6 +4,7 @@ beside; then the final-state error against length and head size (bf16 activation
 
     python -m benchmarks.tune_chunk [--quick] [--out DIR]     # on the device; writes tune_chunk_<gpu>.json
     python -m benchmarks.tune_chunk --bench [--out DIR]       # + bench_ops' prefill rows with the chosen row
+    TRITON_INTERPRET=1 python -m benchmarks.tune_chunk --cpu-accuracy   # state error vs length, small heads, CPU
 
 The row of ``chunk_configs.TABLE`` for a GPU is chosen from the "variants" table this prints.
 """
@@ -209,6 +210,35 @@ def accuracy(quick: bool) -> list[dict]:
     return rows
 
 
+def cpu_accuracy(heads=(32, 64), lengths=(1, 64, 1024, 4096)) -> list[dict]:
+    """The state-error sweep at small heads on the CPU (TRITON_INTERPRET=1 before starting Python): slow gates,
+    HV = 2, random initial state, against the float64 recurrence; [output, final state] rel-RMS."""
+    from gdnserve.ops.gdn.naive import naive_prefill_pool
+    torch.manual_seed(0)
+    rows = []
+    ix = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    for kd in heads:
+        for L in lengths:
+            x = lambda *sh: torch.randn(*sh).to(torch.bfloat16)  # noqa: E731
+            q, k, v, a, b = x(L, 1, kd), x(L, 1, kd), x(L, 2, kd), x(L, 2), x(L, 2)
+            A_log = (torch.full((2,), 0.005).log() + 0.1 * torch.randn(2)).float()
+            dt_bias = torch.rand(2)
+            pool = torch.randn(2, 2, kd, kd) * 0.5
+            ro, rp = naive_prefill_pool(q, k, v, a, b, A_log, dt_bias, pool, [L], [0], [1])
+            row = {"K=V": kd, "L": L}
+            for name, cfg, be in (("default", {}, "triton"), ("state_f32", dict(state_f32=True), "triton"),
+                                  ("cp+fused", dict(cp_min_chunks=4, cp_seg_chunks=4, fused_out=True), "triton"),
+                                  ("torch fp32", {}, "torch")):
+                p = pool.clone()
+                with override(**cfg):
+                    o = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, p, VarlenMeta.build([L], "cpu"),
+                                               ix([0]), ix([1]), backend=be)
+                row[name] = [float("%.3g" % rel_rms(o, ro)), float("%.3g" % rel_rms(p[1], rp[1]))]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def bench_prefill(out: Path) -> None:
     """bench_ops' prefill rows only (conv + chunk, ours vs fla, same run), written as ops_prefill_<gpu>.*"""
     from benchmarks import bench_ops as bo
@@ -225,8 +255,13 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--bench", action="store_true", help="also run bench_ops' prefill rows")
     ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--cpu-accuracy", action="store_true", help="the small-head state-error sweep on the CPU")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args(argv)
+    if args.cpu_accuracy:
+        with torch.inference_mode():
+            cpu_accuracy()
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name()
