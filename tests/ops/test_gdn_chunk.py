@@ -154,18 +154,35 @@ def test_bad_inputs_name_the_tensor(device):
 
 
 @pytest.mark.parametrize("HV", [2, 6])
-def test_prep_split_over_value_heads_is_bit_identical(HV, device, monkeypatch):
+def test_prep_split_over_value_heads_is_bit_identical(HV, device):
     """The prep runs one program per key head (large grids) or per value head (small grids): the same
     arithmetic per value head, so outputs and states agree bit for bit."""
-    from gdnserve.ops.gdn import chunk_triton
+    from gdnserve.ops.gdn.chunk_configs import override
     H, K, V = 2, 32, 16
     lens = [1, 63, 64, 65, 130]
     q, k, v, a, b, A_log, dt_bias = gdn_inputs(sum(lens), H, HV, K, V, torch.bfloat16, device)
     pool0 = random_pool(12, HV, V, K, torch.float32, device)
     res = []
     for below in (0, 1 << 30):     # never split / always split
-        monkeypatch.setattr(chunk_triton, "PREP_SPLIT_BELOW", below)
         pool = pool0.clone()
-        o = run("triton", q, k, v, a, b, A_log, dt_bias, pool, lens, [3, -1, 5, 6, 7], [8, 9, 5, 10, 11])
+        with override(prep_split_below=below):
+            o = run("triton", q, k, v, a, b, A_log, dt_bias, pool, lens, [3, -1, 5, 6, 7], [8, 9, 5, 10, 11])
         res.append((o, pool))
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+
+
+@pytest.mark.parametrize("dtype,cfg", [(torch.float32, dict(inv_mode=0)), (torch.float32, dict(inv_mode=2)),
+                                       (torch.bfloat16, dict(inv_mode=2)), (torch.bfloat16, dict(inv_bf16=True))])
+def test_inverse_variants_against_reference(dtype, cfg, device):
+    """Every (I + 𝒜)⁻¹ variant of the prep (substitution / product form on the diagonal blocks + merge,
+    bf16 operands in the full product form) is the same math."""
+    from gdnserve.ops.gdn.chunk_configs import override
+    H, HV, K, V = 1, 2, 64, 16
+    lens = [1, 65, 130]
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(sum(lens), H, HV, K, V, dtype, device, "mild")
+    pool = random_pool(6, HV, V, K, torch.float32, device)
+    ref_o, ref_pool = naive_prefill_pool(q, k, v, a, b, A_log, dt_bias, pool, lens, [0, 1, 2], [3, 4, 5])
+    with override(**cfg):
+        o = run("triton", q, k, v, a, b, A_log, dt_bias, pool, lens, [0, 1, 2], [3, 4, 5])
+    assert rel_rms(o, ref_o) < TOL[dtype]
+    assert rel_rms(pool, ref_pool) < TOL[dtype]

@@ -1,5 +1,9 @@
 """Scratch tensors of the chunked prefill, preallocated once for a (token, chunk-row) bucket so that
-steps reuse them (and CUDA graphs capture fixed addresses). Sizes: gdn_kernels.md Appendix A."""
+steps reuse them (and CUDA graphs capture fixed addresses). Sizes: gdn_kernels.md Appendix A.
+
+The snapshots h and U (``vnew``) exist only for the unfused output kernel (``ChunkConfig.fused_out`` off);
+the segment buffers only for context-parallel sequences. Both, like the state pass's sync buffer, are
+allocated on first use (warm a bucket before capturing it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,9 +16,12 @@ class ChunkWorkspace:
     gcum: torch.Tensor   # [T, HV] fp32   chunk-local cumulative log-decay
     w: torch.Tensor      # [T, HV, K]     T (beta Gamma K)   (activation dtype)
     u: torch.Tensor      # [T, HV, V]     T (beta V)
-    vnew: torch.Tensor   # [T, HV, V]     U = u - w S0, per chunk
-    h: torch.Tensor      # [NT, HV, V, K] state at each chunk start (activation dtype)
-    sync: torch.Tensor | None = None   # int32 ticket counter + parent-ready flags of the state pass
+    max_chunk_rows: int
+    vnew: torch.Tensor | None = None   # [T, HV, V]      U = u - w S0, per chunk
+    h: torch.Tensor | None = None      # [NT, HV, V, K]  state at each chunk start (activation dtype)
+    sync: torch.Tensor | None = None   # int32 ticket counter + ready flags of the state pass
+    seg_b: torch.Tensor | None = None  # [rows, HV, V, K] fp32  context-parallel segments: B, then the start state
+    seg_p: torch.Tensor | None = None  # [rows, HV, K, K] fp32  a segment's state transition P
 
     @staticmethod
     def empty(max_tokens: int, max_chunk_rows: int, HV: int, K: int, V: int, dtype: torch.dtype,
@@ -23,9 +30,17 @@ class ChunkWorkspace:
             gcum=torch.empty(max_tokens, HV, dtype=torch.float32, device=device),
             w=torch.empty(max_tokens, HV, K, dtype=dtype, device=device),
             u=torch.empty(max_tokens, HV, V, dtype=dtype, device=device),
-            vnew=torch.empty(max_tokens, HV, V, dtype=dtype, device=device),
-            h=torch.empty(max_chunk_rows, HV, V, K, dtype=dtype, device=device),
+            max_chunk_rows=max_chunk_rows,
         )
+
+    def snapshot_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(vnew, h) for the unfused output kernel."""
+        if self.h is None:
+            T, HV, V = self.u.shape
+            K = self.w.shape[2]
+            self.vnew = torch.empty_like(self.u)
+            self.h = torch.empty(self.max_chunk_rows, HV, V, K, dtype=self.w.dtype, device=self.w.device)
+        return self.vnew, self.h
 
     def sync_buffer(self, n: int) -> torch.Tensor:
         """The first n ints of the state pass's sync buffer (grown on demand; fixed address afterwards)."""
@@ -33,6 +48,16 @@ class ChunkWorkspace:
             self.sync = torch.zeros(max(n, 4096), dtype=torch.int32, device=self.w.device)
         return self.sync[:n]
 
+    def seg_buffers(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """B/start and P buffers of the context-parallel state pass for ``rows`` segments (grown on demand)."""
+        if self.seg_b is None or self.seg_b.shape[0] < rows:
+            T, HV, V = self.u.shape
+            K = self.w.shape[2]
+            dev = self.w.device
+            self.seg_b = torch.empty(rows, HV, V, K, dtype=torch.float32, device=dev)
+            self.seg_p = torch.empty(rows, HV, K, K, dtype=torch.float32, device=dev)
+        return self.seg_b, self.seg_p
+
     def fits(self, tokens: int, chunk_rows: int, HV: int, K: int, V: int, dtype: torch.dtype) -> bool:
-        return (self.w.shape[0] >= tokens and self.h.shape[0] >= chunk_rows and self.w.shape[1:] == (HV, K)
+        return (self.w.shape[0] >= tokens and self.max_chunk_rows >= chunk_rows and self.w.shape[1:] == (HV, K)
                 and self.u.shape[2] == V and self.w.dtype == dtype)

@@ -1,0 +1,81 @@
+"""Launch configs of the chunked prefill, one row per GPU model (keyed by ``torch.cuda.get_device_name``),
+chosen offline by ``benchmarks/tune_chunk.py`` and read at launch; no autotuning at call time.
+
+Fields that change results (the context-parallel segmentation, operand precisions) are per device, so a
+given GPU always computes the same bits for the same sequence, whatever batch it sits in.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkConfig:
+    # prep (gates, cumsum, K Kᵀ, 𝒯, 𝒲, Ũ)
+    prep_warps: int = 4
+    prep_min_block: int = 64        # K/V tiles padded to >= 64 (Triton 3.6's 4-warp dot at K=16 read out of bounds)
+    prep_split_below: int = 2048    # fewer (chunk row x key head) programs: one program per value head
+    inv_mode: int = 1               # 1: product form of (I+𝒜)⁻¹; 0 / 2: diagonal 16x16 blocks by substitution /
+                                    # by a batched product form, then the blockwise merge
+    inv_bf16: bool = False          # bf16 operands in the product-form inverse
+    prep_bf16: bool = True          # bf16 operands for K Kᵀ, 𝒲, Ũ (fp32 accumulation)
+    # state pass (and, fused, the output)
+    state_bv: int = 32
+    state_warps: int = 4
+    state_f32: bool = False         # tf32 products on the fp32 state instead of bf16-rounded state
+    fused_out: bool = False         # the state pass writes the outputs itself (no snapshots h, no U round trip)
+    # context parallelism: a sequence of >= cp_min_chunks chunks runs as segments of cp_seg_chunks chunks
+    cp_min_chunks: int = 1 << 30    # off (see TABLE)
+    cp_seg_chunks: int = 16
+    seg_bv: int = 32                # row tile of the segment-transition kernel (over the V + K rows)
+    seg_warps: int = 4
+    comb_prec: str = "tf32"         # precision of the segment combine S·P + B (bf16/fp16 inputs; fp32: ieee);
+                                    # finer than the bf16 state the chunk steps multiply with
+    comb_block: int = 32            # the combine runs over column blocks of P of this width
+    # separate output kernel (fused_out=False)
+    out_bv: int = 128
+    out_warps: int = 4
+    out_f32: bool = False
+
+
+DEFAULT = ChunkConfig()
+# Rows chosen by benchmarks/tune_chunk.py (benchmarks/results/tune_chunk_h200*.{json,log}, docs/kernels.md).
+# H200, Triton 3.6: the sequential, unfused state pass stays: context parallelism and the fused output, both
+# exact on CPU, measured slower or wrong there so far — fused output at BV 32 gave wrong outputs (rel-RMS
+# 0.87; correct at BV 64), fused + CP at BV 32 took 4218 µs for the state pass at 1x32768 (sequential unfused
+# state + output: ~1.3 ms), BV 128 ran out of shared memory (262144 > 232448 B).
+TABLE: dict[str, ChunkConfig] = {
+    "NVIDIA H200": ChunkConfig(),
+}
+_OVERRIDES: dict[str, object] = {}
+
+
+@functools.lru_cache(maxsize=16)
+def _device_row(dev: int) -> ChunkConfig:
+    return TABLE.get(torch.cuda.get_device_name(dev), DEFAULT)
+
+
+def chunk_config(device: torch.device) -> ChunkConfig:
+    base = _device_row(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else DEFAULT
+    return dataclasses.replace(base, **_OVERRIDES) if _OVERRIDES else base
+
+
+@contextlib.contextmanager
+def override(**fields):
+    """Temporarily replace config fields on every device (tests, tuning)."""
+    bad = set(fields) - {f.name for f in dataclasses.fields(ChunkConfig)}
+    if bad:
+        raise ValueError(f"override: unknown ChunkConfig fields {sorted(bad)}")
+    old = dict(_OVERRIDES)
+    _OVERRIDES.update(fields)
+    try:
+        yield
+    finally:
+        _OVERRIDES.clear()
+        _OVERRIDES.update(old)
