@@ -4,7 +4,8 @@
 #   device run: carry [".whl"], command: bash benchmarks/device.sh SUITE[:SECONDS] ...
 #
 # Suites (run in the order given; SECONDS = the suite's budget, a default otherwise):
-#   tests[:s]    every test file in its own process (a CUDA fault stays in its file), 4 at a time;
+#   tests[:s]    every test file in its own process (a CUDA fault stays in its file), JOBS (4) at a time, each
+#                under a timeout of s (<= 300);
 #                TESTS="tests/ops tests/layers" narrows it. One summary line per file in gpu_tests.log.
 #   ops[:s]      python -m benchmarks.bench_ops            (kernels vs fla, one run; OPS_ARGS="--quick
 #                --only decode:1,256 --only verify:256" narrows it)
@@ -47,7 +48,7 @@ run_tests() {  # budget
   mkdir -p "$OUT/tests"
   local files; files=$(find ${TESTS:-tests} -name 'test_*.py' | sort)
   local per=$(( $1 < 300 ? $1 : 300 ))
-  echo "$files" | xargs -P 4 -I{} bash -c '
+  echo "$files" | xargs -P "${JOBS:-4}" -I{} bash -c '
     f={}; log='"$OUT"'/tests/$(echo "$f" | tr / _ | sed "s/.py$//").log
     timeout '"$per"' python3 -m pytest -q -p no:cacheprovider "$f" > "$log" 2>&1; rc=$?
     echo "$f rc=$rc: $(tail -1 "$log")"' | sort | tee "$OUT/gpu_tests.log"
