@@ -24,7 +24,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         for name in ("default_max_tokens", "chat_default_max_tokens"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= 1, got {getattr(self, name)}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must be a non-empty string or None")
 

@@ -27,7 +27,7 @@ class Limits:
         for name in self.__dataclass_fields__:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"limit {name} must be a positive integer, got {value!r}")
+                raise ValueError(f"limit {name} (--{name.replace('_', '-')}) must be a positive integer, got {value!r}")
 
 
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
