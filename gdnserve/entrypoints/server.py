@@ -8,10 +8,11 @@
 The server talks to the engine only through ``gdnserve.engine.engine_api``. It tokenizes prompts itself
 (stripping a checkpoint marker into ``checkpoint_at``; special-token strings in user text stay plain text
 unless ``parse_special_tokens``) so that every length and vocabulary check answers 400 before the engine
-sees the request. Before any route: the Host / Origin checks (``security.py``); per POST route: the API key,
-a JSON content type (415), the body size (413) and the limits of ``limits.py`` (400). Each response carries a ``gdnserve`` field: per prompt, the
-checkpoint it started from (``hit_length``) or why it missed, and whether it published one. A client that
-goes away (streaming or not) has its requests aborted, which frees their slots and pages.
+sees the request. Before any route: the Host / Origin checks (``security.py``); per POST route: the API
+key, a JSON content type (415), the body size (413) and the limits of ``limits.py`` (400). Each response
+carries a ``gdnserve`` field at its top level (streamed: on the chunk that finishes a choice): per prompt,
+the checkpoint it started from (``hit_length``) or why it missed, and whether it published one. A client
+that goes away (streaming or not) has its requests aborted, which frees their slots and pages.
 """
 from __future__ import annotations
 
