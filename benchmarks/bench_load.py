@@ -206,10 +206,11 @@ async def soak_client(c: httpx.AsyncClient, k: int, until: float, max_tokens: in
             ok, why = False, f"{type(e).__name__}: {e}"
         if not ok:
             stats["errors"].append(f"{kind}: {why}")
+            stats["errors_by_kind"][kind] = stats["errors_by_kind"].get(kind, 0) + 1
 
 
 async def soak(url: str, pid: int, seconds: float, clients: int, max_tokens: int) -> dict[str, Any]:
-    stats: dict[str, Any] = {"sent": {}, "errors": []}
+    stats: dict[str, Any] = {"sent": {}, "errors": [], "errors_by_kind": {}}
     samples = [(0.0, rss_mib(pid))]
     t0 = time.monotonic()
     until = t0 + seconds
@@ -223,6 +224,7 @@ async def soak(url: str, pid: int, seconds: float, clients: int, max_tokens: int
         await asyncio.gather(sampler(), *[soak_client(c, k, until, max_tokens, stats) for k in range(clients)])
     return {"seconds": time.monotonic() - t0, "clients": clients, "sent": stats["sent"],
             "requests": sum(stats["sent"].values()), "errors": len(stats["errors"]), "score_busy_503": stats.get("busy", 0),
+            "errors_by_kind": stats["errors_by_kind"],
             "error_samples": stats["errors"][:5], "rss_samples": samples}
 
 
@@ -290,6 +292,10 @@ def markdown(res: dict[str, Any]) -> str:
                   "special-token string in the user text; score: 3 candidates; bad: must get its 4xx; drop: "
                   "the client disconnects after the first chunk).", "",
                   "RSS samples (s: MiB): " + ", ".join(f"{t:.0f}: {x:.0f}" for t, x in r)]
+        if s["errors_by_kind"]:
+            lines += ["", "Soak errors by kind: " + ", ".join(f"{k} {v}" for k, v in sorted(s["errors_by_kind"].items()))
+                      + ". A score request is retried on 503 `server_busy` (Retry-After) up to 50 times, 0.2 s apart; "
+                      "it counts as an error when it is still refused after that."]
         if s["error_samples"]:
             lines += ["", "Soak error samples: " + "; ".join(s["error_samples"])]
     if b["error_samples"]:

@@ -132,7 +132,8 @@ def run_serve(args: argparse.Namespace) -> int:
             return _fail(f"cannot load {'the embedded model' if args.model is None else args.model}: {e}", 1)
         print(banner(engine, args, config, sock.getsockname()[1], time.perf_counter() - t0), file=sys.stderr,
               flush=True)
-        run_server(AsyncEngine(engine), config, port=args.port, sock=sock, shutdown_timeout=args.shutdown_timeout)
+        run_server(AsyncEngine(engine), config=config, port=args.port, sock=sock,
+                   shutdown_timeout=args.shutdown_timeout)
     finally:
         sock.close()
     return 0
@@ -144,16 +145,16 @@ def _url(host: str, port: int) -> str:
 
 def banner(engine, args: argparse.Namespace, config: ServerConfig, port: int, load_s: float) -> str:
     """What is being served, how, and where: printed once the model is loaded."""
-    st = engine.stats()
+    st = engine.stats() if hasattr(engine, "stats") else {}
     runner = getattr(engine, "runner", None)
     device, dtype = getattr(runner, "device", "?"), str(getattr(runner, "dtype", "?")).removeprefix("torch.")
     page = getattr(getattr(runner, "rc", None), "page_size", 16)
     lim = config.limits
     what = "embedded tiny model, random weights: its text is noise" if args.model is None else args.model
     lines = [
-        f"gdnserve: serving {engine.model_name} ({what}); loaded in {load_s:.1f} s",
-        f"  device {device}, dtype {dtype}, prefill {args.prefill_mode}, max_model_len {engine.max_model_len}, "
-        f"max_num_seqs {engine.max_num_seqs}, spec_k {args.spec_k}",
+        f"gdnserve: serving {getattr(engine, 'model_name', '?')} ({what}); loaded in {load_s:.1f} s",
+        f"  device {device}, dtype {dtype}, prefill {args.prefill_mode}, max_model_len {args.max_model_len}, "
+        f"max_num_seqs {args.max_num_seqs}, spec_k {args.spec_k}",
         f"  pools: {st.get('state_pool_total')} state slots, {st.get('page_pool_total')} KV pages x {page} tokens",
         f"  limits: body {lim.max_body_bytes} B, {lim.max_prompts} prompts/request, n <= {lim.max_n}, "
         f"{lim.max_stop} stop strings x {lim.max_stop_chars} chars, JSON depth {lim.max_json_depth}, "
