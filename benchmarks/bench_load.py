@@ -27,6 +27,7 @@ import random
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -318,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
     args.out.mkdir(parents=True, exist_ok=True)
-    server = Server(args, args.out / "load_cpu_server.log")
+    log = Path(tempfile.gettempdir()) / f"gdnserve_bench_load_{os.getpid()}.log"  # the server's log: not a result
+    print(f"server log: {log}", flush=True)
+    server = Server(args, log)
     try:
         asyncio.run(burst(server.url, 20, 10, 2))  # warm-up
         rss_start = rss_mib(server.proc.pid)

@@ -15,7 +15,10 @@ import threading
 import time
 from collections.abc import AsyncIterator
 
-import uvicorn
+import pytest
+
+uvicorn = pytest.importorskip("uvicorn")  # the server's own deps: a machine without them skips with the reason
+pytest.importorskip("fastapi")
 
 from gdnserve.engine.engine_api import (CandidateScore, CheckpointInfo, CompletionOutput, GenerateRequest,
                                         RequestOutput, ScoreResult)

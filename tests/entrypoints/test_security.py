@@ -2,8 +2,10 @@
 unless allowed), Origin checks and CORS for listed origins, OPTIONS answered, the API key on /metrics."""
 from __future__ import annotations
 
-import httpx
 import pytest
+
+# test-only dependencies (the [test] extra); a machine without them skips this file with the reason
+httpx = pytest.importorskip("httpx")
 
 from gdnserve.entrypoints.config import ServerConfig, is_loopback_name, split_host
 from tests.entrypoints.fake_engine import Served, FakeEngine
