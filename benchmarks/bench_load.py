@@ -303,6 +303,10 @@ def markdown(res: dict[str, Any]) -> str:
         lines += ["", "Burst error samples: " + "; ".join(b["error_samples"])]
     lines += ["", f"Server RSS: {res['rss_start']:.0f} MiB after start-up and warm-up, {res['rss_after_burst']:.0f} MiB "
               f"after the burst."]
+    if "loadavg_before" in res:
+        lines += ["", "Machine load average (1, 5, 15 min) before / after: "
+                  + " / ".join(", ".join(f"{x:.1f}" for x in res[k]) for k in ("loadavg_before", "loadavg_after"))
+                  + " (the cores are shared: latencies are of this machine at that moment, not a performance figure)."]
     return "\n".join(lines) + "\n"
 
 
@@ -318,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=DEFAULT_RESULTS, help=f"output folder (default {DEFAULT_RESULTS})")
     args = ap.parse_args(argv)
     import torch
+    commit, load_before = git_commit(), os.getloadavg()  # the code under test; other work on the machine
     args.out.mkdir(parents=True, exist_ok=True)
     log = Path(tempfile.gettempdir()) / f"gdnserve_bench_load_{os.getpid()}.log"  # the server's log: not a result
     print(f"server log: {log}", flush=True)
@@ -330,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"burst: {b['completed']}/{b['requests']} in {b['wall_s']:.1f} s, {b['errors']} errors", flush=True)
         pool_burst = pool_row(drained(server))
         rss_burst = rss_mib(server.proc.pid)
-        res: dict[str, Any] = {"args": vars(args) | {"out": str(args.out)}, "commit": git_commit(),
+        res: dict[str, Any] = {"args": vars(args) | {"out": str(args.out)}, "commit": commit,
+                               "loadavg_before": load_before,
                                "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
                                "command": "python -m benchmarks.bench_load " + " ".join(argv or sys.argv[1:]),
                                "burst": b, "pool_after_burst": pool_burst, "rss_start": rss_start,
@@ -344,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"soak: {res['soak']['requests']} requests, {res['soak']['errors']} errors", flush=True)
     finally:
         server.stop()
+    res["loadavg_after"] = os.getloadavg()
     (args.out / "load_cpu.json").write_text(json.dumps(res, indent=1))
     md = markdown(res)
     (args.out / "load_cpu.md").write_text(md)
