@@ -429,8 +429,6 @@ class _Server:
         try:
             result = await self.engine.score(prefix_ids, cand_ids, labels)
         except ValueError as e:
-            if "free; retry" in str(e):  # the engine's "N state slots needed, M free; retry": load, not the client
-                raise APIError(f"the engine is busy: {e}", None, 503, "server_error", "server_busy") from None
             raise APIError(str(e), getattr(e, "param", None)) from None
         data, scores = [], []
         for c in result.candidates:
@@ -482,7 +480,7 @@ def build_app(engine: AsyncEngineClient, api_key: str | None = None, config: Ser
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status, headers={"Retry-After": "1"} if e.status == 503 else None)
+        return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
