@@ -81,7 +81,7 @@ def test_serve_spec_draft_reaches_the_engine(monkeypatch, capsys):
     monkeypatch.setattr(llm, "load_engine", lambda model, **kw: seen.update(kw) or "engine")
     monkeypatch.setattr(async_engine, "AsyncEngine", lambda engine: engine)
     monkeypatch.setattr(server, "run_server", lambda engine, **kw: seen.update(served=engine))
-    assert cli.main(["serve", "--device", "cpu", "--spec-k", "2", "--spec-draft", "mtp"]) == 0
+    assert cli.main(["serve", "--device", "cpu", "--port", "0", "--spec-k", "2", "--spec-draft", "mtp"]) == 0
     cfg = seen["config"]                          # serve builds the EngineConfig (issue 12)
     assert (cfg.spec_k, cfg.spec_draft, seen["served"]) == (2, "mtp", "engine")
     with pytest.raises(SystemExit):

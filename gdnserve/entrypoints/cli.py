@@ -4,12 +4,16 @@
     gdnserve bench grouped-prefill [--device ...] [--quick] [--out DIR] [--no-fla] [--modes M1,M2,...]
     gdnserve bench model | serve | spec [--device ...] [--quick] [--out DIR] [--layers N] [--experts N] ...
     gdnserve generate PROMPT [--model DIR] [--max-tokens N] [--device ...] [--dtype ...]
+    gdnserve score PREFIX CANDIDATE... [--model DIR] [--labels ID,...] [--softmax] [--json] ...
     gdnserve serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--prefill-mode fused] ...
 
 One ``_add_*`` function per command registers its parser and sets ``func``, a handler that takes the
-parsed arguments and returns an exit code; ``serve``, ``generate`` and ``score``
-slot in the same way beside ``bench ops`` and ``bench grouped-prefill``. Heavy imports (torch, the
-benchmarks) happen inside handlers, so ``--help`` is instant and works while the ops are in progress.
+parsed arguments and returns an exit code. Heavy imports (torch, the benchmarks) happen inside handlers,
+so ``--help`` is instant.
+
+The benchmarks write to ``--out``, by default a folder in the user's cache
+(``$XDG_CACHE_HOME/gdnserve/bench``, else ``~/.cache/gdnserve/bench``), never into the checkout; results
+meant for the repository are written with ``--out benchmarks/results``.
 
 The benchmarks live in the repository's ``benchmarks/`` folder, not in the package. The CLI finds
 them beside the package directory: an editable install (``pip install -e .``) leaves the package in
@@ -19,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_RESULTS = REPO_ROOT / "benchmarks" / "results"
+DEFAULT_RESULTS = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gdnserve" / "bench"
 
 
 class BenchmarkNotFound(RuntimeError):
@@ -136,7 +141,7 @@ _E2E = {  # name -> (module, add_arguments, help)
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    bench = sub.add_parser("bench", help="benchmarks (write JSON + markdown under benchmarks/results/)",
+    bench = sub.add_parser("bench", help=f"benchmarks (write JSON + markdown to --out, default {DEFAULT_RESULTS})",
                            description="Benchmarks; each writes JSON and a markdown table.")
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="{ops,grouped-prefill,model,serve,spec}",
                                      required=True)
@@ -167,6 +172,15 @@ def _add_generate(sub) -> None:
     p.set_defaults(func=run_generate)
 
 
+def _add_score(sub) -> None:
+    from gdnserve.entrypoints.score import add_score_arguments, run_score
+    p = sub.add_parser("score", help="score candidates after a shared prefix (embedded model by default)",
+                       description="Score each CANDIDATE as a continuation of PREFIX, the prefix computed once "
+                                   "(as /v1/score does): tokens, summed and mean log-probability, label probabilities.")
+    add_score_arguments(p)
+    p.set_defaults(func=run_score)
+
+
 def _add_serve(sub) -> None:
     from gdnserve.entrypoints.serve import add_serve_arguments, run_serve
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (embedded model by default)")
@@ -177,9 +191,10 @@ def _add_serve(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gdnserve", description="gdnserve: an inference engine for hybrid "
                                      "Gated-DeltaNet + attention models.")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,bench}", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,score,bench}", required=True)
     _add_serve(sub)
     _add_generate(sub)
+    _add_score(sub)
     _add_bench(sub)
     return parser
 

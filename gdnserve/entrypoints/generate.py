@@ -28,8 +28,16 @@ def run_generate(args: argparse.Namespace) -> int:
     from gdnserve.models.loader import load_model
     from gdnserve.models.tokenizer import load_tokenizer
 
+    from gdnserve.entrypoints.preflight import PreflightError, check_device, check_model_folder
+
     if args.max_tokens < 1:
         print("gdnserve generate: --max-tokens must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        check_model_folder(args.model)
+        check_device(args.device)
+    except PreflightError as e:
+        print(f"gdnserve generate: {e}", file=sys.stderr)
         return 2
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)

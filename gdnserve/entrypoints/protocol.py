@@ -3,7 +3,8 @@ their validation, OpenAI-style errors, and the response pieces (logprobs, usage,
 shapes. Requests are parsed strictly (no "5" for 5) and checked here once; checks that need the engine
 (model name, vocabulary, context length) are in ``server.py``.
 
-Every error is ``{"error": {"message", "type", "param", "code"}}`` with ``param`` naming the field.
+Every error is ``{"error": {"message", "type", "param", "code"}}`` with ``param`` naming the field. The
+limits (``limits.Limits``) are passed to ``parse_request`` and each ``check``.
 """
 from __future__ import annotations
 
@@ -15,11 +16,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from gdnserve.engine.engine_api import CheckpointInfo, TokenizerLike
+from gdnserve.entrypoints.limits import Limits, invalid_unicode, json_depth
 
-MAX_N = 64
-MAX_LOGPROBS = 20
-MAX_STOP = 16
-MAX_CANDIDATES = 1024
+DEFAULT_LIMITS = Limits()
 
 
 class APIError(Exception):
@@ -47,15 +46,26 @@ def _loc_to_param(loc: Sequence[int | str]) -> str:
     return out
 
 
-def parse_request(body: bytes, model: type[BaseModel]) -> Any:
-    """``model`` from a JSON body; malformed JSON, a non-object and every pydantic error become a 400
-    that names the (first) offending field."""
+def parse_request(body: bytes, model: type[BaseModel], limits: Limits = DEFAULT_LIMITS) -> Any:
+    """``model`` from a JSON body; malformed JSON, nesting deeper than ``limits.max_json_depth``, a string
+    that is not valid Unicode (a lone surrogate), a non-object and every pydantic error become a 400 that
+    names the (first) offending field."""
+    depth = json_depth(body)
+    if depth > limits.max_json_depth:
+        raise APIError(f"the request body nests arrays/objects {depth} deep; at most {limits.max_json_depth} "
+                       "(--max-json-depth)", code="json_too_deep")
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # nesting the bracket count did not see (inside a malformed string): still the client's
+        raise APIError("the request body is not valid JSON: nested too deep", code="json_too_deep") from None
     if not isinstance(data, dict):
         raise APIError(f"the request body must be a JSON object, got {type(data).__name__}")
+    bad = invalid_unicode(data)
+    if bad is not None:
+        raise APIError(f"{bad} is not valid Unicode (it holds a lone surrogate escape such as \\ud800)", bad,
+                       code="invalid_unicode")
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -91,12 +101,13 @@ class _SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     checkpoint_at: int | None = None  # gdnserve: publish the state after this many prompt tokens
+    parse_special_tokens: bool | None = None  # gdnserve: special-token strings in the text are control tokens
     # OpenAI fields gdnserve does not implement: refused unless neutral, never silently ignored
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
 
-    def check(self) -> None:
+    def check(self, limits: Limits = DEFAULT_LIMITS) -> None:
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise APIError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
         if self.temperature is not None and not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -105,11 +116,17 @@ class _SamplingRequest(_Strict):
             raise APIError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k is not None and self.top_k < -1:
             raise APIError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k}", "top_k")
-        if not 1 <= self.n <= MAX_N:
-            raise APIError(f"n must be between 1 and {MAX_N}, got {self.n}", "n")
+        if not 1 <= self.n <= limits.max_n:
+            raise APIError(f"n must be between 1 and {limits.max_n}, got {self.n}", "n")
         stops = self.stop_list()
-        if len(stops) > MAX_STOP or any(not s for s in stops):
-            raise APIError(f"stop must be at most {MAX_STOP} non-empty strings", "stop")
+        if len(stops) > limits.max_stop:
+            raise APIError(f"stop holds {len(stops)} strings; at most {limits.max_stop} (--max-stop)", "stop")
+        for i, s in enumerate(stops):
+            if not s:
+                raise APIError("stop strings must not be empty", "stop")
+            if len(s) > limits.max_stop_chars:
+                raise APIError(f"stop string {i} is {len(s)} characters; at most {limits.max_stop_chars} "
+                               "(--max-stop-chars)", "stop")
         if self.checkpoint_at is not None and self.checkpoint_at <= 0:
             raise APIError(f"checkpoint_at must be >= 1 (a token offset inside the prompt), got "
                            f"{self.checkpoint_at}", "checkpoint_at")
@@ -153,10 +170,10 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
     suffix: str | None = None
 
-    def check(self) -> None:
-        super().check()
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise APIError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}", "logprobs")
+    def check(self, limits: Limits = DEFAULT_LIMITS) -> None:
+        super().check(limits)
+        if self.logprobs is not None and not 0 <= self.logprobs <= limits.max_logprobs:
+            raise APIError(f"logprobs must be between 0 and {limits.max_logprobs}, got {self.logprobs}", "logprobs")
         if self.best_of not in (None, self.n):
             raise APIError("best_of is not supported by gdnserve (only best_of = n)", "best_of")
         if self.suffix:
@@ -164,6 +181,9 @@ class CompletionRequest(_SamplingRequest):
         prompts = self.prompts()
         if not prompts:
             raise APIError("prompt must not be empty", "prompt")
+        if len(prompts) > limits.max_prompts:
+            raise APIError(f"prompt holds {len(prompts)} prompts; at most {limits.max_prompts} per request "
+                           "(--max-prompts)", "prompt")
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise APIError("prompt must not be empty" + (f" (prompt {i})" if len(prompts) > 1 else ""), "prompt")
@@ -205,23 +225,29 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
 
-    def check(self) -> None:
-        if self.max_tokens is None and self.max_completion_tokens is not None:
-            if self.max_completion_tokens <= 0:
-                raise APIError(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}",
-                               "max_completion_tokens")
-            self.max_tokens = self.max_completion_tokens
-        super().check()
+    def check(self, limits: Limits = DEFAULT_LIMITS) -> None:
+        # both fields are checked whatever the other says; given both, max_completion_tokens (OpenAI's
+        # current name, max_tokens being deprecated for chat) is the one used
+        if self.max_completion_tokens is not None and self.max_completion_tokens <= 0:
+            raise APIError(f"max_completion_tokens must be at least 1, got {self.max_completion_tokens}",
+                           "max_completion_tokens")
+        super().check(limits)
         if not self.messages:
             raise APIError("messages must not be empty", "messages")
         if self.top_logprobs is not None:
-            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                raise APIError(f"top_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.top_logprobs}",
+            if not 0 <= self.top_logprobs <= limits.max_logprobs:
+                raise APIError(f"top_logprobs must be between 0 and {limits.max_logprobs}, got {self.top_logprobs}",
                                "top_logprobs")
             if not self.logprobs:
                 raise APIError("top_logprobs needs logprobs = true", "top_logprobs")
         if self.tools:
             raise APIError("tools are not supported by gdnserve", "tools")
+
+    def token_limit(self) -> tuple[int | None, str]:
+        """The requested completion length and the field it came from."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
     def plain_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text(i)} for i, m in enumerate(self.messages)]
@@ -236,8 +262,9 @@ class ScoreRequest(_Strict):
     items: list[str | list[int]] | None = None
     label_token_ids: list[int] | None = None
     apply_softmax: bool = False
+    parse_special_tokens: bool | None = None
 
-    def check(self) -> tuple[str | list[int], list[str | list[int]]]:
+    def check(self, limits: Limits = DEFAULT_LIMITS) -> tuple[str | list[int], list[str | list[int]]]:
         """``(prefix, candidates)`` whichever names the client used."""
         if self.prefix is not None and self.query is not None:
             raise APIError("give one of prefix and query, not both", "prefix")
@@ -251,8 +278,9 @@ class ScoreRequest(_Strict):
                            "prefix" if self.query is None else "query")
         if not cands:
             raise APIError(f"{cands_name} must be a non-empty list", cands_name)
-        if len(cands) > MAX_CANDIDATES:
-            raise APIError(f"{cands_name} holds {len(cands)} entries; at most {MAX_CANDIDATES}", cands_name)
+        if len(cands) > limits.max_candidates:
+            raise APIError(f"{cands_name} holds {len(cands)} entries; at most {limits.max_candidates} "
+                           "(--max-candidates)", cands_name)
         for i, c in enumerate(cands):
             if len(c) == 0:
                 raise APIError(f"{cands_name}[{i}] is empty", f"{cands_name}[{i}]")
@@ -315,61 +343,3 @@ def chat_logprobs(tok: TokenizerLike, token_ids: Sequence[int],
         content.append({"token": s, "logprob": _sampled_logprob(entry, tid), "bytes": list(s.encode()),
                         "top_logprobs": top})
     return {"content": content}
-
-
-# ---- /metrics ------------------------------------------------------------------------------------------
-
-# engine.stats() key -> (metric, type, help); a dict value becomes one sample per key, labelled ``label``
-_METRICS: dict[str, tuple[str, str, str]] = {
-    "queue_depth": ("gdnserve_queue_depth", "gauge", "Requests waiting to be scheduled."),
-    "running": ("gdnserve_running", "gauge", "Requests being prefilled or decoded."),
-    "state_pool_used": ("gdnserve_state_pool_used", "gauge", "State-pool slots in use (requests + checkpoints)."),
-    "state_pool_total": ("gdnserve_state_pool_total", "gauge", "State-pool slots."),
-    "page_pool_used": ("gdnserve_page_pool_used", "gauge", "KV-cache pages in use."),
-    "page_pool_total": ("gdnserve_page_pool_total", "gauge", "KV-cache pages."),
-    "checkpoint_hits": ("gdnserve_checkpoint_hits_total", "counter", "Requests that started from a checkpoint."),
-    "checkpoint_misses": ("gdnserve_checkpoint_misses_total", "counter", "Checkpoint lookups that missed, by reason."),
-    "checkpoints_published": ("gdnserve_checkpoints_published_total", "counter", "Checkpoints published."),
-    "tokens_generated": ("gdnserve_generation_tokens_total", "counter", "Tokens generated."),
-    "prompt_tokens": ("gdnserve_prompt_tokens_total", "counter", "Prompt tokens processed."),
-    "requests_finished": ("gdnserve_requests_finished_total", "counter", "Requests finished."),
-}
-_LABELS = {"checkpoint_misses": "reason"}
-
-
-def _metric_name(key: str) -> str:
-    return "gdnserve_" + "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in key)
-
-
-def _label_value(v: Any) -> str:
-    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def render_metrics(stats: dict[str, Any], tokens_per_s: float) -> str:
-    """Prometheus text exposition (format 0.0.4) of ``engine.stats()``: the known keys with their names and
-    types, pool occupancy ratios, tokens/s since the previous scrape, any other number as a gauge."""
-    lines: list[str] = []
-
-    def emit(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-        lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
-        lines.extend(f"{name}{labels} {v if isinstance(v, int) else float(v)!r}" for labels, v in samples)
-
-    for key, value in stats.items():
-        name, kind, help_ = _METRICS.get(key, (_metric_name(key), "gauge", f"engine stat {key!r}."))
-        if isinstance(value, dict):
-            label = _LABELS.get(key, "key")
-            samples = [(f'{{{label}="{_label_value(k)}"}}', v) for k, v in value.items()
-                       if isinstance(v, (int, float)) and not isinstance(v, bool)]
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            samples = [("", value)]
-        else:
-            continue  # strings and the like are not metrics
-        emit(name, kind, help_, samples)
-    for pool in ("state_pool", "page_pool"):
-        used, total = stats.get(f"{pool}_used"), stats.get(f"{pool}_total")
-        if isinstance(used, (int, float)) and isinstance(total, (int, float)) and total > 0:
-            emit(f"gdnserve_{pool}_occupancy", "gauge", f"Fraction of the {pool.replace('_', ' ')} in use.",
-                 [("", used / total)])
-    emit("gdnserve_generation_tokens_per_second", "gauge", "Tokens generated per second since the previous scrape.",
-         [("", tokens_per_s)])
-    return "\n".join(lines) + "\n"

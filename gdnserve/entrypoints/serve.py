@@ -1,42 +1,172 @@
-"""``gdnserve serve``: the OpenAI-compatible HTTP server on the embedded default model or an HF checkpoint."""
+"""``gdnserve serve``: the OpenAI-compatible HTTP server on the embedded default model or an HF checkpoint.
+
+Before the model loads: the model folder, the device and the port are checked (one line naming the flag,
+exit 2). After: a banner (model, device, dtype, pools, limits, URL, access) on stderr, then uvicorn on the
+socket bound before the load."""
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 
 from gdnserve.engine.config import EngineConfig
+from gdnserve.entrypoints.config import ServerConfig, is_loopback_name
+from gdnserve.entrypoints.limits import Limits
 
-_D = EngineConfig()     # the defaults live there, once
+_D = EngineConfig()     # the engine's defaults live there, once
+_L = Limits()
+_C = ServerConfig()
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in value.split(",") if v.strip())
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint folder; default: the embedded tiny model")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on every request")
-    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu or cuda[:N]")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--prefill-mode", default=_D.prefill_mode, choices=["serial", "two_phase", "two_phase_indexed", "fused"],
-                   help="grouped producer/consumer prefill executor (default fused)")
-    p.add_argument("--max-num-seqs", type=int, default=_D.max_num_seqs, help="concurrently running sequences")
-    p.add_argument("--max-model-len", type=int, default=_D.max_model_len, help="prompt + generated tokens per sequence")
-    p.add_argument("--num-pages", type=int, default=_D.num_pages, help="KV pages of 16 tokens per attention layer")
-    p.add_argument("--spec-k", type=int, default=_D.spec_k, help="speculative decoding: drafts verified per step (0 = off)")
-    p.add_argument("--spec-draft", default=_D.spec_draft, choices=["ngram", "mtp"],
-                   help="drafter: ngram (prompt lookup, no weights) or mtp (the checkpoint's mtp.* head)")
-    p.add_argument("--spec-mode", default=_D.spec_mode, choices=["replay", "intermediate"],
-                   help="GDN verify mode: replay (pending inputs, one state read+write) or intermediate (scratch states)")
-    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
+    m = p.add_argument_group("model and engine")
+    m.add_argument("--model", default=None, help="HF checkpoint folder (config.json, *.safetensors, tokenizer.json); "
+                                                  "default: the embedded tiny model (random weights)")
+    m.add_argument("--device", default="auto", help="auto (default: cuda if available, else cpu), cpu or cuda[:N]")
+    m.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="default: bfloat16 on CUDA, float32 on CPU")
+    m.add_argument("--prefill-mode", default=_D.prefill_mode,
+                   choices=["serial", "two_phase", "two_phase_indexed", "fused"],
+                   help=f"grouped producer/consumer prefill executor (default {_D.prefill_mode})")
+    m.add_argument("--max-num-seqs", type=int, default=_D.max_num_seqs,
+                   help=f"concurrently running sequences (default {_D.max_num_seqs})")
+    m.add_argument("--max-model-len", type=int, default=_D.max_model_len,
+                   help=f"prompt + generated tokens per sequence (default {_D.max_model_len})")
+    m.add_argument("--num-pages", type=int, default=_D.num_pages,
+                   help=f"KV pages of {_D.page_size} tokens per attention layer (default {_D.num_pages})")
+    m.add_argument("--spec-k", type=int, default=_D.spec_k,
+                   help=f"speculative decoding: drafts verified per step (default {_D.spec_k}; 0 = off)")
+    m.add_argument("--spec-draft", default=_D.spec_draft, choices=["ngram", "mtp"],
+                   help=f"drafter: ngram (prompt lookup, no weights) or mtp (the checkpoint's mtp.* head); default "
+                        f"{_D.spec_draft}")
+    m.add_argument("--spec-mode", default=_D.spec_mode, choices=["replay", "intermediate"],
+                   help=f"GDN verify mode: replay (pending inputs, one state read+write) or intermediate; default "
+                        f"{_D.spec_mode}")
+    m.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                    help="run decode and verify steps eagerly (default: bucketed CUDA graphs on a CUDA device)")
+    n = p.add_argument_group("network and access")
+    n.add_argument("--host", default="127.0.0.1",
+                   help="bind address (default 127.0.0.1: loopback only; 0.0.0.0 exposes the server: add --api-key)")
+    n.add_argument("--port", type=int, default=8000, help="TCP port to listen on (default 8000)")
+    n.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /metrics (default: no key)")
+    n.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
+    n.add_argument("--allowed-hosts", type=_csv, default=(), metavar="NAME[,NAME...]",
+                   help="Host header names accepted besides the loopback ones ('*': any). Bound to loopback, other "
+                        "Hosts get 403 (DNS rebinding); bound elsewhere, the check applies only with this flag")
+    n.add_argument("--allowed-origins", type=_csv, default=(), metavar="ORIGIN[,ORIGIN...]",
+                   help="browser origins (scheme://host[:port], '*': any) allowed to call the server, with CORS "
+                        "headers; requests from other origins get 403 (default: none)")
+    n.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds open requests get to finish on shutdown before they are cut (default 10)")
+    r = p.add_argument_group("requests and limits")
+    r.add_argument("--parse-special-tokens", action="store_true",
+                   help="special-token strings in prompts and chat contents become control tokens (default: plain "
+                        "text; per request: \"parse_special_tokens\": true)")
+    r.add_argument("--default-max-tokens", type=int, default=_C.default_max_tokens,
+                   help=f"/v1/completions without max_tokens (default {_C.default_max_tokens})")
+    r.add_argument("--chat-default-max-tokens", type=int, default=_C.chat_default_max_tokens,
+                   help=f"/v1/chat/completions without max_tokens (default {_C.chat_default_max_tokens}; "
+                        "always at most what the context leaves)")
+    r.add_argument("--max-body-bytes", type=int, default=_L.max_body_bytes,
+                   help=f"request body size; larger bodies get 413 (default {_L.max_body_bytes} = 8 MiB)")
+    r.add_argument("--max-prompts", type=int, default=_L.max_prompts,
+                   help=f"prompts in one /v1/completions request (default {_L.max_prompts})")
+    r.add_argument("--max-stop", type=int, default=_L.max_stop, help=f"stop strings per request (default {_L.max_stop})")
+    r.add_argument("--max-stop-chars", type=int, default=_L.max_stop_chars,
+                   help=f"characters per stop string (default {_L.max_stop_chars})")
+    r.add_argument("--max-json-depth", type=int, default=_L.max_json_depth,
+                   help=f"nesting of arrays/objects in a request body (default {_L.max_json_depth})")
+    r.add_argument("--max-candidates", type=int, default=_L.max_candidates,
+                   help=f"candidates in one /v1/score request (default {_L.max_candidates})")
+    r.add_argument("--max-n", type=int, default=_L.max_n, help=f"samples per prompt, n (default {_L.max_n})")
+    r.add_argument("--max-logprobs", type=int, default=_L.max_logprobs,
+                   help=f"logprobs / top_logprobs per token (default {_L.max_logprobs})")
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts, max_stop=args.max_stop,
+                    max_stop_chars=args.max_stop_chars, max_json_depth=args.max_json_depth,
+                    max_candidates=args.max_candidates, max_n=args.max_n, max_logprobs=args.max_logprobs)
+    return ServerConfig(api_key=args.api_key, host=args.host, allowed_hosts=tuple(args.allowed_hosts),
+                        allowed_origins=tuple(args.allowed_origins), public_metrics=args.public_metrics,
+                        parse_special_tokens=args.parse_special_tokens, default_max_tokens=args.default_max_tokens,
+                        chat_default_max_tokens=args.chat_default_max_tokens, limits=limits)
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"gdnserve serve: {message}", file=sys.stderr, flush=True)
+    return code
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from gdnserve.engine.async_engine import AsyncEngine
-    from gdnserve.entrypoints.llm import load_engine
-    from gdnserve.entrypoints.server import run_server
-    cfg = EngineConfig(model_name=args.model or "gdnserve-embedded", prefill_mode=args.prefill_mode,
-                       max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_pages=args.num_pages,
-                       spec_k=args.spec_k, spec_mode=args.spec_mode, spec_draft=args.spec_draft,
-                       cuda_graphs=args.cuda_graphs)
-    engine = load_engine(args.model, dtype=args.dtype, device=args.device, config=cfg)
-    run_server(AsyncEngine(engine), host=args.host, port=args.port, api_key=args.api_key)
+    from gdnserve.entrypoints.preflight import PreflightError, bind_socket, check_device, check_model_folder
+    try:
+        config = server_config(args)
+    except ValueError as e:
+        return _fail(str(e))
+    if args.shutdown_timeout < 0:
+        return _fail(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    try:
+        check_model_folder(args.model)
+        check_device(args.device)
+        sock = bind_socket(args.host, args.port)  # before the load: a busy port fails in a second, not minutes
+    except PreflightError as e:
+        return _fail(str(e))
+    try:
+        from gdnserve.engine.async_engine import AsyncEngine
+        from gdnserve.entrypoints.llm import load_engine
+        from gdnserve.entrypoints.server import run_server
+        t0 = time.perf_counter()
+        try:
+            cfg = EngineConfig(model_name=args.model or "gdnserve-embedded", prefill_mode=args.prefill_mode,
+                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                               num_pages=args.num_pages, spec_k=args.spec_k, spec_mode=args.spec_mode,
+                               spec_draft=args.spec_draft, cuda_graphs=args.cuda_graphs)
+            engine = load_engine(args.model, dtype=args.dtype, device=args.device, config=cfg)
+        except (OSError, ValueError) as e:  # CheckpointError, a config the model cannot take, a missing file
+            return _fail(f"cannot load {'the embedded model' if args.model is None else args.model}: {e}", 1)
+        print(banner(engine, args, config, sock.getsockname()[1], time.perf_counter() - t0), file=sys.stderr,
+              flush=True)
+        run_server(AsyncEngine(engine), config=config, port=args.port, sock=sock,
+                   shutdown_timeout=args.shutdown_timeout)
+    finally:
+        sock.close()
     return 0
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def banner(engine, args: argparse.Namespace, config: ServerConfig, port: int, load_s: float) -> str:
+    """What is being served, how, and where: printed once the model is loaded."""
+    st = engine.stats() if hasattr(engine, "stats") else {}
+    runner = getattr(engine, "runner", None)
+    device, dtype = getattr(runner, "device", "?"), str(getattr(runner, "dtype", "?")).removeprefix("torch.")
+    page = getattr(getattr(runner, "rc", None), "page_size", 16)
+    lim = config.limits
+    what = "embedded tiny model, random weights: its text is noise" if args.model is None else args.model
+    lines = [
+        f"gdnserve: serving {getattr(engine, 'model_name', '?')} ({what}); loaded in {load_s:.1f} s",
+        f"  device {device}, dtype {dtype}, prefill {args.prefill_mode}, max_model_len {args.max_model_len}, "
+        f"max_num_seqs {args.max_num_seqs}, spec_k {args.spec_k}",
+        f"  pools: {st.get('state_pool_total')} state slots, {st.get('page_pool_total')} KV pages x {page} tokens",
+        f"  limits: body {lim.max_body_bytes} B, {lim.max_prompts} prompts/request, n <= {lim.max_n}, "
+        f"{lim.max_stop} stop strings x {lim.max_stop_chars} chars, JSON depth {lim.max_json_depth}, "
+        f"{lim.max_candidates} score candidates",
+        f"  access: API key {'required' if config.api_key else 'none'}"
+        f"{' (/metrics open)' if config.api_key and config.public_metrics else ''}; Host "
+        f"{'loopback names' if config.loopback else 'any'}"
+        f"{' + ' + ','.join(config.allowed_hosts) if config.allowed_hosts else ''}; CORS origins "
+        f"{','.join(config.allowed_origins) or 'none'}; special tokens in user text "
+        f"{'parsed' if config.parse_special_tokens else 'plain text'}",
+        f"  listening on {_url(args.host, port)}  (OpenAI base_url {_url(args.host, port)}/v1; Ctrl-C stops)",
+    ]
+    if not is_loopback_name(args.host) and not config.api_key:
+        lines.append(f"  WARNING: bound to {args.host} without --api-key: anyone who can reach this port can use it")
+    return "\n".join(lines)

@@ -3,13 +3,16 @@
     POST /v1/completions       text_completion (+ SSE chunks), echo, logprobs, n, checkpoint_at
     POST /v1/chat/completions  chat.completion (+ chat.completion.chunk), logprobs + top_logprobs
     POST /v1/score             {prefix | query, candidates | items, label_token_ids?, apply_softmax?}
-    GET  /v1/models, /health, /metrics (Prometheus text)
+    GET  /v1/models, /health, /metrics (Prometheus, ``metrics.py``)
 
 The server talks to the engine only through ``gdnserve.engine.engine_api``. It tokenizes prompts itself
-(stripping a checkpoint marker into ``checkpoint_at``) so that every length and vocabulary check answers
-400 before the engine sees the request. Each response carries a ``gdnserve`` field: per prompt, the
-checkpoint it started from (``hit_length``) or why it missed, and whether it published one. A client that
-goes away (streaming or not) has its requests aborted, which frees their slots and pages.
+(stripping a checkpoint marker into ``checkpoint_at``; special-token strings in user text stay plain text
+unless ``parse_special_tokens``) so that every length and vocabulary check answers 400 before the engine
+sees the request. Before any route: the Host / Origin checks (``security.py``); per POST route: the API
+key, a JSON content type (415), the body size (413) and the limits of ``limits.py`` (400). Each response
+carries a ``gdnserve`` field at its top level (streamed: on the chunk that finishes a choice): per prompt,
+the checkpoint it started from (``hit_length``) or why it missed, and whether it published one. A client
+that goes away (streaming or not) has its requests aborted, which frees their slots and pages.
 """
 from __future__ import annotations
 
@@ -26,14 +29,17 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gdnserve.engine.engine_api import (AsyncEngineClient, CompletionOutput, GenerateRequest, RequestOutput,
                                         make_sampling_params)
+from gdnserve.entrypoints.config import ServerConfig
+from gdnserve.entrypoints.metrics import CONTENT_TYPE, HTTPCounter, RequestTimer, ServerMetrics
 from gdnserve.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ScoreRequest,
-                                           chat_logprobs, completion_logprobs, parse_request, provenance,
-                                           render_metrics, usage)
+                                           chat_logprobs, completion_logprobs, parse_request, provenance, usage)
+from gdnserve.entrypoints.security import AccessGuard
 from gdnserve.models.tokenizer import DEFAULT_MARKER
 
 log = logging.getLogger("gdnserve.server")
@@ -72,15 +78,18 @@ class _Job:
     echo: bool = False
     include_usage: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    arrival: float = field(default_factory=time.monotonic)
 
 
-async def _outputs(engine: AsyncEngineClient, gens: list[GenerateRequest]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _outputs(engine: AsyncEngineClient, gens: list[GenerateRequest],
+                   timer: RequestTimer) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The engine's outputs of several requests, merged as they come. Leaving early (an error, a client
     that went away, a cancelled task) aborts every request that has not finished."""
     queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
     async def pump(i: int, req: GenerateRequest) -> None:
         try:
+            timer.submitted(i)
             it = engine.generate(req)
             if inspect.isawaitable(it):
                 it = await it
@@ -107,8 +116,10 @@ async def _outputs(engine: AsyncEngineClient, gens: list[GenerateRequest]) -> As
             if item.finished:
                 live.discard(i)
                 finished.add(i)
+            timer.output(i, item)
             yield i, item
     finally:
+        timer.close()
         with anyio.CancelScope(shield=True):
             for t in tasks:
                 t.cancel()
@@ -163,10 +174,36 @@ def _sse(obj: Any) -> str:
 
 
 class _Server:
-    def __init__(self, engine: AsyncEngineClient, api_key: str | None) -> None:
-        self.engine, self.tok, self.api_key = engine, engine.tokenizer, api_key
+    def __init__(self, engine: AsyncEngineClient, config: ServerConfig) -> None:
+        self.engine, self.tok, self.cfg = engine, engine.tokenizer, config
+        self.api_key, self.limits = config.api_key, config.limits
+        self.metrics = ServerMetrics(engine)
 
     # ---- request checks ----------------------------------------------------------------------------
+
+    async def read(self, request: Request, model: type) -> Any:
+        """The request model from a JSON body: 415 unless the content type is JSON, 413 over the body limit
+        (the Content-Length, or the bytes as they arrive when there is none), then ``parse_request``."""
+        ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if ctype != "application/json":
+            raise APIError(f"the request body must be JSON, sent with 'Content-Type: application/json' (got "
+                           f"{ctype or 'no content type'!r})", None, 415, code="unsupported_media_type")
+        limit = self.limits.max_body_bytes
+        length = request.headers.get("content-length")
+        too_big = APIError(f"the request body is larger than {limit} bytes (--max-body-bytes)", None, 413,
+                           code="request_too_large")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise too_big
+        body = bytearray()
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_big
+        return parse_request(bytes(body), model, self.limits)
+
+    def special(self, req: Any) -> bool:
+        flag = getattr(req, "parse_special_tokens", None)
+        return self.cfg.parse_special_tokens if flag is None else flag
 
     def auth(self, request: Request) -> None:
         if self.api_key is None:
@@ -187,22 +224,33 @@ class _Server:
         if bad is not None:
             raise APIError(f"token id {bad} in {param} is outside the vocabulary [0, {vocab})", param)
 
-    def prepare(self, prompt: str | list[int], checkpoint_at: int | None, param: str) -> _Prompt:
+    def prepare(self, prompt: str | list[int], checkpoint_at: int | None, param: str, special: bool) -> _Prompt:
         """Token ids with the marker stripped, the checkpoint offset (marker or checkpoint_at), checked."""
-        text = None
         if isinstance(prompt, str):
             try:
-                ids, offset = self.tok.encode_with_marker(prompt)
+                ids, offset = self.tok.encode_with_marker(prompt, special=special)
             except ValueError as e:  # MarkerError: repeated marker, nothing before or after it
                 raise APIError(f"{param}: {e}", param) from None
-            if offset is not None and checkpoint_at is not None:
-                raise APIError(f"{param} carries a checkpoint marker (offset {offset}) and checkpoint_at is "
-                               f"{checkpoint_at}: give the checkpoint once", "checkpoint_at")
-            checkpoint_at = offset if offset is not None else checkpoint_at
-            text = prompt.replace(DEFAULT_MARKER, "")
-        else:
-            ids = list(prompt)
-            self.check_ids(ids, param)
+            return self.checked(ids, offset, checkpoint_at, param, prompt.replace(DEFAULT_MARKER, ""))
+        ids = list(prompt)
+        self.check_ids(ids, param)
+        return self.checked(ids, None, checkpoint_at, param, None)
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> _Prompt:
+        try:
+            ids, offset, _ = self.tok.encode_chat(req.plain_messages(), special=self.special(req))
+        except ValueError as e:  # MarkerError (a marker in a message): the client's
+            raise APIError(f"messages: {e}", "messages") from None
+        except Exception as e:  # a template that refuses the messages (raise_exception) is the client's fault
+            raise APIError(f"the chat template refused the messages: {e}", "messages") from None
+        return self.checked(ids, offset, req.checkpoint_at, "messages", None)
+
+    def checked(self, ids: list[int], offset: int | None, checkpoint_at: int | None, param: str,
+                text: str | None) -> _Prompt:
+        if offset is not None and checkpoint_at is not None:
+            raise APIError(f"{param} carries a checkpoint marker (offset {offset}) and checkpoint_at is "
+                           f"{checkpoint_at}: give the checkpoint once", "checkpoint_at")
+        checkpoint_at = offset if offset is not None else checkpoint_at
         if not ids:
             raise APIError(f"{param} must not be empty (it has no tokens)", param)
         if checkpoint_at is not None and not 0 < checkpoint_at < len(ids):
@@ -214,10 +262,10 @@ class _Server:
                            f"(prompt + completion)", param)
         return _Prompt(ids, checkpoint_at, text)
 
-    def max_tokens(self, requested: int | None, default: int | None, prompts: list[_Prompt], param: str) -> int:
+    def max_tokens(self, requested: int | None, default: int, prompts: list[_Prompt], param: str) -> int:
         room = self.engine.max_model_len - max(len(p.ids) for p in prompts)
         if requested is None:
-            return room if default is None else min(default, room)
+            return min(default, room)
         if requested > room:
             raise APIError(f"{param} = {requested} does not fit: this model's context length is "
                            f"{self.engine.max_model_len} tokens and the prompt takes "
@@ -306,15 +354,18 @@ class _Server:
             if c.finish_reason is not None:
                 s.finished = True
                 body = {"delta": {}} if chat else {"text": ""}
-                choices.append({"index": index, **body, "logprobs": None, "finish_reason": c.finish_reason,
-                                "gdnserve": {"prompts": [self.prov(job, i, out)]}})
+                choices.append({"index": index, **body, "logprobs": None, "finish_reason": c.finish_reason})
         extra = {"usage": None} if job.include_usage else {}
-        return [{**self.header(job, True), "choices": [ch], **extra} for ch in choices]
+        out_chunks = [{**self.header(job, True), "choices": [ch], **extra} for ch in choices]
+        for ch in out_chunks:  # provenance at the top level, as in the non-streamed response
+            if ch["choices"][0]["finish_reason"] is not None:
+                ch["gdnserve"] = {"prompts": [self.prov(job, i, out)]}
+        return out_chunks
 
     # ---- driving the engine ------------------------------------------------------------------------------
 
     async def run(self, request: Request, job: _Job, stream: bool) -> Response:
-        outputs = _outputs(self.engine, job.gens)
+        outputs = _outputs(self.engine, job.gens, self.metrics.track(job.arrival, [g.request_id for g in job.gens]))
         try:
             first = await _unless_disconnected(request, anext(outputs, None))
         except BaseException:
@@ -361,11 +412,12 @@ class _Server:
         yield "data: [DONE]\n\n"
 
     async def score(self, req: ScoreRequest) -> dict[str, Any]:
-        prefix, cands = req.check()
+        prefix, cands = req.check(self.limits)
         cname = "candidates" if req.items is None else "items"
         pname = "prefix" if req.query is None else "query"
-        prefix_ids = self.score_ids(prefix, pname)
-        cand_ids = [self.score_ids(c, f"{cname}[{j}]") for j, c in enumerate(cands)]
+        special = self.special(req)
+        prefix_ids = self.score_ids(prefix, pname, special)
+        cand_ids = [self.score_ids(c, f"{cname}[{j}]", special) for j, c in enumerate(cands)]
         limit = self.engine.max_model_len
         for j, c in enumerate(cand_ids):
             if len(prefix_ids) + len(c) > limit:
@@ -397,12 +449,12 @@ class _Server:
                 "model": self.engine.model_name, "scores": scores if labels is not None else None, "data": data,
                 "usage": usage(total_tokens, 0), "gdnserve": {"prefix_tokens": len(prefix_ids)}}
 
-    def score_ids(self, x: str | list[int], param: str) -> list[int]:
+    def score_ids(self, x: str | list[int], param: str, special: bool) -> list[int]:
         if isinstance(x, str):
             if DEFAULT_MARKER in x:
                 raise APIError(f"{param} contains the checkpoint marker; in /v1/score the prefix is the "
                                "checkpoint, no marker is needed", param)
-            ids = self.tok.encode(x)
+            ids = self.tok.encode(x, special=special)
             if not ids:
                 raise APIError(f"{param} has no tokens", param)
             return ids
@@ -410,13 +462,21 @@ class _Server:
         return list(x)
 
 
-def build_app(engine: AsyncEngineClient, api_key: str | None = None) -> FastAPI:
-    """The HTTP app over ``engine``. With ``api_key``, the /v1 routes want ``Authorization: Bearer <key>``
-    (401 otherwise); /health and /metrics stay open for probes and scrapers."""
-    srv = _Server(engine, api_key)
-    app = FastAPI(title="gdnserve", version="0.1.0", docs_url=None, redoc_url=None)
+def build_app(engine: AsyncEngineClient, api_key: str | None = None, config: ServerConfig | None = None) -> FastAPI:
+    """The HTTP app over ``engine``, configured by ``config`` (defaults: ``ServerConfig()``, the safe loopback
+    ones; ``api_key`` is a shortcut for ``ServerConfig(api_key=...)``). With an API key, /v1/* and /metrics
+    want ``Authorization: Bearer <key>`` (401 otherwise; /metrics open with ``public_metrics``); /health
+    stays open for probes."""
+    if config is None:
+        config = ServerConfig(api_key=api_key)
+    elif api_key is not None:
+        raise ValueError("give the API key once: in config or as api_key")
+    srv = _Server(engine, config)
+    app = FastAPI(title="gdnserve", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = srv
-    rate = {"t": time.monotonic(), "tokens": 0, "value": 0.0}
+    app.add_middleware(AccessGuard, config=config)
+    app.add_middleware(HTTPCounter, metrics=srv.metrics)  # outermost: counts the guard's 403s too
+    limits = config.limits
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> JSONResponse:
@@ -435,36 +495,37 @@ def build_app(engine: AsyncEngineClient, api_key: str | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        arrival = time.monotonic()
         srv.auth(request)
-        req = parse_request(await request.body(), CompletionRequest)
+        req = await srv.read(request, CompletionRequest)
         srv.check_model(req.model)
-        req.check()
-        prompts = [srv.prepare(p, req.checkpoint_at, "prompt") for p in req.prompts()]
-        max_tokens = srv.max_tokens(req.max_tokens, 16, prompts, "max_tokens")
+        req.check(limits)
+        special = srv.special(req)
+        prompts = [srv.prepare(p, req.checkpoint_at, "prompt", special) for p in req.prompts()]
+        max_tokens = srv.max_tokens(req.max_tokens, config.default_max_tokens, prompts, "max_tokens")
         job = srv.job("completion", req, prompts, max_tokens, req.logprobs, req.echo)
+        job.arrival = arrival
         return await _guarded(srv.run(request, job, req.stream), job.rid)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
+        arrival = time.monotonic()
         srv.auth(request)
-        req = parse_request(await request.body(), ChatCompletionRequest)
+        req = await srv.read(request, ChatCompletionRequest)
         srv.check_model(req.model)
-        req.check()
-        try:
-            text = srv.tok.apply_chat_template(req.plain_messages())
-        except Exception as e:  # a template that refuses the messages (raise_exception) is the client's fault
-            raise APIError(f"the chat template refused the messages: {e}", "messages") from None
-        prompts = [srv.prepare(text, req.checkpoint_at, "messages")]
-        param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
-        max_tokens = srv.max_tokens(req.max_tokens, None, prompts, param)
+        req.check(limits)
+        prompts = [srv.chat_prompt(req)]
+        requested, param = req.token_limit()
+        max_tokens = srv.max_tokens(requested, config.chat_default_max_tokens, prompts, param)
         k = (req.top_logprobs or 0) if req.logprobs else None
         job = srv.job("chat", req, prompts, max_tokens, k, echo=False)
+        job.arrival = arrival
         return await _guarded(srv.run(request, job, req.stream), job.rid)
 
     @app.post("/v1/score")
     async def score(request: Request) -> Response:
         srv.auth(request)
-        req = parse_request(await request.body(), ScoreRequest)
+        req = await srv.read(request, ScoreRequest)
         srv.check_model(req.model)
         return await _guarded(_json(srv.score(req)), "score request")
 
@@ -476,21 +537,17 @@ def build_app(engine: AsyncEngineClient, api_key: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        try:
-            engine.stats()
+        try:  # off the event loop: stats() may wait for a running step
+            await run_in_threadpool(engine.stats)
         except Exception as e:
             return JSONResponse({"status": "unhealthy", "error": f"{type(e).__name__}: {e}"}, status_code=503)
         return JSONResponse({"status": "ok", "model": engine.model_name})
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        stats = engine.stats()
-        now, tokens = time.monotonic(), int(stats.get("tokens_generated", 0))
-        if now - rate["t"] >= 1.0:  # tokens/s over the interval since the previous scrape (>= 1 s)
-            rate["value"] = max(tokens - rate["tokens"], 0) / (now - rate["t"])
-            rate["t"], rate["tokens"] = now, tokens
-        return PlainTextResponse(render_metrics(stats, rate["value"]),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(request: Request) -> Response:
+        if not config.public_metrics:
+            srv.auth(request)
+        return Response(await run_in_threadpool(srv.metrics.render), media_type=CONTENT_TYPE)
 
     return app
 
@@ -514,9 +571,13 @@ async def _json(coro: Any) -> JSONResponse:
     return JSONResponse(await coro)
 
 
-def run_server(engine: AsyncEngineClient, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               log_level: str = "info") -> None:
-    """Serve ``engine`` until interrupted. Binds loopback by default: pass host="0.0.0.0" (and an api_key)
-    to expose it."""
+def run_server(engine: AsyncEngineClient, config: ServerConfig | None = None, port: int = 8000,
+               sock: Any = None, log_level: str = "info", shutdown_timeout: float | None = 10.0) -> None:
+    """Serve ``engine`` until interrupted, on ``sock`` (a bound socket: the caller checked the port before
+    loading the model) or on ``config.host:port``. Binds loopback by default: pass ``ServerConfig(host=
+    "0.0.0.0", api_key=...)`` to expose it. On shutdown, open requests get ``shutdown_timeout`` seconds."""
     import uvicorn
-    uvicorn.run(build_app(engine, api_key), host=host, port=port, log_level=log_level)
+    config = config or ServerConfig()
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, config=config), host=config.host, port=port,
+                                           log_level=log_level, timeout_graceful_shutdown=shutdown_timeout))
+    server.run(sockets=None if sock is None else [sock])

@@ -104,10 +104,12 @@ def _layer_plan(plan: dict[str, Callable[[], torch.Tensor]], get: Callable[[str]
 
 
 def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Callable[[], torch.Tensor]],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, progress: bool | None = False, desc: str = "loading weights") -> None:
     """Copy every parameter of ``model`` (this rank's part of it) from ``tensors`` (see module docstring).
     With ``model.mtp`` built, the ``mtp.*`` tensors (top level, never under the model prefix) fill it and a
-    missing, mis-shaped or unexpected one fails like any other."""
+    missing, mis-shaped or unexpected one fails like any other. ``progress``: a tqdm bar on stderr over the
+    parameters read from the safetensors shards (None: only when stderr is a terminal)."""
+    from tqdm import tqdm
     with_mtp = getattr(model, "mtp", None) is not None
     names = {n for n in tensors if not n.startswith(SKIP) or (with_mtp and n.startswith("mtp."))}
     prefix = next((p for p in PREFIXES if f"{p}embed_tokens.weight" in names), None)
@@ -144,6 +146,8 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
     missing_params = sorted(set(params) - set(plan) - moe_params)
     if missing_params:
         raise CheckpointError(f"no checkpoint mapping for parameters {missing_params}")
+    bar = tqdm(total=len(plan) + len(moe_blocks), desc=desc, unit="tensor", disable=None if progress is None
+               else not progress, leave=False, dynamic_ncols=True)
     with torch.no_grad():
         for name, fetch in plan.items():
             p = params[name]
@@ -154,11 +158,14 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
                 raise CheckpointError(f"{name}: {e}") from e
             # A_log stays fp32 (the decay rate; fp16/bf16 would make exp(A_log) coarse)
             p.data = t.to(device=p.device, dtype=torch.float32 if name.endswith("A_log") else dtype)
+            bar.update()
     for moe, p in moe_blocks:
         try:
             load_moe_from_hf(moe, get, p, dtype)
         except (KeyError, ValueError) as e:
             raise CheckpointError(str(e)) from e
+        bar.update()
+    bar.close()
     unexpected = sorted(n for n in names - used if not (cfg.tie_word_embeddings and n == "lm_head.weight"))
     if unexpected:
         raise CheckpointError(f"unexpected tensors in checkpoint: {unexpected[:8]}"
@@ -187,10 +194,11 @@ def resolve_mtp(cfg: ModelConfig, names: Iterable[str]) -> tuple[ModelConfig, st
 
 
 def load_model(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
-               tp_rank: int | None = None, tp_size: int | None = None):
+               tp_rank: int | None = None, tp_size: int | None = None, progress: bool | None = None):
     """config.json + safetensors -> (HybridLM on ``device`` in ``dtype``, ModelConfig). Built on the meta
     device, so no memory is spent on initial weights. ``tp_rank`` / ``tp_size`` (default: the
-    torch.distributed group's, 0 / 1 without one) pick the tensor-parallel shard this process holds."""
+    torch.distributed group's, 0 / 1 without one) pick the tensor-parallel shard this process holds.
+    ``progress``: a tqdm bar while the shards are read (default: when stderr is a terminal)."""
     from gdnserve.models.qwen3_5 import HybridLM
     tensors = checkpoint_tensors(folder)
     cfg, why = resolve_mtp(ModelConfig.from_hf(Path(folder)), tensors)
@@ -198,7 +206,9 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: 
         model = HybridLM(cfg, tp_rank, tp_size)
     model = model.to_empty(device=device)
     model.mtp_unavailable = why
-    load_weights(model, cfg, tensors, dtype)
+    shards = len(list(Path(folder).glob("*.safetensors")))
+    load_weights(model, cfg, tensors, dtype, progress, f"loading {Path(folder).name} ({shards} shard"
+                 f"{'s' if shards != 1 else ''})")
     for attn in model.attention_layers() + ([l.mixer for l in model.mtp.layers] if model.mtp is not None else []):
         attn.rotary.reset_buffers()                  # non-persistent buffers are not in checkpoints
     return model.eval(), cfg

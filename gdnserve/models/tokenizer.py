@@ -8,12 +8,20 @@ offset ``len(encode(prefix))``. By construction the tokens of the prefix are exa
 tokens, so the checkpoint state is the state after the producer's prefix and nothing else. (Those ids may
 differ from ``encode(prefix + suffix)`` where a BPE merge would have spanned the boundary; the marker
 is what defines the boundary, so that merge is deliberately not made.)
+
+Special tokens in user text: ``encode(text, special=False)`` encodes special-token strings (``<|im_end|>``)
+as the plain text they spell, never as the control token. ``encode_chat`` renders a chat template so that
+only the template's own special tokens are special: special-token strings inside message contents are
+swapped for unique placeholders before rendering and encoded as plain text where the placeholders land
+(the template still sees, trims or splits the rest of each content as usual). The server uses both by
+default; the engine's own ``encode`` / ``encode_with_marker`` keep ``special=True``.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -79,9 +87,16 @@ class BaseTokenizer(ABC):
     def vocab_size(self) -> int: ...
 
     @abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``. Special-token strings in the text map to their ids; no BOS/EOS is
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of ``text``. With ``special`` (the default), special-token strings in the text map to
+        their ids; with ``special=False`` they are encoded as the plain text they spell. No BOS/EOS is
         added (chat templates write those themselves, as HF's tokenize=True path assumes)."""
+
+    @property
+    @abstractmethod
+    def special_strings(self) -> tuple[str, ...]:
+        """The strings ``encode`` turns into special tokens (the checkpoint marker excluded: it is found
+        in the text and stripped before encoding)."""
 
     @abstractmethod
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
@@ -99,20 +114,66 @@ class BaseTokenizer(ABC):
                                      add_generation_prompt=add_generation_prompt,
                                      **{"tools": None, "documents": None, **self.special_tokens, **kwargs})
 
-    def encode_with_marker(self, text: str, marker: str = DEFAULT_MARKER) -> tuple[list[int], int | None]:
+    def encode_with_marker(self, text: str, marker: str = DEFAULT_MARKER,
+                           special: bool = True) -> tuple[list[int], int | None]:
         """``(ids, checkpoint_offset)``: the marker is stripped; the offset is the number of tokens before it
         (None without a marker). Raises :class:`MarkerError` for more than one marker, a marker with no
-        tokens before it (offset 0) or with no tokens after it (at the very end)."""
+        tokens before it (offset 0) or with no tokens after it (at the very end). ``special``: as in
+        :meth:`encode`."""
+        return self._encode_segments([(text, special)], marker)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], special: bool = False,
+                    marker: str = DEFAULT_MARKER, add_generation_prompt: bool = True,
+                    **kwargs: Any) -> tuple[list[int], int | None, str]:
+        """``(ids, checkpoint_offset, text)`` of the chat prompt for ``messages``. The template's own special
+        tokens are special; special-token strings inside message contents are plain text unless
+        ``special`` (then the rendered text is encoded as a whole, as HF's ``apply_chat_template`` does).
+        A marker in a content defines the checkpoint as in :meth:`encode_with_marker`. ``text`` is the
+        rendered prompt as HF would render it."""
+        specials = [t for t in self.special_strings if t and t != marker]
+        pattern = re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) if specials else None
+        found = pattern is not None and not special and any(
+            isinstance(m.get("content"), str) and pattern.search(m["content"]) for m in messages)
+        if not found:
+            text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+            return (*self._encode_segments([(text, True)], marker), text)
+        nonce, originals = secrets.token_hex(8), []
+
+        def hide(m: re.Match) -> str:
+            originals.append(m.group(0))
+            return f"\ue000{nonce}:{len(originals) - 1}\ue001"
+
+        hidden = [{**m, "content": pattern.sub(hide, m["content"])} if isinstance(m.get("content"), str) else m
+                  for m in messages]
+        rendered = self.apply_chat_template(hidden, add_generation_prompt, **kwargs)
+        parts = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
+        segments = [(piece, True) if j % 2 == 0 else (originals[int(piece)], False) for j, piece in enumerate(parts)]
+        segments = [seg for seg in segments if seg[0]]
+        ids, offset = self._encode_segments(segments, marker)
+        return ids, offset, "".join(t for t, _ in segments)
+
+    def _encode_segments(self, segments: Sequence[tuple[str, bool]], marker: str) -> tuple[list[int], int | None]:
+        """``encode_with_marker`` over ``(text, special)`` pieces: each piece encoded on its own; the marker
+        (in special pieces; a plain piece is a special-token string, never the marker) split out."""
         if not marker:
             raise ValueError("marker must be a non-empty string")
-        count = text.count(marker)
+        count = sum(t.count(marker) for t, _ in segments)
         if count == 0:
-            return self.encode(text), None
+            return [i for t, sp in segments for i in self.encode(t, special=sp)], None
         if count > 1:
             raise MarkerError(f"the prompt contains the checkpoint marker {marker!r} {count} times; "
                               "at most one is allowed")
-        prefix, suffix = text.split(marker)
-        head, tail = self.encode(prefix), self.encode(suffix)
+        head: list[int] = []
+        tail: list[int] = []
+        seen = False
+        for t, sp in segments:
+            if not seen and marker in t:
+                before, after = t.split(marker)
+                head += self.encode(before, special=sp)
+                tail += self.encode(after, special=sp)
+                seen = True
+            else:
+                (tail if seen else head).extend(self.encode(t, special=sp))
         if not head:
             raise MarkerError(f"the checkpoint marker {marker!r} is at offset 0: there are no tokens before it, "
                               "so there is no prefix to checkpoint")
@@ -130,6 +191,7 @@ class Tokenizer(BaseTokenizer):
     def __init__(self, tok: Any, *, special_tokens: Mapping[str, str] | None = None,
                  chat_template: str | None = None, extra_eos_ids: Sequence[int] = ()) -> None:
         self._tok = tok
+        self._plain_tok: Any = None  # a copy with encode_special_tokens=True, made on first use
         self.special_tokens = dict(special_tokens or {})
         self.chat_template = chat_template
         eos: list[int] = []
@@ -146,7 +208,11 @@ class Tokenizer(BaseTokenizer):
         from tokenizers import Tokenizer as HFTokenizer
         path = Path(path)
         folder = path if path.is_dir() else path.parent
-        tok = HFTokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: no such file (a model folder needs the HF tokenizer.json beside "
+                                    "config.json)")
+        tok = HFTokenizer.from_file(str(file))
         cfg = _read_json(folder / "tokenizer_config.json")
         special = {k: _token_str(cfg[k]) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
                    if cfg.get(k) is not None}
@@ -167,8 +233,20 @@ class Tokenizer(BaseTokenizer):
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+    @property
+    def special_strings(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self._tok.get_added_tokens_decoder().values()
+                     if t.special and t.content != DEFAULT_MARKER)
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        if special:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        if self._plain_tok is None:  # a second object: the flag is per tokenizer, and encode may run on two threads
+            from tokenizers import Tokenizer as HFTokenizer
+            plain = HFTokenizer.from_str(self._tok.to_str())
+            plain.encode_special_tokens = True
+            self._plain_tok = plain
+        return self._plain_tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -204,7 +282,13 @@ class ByteTokenizer(BaseTokenizer):
     def vocab_size(self) -> int:
         return BYTE_VOCAB_SIZE
 
-    def encode(self, text: str) -> list[int]:
+    @property
+    def special_strings(self) -> tuple[str, ...]:
+        return tuple(t for t in SPECIAL_TOKENS if t != DEFAULT_MARKER)
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        if not special:
+            return list(text.encode("utf-8"))
         ids: list[int] = []
         for piece in self._split.split(text):
             special = self._special_ids.get(piece)

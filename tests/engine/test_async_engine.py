@@ -38,7 +38,7 @@ def test_health_answers_while_score_and_long_prefill_run(engine):
 
     async def main():
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:  # a loopback Host
             work = asyncio.gather(engine.score(prefix, cands),
                                   collect(engine, "long", long_prompt, SamplingParams(temperature=0.0, max_tokens=2)))
             task = asyncio.ensure_future(work)

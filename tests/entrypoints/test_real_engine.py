@@ -1,6 +1,8 @@
 """The real server process (`gdnserve serve`, embedded model, CPU) on loopback, driven by the real
 `openai` client and httpx: completions, chat streaming, n > 1, score, checkpoints that never change
-greedy outputs, and 200 concurrent streams that leave no slot or page behind but the READY checkpoints."""
+greedy outputs, and 200 concurrent streams that leave no slot or page behind but the READY checkpoints;
+the start-up banner, /metrics against docs/serving.md on the real engine (step and queue histograms filled),
+special tokens in user text as plain text."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -11,6 +13,9 @@ import sys
 import time
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.entrypoints.test_metrics import check_against_docs
 
 httpx = pytest.importorskip("httpx")
 
@@ -20,15 +25,20 @@ MARK = "<|state_checkpoint|>"
 PREFIX = "Shared context for ranking: gdnserve computes a prefix once and forks it. "
 
 
+LOG: dict[str, str] = {}
+
+
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    log = open(log_path, "w")  # a file, not a pipe nobody reads (the access log would fill it)
     proc = subprocess.Popen([sys.executable, "-m", "gdnserve.entrypoints.cli", "serve", "--device", "cpu",
                              "--port", str(port), "--max-num-seqs", "32", "--num-pages", "1024"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
@@ -39,11 +49,13 @@ def server():
             pass
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError("server did not start:\n" + proc.stdout.read().decode(errors="replace"))
+            raise RuntimeError("server did not start:\n" + log_path.read_text(errors="replace"))
         time.sleep(0.2)
+    LOG["path"] = str(log_path)
     yield url
     proc.terminate()
     proc.wait(20)
+    log.close()
 
 
 @pytest.fixture
@@ -93,8 +105,38 @@ def test_concurrent_streams_mixing_groups_and_plain_prompts(client, server):
     print(f"200 streams x 4 tokens in {time.monotonic() - t0:.1f} s")
     for p, got in zip(prompts[:6], streamed[:6]):
         assert got == greedy(client, p, max_tokens=4)[0][0]      # streaming == non-streaming, batched or not
-    m = httpx.get(server + "/metrics", timeout=10).text
-    def metric(name):
-        return float(next(line for line in m.splitlines() if line.startswith(name + " ")).split()[-1])
+    m = samples(httpx.get(server + "/metrics", timeout=10).text)
     # after the drain only READY checkpoints hold state slots (each holds exactly one)
-    assert metric("gdnserve_state_pool_used") == metric("gdnserve_checkpoints_ready") >= 1, m
+    assert m["gdnserve:num_requests_running"] == m["gdnserve:num_requests_waiting"] == 0
+    assert m["gdnserve:state_pool_slots_used"] == m["gdnserve:checkpoints_ready"] >= 1, m
+
+
+def samples(text: str) -> dict[str, float]:
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+
+def test_banner(server):
+    text = open(LOG["path"]).read()
+    banner = text[text.index("gdnserve: serving"):]
+    assert "gdnserve-embedded" in banner and "device cpu, dtype float32" in banner
+    assert "66 state slots, 1024 KV pages x 16 tokens" in banner  # 2 * max_num_seqs + 2 slots
+    assert f"listening on {server}" in banner and "API key none" in banner
+
+
+def test_metrics_on_the_real_engine(server, client):
+    client.completions.create(model="gdnserve-embedded", prompt="metrics on the real engine", max_tokens=3)
+    text = httpx.get(server + "/metrics", timeout=10).text
+    check_against_docs(text)
+    m = samples(text)
+    assert m["gdnserve:engine_step_time_seconds_count"] >= 3          # observed from outside the engine
+    assert m["gdnserve:request_queue_time_seconds_count"] >= 1
+    assert m["gdnserve:time_to_first_token_seconds_count"] >= 1 and m["gdnserve:generation_tokens_total"] >= 3
+    assert m["process_resident_memory_bytes"] > 0
+
+
+def test_special_tokens_plain_on_the_real_engine(client):
+    r = client.completions.create(model="gdnserve-embedded", prompt="a<|im_end|>b", max_tokens=1)
+    assert r.usage.prompt_tokens == 12                                  # the bytes it spells
+    r = client.completions.create(model="gdnserve-embedded", prompt="a<|im_end|>b", max_tokens=1,
+                                  extra_body={"parse_special_tokens": True})
+    assert r.usage.prompt_tokens == 3

@@ -1,164 +1,21 @@
 """The HTTP server, end to end on loopback: the real uvicorn server in a thread, driven by the real
-``openai`` client and httpx, over a fake engine that implements ``AsyncEngineClient``
-deterministically.
-
-The fake "model" cycles through the prompt's plain (non-special) tokens: sample j of a prompt whose plain
-bytes are ``b`` generates ``b[j], b[j+1], ...``, so every expected text is known. Token logprobs are
-``-0.5 - 0.01 * step`` with alternatives one nat apart. A prompt holding SLOW generates slowly, RAISE
-fails after two tokens, ENDEARLY ends without a finished output, BADVALUE is refused with a ValueError
-as the real engine refuses bad markers.
-"""
+``openai`` client and httpx, over the fake engine of ``fake_engine.py`` (deterministic outputs)."""
 from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
-from collections.abc import AsyncIterator
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 # test-only dependencies (the [test] extra); a machine without them skips this file with the reason
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
-pytest.importorskip("fastapi")
 
-from gdnserve.engine.engine_api import (AsyncEngineClient, CandidateScore, CheckpointInfo, CompletionOutput,
-                                        GenerateRequest, RequestOutput, ScoreResult)
-from gdnserve.entrypoints.server import build_app
-from gdnserve.models.tokenizer import DEFAULT_MARKER, ByteTokenizer
-
-MODEL = "fake-gdn"
-MAX_LEN = 256
-TOK = ByteTokenizer()
-
-
-class FakeEngine:
-    model_name = MODEL
-    max_model_len = MAX_LEN
-
-    def __init__(self) -> None:
-        self.tokenizer = ByteTokenizer()
-        self.aborted: list[str] = []
-        self.active: set[str] = set()
-        self.seen: list[GenerateRequest] = []
-        self.published: set[tuple[int, ...]] = set()
-        self.counts = {"tokens_generated": 0, "checkpoint_hits": 0, "requests_finished": 0}
-        self.misses: dict[str, int] = {}
-        self.fail_score = False
-
-    def _lookup(self, ids: list[int], publish_at: int | None) -> CheckpointInfo:
-        hit = max((len(k) for k in self.published if len(k) < len(ids) and tuple(ids[:len(k)]) == k), default=0)
-        if hit:
-            self.counts["checkpoint_hits"] += 1
-        else:
-            self.misses["absent"] = self.misses.get("absent", 0) + 1
-        published = publish_at is not None and tuple(ids[:publish_at]) not in self.published
-        if published:
-            self.published.add(tuple(ids[:publish_at]))
-        return CheckpointInfo(hit, None if hit else "absent", published)
-
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
-        self.seen.append(req)
-        ids = req.prompt if isinstance(req.prompt, list) else self.tokenizer.encode(req.prompt)
-        text = self.tokenizer.decode(ids)
-        if "BADVALUE" in text:
-            raise ValueError("the engine refuses this prompt (BADVALUE)")
-        p = req.params
-        source = [t for t in ids if t < 256] or [ord("x")]
-        delay = 0.02 if "SLOW" in text else 0.0
-        ckpt = self._lookup(ids, req.checkpoint_at)
-        k = p.logprobs
-        prompt_lps = None if p.prompt_logprobs is None else [None] + [{t: -1.0} for t in ids[1:]]
-        outs = [CompletionOutput(j, "", [], [] if k is not None else None, 0.0) for j in range(p.n)]
-        self.active.add(req.request_id)
-        try:
-            for step in range(p.max_tokens):
-                await asyncio.sleep(delay)
-                if req.request_id in self.aborted:
-                    return
-                if "RAISE" in text and step == 2:
-                    raise RuntimeError("simulated engine failure")
-                for o in outs:
-                    if o.finish_reason is not None:
-                        continue
-                    tid = source[(step + o.index) % len(source)]
-                    lp = -0.5 - 0.01 * step
-                    o.token_ids = o.token_ids + [tid]
-                    o.text = self.tokenizer.decode(o.token_ids)
-                    o.cumulative_logprob += lp
-                    if k is not None:
-                        o.logprobs = o.logprobs + [{(tid + a) % 256: lp - a for a in range(max(k, 1))}]
-                    self.counts["tokens_generated"] += 1
-                    hits = [o.text.index(s) for s in p.stop if s in o.text]
-                    if hits:
-                        o.text, o.finish_reason = o.text[:min(hits)], "stop"
-                    elif step == p.max_tokens - 1:
-                        o.finish_reason = "length"
-                done = all(o.finish_reason is not None for o in outs)
-                yield RequestOutput(req.request_id, list(ids), [CompletionOutput(o.index, o.text, o.token_ids,
-                                    o.logprobs, o.cumulative_logprob, o.finish_reason) for o in outs], done, ckpt,
-                                    prompt_lps)
-                if done:
-                    self.counts["requests_finished"] += 1
-                    return
-                if "ENDEARLY" in text:
-                    return  # breaks the contract: no finished output
-        finally:
-            self.active.discard(req.request_id)
-
-    async def score(self, prefix, candidates, label_token_ids=None) -> ScoreResult:
-        if self.fail_score:
-            raise RuntimeError("simulated scoring failure")
-        prefix = list(prefix)
-        if "BADVALUE" in self.tokenizer.decode(prefix):
-            raise ValueError("the engine refuses this prefix (BADVALUE)")
-        out = []
-        for i, c in enumerate(candidates):
-            lps = [-0.1 * (1 + t % 7) for t in c]
-            labels = None if label_token_ids is None else {t: 0.05 * (1 + (t + i) % 3) for t in label_token_ids}
-            out.append(CandidateScore(i, sum(lps), sum(lps) / len(lps), len(c), labels,
-                                      self._lookup(prefix + list(c), len(prefix))))
-        return ScoreResult(prefix, out)
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
-    def stats(self) -> dict:
-        return {"queue_depth": 0, "running": len(self.active), "state_pool_used": len(self.active),
-                "state_pool_total": 64, "page_pool_used": 3, "page_pool_total": 128,
-                "checkpoint_misses": dict(self.misses), **self.counts}
-
-
-def expected(prompt: str, max_tokens: int, j: int = 0) -> str:
-    src = bytes(t for t in TOK.encode(prompt) if t < 256)
-    return bytes(src[(s + j) % len(src)] for s in range(max_tokens)).decode()
-
-
-def chat_prompt(content: str) -> str:
-    return TOK.apply_chat_template([{"role": "user", "content": content}])
-
-
-class Served:
-    def __init__(self, engine: FakeEngine, api_key: str | None = None) -> None:
-        self.engine = engine
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(build_app(engine, api_key), log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
+from gdnserve.engine.engine_api import AsyncEngineClient
+from gdnserve.models.tokenizer import DEFAULT_MARKER
+from tests.entrypoints.fake_engine import MAX_LEN, MODEL, TOK, FakeEngine, Served, chat_prompt, expected, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -177,15 +34,6 @@ def client(served) -> openai.OpenAI:
 def http(served):
     with httpx.Client(base_url=served.url, timeout=10) as c:
         yield c
-
-
-def wait_for(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 # ---- the openai client -------------------------------------------------------------------------------
@@ -241,7 +89,11 @@ def test_completion_stream(client):
         texts[ch.choices[0].index] += ch.choices[0].text
         if ch.choices[0].finish_reason:
             finish[ch.choices[0].index] = ch.choices[0].finish_reason
-            assert ch.choices[0].model_extra["gdnserve"]["prompts"][0]["prompt_tokens"] == 9
+            # provenance at the chunk's top level, where the non-streamed response has it
+            assert ch.model_extra["gdnserve"]["prompts"][0]["prompt_tokens"] == 9
+            assert "gdnserve" not in ch.choices[0].model_extra
+        else:
+            assert "gdnserve" not in ch.model_extra
     assert texts == {j: expected("stream me", 9, j) for j in range(2)}
     assert finish == {0: "length", 1: "length"}
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 18
@@ -324,19 +176,18 @@ def test_score(http, served):
 def test_health_and_metrics(http, client):
     assert http.get("/health").json()["status"] == "ok"
     client.completions.create(model=MODEL, prompt="count me", max_tokens=3)
-    time.sleep(1.0)  # tokens/s is measured between scrapes at least a second apart
-    http.get("/metrics")
-    client.completions.create(model=MODEL, prompt="count me", max_tokens=3)
     r = http.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    lines = r.text.splitlines()
-    for needle in ("# TYPE gdnserve_queue_depth gauge", "gdnserve_state_pool_occupancy ",
-                   'gdnserve_checkpoint_misses_total{reason="absent"} ',
-                   "# TYPE gdnserve_generation_tokens_total counter", "gdnserve_page_pool_occupancy 0.0234375",
-                   "gdnserve_generation_tokens_per_second "):
-        assert any(line.startswith(needle) for line in lines), needle
-    for line in lines:
-        assert line.startswith("#") or len(line.rsplit(" ", 1)) == 2 and float(line.rsplit(" ", 1)[1]) >= 0
+    fams = {f.name: f for f in text_string_to_metric_families(r.text)}
+    assert fams["gdnserve:generation_tokens"].type == "counter"
+    assert fams["gdnserve:num_requests_waiting"].type == "gauge"
+    assert fams["gdnserve:time_to_first_token_seconds"].type == "histogram"
+    misses = {s.labels["reason"]: s.value for s in fams["gdnserve:checkpoint_misses"].samples}
+    assert misses["absent"] >= 1
+    usage = fams["gdnserve:kv_cache_usage_perc"].samples[0].value
+    assert usage == pytest.approx(3 / 128)
+    count = next(s.value for s in fams["gdnserve:time_to_first_token_seconds"].samples if s.name.endswith("_count"))
+    assert count >= 1
 
 
 # ---- bad input: a 4xx naming the field ----------------------------------------------------------------
@@ -491,7 +342,8 @@ def test_api_key():
                 r = c.post(C, json={"prompt": "x"}, headers=headers)
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
             assert c.get("/v1/models").status_code == 401
-            assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+            assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 401  # issue 13
+            assert c.get("/metrics", headers={"Authorization": "Bearer sekret"}).status_code == 200
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.url + "/v1", api_key="wrong", max_retries=0).models.list()
         ok = openai.OpenAI(base_url=s.url + "/v1", api_key="sekret", max_retries=0)

@@ -1,0 +1,144 @@
+"""The command line's small things (issue 13): clean one-line errors before any model load (no such model
+folder, a folder without tokenizer.json, --device cuda without CUDA, a port in use), --help with defaults,
+``gdnserve score``, ``gdnserve bench`` writing outside the checkout, the shutdown grace reaching uvicorn,
+the tqdm bar while safetensors load."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from gdnserve.entrypoints import cli, serve
+from gdnserve.entrypoints.preflight import PreflightError, bind_socket, check_device, check_model_folder
+from gdnserve.models.tokenizer import Tokenizer
+
+
+def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gdnserve.entrypoints.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+
+def one_line_error(p: subprocess.CompletedProcess, code: int, *needles: str) -> str:
+    assert p.returncode == code, (p.returncode, p.stdout, p.stderr)
+    err = p.stderr.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+def test_nonexistent_model_and_missing_tokenizer(tmp_path):
+    one_line_error(run_cli("serve", "--model", "/nonexistent/model", "--device", "cpu"), 2,
+                   "gdnserve serve: --model /nonexistent/model: no such folder")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    one_line_error(run_cli("generate", "hi", "--model", str(tmp_path), "--device", "cpu"), 2, "tokenizer.json")
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):
+        Tokenizer.from_folder(tmp_path)
+    with pytest.raises(PreflightError, match="tokenizer.json"):
+        check_model_folder(str(tmp_path))
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(PreflightError, match="not a folder"):
+        check_model_folder(str(f))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_cpu_machine():
+    one_line_error(run_cli("serve", "--device", "cuda"), 2, "--device cuda", "use --device cpu")
+    one_line_error(run_cli("score", "a", "b", "--device", "cuda:1"), 2, "--device cuda:1")
+    with pytest.raises(PreflightError, match="not a device"):
+        check_device("gpu")
+    check_device("cpu")
+    check_device("auto")
+
+
+def test_port_in_use_is_reported_before_the_model_loads():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        p = run_cli("serve", "--device", "cpu", "--port", str(port))
+        err = one_line_error(p, 2, f"127.0.0.1:{port}", "in use", "--port")
+        assert "serving" not in p.stderr and time.monotonic() - t0 < 60, err
+        with pytest.raises(PreflightError, match="in use"):
+            bind_socket("127.0.0.1", port)
+    s = bind_socket("127.0.0.1", 0)  # free: bound, not listening yet
+    s.close()
+
+
+def test_help_shows_defaults_and_every_limit():
+    text = cli.build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    assert "TCP port to listen on (default 8000)" in " ".join(text.split())
+    for flag in ("--max-body-bytes", "--max-prompts", "--max-stop", "--max-stop-chars", "--max-json-depth",
+                 "--max-candidates", "--allowed-hosts", "--allowed-origins", "--public-metrics", "--shutdown-timeout",
+                 "--parse-special-tokens", "--chat-default-max-tokens"):
+        assert flag in text
+    docs = (cli.REPO_ROOT / "docs" / "serving.md").read_text()
+    for action in cli.build_parser()._subparsers._group_actions[0].choices["serve"]._actions:
+        for opt in action.option_strings:
+            if opt.startswith("--") and opt != "--help":
+                assert f"`{opt}" in docs, f"{opt} is not documented in docs/serving.md"
+
+
+def test_score_command(capsys):
+    assert cli.main(["score", "Is it good? Answer:", " yes", " no", "--device", "cpu", "--labels", "121,110",
+                     "--softmax", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["prefix_tokens"] == len("Is it good? Answer:") and len(out["data"]) == 2
+    for row in out["data"]:
+        assert row["num_tokens"] == len(row["candidate"]) and row["sum_logprob"] < 0
+        assert sum(row["label_probs"].values()) == pytest.approx(1.0)
+    assert cli.main(["score", "prefix", "a", "bcd", "--device", "cpu"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0] == "prefix: 6 tokens" and "sum_logprob" in table[1] and len(table) == 4
+    assert cli.main(["score", "p", "x", "--softmax"]) == 2
+
+
+def test_bench_does_not_write_into_the_checkout(monkeypatch, tmp_path):
+    for name in ("ops", "grouped-prefill", "model", "serve", "spec"):
+        out = cli.build_parser().parse_args(["bench", name]).out
+        assert cli.REPO_ROOT not in out.resolve().parents, out
+    assert cli.DEFAULT_RESULTS.parts[-2:] == ("gdnserve", "bench")
+
+
+def test_shutdown_timeout_and_config_reach_uvicorn(monkeypatch):
+    import uvicorn
+
+    from gdnserve.entrypoints import server
+    seen = {}
+
+    class FakeServer:
+        def __init__(self, config):
+            seen["config"] = config
+
+        def run(self, sockets=None):
+            seen["sockets"] = sockets
+
+    monkeypatch.setattr(uvicorn, "Server", FakeServer)
+    args = cli.build_parser().parse_args(["serve", "--shutdown-timeout", "3.5", "--max-prompts", "7",
+                                          "--allowed-origins", "http://a.example, http://b.example"])
+    config = serve.server_config(args)
+    assert config.limits.max_prompts == 7 and config.allowed_origins == ("http://a.example", "http://b.example")
+    from tests.entrypoints.fake_engine import FakeEngine
+    server.run_server(FakeEngine(), config, port=1234, shutdown_timeout=args.shutdown_timeout)
+    assert seen["config"].timeout_graceful_shutdown == 3.5 and seen["config"].port == 1234
+
+
+def test_progress_bar_while_shards_load(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    from gdnserve.models.loader import load_model
+    from tests.models.test_hf_parity import tiny_qwen35
+    tiny_qwen35(tmp_path)
+    load_model(tmp_path, dtype=torch.float32, progress=True)
+    err = capsys.readouterr().err
+    assert "loading" in err and "1 shard" in err and "tensor" in err
+    load_model(tmp_path, dtype=torch.float32, progress=False)
+    assert capsys.readouterr().err == ""
