@@ -12,7 +12,7 @@ from __future__ import annotations
 from gdnserve.engine.checkpoint_index import Checkpoint, CheckpointIndex, CheckpointStatus
 from gdnserve.engine.model_runner import SeqState
 from gdnserve.engine.page_pool import PagePool, PageTable
-from gdnserve.engine.state_pool import SlotKind, StatePool
+from gdnserve.engine.state_pool import StatePool
 
 
 class Checkpoints:
@@ -96,14 +96,10 @@ class KVCache:
         return -(-(shared + n + 1) // ps) - shared // ps
 
     def new_seq(self) -> SeqState:
-        seq = SeqState(-1, PageTable(self.pages))
-        seq.slot = self.state.allocate(SlotKind.RUNNING, seq)
-        return seq
+        return SeqState.open(self.state, self.pages)
 
     def free_seq(self, seq: SeqState) -> None:
-        self.state.free(seq.slot)
-        seq.pages.release()
-        seq.pending = 0
+        seq.close(self.state)
 
     def page_room(self, reserved: int) -> int:
         """KV pages left after ``reserved`` (what running requests and this pass's admissions were promised)."""

@@ -32,6 +32,19 @@ class SeqState:
     pending: int = 0
     parity: int = 0
 
+    @classmethod
+    def open(cls, state: StatePool, pages: PagePool) -> SeqState:
+        """A new sequence holding a RUNNING slot of ``state`` and an empty page table over ``pages``."""
+        seq = cls(-1, PageTable(pages))
+        seq.slot = state.allocate(SlotKind.RUNNING, seq)
+        return seq
+
+    def close(self, state: StatePool) -> None:
+        """Give back the slot and the pages (the inverse of :meth:`open`)."""
+        state.free(self.slot)
+        self.pages.release()
+        self.pending = 0
+
 
 @dataclass
 class PrefillItem:
@@ -200,14 +213,10 @@ class ModelRunner:
                 seq.pending, seq.parity = a, seq.parity ^ 1
 
     def new_seq(self) -> SeqState:
-        seq = SeqState(-1, PageTable(self.pages))
-        seq.slot = self.state.allocate(SlotKind.RUNNING, seq)
-        return seq
+        return SeqState.open(self.state, self.pages)
 
     def free_seq(self, seq: SeqState) -> None:
-        self.state.free(seq.slot)
-        seq.pages.release()
-        seq.pending = 0
+        seq.close(self.state)
 
     @torch.inference_mode()
     def step(self, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]],

@@ -29,6 +29,8 @@ from gdnserve.ops.tl_compat import cast, mma
 
 @triton.jit
 def _l2norm_rows(p_x, o_rows, m_rows, stride_t, o_k, m_k):
+    """Load rows [C, BK] of one head and l2-normalise them in fp32 (x * rsqrt(sum x² + 1e-6)); the prep and
+    output stages (chunk_triton.py) use it too."""
     b_x = tl.load(p_x + o_rows[:, None].to(tl.int64) * stride_t + o_k[None, :],
                   mask=m_rows[:, None] & m_k[None, :], other=0.).to(tl.float32)
     return b_x * tl.rsqrt(tl.sum(b_x * b_x, 1) + 1e-6)[:, None]

@@ -24,19 +24,11 @@ import triton
 import triton.language as tl
 
 from gdnserve.ops.gdn.chunk_configs import ChunkConfig, chunk_config
-from gdnserve.ops.gdn.chunk_state_triton import chunk_seg_kernel, chunk_state_kernel
+from gdnserve.ops.gdn.chunk_state_triton import _l2norm_rows, chunk_seg_kernel, chunk_state_kernel
 from gdnserve.ops.gdn.chunk_workspace import ChunkWorkspace
 from gdnserve.ops.launch import cdiv, launch, pow2
 from gdnserve.ops.tl_compat import cast, mma
 from gdnserve.ops.varlen import CHUNK, VarlenMeta, num_chunks
-
-
-@triton.jit
-def _l2norm_rows(p_x, o_rows, m_rows, stride_t, o_k, m_k):
-    """Load rows [C, BK] of one head and l2-normalise them in fp32 (x * rsqrt(sum x² + 1e-6))."""
-    b_x = tl.load(p_x + o_rows[:, None].to(tl.int64) * stride_t + o_k[None, :],
-                  mask=m_rows[:, None] & m_k[None, :], other=0.).to(tl.float32)
-    return b_x * tl.rsqrt(tl.sum(b_x * b_x, 1) + 1e-6)[:, None]
 
 
 @triton.jit
