@@ -487,12 +487,14 @@ def hf_prefill(hf, ids: torch.Tensor, plan: Plan, dev: torch.device, deadline: f
 def hf_decode(hf, B: int, plan: Plan, dev: torch.device, vocab: int, deadline: float = math.inf,
               hard_end: float = math.inf) -> dict[str, Any]:
     out = hf(_rand_ids(vocab, B, plan.context).to(dev), use_cache=True, logits_to_keep=1)
-    state = {"cache": out.cache, "next": out.logits[:, -1].argmax(-1, keepdim=True)}
+    # transformers >= 5.2x names the cache `cache` (output field and keyword); earlier 5.x `past_key_values`
+    key = "cache" if hasattr(out, "cache") else "past_key_values"
+    state = {"cache": getattr(out, key), "next": out.logits[:, -1].argmax(-1, keepdim=True)}
     if time.perf_counter() > hard_end:
         return {"times": [], "capped": True, "first_call_s": None}
 
     def step() -> list[int]:
-        o = hf(state["next"], cache=state["cache"], use_cache=True, logits_to_keep=1)
+        o = hf(state["next"], **{key: state["cache"]}, use_cache=True, logits_to_keep=1)
         state["next"] = o.logits[:, -1].argmax(-1, keepdim=True)
         return state["next"].flatten().tolist()
     return _capped_loop(step, plan, dev, deadline, hard_end)
