@@ -403,8 +403,10 @@ def build_prefill(ctx: Ctx, N: int, L: int) -> Case:
 
 
 TILE_SWEEP_B = (256,)     # batch sizes whose decode/verify rows also time launch-config variants
-DECODE_TILES = ((16, 2), (64, 4), (64, 8))   # (BV, num_warps); (32, 4) is "ours" at B = 256
-CHUNK_VARIANTS = (((16, 2), "tf32x3"), ((64, 4), "tf32x3"), ((32, 4), "ieee"))   # (32, 4) tf32x3 is "ours"
+DECODE_TILES = ((8, 1), (16, 1), (16, 2), (64, 4))   # (BV, num_warps); (32, 4) is "ours" at B = 256
+# token-by-token replay tiles: fla's recurrent kernel runs [K, 8] tiles on one warp
+REPLAY_TILES = ((8, 1), (16, 1), (8, 2), (16, 2))
+CHUNK_VARIANTS = (((16, 2), "tf32x3"), ((16, 4), "tf32x3"), ((32, 4), "tf32x3"))   # the chunked kernel, opt-in
 
 
 def _variant(ours: SimpleNamespace, name: str, tile, prec, chunked, bind: Callable[[Any], dict], **kw) -> Impl:
@@ -506,9 +508,11 @@ def build_recurrent(ctx: Ctx, B: int, L: int) -> Case:
         case.impls.append(Impl("ours replay", v_rep, {"gdn_verify(replay)": v_rep}, True))
         case.impls.append(Impl("ours replay prepared", prepared_rep, {"PreparedRecurrent (replay)": prepared_rep},
                                True))
-        if ctx.cuda:   # the kernel replay ran before the chunked one (issue 14), in the same run
-            case.impls.append(_variant(ours, "ours replay token-by-token", None, None, False, rep_args))
+        if ctx.cuda:   # the chunked kernel is opt-in (recurrent_triton.CHUNKED_DEFAULT): rows below time it
+            case.impls.append(_variant(ours, "ours replay chunked", None, None, True, rep_args))
         if ctx.cuda and B in TILE_SWEEP_B:
+            for tile in REPLAY_TILES:
+                case.impls.append(_variant(ours, f"ours replay tile {tile}", tile, None, False, rep_args))
             for tile, prec in CHUNK_VARIANTS:
                 case.impls.append(_variant(ours, f"ours replay chunk {tile} {prec}", tile, prec, True, rep_args))
 

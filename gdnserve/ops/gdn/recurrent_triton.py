@@ -6,8 +6,8 @@ One program owns (V-tile, value head j, request n): a ``[BV, BK]`` fp32 tile of 
 layout ``[S, HV, V, K]``, K contiguous) that stays in registers for the whole call, so a call reads
 the state once and writes it at most once per target. This file's kernel goes token by token (two
 reductions along K per token, inside the tile); ``recurrent_chunk_triton.py`` takes the calls without
-per-token scratch states and with 2..16 positions per request as one WY-form chunk. ``recurrent_plan``
-picks the kernel and builds the launch (also for ``ops/launch.Prepared``).
+per-token scratch states and with 2..16 positions per request as one WY-form chunk, when asked
+(``chunked=True``; slower on the H200 today, see CHUNKED_DEFAULT). ``recurrent_plan`` picks the kernel and builds the launch (also for ``ops/launch.Prepared``).
 """
 from __future__ import annotations
 
@@ -133,6 +133,10 @@ def _ptr_key(t):  # the specialisation of a pointer argument (see ops/launch.py)
 
 MAX_CHUNK_POSITIONS = 16   # pending + new tokens per request that the chunked kernel takes
 CHUNK_PREC = "tf32x3"      # its state products: fp32-level error on tensor cores
+# The chunked kernel is opt-in (chunked=True): on the H200 at B=256 L=4 replay it took 3,554 µs (best tile
+# 1,783) against 801 µs token by token (benchmarks/results/ops_h200.md, code of commit e4ef857), so the default stays
+# token by token until the chunked kernel wins.
+CHUNKED_DEFAULT = False
 
 
 def recurrent_plan(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per_req, write_state,
@@ -157,7 +161,7 @@ def recurrent_plan(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per_re
         LP = pk.shape[1]
     P0 = LP if pending_in_rows is not None else 0
     if chunked is None:
-        chunked = scratch is None and 2 <= P0 + L <= MAX_CHUNK_POSITIONS
+        chunked = CHUNKED_DEFAULT and scratch is None and 2 <= P0 + L <= MAX_CHUNK_POSITIONS
     elif chunked and (scratch is not None or P0 + L > MAX_CHUNK_POSITIONS):
         raise ValueError("chunked: the chunked kernel writes no scratch states and takes <= "
                          f"{MAX_CHUNK_POSITIONS} positions per request")
