@@ -9,17 +9,15 @@ import random
 
 import jinja2
 import pytest
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer
 
 from gdnserve.models.builtin import builtin_config
 from gdnserve.models.tokenizer import (BYTE_VOCAB_SIZE, DEFAULT_MARKER, SPECIAL_TOKENS, ByteTokenizer, MarkerError,
                                        Tokenizer, load_tokenizer)
+from tests.bpe_folder import write_bpe_folder
 
 WORDS = ["the", "state", "checkpoint", "prefix", "hybrid", "delta", "rule", "gated", "attention", "token",
          "héllo", "wörld", "日本語", "naïve", "😀", "über", "x", "42", ",", ".", "\n"]
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # A Qwen-style template: rejects unknown roles through HF's raise_exception, uses tojson and loop controls
 TEMPLATE = (
     "{%- for m in messages %}"
@@ -37,21 +35,7 @@ def random_text(rng: random.Random, n: int) -> str:
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
-    rng = random.Random(0)
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([random_text(rng, 30) for _ in range(300)], trainer=trainer)
-    folder = tmp_path_factory.mktemp("tok")
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": {"__type": "AddedToken", "content": "<|im_end|>", "special": True},
-        "pad_token": "<|endoftext|>", "chat_template": TEMPLATE}))
-    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.token_to_id("<|im_end|>"),
-                                                                                tok.token_to_id("<|endoftext|>")]}))
-    return folder
+    return write_bpe_folder(tmp_path_factory.mktemp("tok"), WORDS, TEMPLATE, vocab_size=420, generation_config=True)
 
 
 @pytest.fixture
