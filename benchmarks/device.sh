@@ -12,7 +12,8 @@
 #   grouped[:s]  python -m benchmarks.bench_grouped_prefill (four executors vs fla two-phase)
 #   profile[:s]  python -m benchmarks.profile_kernels       (per-kernel GPU time of the grouped step;
 #                PROFILE_ARGS=--host adds the host-time profile of one eager call per case)
-#   tune[:s]     python -m benchmarks.tune_chunk            (per-stage launch configs)
+#   tune[:s]     python -m benchmarks.tune_chunk            (per-stage launch configs; TUNE_ARGS=--accuracy: only
+#                the state error against length, fla beside)
 #   model[:s] serve[:s] spec[:s] moe[:s]   the end-to-end benchmarks (--time-budget s)
 #
 # .whl/ (git-ignored; make it once on the workstation:
@@ -72,7 +73,8 @@ for arg in "$@"; do
     grouped) bench bench_grouped_prefill "${b:-200}" ;;
     profile) timeout "${b:-60}" python3 -m benchmarks.profile_kernels ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
              grep -A5 "^##" "$OUT/profile.log" | head -60 ;;
-    tune)    timeout "${b:-200}" python3 -m benchmarks.tune_chunk > "$OUT/tune_chunk.log" 2>&1; tail -30 "$OUT/tune_chunk.log" ;;
+    tune)    timeout "${b:-200}" python3 -m benchmarks.tune_chunk --out "$OUT" ${TUNE_ARGS:-} > "$OUT/tune_chunk.log" 2>&1
+             tail -30 "$OUT/tune_chunk.log" ;;
     model|serve|spec|moe) bench "bench_$suite" "${b:-120}" --time-budget "${b:-120}" ;;
     *)       echo "unknown suite $suite" ;;
   esac
