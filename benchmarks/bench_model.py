@@ -6,11 +6,16 @@ Run ``gdnserve bench model`` or ``python -m benchmarks.bench_model`` (options: -
 --no-hf, --layers, --experts, --time-budget; ``python -m`` also takes --diagnosis on|off|only, --shape
 auto|bench, --vocab). Writes ``model_<device>_<date>.json`` and ``.md``.
 
-Model: ``benchmarks/random_model.py`` (Qwen3.5-35B-A3B GDN / attention / MoE shapes, 8 layers and 64
-experts by default on CUDA, bf16; a tiny fp32 model on CPU, or the CUDA shape with ``--shape bench``). The
-HF model is built first and gdnserve's is loaded from its state dict through our checkpoint loader, so both
-hold identical weights (bf16-representable values also in an fp32 run, so that the diagnosis can switch
-dtype without changing them).
+Model: ``benchmarks/random_model.py``. On CUDA by default the full-size Qwen3.5-35B-A3B (all 40 layers, 256
+experts, its 3 GDN : 1 attention pattern; random bf16 weights drawn on the device, 70 GB); ``--quick`` (or
+``--layers`` / ``--experts``) gives the 8-layer, 64-expert cut with the same per-layer shapes. A tiny fp32
+model on CPU, or the CUDA cut with ``--shape bench``. HF's model does not fit beside ours at full size (two
+70 GB copies and the state pools exceed the H200's 139 GiB), so a full-size run has no HF rows and no bf16
+diagnosis (both need HF; ``--quick`` keeps them). The report also sizes Qwen3-Next-80B-A3B's layer pattern
+(48 layers, 512 experts top-10) without allocating it and says whether it fits the device
+(``qwen3_next_80b`` in the JSON). With HF, the HF model is built first and gdnserve's is loaded from its
+state dict through our checkpoint loader, so both hold identical weights (bf16-representable values also in
+an fp32 run, so that the diagnosis can switch dtype without changing them).
 
 Order (each case has a time share, below): parity first (it also takes HF's first call: fla's autotuning),
 then decode B (CUDA: 1, 16, 64, 256), then prefill N x L (CUDA: 1x4096, 8x1024), then the second dtype of
@@ -45,7 +50,8 @@ Times: perf_counter around the call with the device synchronised before and afte
 HF runs eagerly; ours runs the ModelRunner's default, which captures decode steps in CUDA graphs when the
 model allows it (on first use of a batch bucket, i.e. in the untimed warm-up; ``ours_cuda_graphs`` in the
 JSON says whether it did). tokens/s = tokens of the call / median time. Floors from ceilings measured
-in this run: prefill = FLOPs (2 x active parameters per token + causal attention) / bf16 matmul rate;
+in this run: prefill = FLOPs (2 x active parameters per token — router, shared expert and top-k routed
+experts; the lm head only for each sequence's last token — + causal attention) / bf16 matmul rate;
 decode = bytes (every non-expert weight once, the experts a uniform router touches, GDN conv + SSM
 state read and written, KV read) / copy rate.
 """
@@ -66,7 +72,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from benchmarks.e2e_report import Report, fmt_pct, model_summary, pct, run_cli, timed
-from benchmarks.random_model import VOCAB, bench_hf_config, build_hf_model, build_random_model, config_for, ours_from_hf
+from benchmarks.random_model import (VOCAB, bench_hf_config, build_hf_model, build_random_model, config_for,
+                                     ours_from_hf, param_bytes, qwen3_next_hf_config)
 from benchmarks.timing import measure_ceilings
 from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
 from gdnserve.ops.numerics import rel_rms
@@ -134,14 +141,23 @@ def decode_bytes(model, B: int, ctx: int) -> int:
 
 
 def prefill_flops(model, N: int, L: int) -> float:
+    """FLOPs of prefilling N sequences of L tokens: every token through the router, the shared expert and its
+    top-k routed experts (one expert's parameters x k) and every other non-embedding weight; the lm head for
+    each sequence's last token only (the step returns those logits); causal attention 2 L^2 H Dh per sequence
+    and attention layer."""
     cfg, a = model.cfg, model.cfg.attn
-    active = 0
+    active = head = 0
     for name, p in model.named_parameters():
         if name.startswith("embed_tokens"):
             continue
-        active += p[0].numel() * cfg.mlp.num_experts_per_tok if ".experts_" in name else p.numel()
+        if name.startswith("lm_head"):
+            head += p.numel()
+        else:
+            active += p[0].numel() * cfg.mlp.num_experts_per_tok if ".experts_" in name else p.numel()
+    if model.lm_head is None:                           # tied: the head is the embedding matrix
+        head = model.embed_tokens.weight.numel()
     attn_layers = cfg.num_layers - cfg.num_linear_layers
-    return 2.0 * N * L * active + attn_layers * N * 2.0 * L * L * a.num_heads * a.head_dim
+    return 2.0 * N * L * active + 2.0 * N * head + attn_layers * N * 2.0 * L * L * a.num_heads * a.head_dim
 
 
 def _rand_ids(vocab: int, *shape: int) -> torch.Tensor:
@@ -661,18 +677,29 @@ def run(device: torch.device, quick: bool, out_dir: Path, use_hf: bool, layers: 
         raise ValueError(f"diagnosis must be on, off or only, got {diagnosis!r}")
     cuda = device.type == "cuda"
     plan = make_plan(cuda, quick)
+    full = cuda and shape == "auto" and not quick and layers is None and experts is None
     if shape == "bench":
         hf_cfg = bench_hf_config(layers or 8, experts or 64, vocab or VOCAB)
         plan = replace(plan, diag_len=max(plan.diag_len, 128))      # the diagnosis at the CUDA prompt length
     else:
-        hf_cfg = config_for(device, layers, experts)
+        hf_cfg = config_for(device, layers, experts, full=full)
         if vocab:
             hf_cfg["vocab_size"] = vocab
     dtype = torch.bfloat16 if cuda else torch.float32
+    notes = []
+    if full and use_hf:
+        use_hf, diagnosis = False, ("off" if diagnosis == "on" else diagnosis)
+        notes.append("Full-size model: no HF rows and no bf16 diagnosis (HF's copy of the 70 GB weights does not "
+                     "fit beside ours); `--quick` runs the 8-layer cut with both.")
     rep = Report("model", "Model throughput: gdnserve vs HF transformers", device, out_dir, quick=quick,
                  budget_s=budget_s, table=table, model_config=hf_cfg, dtype=str(dtype),
                  model_summary=model_summary(hf_cfg, dtype), plan=plan.__dict__, diagnosis=diagnosis,
                  case_order=[f"{k} {s}" for k, s, _, _ in cases_in_order(plan)] if diagnosis != "only" else [])
+    for n in notes:
+        rep.note(n)
+    if cuda:
+        rep.res["qwen3_next_80b"] = next_fit(device)
+        rep.note(rep.res["qwen3_next_80b"]["summary"])
     torch.manual_seed(0)
     try:
         with torch.inference_mode():
@@ -683,6 +710,18 @@ def run(device: torch.device, quick: bool, out_dir: Path, use_hf: bool, layers: 
         rep.note(f"Rows marked capped stopped their timed calls early (fewer samples): HF after "
                  f"{plan.hf_case_cap_s:.0f} s of calls, or either side at the end of the case's time share.")
     return rep.finish()
+
+
+def next_fit(device: torch.device) -> dict[str, Any]:
+    """Qwen3-Next-80B-A3B's layer pattern in bf16, sized on the meta device, against ``device``'s memory."""
+    n, b = param_bytes(qwen3_next_hf_config(), torch.bfloat16)
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    fits = total is not None and b < total
+    where = f"{total / 2**30:.0f} GiB" if total else "?"
+    return {"params": n, "bytes": b, "device_bytes": total, "fits": fits,
+            "summary": f"Qwen3-Next-80B-A3B (48 layers, 512 experts top-10) in bf16: {n / 1e9:.1f} B parameters, "
+                       f"{b / 1e9:.1f} GB ({b / 2**30:.1f} GiB) of weights alone, "
+                       + ("fits" if fits else "does not fit") + f" the device's {where}; not run."}
 
 
 def run_from_args(args: argparse.Namespace) -> int:

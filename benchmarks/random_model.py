@@ -4,13 +4,20 @@
 ``bench_hf_config(...)`` is the HF config.json (``qwen3_5_moe_text``) that every benchmark records in its
 JSON: hidden 2048; GDN H=16, HV=32, K=V=128, W=4; attention 16 q heads, 2 KV heads, head_dim 256, gated,
 a quarter of each head rotated; 3 GDN : 1 attention; sparse MoE top-8 with moe_intermediate 512 and a
-shared expert of 512; vocab 248320. Only the layer and expert counts are cut (default 8 layers, 64
-experts instead of 40 and 256) so a run fits a few minutes. ``tiny_hf_config()`` is the CPU smoke shape.
+shared expert of 512; vocab 248320. ``full_hf_config()`` is the whole Qwen3.5-35B-A3B (40 layers =
+10 x (3 GDN + 1 attention), 256 experts: 35.1 B parameters, 70 GB in bf16), the default of ``bench model``
+on CUDA; the 8-layer, 64-expert cut (``bench_hf_config()``'s default) is its ``--quick`` shape and the
+serving benchmarks'. ``qwen3_next_hf_config()`` is Qwen3-Next-80B-A3B's layer pattern (48 layers =
+12 x (3 GDN + 1 attention), 512 experts top-10, vocab 151936), sized by ``param_bytes`` without allocating
+it (it does not fit one H200 in bf16). ``tiny_hf_config()`` is the CPU smoke shape.
 
 Weights: N(0, 0.02) projections and embeddings, zero-centred norms at 0 (identity), the GDN gated norm at
 1, A_log = log U(1, 16), dt_bias 1, conv N(0, 0.3) — ``init_random_`` applies these rules by parameter
 name, so gdnserve's model and transformers' get the same distribution; ``build_hf_model`` +
 ``ours_from_hf`` give both models the *same* weights (our loader's name mapping, applied in memory).
+On CUDA the model is allocated on the device (meta -> ``to_empty``) and every parameter is filled in place
+in its own dtype (``normal_`` / ``uniform_`` with a device generator): no host copy and no fp32 temporary,
+so the 70 GB model needs 70 GB. On CPU the draws go through fp32 tensors as before (the tests' values).
 """
 from __future__ import annotations
 
@@ -44,6 +51,37 @@ def bench_hf_config(num_layers: int = 8, num_experts: int = 64, vocab_size: int 
     }
 
 
+FULL_LAYERS, FULL_EXPERTS = 40, 256        # Qwen3.5-35B-A3B
+QUICK_LAYERS, QUICK_EXPERTS = 8, 64        # the quick / serving cut
+
+
+def full_hf_config() -> dict[str, Any]:
+    """Qwen3.5-35B-A3B's text model exactly (the layer and expert counts of its config.json)."""
+    return bench_hf_config(FULL_LAYERS, FULL_EXPERTS)
+
+
+def qwen3_next_hf_config() -> dict[str, Any]:
+    """Qwen3-Next-80B-A3B's text model (model_type qwen3_next; the other fields are that family's HF defaults,
+    models/config.py): 48 layers, GDN H=16 HV=32 K=V=128, attention 16/2 heads of 256, 512 experts top-10 of
+    512 + a shared expert of 512, vocab 151936."""
+    return {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "dtype": "bfloat16",
+            "num_hidden_layers": 48, "num_experts": 512, "num_experts_per_tok": 10, "vocab_size": 151936,
+            "eos_token_id": None, "pad_token_id": None, "bos_token_id": None}
+
+
+def param_bytes(hf_cfg: dict[str, Any], dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
+    """(parameters, bytes) of gdnserve's model of ``hf_cfg`` in ``dtype`` (A_log kept fp32), counted on the meta
+    device: nothing is allocated."""
+    from gdnserve.models.qwen3_5 import HybridLM
+    with torch.device("meta"):
+        model = HybridLM(ModelConfig.from_hf(hf_cfg)).to(dtype)
+    n = b = 0
+    for name, p in model.named_parameters():
+        n += p.numel()
+        b += p.numel() * (4 if name.endswith("A_log") else p.element_size())
+    return n, b
+
+
 def tiny_hf_config(num_layers: int = 4, num_experts: int = 8) -> dict[str, Any]:
     """The same architecture at CPU-smoke size (hidden 64, GDN H=2 HV=4 K=V=16, vocab 512)."""
     d = bench_hf_config(num_layers, num_experts, vocab_size=512)
@@ -53,17 +91,24 @@ def tiny_hf_config(num_layers: int = 4, num_experts: int = 8) -> dict[str, Any]:
     return d
 
 
-def config_for(device: torch.device, num_layers: int | None, num_experts: int | None) -> dict[str, Any]:
-    """The benchmark shape on CUDA, the tiny one on CPU; layer / expert counts overridable."""
+def config_for(device: torch.device, num_layers: int | None, num_experts: int | None,
+               full: bool = False) -> dict[str, Any]:
+    """The benchmark shape on CUDA (``full``: all 40 layers and 256 experts, else the 8-layer, 64-expert cut),
+    the tiny one on CPU; layer / expert counts overridable."""
     if device.type == "cuda":
-        return bench_hf_config(num_layers or 8, num_experts or 64)
+        d_layers, d_experts = (FULL_LAYERS, FULL_EXPERTS) if full else (QUICK_LAYERS, QUICK_EXPERTS)
+        return bench_hf_config(num_layers or d_layers, num_experts or d_experts)
     return tiny_hf_config(num_layers or 4, num_experts or 8)
 
 
 @torch.no_grad()
 def init_random_(model: torch.nn.Module, seed: int) -> None:
     """Fill every parameter by the rules in the module docstring (names of gdnserve's or HF's modules)."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    dev = next(model.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    if dev.type == "cuda":
+        _init_in_place_(model, gen)
+        return
     for name, p in model.named_parameters():
         if name.endswith("A_log"):
             p.copy_(torch.rand(p.shape, generator=gen, device=p.device).mul_(15).add_(1).log_())
@@ -78,8 +123,24 @@ def init_random_(model: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen, device=p.device) * std)
 
 
+def _init_in_place_(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """The same rules, drawn in place in each parameter's dtype (the CUDA path: no temporaries)."""
+    for name, p in model.named_parameters():
+        if name.endswith("A_log"):
+            p.uniform_(1, 16, generator=gen).log_()
+        elif name.endswith("dt_bias"):
+            p.fill_(1.0)
+        elif "conv" in name:
+            p.normal_(0, 0.3, generator=gen)
+        elif "norm" in name:
+            p.fill_(1.0 if name.endswith(("mixer.norm.weight", "linear_attn.norm.weight")) else 0.0)
+        else:
+            p.normal_(0, 0.02 if p.dim() > 1 else 1 / math.sqrt(p.numel()), generator=gen)
+
+
 def build_random_model(hf_cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, seed: int = 0):
-    """gdnserve's HybridLM with random weights, built on the meta device and filled on ``device``."""
+    """gdnserve's HybridLM with random weights, built on the meta device and filled on ``device`` (on CUDA in
+    place, in ``dtype``: the full-size model needs its 70 GB and nothing more)."""
     from gdnserve.models.qwen3_5 import HybridLM
     cfg = ModelConfig.from_hf(hf_cfg)
     with torch.device("meta"):

@@ -109,3 +109,33 @@ def test_loops_stop_at_their_deadlines():
     m = bm._timed_loop(lambda _: None, plan, dev, deadline=past)
     assert m["capped"] and len(m["times"]) == 1
     assert len(bm._timed_loop(lambda _: None, plan, dev, deadline=float("inf"))["times"]) == plan.iters
+
+
+def test_full_size_shapes_and_prefill_flops():
+    """The full-size default is Qwen3.5-35B-A3B exactly (40 layers in its 3 GDN : 1 attention pattern, 256
+    experts top-8, 69.3 GB in bf16); Qwen3-Next-80B-A3B's pattern (159 GB) is over an H200's 139 GiB. The
+    prefill floor counts top-k experts + the shared expert per token and the lm head once per sequence."""
+    import torch
+
+    from gdnserve.models.config import ModelConfig
+    from gdnserve.models.qwen3_5 import HybridLM
+    rm, bm = cli.load_benchmark("random_model"), cli.load_benchmark("bench_model")
+    full = rm.config_for(torch.device("cuda"), None, None, full=True)
+    assert full == rm.full_hf_config() and full["num_hidden_layers"] == 40 and full["num_experts"] == 256
+    assert full["layer_types"] == (["linear_attention"] * 3 + ["full_attention"]) * 10
+    assert rm.config_for(torch.device("cuda"), None, None)["num_hidden_layers"] == 8      # the quick cut
+    n, b = rm.param_bytes(full)
+    assert 34.5e9 < n < 35e9 and 69e9 < b < 69.5e9
+    n80, b80 = rm.param_bytes(rm.qwen3_next_hf_config())
+    assert 79e9 < n80 < 80.5e9 and b80 > 139 * 2**30
+    cfg = rm.bench_hf_config(num_layers=4, num_experts=16, vocab_size=256)
+    with torch.device("meta"):
+        model = HybridLM(ModelConfig.from_hf(cfg)).to(torch.bfloat16)
+    dense = sum(p.numel() for name, p in model.named_parameters()
+                if ".experts_" not in name and not name.startswith(("embed_tokens", "lm_head")))
+    routed = 4 * 8 * (2 * 512 * 2048 + 2048 * 512)                # 4 MoE layers x top-8 experts
+    attn = 2 * 16 * 256                                            # 1 attention layer: 2 L^2 H Dh
+    one, two = bm.prefill_flops(model, 1, 1), bm.prefill_flops(model, 1, 2)
+    assert two - one == pytest.approx(2 * (dense + routed) + attn * (4 - 1), rel=1e-12)
+    assert bm.prefill_flops(model, 2, 1) == pytest.approx(2 * one)                # the head once per sequence
+    assert one == pytest.approx(2 * (dense + routed) + 2 * 256 * 2048 + attn)
