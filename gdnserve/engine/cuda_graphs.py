@@ -1,18 +1,20 @@
-"""CUDA graphs for decode-only and verify-only steps (docs/serving.md § CUDA graphs).
+"""CUDA graphs for every step kind but the MTP drafter's (docs/serving.md § CUDA graphs).
 
-A step of B requests (decode: 1 token each; verify: L = k + 1 each, either spec mode) runs the graph of
-the smallest batch-size bucket Bk >= B, its rows B..Bk-1 padded so that they touch no state (see
-graph_inputs.py). One graph per (kind, bucket), captured lazily on first use (or all at once by
-:meth:`StepGraphs.capture_all`), every graph in one private memory pool.
+Decode-only and verify-only steps: a step of B requests (decode: 1 token each; verify: L = k + 1 each, either
+spec mode) runs the graph of the smallest batch-size bucket Bk >= B, its rows B..Bk-1 padded so that they
+touch no state (see graph_inputs.py). Prefill and mixed steps (prefill segments in one fused launch group, and
+decodes): the graph of the smallest (Tb, Nb, Qb, Bb) bucket (prefill rows, segments, query rows per segment,
+decode rows), padded as mixed_inputs.py says. One graph per key, captured lazily on first use (or the decode /
+verify ones all at once by :meth:`StepGraphs.capture_all`), every graph in one private memory pool.
 
-What the graph holds: the model from the token ids to the final-normed hidden states of all Bk*L rows,
-reading only the static views of GraphInputs (their int32 -> int64 conversions included). What stays
-eager, outside the graph: the host bookkeeping (pages, lengths), the fill and its one upload, the lm head
-on the B*L live rows (a fresh logits tensor each step, and no [Bk*L, vocab] buffer per graph), the
-replay-mode flush before decodes and prefills, and accept/commit after a verify (they need the host's
-acceptance counts; ModelRunner gives their index vectors one upload). Any other step — with prefill, with
-decodes and verifies together, larger than the largest bucket, or a sequence longer than the page-table
-width — runs the ordinary eager step.
+What the graph holds: the model from the token ids to the final-normed hidden states of all rows, reading
+only static views (their int32 -> int64 conversions included). What stays eager, outside the graph: the host
+bookkeeping (pages, lengths, a fork's page copies), the fill and its one upload, the lm head on the live
+logits rows (a fresh logits tensor each step, and no [rows, vocab] buffer per graph), the replay-mode flush
+before decodes and prefills, and accept/commit after a verify (they need the host's acceptance counts;
+ModelRunner gives their index vectors one upload). Any other step — decodes and verifies together, a verify
+with prefill, a prefill mode other than ``fused``, larger than the largest bucket, or a sequence longer than
+the page-table width — runs the ordinary eager step.
 
 ``capture=False`` runs the same padded, static-buffer forward eagerly ("graph-shaped eager"): what the
 CPU tests compare with the ordinary step, and what a replay must equal bit for bit on the GPU.
@@ -24,15 +26,28 @@ from collections import Counter
 import torch
 
 from gdnserve.engine.graph_inputs import BUCKETS, GraphInputs, StepKind, graph_buckets, pick_bucket
+from gdnserve.engine.mixed_inputs import MixedInputs, MixedKey, MixedStep, pick_mixed, token_buckets
 from gdnserve.layers.forward_context import AttnMeta, ForwardContext, VerifyMeta, forward_context
+from gdnserve.layers.prefill_plan import LaunchGroup, PrefillPlan
 
-Key = tuple[StepKind, int]
+Key = tuple[StepKind, int] | MixedKey
 
 
 class StepGraphs:
     def __init__(self, model, *, buckets: tuple[int, ...], width: int, page_size: int, num_slots: int,
-                 spec_mode: str | None, spec_tokens: int, capture: bool, device: torch.device):
+                 spec_mode: str | None, spec_tokens: int, capture: bool, device: torch.device,
+                 mixed_tokens: int | None = None):
+        """``mixed_tokens``: the largest prefill-token bucket of prefill / mixed graphs (None: none)."""
         self.model, self.buckets, self.width, self.num_slots = model, buckets, width, num_slots
+        self.page_size = page_size
+        self.mixed: MixedInputs | None = None
+        if mixed_tokens is not None:
+            self.tok_buckets = token_buckets(mixed_tokens)
+            self.seq_buckets = graph_buckets(num_slots) if num_slots <= 256 else \
+                graph_buckets(256) + tuple(b for b in (512,) if b < num_slots) + (num_slots,)
+            top = MixedKey(self.tok_buckets[-1], self.seq_buckets[-1], self.tok_buckets[-1], buckets[-1])
+            self.mixed = MixedInputs(top, width, page_size, device)
+        self._lens: dict[MixedKey, list[int]] = {}
         self.decode = StepKind(1)
         self.verify = StepKind(spec_tokens, spec_mode) if spec_mode is not None else None
         kinds = [self.decode] + ([self.verify] if self.verify else [])
@@ -41,7 +56,9 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.graphs: dict[Key, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[Key, torch.Tensor] = {}
-        self.stats: Counter[str] = Counter()   # replay, eager (graph-shaped), capture, fallback
+        # decode / verify steps: replay, eager (graph-shaped); prefill / mixed: mixed_replay, mixed_eager; capture;
+        # fallback: ordinary eager steps
+        self.stats: Counter[str] = Counter()
 
     def select(self, decodes: list, verifies: list) -> Key | None:
         """The (kind, bucket) of a step without prefill, or None when it must run eagerly."""
@@ -56,6 +73,45 @@ class StepGraphs:
         if any(len(s.pages.pages) + s.pages.pages_needed(L) > W for s, _ in items):
             return None
         return kind, Bk
+
+    def select_mixed(self, prefills: list, decodes: list) -> MixedKey | None:
+        """The bucket of a step of ``prefills`` (PrefillItems, one fused group) and ``decodes``, or None: eager."""
+        if self.mixed is None or not prefills:
+            return None
+        lens = [len(it.tokens) for it in prefills]
+        key = pick_mixed(self.tok_buckets, self.seq_buckets, self.buckets, sum(lens), len(lens), max(lens),
+                         len(decodes))
+        if key is None:
+            return None
+        cap, W = self.width * self.page_size, self.width
+        for it, n in zip(prefills, lens):
+            if it.producer >= 0:
+                p = prefills[it.producer]
+                start = p.seq.length + len(p.tokens)
+            else:
+                start = it.checkpoint[1].length if it.checkpoint is not None else it.seq.length
+            if start + n > cap:
+                return None
+        if any(len(s.pages.pages) + s.pages.pages_needed(1) > W for s, _ in decodes):
+            return None
+        return key
+
+    @torch.inference_mode()
+    def run_mixed(self, key: MixedKey, st: MixedStep) -> torch.Tensor:
+        """Run a prefill / mixed step laid out by the runner (``st``: its eager-layout vectors and the fused
+        group's slots): fill the bucket's static inputs, replay (or run graph-shaped eager), and return the fp32
+        logits of the step's logits rows, as the eager step would."""
+        if self.capture and key not in self.graphs:
+            self._capture(key)
+        self._lens[key] = self.mixed.fill(key, st)
+        if self.capture:
+            self.graphs[key].replay()
+            h = self.hidden[key]
+            self.stats["mixed_replay"] += 1
+        else:
+            h = self._forward(key)
+            self.stats["mixed_eager"] += 1
+        return self.model.logits(h[self.mixed.views(key)["rows"][:len(st.rows)].long()])
 
     @torch.inference_mode()
     def run(self, key: Key, items: list) -> torch.Tensor:
@@ -108,6 +164,8 @@ class StepGraphs:
 
     def _forward(self, key: Key) -> torch.Tensor:
         """The captured region: static views in, final-normed hidden states [Bk*L, hidden] out."""
+        if isinstance(key, MixedKey):
+            return self._forward_mixed(key)
         kind, Bk = key
         v = self.inputs.views(kind, Bk)
         attn = AttnMeta(v["cu"], v["kv"], v["table"], v["smap"].long(), None, max_q_len=kind.L)
@@ -115,6 +173,17 @@ class StepGraphs:
         if kind.verify is not None:
             vm = VerifyMeta(kind.verify, kind.L, v["slots"], v["rows_out"], v.get("rows_in"), v.get("num"))
         ctx = ForwardContext(v["pos"].long(), 0, None, None if vm else v["slots"], attn, vm)
+        with forward_context(ctx):
+            return self.model.norm(self.model.hidden_states(v["ids"].long()))
+
+    def _forward_mixed(self, key: MixedKey) -> torch.Tensor:
+        """A prefill / mixed bucket's region: hidden states [Tb + Bb, hidden] (mixed_inputs.py's layout)."""
+        v = self.mixed.views(key)
+        meta = self.mixed.meta(key, self._lens[key])
+        plan = PrefillPlan("fused", key.T, (LaunchGroup(0, key.T, meta, v["src"], v["dst"], v["par"]),))
+        attn = AttnMeta(v["cu"], v["kv"], v["table"], v["smap"].long(), v["tok"].long(), max_q_len=key.Q,
+                        zero_out=True)
+        ctx = ForwardContext(v["pos"].long(), key.T, plan, v["dslots"] if key.B else None, attn)
         with forward_context(ctx):
             return self.model.norm(self.model.hidden_states(v["ids"].long()))
 
@@ -127,9 +196,12 @@ class StepGraphs:
                     self._capture((kind, Bk))
 
     def _capture(self, key: Key) -> None:
-        kind, Bk = key
-        empty = {name: [] for name in ("ids", "pos", "smap", *kind.row_vectors())}
-        self.inputs.fill(kind, Bk, empty, [])             # all rows padding: the warm-up writes no state
+        if isinstance(key, MixedKey):                     # all rows padding: the warm-up writes no state
+            self._lens[key] = self.mixed.fill(key, MixedStep([], [], [], [], [0], [], [], [], 0, [], [], [], []))
+        else:
+            kind, Bk = key
+            empty = {name: [] for name in ("ids", "pos", "smap", *kind.row_vectors())}
+            self.inputs.fill(kind, Bk, empty, [])
         cur = torch.cuda.current_stream()
         side = torch.cuda.Stream()
         side.wait_stream(cur)
@@ -165,6 +237,9 @@ def build_step_graphs(model, rc, device: torch.device) -> StepGraphs | None:
     if not isinstance(rc.max_model_len, int) or rc.max_model_len < 1:
         raise ValueError(f"max_model_len: expected an int >= 1, got {rc.max_model_len!r}")
     width = min(rc.num_pages, -(-(rc.max_model_len + max(1, rc.spec_tokens)) // rc.page_size))
+    mixed = None                                          # prefill / mixed graphs: the fused plan's one group
+    if rc.mixed_graphs and rc.prefill_mode == "fused" and not (rc.spec_mode is not None and rc.spec_draft == "mtp"):
+        mixed = rc.graph_max_tokens if rc.graph_max_tokens is not None else min(rc.max_model_len, 8192)
     return StepGraphs(model, buckets=graph_buckets(cap), width=width, page_size=rc.page_size,
                       num_slots=rc.num_slots, spec_mode=rc.spec_mode, spec_tokens=rc.spec_tokens,
-                      capture=capture, device=device)
+                      capture=capture, device=device, mixed_tokens=mixed)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from gdnserve.engine.cuda_graphs import build_step_graphs
+from gdnserve.engine.mixed_inputs import MixedKey, MixedStep, fused_group
 from gdnserve.engine.page_pool import PagePool, PagePoolConfig, PageTable
 from gdnserve.speculative.mtp import MTPDrafter, MTPStepIndex
 from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
@@ -70,6 +71,8 @@ class RunnerConfig:
     graph_capture: bool | None = None   # False: the same padded static-buffer path, run eagerly (None = on CUDA)
     graph_max_batch: int | None = None  # largest bucket (max_num_seqs); None = min(256, num_slots)
     max_model_len: int = 4096        # sets the graphs' page-table width; longer sequences step eagerly
+    mixed_graphs: bool = True        # prefill and mixed steps via graphs too (prefill_mode "fused", no MTP drafter)
+    graph_max_tokens: int | None = None  # largest prefill-token bucket; None = min(max_model_len, 8192)
 
 
 def pool_shapes(model, rc: RunnerConfig) -> tuple[StatePoolConfig, PagePoolConfig]:
@@ -236,15 +239,21 @@ class ModelRunner:
                 raise ValueError(f"verify: {len(toks)} tokens, the runner takes {want} per verify item "
                                  f"(spec_tokens = {self.rc.spec_tokens}, spec_draft = {self.rc.spec_draft!r})")
         self.flush([s for s, _ in decodes] + [it.seq for it in prefills])   # replay-pending state must land
-        if self.graphs is not None and self.mtp is None and not prefills:
-            key = self.graphs.select(decodes, verifies)
-            if key is not None:
-                logits = self.graphs.run(key, list(verifies or decodes))
-                if verifies:
-                    self.drafts = self.graphs.drafts(key, len(verifies))
-                    self.verify_slots = self.graphs.verify_slots(key, len(verifies))
-                return logits
-            self.graphs.stats["fallback"] += 1
+        if self.graphs is not None and self.mtp is None:
+            if not prefills:
+                key = self.graphs.select(decodes, verifies)
+                if key is not None:
+                    logits = self.graphs.run(key, list(verifies or decodes))
+                    if verifies:
+                        self.drafts = self.graphs.drafts(key, len(verifies))
+                        self.verify_slots = self.graphs.verify_slots(key, len(verifies))
+                    return logits
+            elif not verifies:
+                mkey = self.graphs.select_mixed(prefills, decodes)
+                if mkey is not None:
+                    return self._step_mixed(mkey, prefills, decodes, is_ready)
+            if not prefills or self.graphs.mixed is not None:      # a step the graphs could have taken
+                self.graphs.stats["fallback"] += 1
         segs = self._segments(prefills)
         host = StepInputs()
         mtp = MTPStepIndex() if self.mtp is not None else None    # the MTP head's vectors (speculative/mtp.py)
@@ -273,6 +282,19 @@ class ModelRunner:
             logits, hidden = self.model(ids_dev, x.rows.long(), return_hidden=True)
         self.mtp.feed(hidden, ids_dev, ctx.positions, attn, mtp.feed_meta(x.mtp, host.v_start))
         return logits
+
+    def _step_mixed(self, key: MixedKey, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]],
+                    is_ready) -> torch.Tensor:
+        """A prefill / mixed step through its graph bucket: the segments validated (before any page moves),
+        laid out as the eager step lays them (forks, pages, lengths), then padded into the bucket."""
+        segs = self._segments(prefills)
+        src, dst, par = fused_group(segs, is_ready)
+        host = StepInputs()
+        self._lay_prefills(prefills, segs, host, None)
+        self._lay_decodes(decodes, [], host, None)
+        st = MixedStep(host.ids, host.pos, host.slots + host.dup_slots, host.dup_rows, host.cu, host.kv,
+                       host.tables, host.rows, host.num_prefill, src, dst, par, [s.slot for s, _ in decodes])
+        return self.graphs.run_mixed(key, st)
 
     @staticmethod
     def _segments(prefills: list[PrefillItem]) -> list[PrefillSegment]:

@@ -59,6 +59,7 @@ class GatedAttention(nn.Module):
         store_kv(k, v.contiguous(), self.k_cache, self.v_cache, m.slot_mapping, m.token_index)
         o = paged_attention(q.contiguous(), self.k_cache, self.v_cache, m.cu_seqlens_q, m.kv_lens, m.page_table,
                             scale=Dh ** -0.5, kv_start=m.kv_start, max_q_len=m.max_q_len,
+                            out=torch.zeros(T, QH, Dh, dtype=q.dtype, device=q.device) if m.zero_out else None,
                             backend=self.backend)
         return self.o_proj(o.reshape(T, QH * Dh) * torch.sigmoid(gate))
 

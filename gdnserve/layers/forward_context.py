@@ -22,6 +22,7 @@ class AttnMeta:
     token_index: torch.Tensor | None = None   # [M] int64: token of each slot (None = 0..T-1)
     kv_start: int = 0              # positions below are not attended (1 for the MTP layer's cache)
     max_q_len: int | None = None              # host bound on any sequence's query rows (None = T)
+    zero_out: bool = False                    # rows no live sequence covers get a zero output (graph padding)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ def make_runner(graphs: bool, mode: str | None = None, k: int = 0, backend: str 
     backend runs where its kernels run: on the GPU when there is one (the interpreter is off there), else
     interpreted on the CPU; the graph-shaped path stays eager (graph_capture=False) on either device."""
     device = DEVICE if backend == "triton" else torch.device("cpu")
+    kw.setdefault("mixed_graphs", False)       # prefill steps eager here (test_cuda_graphs_mixed.py: the graph ones)
     rc = RunnerConfig(backend=backend, num_slots=S, num_pages=128, page_size=4, spec_mode=mode,
                       spec_tokens=k + 1 if mode else 0, cuda_graphs=graphs,
                       **({"graph_capture": False} if graphs else {}), **kw)
