@@ -47,9 +47,9 @@ fla's would be TF32). The markdown gets a table and one sentence of interpretati
 numbers.
 
 Times: perf_counter around the call with the device synchronised before and after (host work included).
-HF runs eagerly; ours runs the ModelRunner's default, which captures decode steps in CUDA graphs when the
-model allows it (on first use of a batch bucket, i.e. in the untimed warm-up; ``ours_cuda_graphs`` in the
-JSON says whether it did). tokens/s = tokens of the call / median time. Floors from ceilings measured
+HF runs eagerly; ours runs the ModelRunner's default, which captures decode and prefill steps in CUDA graphs
+when the model allows it (on first use of a bucket, i.e. in the untimed warm-up; ``ours_cuda_graphs`` in the
+JSON says whether it did, ``graph_stats`` how many steps replayed). tokens/s = tokens of the call / median time. Floors from ceilings measured
 in this run: prefill = FLOPs (2 x active parameters per token — router, shared expert and top-k routed
 experts; the lm head only for each sequence's last token — + causal attention) / bf16 matmul rate;
 decode = bytes (every non-expert weight once, the experts a uniform router touches, GDN conv + SSM
@@ -535,8 +535,12 @@ def table(res: dict[str, Any]) -> list[str]:
     L += diagnosis_table(res.get("bf16_diagnosis") or {})
     L.append("")
     if res.get("ours_cuda_graphs") is not None:
-        L += [f"gdnserve's decode steps: {'CUDA graphs (captured in the warm-up)' if res['ours_cuda_graphs'] else 'eager'}"
-              "; HF: eager.", ""]
+        gs = res.get("graph_stats") or {}
+        L += [f"gdnserve's decode and prefill steps: "
+              f"{'CUDA graphs (captured in the warm-up)' if res['ours_cuda_graphs'] else 'eager'}"
+              + (f" — {gs.get('replay', 0)} decode replays, {gs.get('mixed_replay', 0)} prefill replays, "
+                 f"{gs.get('fallback', 0)} eager steps, {gs.get('capture', 0)} captures" if gs else "")
+              + "; HF: eager.", ""]
     if c:
         L += [f"Ceilings measured in this run: copy {c['copy_TBps']:.3g} TB/s, bf16 matmul "
               f"{c['bf16_matmul_TFLOPs']:.3g} TFLOP/s.", ""]
@@ -632,7 +636,8 @@ def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype
     rep.log("building gdnserve's model" + (" from the HF weights" if hf is not None else ""))
     ours = ours_from_hf(hf, hf_cfg, device, dtype) if hf is not None else build_random_model(hf_cfg, device, dtype)
     slots = max(plan.batches) + 2 if with_cases else plan.diag_prompts + 2
-    runner = ModelRunner(ours, RunnerConfig(num_slots=slots, num_pages=4096, page_size=16))
+    runner = ModelRunner(ours, RunnerConfig(num_slots=slots, num_pages=4096, page_size=16,
+                                            graph_max_tokens=max([N * L for N, L in plan.prefill] + [16])))
     rep.res["ours_cuda_graphs"] = runner.graphs is not None
     diag = None
     if hf is not None:
@@ -651,6 +656,9 @@ def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype
     if with_cases:
         reserve = plan.diag_share * rep.budget_s if (diag is not None and diagnosis == "on") else 0.0
         run_cases(rep, plan, ours, runner, hf, hf_cfg["vocab_size"], dtype, device, reserve)
+        if runner.graphs is not None:
+            rep.res["graph_stats"] = dict(runner.graphs.stats)
+            rep.write()
     if diag is None or diagnosis == "off":
         return
     other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16

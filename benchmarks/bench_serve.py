@@ -20,6 +20,12 @@ full. ``score`` (RFC and 1P2048 rows, fused engine) — one score job per group 
 candidates)``, the structured API: candidate log-probs, no token generated), scheduled like every other
 request: the throughput pass submits all groups at once and the engine batches them.
 
+CUDA graphs (the runner's default on CUDA): decode steps and, in ``fused`` / ``none`` / ``score`` modes,
+prefill and mixed steps replay bucketed graphs (docs/serving.md § CUDA graphs; ``two_phase`` prefills run
+eagerly: two launch groups). Each row counts its pass's steps as replays / eager steps and the captures
+that happened in it (``graphs`` in the JSON; ``warmup_graphs`` for the warm-up pass): after warm-up a step
+that meets a bucket the warm-up did not is captured then.
+
 Two passes per mode: **latency** — one group at a time on an idle engine (TTFT without queueing);
 **throughput** — all groups submitted at once, the engine batching them back to back. QPS = requests
 (candidates) per second over the wall time of the pass; groups/s also given. TTFT = time from
@@ -97,11 +103,33 @@ def make_plan(cuda: bool, quick: bool, groups: int | None) -> Plan:
 
 def make_engine(model, mode: str, plan: Plan) -> LLMEngine:
     rc = RunnerConfig(num_slots=2 * plan.max_num_seqs + 2, num_pages=plan.num_pages, page_size=16,
-                      prefill_mode="fused" if mode in ("none", "score") else mode)
+                      prefill_mode="fused" if mode in ("none", "score") else mode,
+                      graph_max_tokens=plan.max_step_tokens)
     return LLMEngine(model, NullTokenizer(), runner=rc, max_num_seqs=plan.max_num_seqs,
                      max_step_tokens=plan.max_step_tokens, max_model_len=4096, auto_checkpoints=mode != "none")
 
 
+GRAPH_STATS = ("replay", "mixed_replay", "eager", "mixed_eager", "fallback", "capture")
+
+
+def graph_counts(engine: LLMEngine) -> dict[str, int]:
+    """The runner's CUDA-graph counters (cuda_graphs.py StepGraphs.stats; all 0 without graphs)."""
+    g = engine.runner.graphs
+    return {k: (g.stats[k] if g is not None else 0) for k in GRAPH_STATS}
+
+
+def counted(fn):
+    """``fn(engine, ...)``'s result with ``graphs``: how its steps ran (replays, graph-shaped eager, ordinary
+    eager fallbacks, captures), the difference of the counters around the call."""
+    def wrapped(engine: LLMEngine, *a, **kw) -> dict[str, Any]:
+        before = graph_counts(engine)
+        r = fn(engine, *a, **kw)
+        r["graphs"] = {k: v - before[k] for k, v in graph_counts(engine).items()}
+        return r
+    return wrapped
+
+
+@counted
 def drive(engine: LLMEngine, groups: list[Group], mode: str, params: SamplingParams, tag: str) -> dict[str, Any]:
     """Submit every request of ``groups`` now and step the engine until all have finished."""
     t_sub: dict[str, float] = {}
@@ -127,6 +155,7 @@ def drive(engine: LLMEngine, groups: list[Group], mode: str, params: SamplingPar
             "steps": steps}
 
 
+@counted
 def drive_score(engine: LLMEngine, groups: list[Group]) -> dict[str, Any]:
     """One score job per group, all submitted now and scheduled together (like the other modes' requests);
     'TTFT' = each job's latency from submission to its result."""
@@ -162,7 +191,17 @@ def _row(wl: Workload, mode: str, pass_: str, groups: list[Group], r: dict[str, 
             "ttft_ms": pct([t * 1e3 for t in r["ttft_s"]]), "hits": r["hits"], "steps": r["steps"],
             "prefill_tokens": tok, "first_token_agreement_vs_none": agree,
             "warmup_groups": warm_groups, "warmup_wall_s": None if warm is None else warm["wall_s"],
-            "warmup_steps": None if warm is None else warm["steps"]}
+            "warmup_steps": None if warm is None else warm["steps"], "graphs": r.get("graphs"),
+            "warmup_graphs": None if warm is None else warm.get("graphs")}
+
+
+def graph_cell(g: dict[str, int] | None) -> str:
+    """'replays / eager steps (captures)' of a pass: replays of decode/verify + prefill/mixed graphs; eager =
+    ordinary eager steps + graph-shaped eager ones (CPU)."""
+    if not g:
+        return "—"
+    rep, eager = g["replay"] + g["mixed_replay"], g["fallback"] + g["eager"] + g["mixed_eager"]
+    return f"{rep} / {eager}" + (f" ({g['capture']} cap.)" if g["capture"] else "")
 
 
 def table(res: dict[str, Any]) -> list[str]:
@@ -172,10 +211,11 @@ def table(res: dict[str, Any]) -> list[str]:
          "throughput = all groups submitted at once. ×none: QPS over the `none` row of the same workload and pass. "
          "hits: requests started from the prefix state; agree: first tokens equal to `none`'s. warm-up s: wall time "
          "of the untimed pass of the same shape (other prompts) run just before, on the same engine (1 group before "
-         "the latency pass, all groups at once before the throughput pass).", "",
+         "the latency pass, all groups at once before the throughput pass). graphs: steps of the timed pass run as "
+         "CUDA-graph replays / eagerly (captures in the pass; the warm-up's are in the JSON).", "",
          "| workload | mode | pass | groups × req | QPS | groups/s | ×none | TTFT ms median | TTFT P90 | "
-         "prefill tokens | steps | hits | agree | warm-up s |",
-         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+         "prefill tokens | steps | graphs | hits | agree | warm-up s |",
+         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     none = {(r["workload"], r["pass"]): r["qps"] for r in res["rows"] if r["mode"] == "none"}
     for r in res["rows"]:
         base = none.get((r["workload"], r["pass"]))
@@ -183,7 +223,8 @@ def table(res: dict[str, Any]) -> list[str]:
         ag = "" if r["first_token_agreement_vs_none"] is None else f"{100 * r['first_token_agreement_vs_none']:.0f} %"
         L.append(f"| {r['workload']} | {r['mode']} | {r['pass']} | {r['groups']} × {r['requests'] // r['groups']} | "
                  f"{r['qps']:.1f} | {r['groups_per_s']:.2f} | {x} | {r['ttft_ms']['p50']:.1f} | "
-                 f"{r['ttft_ms']['p90']:.1f} | {r['prefill_tokens']:,} | {r['steps']} | {r['hits']} | {ag} | "
+                 f"{r['ttft_ms']['p90']:.1f} | {r['prefill_tokens']:,} | {r['steps']} | {graph_cell(r.get('graphs'))} | "
+                 f"{r['hits']} | {ag} | "
                  + ("—" if r.get("warmup_wall_s") is None else f"{r['warmup_wall_s']:.2f}") + " |")
     t = res.get("target")
     if t:
@@ -225,7 +266,10 @@ def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype
                     tp = drive(engine, tp_groups, mode, params, "t")
                 merged = {"wall_s": sum(r["wall_s"] for r in lat), "ttft_s": [t for r in lat for t in r["ttft_s"]],
                           "first": {f"l{i}-{k}": v for i, r in enumerate(lat) for k, v in r["first"].items()},
-                          "hits": sum(r["hits"] for r in lat), "steps": sum(r["steps"] for r in lat)}
+                          "hits": sum(r["hits"] for r in lat), "steps": sum(r["steps"] for r in lat),
+                          "graphs": {k: sum(r["graphs"][k] for r in lat) for k in GRAPH_STATS}}
+                rep.log(f"{wl.name} {mode}: graphs (replays / eager) latency {graph_cell(merged['graphs'])}, "
+                        f"throughput {graph_cell(tp['graphs'])}")
                 if mode == "none":
                     ref = {"latency": merged["first"], "throughput": tp["first"]}
                 rep.add(_row(wl, mode, "latency", lat_groups, merged, ref.get("latency"), w_lat, len(warm)))
@@ -247,7 +291,8 @@ def run(device: torch.device, quick: bool, out_dir: Path, layers: int | None, ex
     rep = Report("serve", "Serving shared-prefix groups (LLMEngine)", device, out_dir, quick=quick, budget_s=budget_s,
                  table=table, model_config=hf_cfg, dtype=str(dtype), model_summary=model_summary(hf_cfg, dtype),
                  engine=f"max_step_tokens {plan.max_step_tokens}, max_num_seqs {plan.max_num_seqs}, "
-                        f"{plan.num_pages} KV pages of 16, greedy, max_tokens {max_tokens}, no CUDA graphs",
+                        f"{plan.num_pages} KV pages of 16, greedy, max_tokens {max_tokens}, CUDA graphs "
+                        + ("on (decode / verify and prefill / mixed steps)" if cuda else "off (CPU)"),
                  workloads=[w.__dict__ for w in plan.workloads],
                  warmup="before every timed pass, on the same engine, an untimed pass of the same shape on other "
                         "prompts (1 group before the latency pass, all groups at once before the throughput pass); "
