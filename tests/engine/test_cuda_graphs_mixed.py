@@ -138,7 +138,12 @@ def test_triton_kernels_mixed_step(seed):
     padding GDN sequences, kv_len-0 attention padding, parents; live rows and every pool byte as the eager
     Triton step (close: the kernels take other launch shapes), nothing else written."""
     p = Pair(backend="triton")
+    layers = [m for r in (p.g, p.e) for m in r.model.gdn_layers() + r.model.attention_layers()]
     a, b = p.new(), p.new()
+    for m in layers:                                               # the first prefill on the PyTorch path (faster)
+        m.backend = "torch"
     p.step([item(a, toks(5))], exact=False)
+    for m in layers:
+        m.backend = "triton"
     p.step([item(b, toks(3)), item(p.new(), toks(2), producer=0)], [(a, 7)], exact=False)
     assert p.g.graphs.stats["mixed_eager"] == 2
