@@ -112,19 +112,20 @@ def make_engine(model, mode: str, plan: Plan) -> LLMEngine:
 GRAPH_STATS = ("replay", "mixed_replay", "eager", "mixed_eager", "fallback", "capture")
 
 
-def graph_counts(engine: LLMEngine) -> dict[str, int]:
-    """The runner's CUDA-graph counters (cuda_graphs.py StepGraphs.stats; all 0 without graphs)."""
+def graph_counts(engine: LLMEngine) -> dict[str, int] | None:
+    """The runner's CUDA-graph counters (cuda_graphs.py StepGraphs.stats), None without graphs."""
     g = engine.runner.graphs
-    return {k: (g.stats[k] if g is not None else 0) for k in GRAPH_STATS}
+    return None if g is None else {k: g.stats[k] for k in GRAPH_STATS}
 
 
 def counted(fn):
     """``fn(engine, ...)``'s result with ``graphs``: how its steps ran (replays, graph-shaped eager, ordinary
-    eager fallbacks, captures), the difference of the counters around the call."""
+    eager fallbacks, captures), the difference of the counters around the call (None without graphs)."""
     def wrapped(engine: LLMEngine, *a, **kw) -> dict[str, Any]:
         before = graph_counts(engine)
         r = fn(engine, *a, **kw)
-        r["graphs"] = {k: v - before[k] for k, v in graph_counts(engine).items()}
+        after = graph_counts(engine)
+        r["graphs"] = None if after is None else {k: v - before[k] for k, v in after.items()}
         return r
     return wrapped
 
@@ -267,7 +268,8 @@ def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype
                 merged = {"wall_s": sum(r["wall_s"] for r in lat), "ttft_s": [t for r in lat for t in r["ttft_s"]],
                           "first": {f"l{i}-{k}": v for i, r in enumerate(lat) for k, v in r["first"].items()},
                           "hits": sum(r["hits"] for r in lat), "steps": sum(r["steps"] for r in lat),
-                          "graphs": {k: sum(r["graphs"][k] for r in lat) for k in GRAPH_STATS}}
+                          "graphs": None if not lat or lat[0]["graphs"] is None else
+                          {k: sum(r["graphs"][k] for r in lat) for k in GRAPH_STATS}}
                 rep.log(f"{wl.name} {mode}: graphs (replays / eager) latency {graph_cell(merged['graphs'])}, "
                         f"throughput {graph_cell(tp['graphs'])}")
                 if mode == "none":

@@ -47,3 +47,23 @@ def test_quick_cpu_run_writes_json_and_markdown(tmp_path):
                     assert r["warmup_steps"] == (r["steps"] if p == "throughput" else r["steps"] // r["groups"])
     assert res["target"]["result"].startswith("n/a")
     assert "| workload | mode | pass |" in md[0].read_text() and "| warm-up s |" in md[0].read_text()
+
+
+def test_graph_counts_per_pass():
+    """Each pass counts its own steps (the counters' difference around it): replays of both graph kinds against
+    eager steps, captures beside; None without graphs."""
+    from collections import Counter
+    from types import SimpleNamespace
+    bs = cli.load_benchmark("bench_serve")
+    stats = Counter(replay=5, capture=2)
+    eng = SimpleNamespace(runner=SimpleNamespace(graphs=SimpleNamespace(stats=stats)))
+
+    @bs.counted
+    def pass_(engine):
+        stats.update(replay=3, mixed_replay=4, fallback=1, capture=1)
+        return {}
+    g = pass_(eng)["graphs"]
+    assert g == {"replay": 3, "mixed_replay": 4, "eager": 0, "mixed_eager": 0, "fallback": 1, "capture": 1}
+    assert bs.graph_cell(g) == "7 / 1 (1 cap.)" and bs.graph_cell(None) == "—"
+    eng.runner.graphs = None
+    assert pass_(eng)["graphs"] is None

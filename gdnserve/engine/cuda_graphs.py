@@ -26,7 +26,7 @@ from collections import Counter
 import torch
 
 from gdnserve.engine.graph_inputs import BUCKETS, GraphInputs, StepKind, graph_buckets, pick_bucket
-from gdnserve.engine.mixed_inputs import MixedInputs, MixedKey, MixedStep, pick_mixed, token_buckets
+from gdnserve.engine.mixed_inputs import SEQ_BUCKETS, MixedInputs, MixedKey, MixedStep, pick_mixed, token_buckets
 from gdnserve.layers.forward_context import AttnMeta, ForwardContext, VerifyMeta, forward_context
 from gdnserve.layers.prefill_plan import LaunchGroup, PrefillPlan
 
@@ -43,8 +43,7 @@ class StepGraphs:
         self.mixed: MixedInputs | None = None
         if mixed_tokens is not None:
             self.tok_buckets = token_buckets(mixed_tokens)
-            self.seq_buckets = graph_buckets(num_slots) if num_slots <= 256 else \
-                graph_buckets(256) + tuple(b for b in (512,) if b < num_slots) + (num_slots,)
+            self.seq_buckets = tuple(b for b in SEQ_BUCKETS if b < num_slots) + (num_slots,)
             top = MixedKey(self.tok_buckets[-1], self.seq_buckets[-1], self.tok_buckets[-1], buckets[-1])
             self.mixed = MixedInputs(top, width, page_size, device)
         self._lens: dict[MixedKey, list[int]] = {}

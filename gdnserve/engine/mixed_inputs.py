@@ -35,7 +35,7 @@ from gdnserve.engine.step_plan import IndexStager, PrefillSegment, _pack_prefill
 from gdnserve.ops.varlen import CHUNK, VarlenMeta, aligned
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
-SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)   # then num_slots itself
 MIN_Q = 16                     # the attention kernel's query block
 
 
@@ -191,10 +191,10 @@ class MixedInputs:
         put2("pos", st.pos[:T], st.pos[T:], 0, 0)
         n_tok = T + B
         put2("smap", st.slots[:T], st.slots[T:n_tok], -1, -1)
-        a, b = lay["smap"]
-        put_dups = st.slots[n_tok:]
-        h[a + key.rows:a + key.rows + len(put_dups)] = put_dups
-        h[a + key.rows + len(put_dups):b] = -1
+        a, b = lay["smap"]                                 # then the duplicated rows' slots
+        dups = st.slots[n_tok:]
+        h[a + key.rows:a + key.rows + len(dups)] = dups
+        h[a + key.rows + len(dups):b] = -1
         a, b = lay["tok"]
         h[a:a + key.rows] = np.arange(key.rows, dtype=np.int32)
         h[a + key.rows:a + key.rows + len(st.dup_rows)] = st.dup_rows      # prefill rows: same index here
