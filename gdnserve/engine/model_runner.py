@@ -15,6 +15,7 @@ from gdnserve.engine.page_pool import PagePool, PagePoolConfig, PageTable
 from gdnserve.speculative.mtp import MTPDrafter, MTPStepIndex
 from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
 from gdnserve.engine.step_inputs import DeviceInputs, StepInputs
+from gdnserve.engine.step_work import StepWork
 from gdnserve.engine.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan, segment_phases
 from gdnserve.layers.forward_context import AttnMeta, ForwardContext, VerifyMeta, forward_context
 from gdnserve.layers.moe import SparseMoE
@@ -254,33 +255,50 @@ class ModelRunner:
                     return self._step_mixed(mkey, prefills, decodes, is_ready)
             if not prefills or self.graphs.mixed is not None:      # a step the graphs could have taken
                 self.graphs.stats["fallback"] += 1
+        return self.execute(self.prepare(prefills, decodes, verifies, is_ready))
+
+    def prepare(self, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]], verifies,
+                is_ready=lambda slot: False) -> StepWork:
+        """The host half of an eager step: lay the tokens out (pages allocated, forks made) into plain host data.
+        Nothing touches the device (copy-on-write page copies are listed in the work, run by ``execute``)."""
         segs = self._segments(prefills)
         host = StepInputs()
         mtp = MTPStepIndex() if self.mtp is not None else None    # the MTP head's vectors (speculative/mtp.py)
         self._lay_prefills(prefills, segs, host, mtp)
         self._lay_decodes(decodes, verifies, host, mtp)
-        plan = build_step_plan(segs, self.rc.prefill_mode, self.stager, decode_slots=[s.slot for s, _ in decodes],
-                               extra=host.vectors(), is_ready=is_ready)
-        x = DeviceInputs.from_views(plan.extra, host)
         L = self.rc.spec_tokens
         max_q = max([len(it.tokens) for it in prefills] + [1] * bool(decodes) + [L] * bool(verifies), default=0)
+        return StepWork.of(segs, host, [s.slot for s, _ in decodes], is_ready, len(verifies), max_q, mtp)
+
+    @torch.inference_mode()
+    def execute(self, work: StepWork, ship=None) -> torch.Tensor:
+        """The device half: page copies, the plan's one upload, the forward. ``ship(work)`` (tensor parallel rank
+        0) runs once the plan has validated, before the first collective."""
+        if work.copies:
+            self.pages.copy_pages([s for s, _ in work.copies], [d for _, d in work.copies])
+        plan = build_step_plan(work.segs, self.rc.prefill_mode, self.stager, decode_slots=work.decode_slots,
+                               extra=work.vectors, is_ready=work.ready.__contains__)
+        if ship is not None:
+            ship(work)
+        x = DeviceInputs.from_views(plan.extra, work.shape())
+        L, mtp = self.rc.spec_tokens, work.mtp
         attn = AttnMeta(x.cu, x.kv, x.table, x.slots.long(), x.tok.long() if x.tok is not None else None,
-                        max_q_len=max_q)
-        vmeta = VerifyMeta(self.rc.spec_mode, L, x.v_slots, x.v_out, x.v_in, x.v_num) if verifies else None
-        ctx = ForwardContext(x.pos.long(), host.num_prefill, plan.prefill, plan.decode_slots, attn, vmeta)
+                        max_q_len=work.max_q)
+        vmeta = VerifyMeta(self.rc.spec_mode, L, x.v_slots, x.v_out, x.v_in, x.v_num) if work.num_verifies else None
+        ctx = ForwardContext(x.pos.long(), work.num_prefill, plan.prefill, plan.decode_slots, attn, vmeta)
         ids_dev = x.ids.long()
-        if verifies:
-            B, v0 = len(verifies), host.v_start
+        if work.num_verifies:
+            B, v0 = work.num_verifies, work.v_start
             self.drafts = ids_dev[v0:].view(B, L)[:, 1:]
             self.verify_slots = x.v_slots
             if mtp is not None:                  # k MTP steps; their drafts go into the verify rows
-                meta = mtp.draft_meta(x.mtp, B, L - 1, attn.page_table[len(host.tables) - B:])
+                meta = mtp.draft_meta(x.mtp, B, L - 1, attn.page_table[work.num_tables - B:])
                 self.drafts.copy_(self.mtp.draft(ids_dev[v0::L], meta))
         with forward_context(ctx):
             if mtp is None:
                 return self.model(ids_dev, x.rows.long())
             logits, hidden = self.model(ids_dev, x.rows.long(), return_hidden=True)
-        self.mtp.feed(hidden, ids_dev, ctx.positions, attn, mtp.feed_meta(x.mtp, host.v_start))
+        self.mtp.feed(hidden, ids_dev, ctx.positions, attn, mtp.feed_meta(x.mtp, work.v_start))
         return logits
 
     def _step_mixed(self, key: MixedKey, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]],
@@ -292,6 +310,8 @@ class ModelRunner:
         host = StepInputs()
         self._lay_prefills(prefills, segs, host, None)
         self._lay_decodes(decodes, [], host, None)
+        if host.copies:                       # copy-on-write tail pages, before the graph stores this step's KV
+            self.pages.copy_pages([s for s, _ in host.copies], [d for _, d in host.copies])
         st = MixedStep(host.ids, host.pos, host.slots + host.dup_slots, host.dup_rows, host.cu, host.kv,
                        host.tables, host.rows, host.num_prefill, src, dst, par, [s.slot for s, _ in decodes])
         return self.graphs.run_mixed(key, st)
@@ -328,7 +348,7 @@ class ModelRunner:
                 return
             p_before = prod.length - len(prefills[it.producer].tokens)
             if p_before > cow.first_position:
-                self.pages.copy_pages([cow.src_page], [cow.dst_page])
+                host.copies.append((cow.src_page, cow.dst_page))
             for o, (_, dst) in enumerate(cow.slot_pairs()):
                 p = cow.first_position + o
                 if p >= p_before:
@@ -337,7 +357,7 @@ class ModelRunner:
         elif it.checkpoint is not None:
             child, cow = it.checkpoint[1].fork(it.checkpoint[1].length)
             if cow is not None:
-                self.pages.copy_pages([cow.src_page], [cow.dst_page])
+                host.copies.append((cow.src_page, cow.dst_page))
             it.seq.pages, it.seq.length = child, it.checkpoint[1].length
 
     def _lay_prefills(self, prefills: list[PrefillItem], segs: list[PrefillSegment], host: StepInputs,

@@ -25,6 +25,7 @@ class StepInputs:
     rows: list[int] = field(default_factory=list)         # logits rows
     dup_rows: list[int] = field(default_factory=list)     # token rows stored twice (a fork's tail page)
     dup_slots: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)   # (src, dst) KV pages copied before the step
     v_slots: list[int] | None = None
     v_in: list[int] | None = None
     v_out: list[int] | None = None
