@@ -13,7 +13,7 @@ import queue
 import threading
 from typing import Any, AsyncIterator
 
-from gdnserve.engine.engine_api import GenerateRequest, RequestOutput, ScoreResult
+from gdnserve.engine.engine_api import EngineDeadError, GenerateRequest, RequestOutput, ScoreResult
 from gdnserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._futures: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._stats: dict[str, Any] = engine.stats()
+        self.on_dead = None      # called once (engine thread) with the message when the engine dies (serve: exit 1)
         self._thread = threading.Thread(target=self._run, name="gdnserve-engine", daemon=True)
         self._thread.start()
 
@@ -103,7 +104,7 @@ class AsyncEngine:
             if cmd == "submit":
                 try:
                     self.engine.submit(arg)
-                except ValueError as e:
+                except (ValueError, EngineDeadError) as e:
                     self._deliver(arg.request_id, e)
             else:
                 self.engine.abort(arg)
@@ -129,5 +130,8 @@ class AsyncEngine:
             for rid in list(e.scores):
                 self._deliver(rid, e.take_score(rid))
             self._stats = e.stats()
+            if e.dead is not None and self.on_dead is not None:
+                on_dead, self.on_dead = self.on_dead, None
+                on_dead(e.dead)
             if e.counters["idle_steps"] != idle:      # nothing could run (waiting on room): do not spin
                 self._wake.wait(0.005)

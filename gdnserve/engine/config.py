@@ -12,7 +12,8 @@ PREFILL_MODES = ("serial", "two_phase", "two_phase_indexed", "fused")
 @dataclass(frozen=True)
 class EngineConfig:
     """``num_slots`` None = ``2 * max_num_seqs + 2`` (running samples, their fork producers and checkpoints).
-    ``cuda_graphs`` None = on for CUDA devices (decode-only and verify-only steps replay bucketed graphs)."""
+    ``cuda_graphs`` None = on for CUDA devices (decode-only and verify-only steps replay bucketed graphs).
+    ``tensor_parallel_size`` N > 1: N processes, one GPU each (engine/tp_workers.py); steps run eagerly."""
     max_num_seqs: int = 64
     max_step_tokens: int = 4096
     max_model_len: int = 4096
@@ -29,6 +30,7 @@ class EngineConfig:
     graph_capture: bool | None = None
     seed: int | None = None
     model_name: str = "gdnserve"
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_step_tokens", "max_model_len", "num_pages", "page_size"):
@@ -45,6 +47,12 @@ class EngineConfig:
             raise ValueError(f"spec_mode must be 'replay' or 'intermediate', got {self.spec_mode!r}")
         if not isinstance(self.spec_k, int) or self.spec_k < 0:
             raise ValueError(f"spec_k must be an int >= 0, got {self.spec_k!r}")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        if tp > 1 and (self.cuda_graphs or self.graph_capture):
+            raise ValueError(f"cuda_graphs / graph_capture: not with tensor_parallel_size = {tp} (tensor-parallel "
+                             "steps run eagerly)")
 
     @property
     def slots(self) -> int:
@@ -55,7 +63,8 @@ class EngineConfig:
         return RunnerConfig(num_slots=self.slots, num_pages=self.num_pages, page_size=self.page_size,
                             prefill_mode=self.prefill_mode, backend=self.backend,
                             spec_mode=self.spec_mode if k else None, spec_tokens=k + 1 if k else 0,
-                            spec_draft=self.spec_draft, cuda_graphs=self.cuda_graphs,
+                            spec_draft=self.spec_draft,
+                            cuda_graphs=False if self.tensor_parallel_size > 1 else self.cuda_graphs,
                             graph_capture=self.graph_capture, graph_max_batch=self.max_num_seqs,
                             max_model_len=self.max_model_len)
 

@@ -27,6 +27,11 @@ FinishReason = Literal["stop", "length", "abort"]
 TokenLogprobs = dict[int, float]
 
 
+class EngineDeadError(RuntimeError):
+    """The engine cannot run any more steps (e.g. a tensor-parallel worker process is gone): every open and every
+    later request fails with this message; the server exits non-zero."""
+
+
 @dataclass(frozen=True, slots=True)
 class CheckpointInfo:
     """Where a request's state came from. ``hit_length``: prompt tokens covered by the checkpoint it

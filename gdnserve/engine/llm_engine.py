@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from gdnserve.engine.config import EngineConfig
-from gdnserve.engine.engine_api import RequestOutput, ScoreResult
+from gdnserve.engine.engine_api import EngineDeadError, RequestOutput, ScoreResult
 from gdnserve.engine.intake import make_request, make_score_job
 from gdnserve.engine.isolation import Isolation
 from gdnserve.engine.kv_cache import KVCache
@@ -42,10 +42,11 @@ __all__ = ["LLMEngine", "RequestError", "MIN_CHUNK"]
 
 class LLMEngine:
     def __init__(self, model, tokenizer, config: EngineConfig | None = None, *, runner: RunnerConfig | None = None,
-                 **kw):
+                 runner_factory=ModelRunner, **kw):
         """``config`` (or, for callers that size the pools themselves, ``runner`` plus EngineConfig fields as
         keywords: max_num_seqs, max_step_tokens, max_model_len, model_name, seed, auto_checkpoints, spec_k,
-        spec_mode, spec_draft, cuda_graphs)."""
+        spec_mode, spec_draft, cuda_graphs). ``runner_factory(model, rc, pools=...)``: the runner class
+        (tensor parallel: tp_runner.TPRunner bound to its worker group)."""
         if config is None:
             config = EngineConfig.from_runner(runner, **kw) if runner is not None else EngineConfig(**kw)
         elif kw or runner is not None:
@@ -54,7 +55,8 @@ class LLMEngine:
         rc = cfg.runner_config()
         state, pages = build_pools(model, rc)
         self.kv = KVCache(state, pages)
-        self.runner = ModelRunner(model, rc, pools=(state, pages))
+        self.runner = runner_factory(model, rc, pools=(state, pages))
+        self.dead: str | None = None        # set by a fatal error (EngineDeadError): every request fails with it
         self.tokenizer = tokenizer
         self.model_name, self.max_model_len, self.spec_k = cfg.model_name, cfg.max_model_len, cfg.spec_k
         self.vocab_size = model.cfg.vocab_size
@@ -101,6 +103,8 @@ class LLMEngine:
                               request_id or f"score-{next(self._ids)}", prefix, candidates, label_token_ids)
 
     def submit(self, job: Job) -> str:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
         if job.request_id in self.requests:
             raise RequestError(f"request_id {job.request_id!r} is already in use")
         self.requests[job.request_id] = job
@@ -174,6 +178,8 @@ class LLMEngine:
                 return self._unfit()
             logits = self.runner.step(batch.items, batch.decodes, is_ready=self.kv.checkpoints.is_ready_slot,
                                       verifies=batch.verifies)
+        except EngineDeadError as e:
+            return self._die(batch, e)
         except Exception as e:       # noqa: BLE001
             return self._failed(batch, e, settled=False)
         self._settle(batch, ok=True)
@@ -308,6 +314,18 @@ class LLMEngine:
         if culprit is None or culprit.request_id not in self.requests:
             return []
         return self._fail(culprit, f"{type(err).__name__}: {err}")
+
+    def _die(self, batch: StepBatch, err: EngineDeadError) -> list[RequestOutput]:
+        """A fatal error (a tensor-parallel worker is gone): every job fails with it, and so will every later one."""
+        self._settle(batch, ok=False)
+        self.dead = str(err)
+        return [o for job in list(self.requests.values()) for o in self._fail(job, self.dead)]
+
+    def close(self) -> None:
+        """Release what the runner holds outside this process (tensor-parallel workers); idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
 
     def _unfit(self) -> list[RequestOutput]:
         """Nothing runs and nothing waiting could be admitted even with every checkpoint evicted: those jobs

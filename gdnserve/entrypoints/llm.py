@@ -8,7 +8,7 @@ from typing import Sequence
 import torch
 
 from gdnserve.engine.config import EngineConfig
-from gdnserve.engine.engine_api import RequestOutput, ScoreResult
+from gdnserve.engine.engine_api import EngineDeadError, RequestOutput, ScoreResult
 from gdnserve.engine.llm_engine import LLMEngine
 from gdnserve.engine.sampling_params import SamplingParams
 
@@ -19,13 +19,18 @@ def load_engine(model: str | None = None, *, dtype: str | None = None, device: s
                 config: EngineConfig | None = None, **fields) -> LLMEngine:
     """The engine over the embedded model (None) or an HF checkpoint folder. ``config`` or EngineConfig fields
     as keywords (max_num_seqs, num_pages, page_size, max_model_len, max_step_tokens, prefill_mode, seed,
-    auto_checkpoints, spec_k, spec_mode, spec_draft, cuda_graphs=False to step eagerly)."""
+    auto_checkpoints, spec_k, spec_mode, spec_draft, cuda_graphs=False to step eagerly, tensor_parallel_size).
+    ``tensor_parallel_size`` N > 1 starts N - 1 worker processes (one GPU each on CUDA, gloo on CPU); call the
+    engine's ``close()`` (``LLM.close``) to stop them (atexit does it otherwise)."""
     from gdnserve.models.builtin import build_builtin_model
     from gdnserve.models.loader import load_model
     from gdnserve.models.tokenizer import load_tokenizer
     cfg = (config or EngineConfig(model_name=model or "gdnserve-embedded")).with_(**fields)
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    if cfg.tensor_parallel_size > 1:
+        from gdnserve.engine.tp_launch import start_tp_engine
+        return start_tp_engine(model, dt, dev, cfg)
     net = build_builtin_model(dtype=dt, device=dev) if model is None else load_model(model, dtype=dt, device=dev)[0]
     return LLMEngine(net, load_tokenizer(model), cfg)
 
@@ -33,6 +38,16 @@ def load_engine(model: str | None = None, *, dtype: str | None = None, device: s
 class LLM:
     def __init__(self, model: str | None = None, **engine_kw):
         self.engine = load_engine(model, **engine_kw)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (idempotent; also at interpreter exit)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]], params: SamplingParams | None = None,
                  checkpoint_at: int | None = None) -> list[RequestOutput]:
@@ -64,6 +79,8 @@ class LLM:
             for rid in ids:
                 if rid not in final:
                     e.abort(rid)
+        if e.dead is not None:          # not these requests' fault: the engine cannot run any more
+            raise EngineDeadError(e.dead)
         return [final[i] for i in ids]
 
     def score(self, prefix: str | list[int], candidates: list[str | list[int]],

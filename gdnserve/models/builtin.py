@@ -46,19 +46,23 @@ def builtin_hf_config_dict() -> dict[str, Any]:
     }
 
 
-def build_builtin_model(seed: int = 0, dtype=None, device="cpu"):
+def build_builtin_model(seed: int = 0, dtype=None, device="cpu", tp_rank: int | None = None,
+                        tp_size: int | None = None):
     """The embedded model with deterministic random weights (a fixed-seed generator, the same on every
     machine): N(0, 0.02) projections and embeddings, norms at their identity (zero-centred 0, gated 1),
     A_log = log U(1, 16), dt_bias 1, conv N(0, 0.3). The MTP head's parameters come last in the generator's
-    order, so the target's weights are those of the model before it had one."""
+    order, so the target's weights are those of the model before it had one. ``tp_rank`` / ``tp_size``
+    (default: the torch.distributed group's): this rank's shard of those same full weights."""
     import math
 
     import torch
 
+    from gdnserve.layers.linear import load_shard
+    from gdnserve.layers.parallel import resolve
     from gdnserve.models.qwen3_5 import HybridLM
 
     gen = torch.Generator().manual_seed(seed)
-    model = HybridLM(builtin_config())
+    model = HybridLM(builtin_config(), 0, 1)         # the full weights first, whatever the rank
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
@@ -71,6 +75,12 @@ def build_builtin_model(seed: int = 0, dtype=None, device="cpu"):
                 p.fill_(1.0 if name.endswith("mixer.norm.weight") else 0.0)
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.02 if p.dim() > 1 else 1 / math.sqrt(p.numel())))
+    rank, size = resolve(tp_rank, tp_size)
+    if size > 1:
+        full, model = dict(model.named_parameters()), HybridLM(builtin_config(), rank, size)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(load_shard(model, name, full[name]))
     model = model.to(device=device, dtype=dtype or torch.float32)
     for layer in model.gdn_layers():
         layer.A_log.data = layer.A_log.data.float()
