@@ -20,7 +20,7 @@ def check_tensor_parallel(model_cfg, n: int, device: torch.device) -> None:
         check_tp(model_cfg, n)
     except ValueError as e:
         raise ValueError(f"tensor_parallel_size = {n} does not divide the model: "
-                         f"{str(e).removeprefix('tensor parallel: ')}") from None
+                         f"{str(e).removeprefix('tensor parallel: ').replace('tp_size = ', '')}") from None
     if device.type == "cuda":
         if device.index not in (None, 0):
             raise ValueError(f"tensor_parallel_size = {n}: ranks use cuda:0..cuda:{n - 1} of the visible GPUs; "

@@ -16,6 +16,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu or cuda[:N]")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="weights/activations dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="shard the model over N processes, one GPU each (gloo processes on CPU); default 1")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                    help="run the decode steps eagerly (default: a CUDA graph per batch-size bucket on CUDA)")
 
@@ -41,6 +43,8 @@ def run_generate(args: argparse.Namespace) -> int:
         return 2
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.tensor_parallel_size != 1:
+        return _generate_tp(args, device, dtype)
     if args.model is None:
         model = build_builtin_model(dtype=dtype, device=device)
     else:
@@ -67,5 +71,33 @@ def run_generate(args: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     print(tok.decode(out))
     print(f"[{len(ids)} prompt + {len(out)} generated tokens in {dt * 1e3:.0f} ms on {device}, {dtype}; "
+          f"{'embedded model' if args.model is None else args.model}]", file=sys.stderr)
+    return 0
+
+
+def _generate_tp(args: argparse.Namespace, device, dtype) -> int:
+    """The same greedy continuation through the engine over ``--tensor-parallel-size`` ranks (worker processes)."""
+    from gdnserve.engine.engine_api import EngineDeadError
+    from gdnserve.engine.sampling_params import SamplingParams
+    from gdnserve.entrypoints.llm import LLM
+    try:
+        llm = LLM(args.model, device=str(device), dtype=str(dtype).removeprefix("torch."), max_num_seqs=1,
+                  max_model_len=max(64, len(args.prompt.encode()) * 4 + args.max_tokens), num_pages=256,
+                  tensor_parallel_size=args.tensor_parallel_size)
+    except (ValueError, EngineDeadError) as e:
+        print(f"gdnserve generate: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ValueError) else 1
+    try:
+        t0 = time.perf_counter()
+        out = llm.generate(args.prompt, SamplingParams(temperature=0, max_tokens=args.max_tokens))[0]
+        dt = time.perf_counter() - t0
+    except EngineDeadError as e:
+        print(f"gdnserve generate: {e}", file=sys.stderr)
+        return 1
+    finally:
+        llm.close()
+    print(out.outputs[0].text)
+    print(f"[{len(out.prompt_token_ids)} prompt + {len(out.outputs[0].token_ids)} generated tokens in "
+          f"{dt * 1e3:.0f} ms on {args.tensor_parallel_size} x {device.type}, {dtype}; "
           f"{'embedded model' if args.model is None else args.model}]", file=sys.stderr)
     return 0

@@ -10,6 +10,7 @@ import sys
 import time
 
 from gdnserve.engine.config import EngineConfig
+from gdnserve.engine.engine_api import EngineDeadError
 from gdnserve.entrypoints.config import ServerConfig, is_loopback_name
 from gdnserve.entrypoints.limits import Limits
 
@@ -46,6 +47,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--spec-mode", default=_D.spec_mode, choices=["replay", "intermediate"],
                    help=f"GDN verify mode: replay (pending inputs, one state read+write) or intermediate; default "
                         f"{_D.spec_mode}")
+    m.add_argument("--tensor-parallel-size", type=int, default=_D.tensor_parallel_size, metavar="N",
+                   help="shard the model over N processes, one GPU each (cuda:0..N-1; gloo processes on CPU); N "
+                        "must divide the model's attention, KV and GDN heads (default 1)")
     m.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                    help="run decode and verify steps eagerly (default: bucketed CUDA graphs on a CUDA device)")
     n = p.add_argument_group("network and access")
@@ -126,17 +130,26 @@ def run_serve(args: argparse.Namespace) -> int:
             cfg = EngineConfig(model_name=args.model or "gdnserve-embedded", prefill_mode=args.prefill_mode,
                                max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                                num_pages=args.num_pages, spec_k=args.spec_k, spec_mode=args.spec_mode,
-                               spec_draft=args.spec_draft, cuda_graphs=args.cuda_graphs)
+                               spec_draft=args.spec_draft, cuda_graphs=args.cuda_graphs,
+                               tensor_parallel_size=args.tensor_parallel_size)
             engine = load_engine(args.model, dtype=args.dtype, device=args.device, config=cfg)
-        except (OSError, ValueError) as e:  # CheckpointError, a config the model cannot take, a missing file
+        except (OSError, ValueError, EngineDeadError) as e:  # CheckpointError, a config the model cannot take,
+            # a missing file, a tensor-parallel worker that could not start
             return _fail(f"cannot load {'the embedded model' if args.model is None else args.model}: {e}", 1)
-        print(banner(engine, args, config, sock.getsockname()[1], time.perf_counter() - t0), file=sys.stderr,
-              flush=True)
-        run_server(AsyncEngine(engine), config=config, port=args.port, sock=sock,
-                   shutdown_timeout=args.shutdown_timeout)
+        try:
+            print(banner(engine, args, config, sock.getsockname()[1], time.perf_counter() - t0), file=sys.stderr,
+                  flush=True)
+            # a dead engine (a tensor-parallel worker gone) fails its requests and stops the server: exit 1 below
+            run_server(AsyncEngine(engine), config=config, port=args.port, sock=sock,
+                       shutdown_timeout=args.shutdown_timeout)
+        finally:
+            engine.close()
+        if engine.dead is not None:
+            return _fail(f"the engine stopped: {engine.dead}", 1)
     finally:
         sock.close()
     return 0
+
 
 
 def _url(host: str, port: int) -> str:
@@ -154,7 +167,8 @@ def banner(engine, args: argparse.Namespace, config: ServerConfig, port: int, lo
     lines = [
         f"gdnserve: serving {getattr(engine, 'model_name', '?')} ({what}); loaded in {load_s:.1f} s",
         f"  device {device}, dtype {dtype}, prefill {args.prefill_mode}, max_model_len {args.max_model_len}, "
-        f"max_num_seqs {args.max_num_seqs}, spec_k {args.spec_k}",
+        f"max_num_seqs {args.max_num_seqs}, spec_k {args.spec_k}"
+        f"{f', tensor parallel {args.tensor_parallel_size} ranks' if getattr(args, 'tensor_parallel_size', 1) > 1 else ''}",
         f"  pools: {st.get('state_pool_total')} state slots, {st.get('page_pool_total')} KV pages x {page} tokens",
         f"  limits: body {lim.max_body_bytes} B, {lim.max_prompts} prompts/request, n <= {lim.max_n}, "
         f"{lim.max_stop} stop strings x {lim.max_stop_chars} chars, JSON depth {lim.max_json_depth}, "

@@ -575,9 +575,12 @@ def run_server(engine: AsyncEngineClient, config: ServerConfig | None = None, po
                sock: Any = None, log_level: str = "info", shutdown_timeout: float | None = 10.0) -> None:
     """Serve ``engine`` until interrupted, on ``sock`` (a bound socket: the caller checked the port before
     loading the model) or on ``config.host:port``. Binds loopback by default: pass ``ServerConfig(host=
-    "0.0.0.0", api_key=...)`` to expose it. On shutdown, open requests get ``shutdown_timeout`` seconds."""
+    "0.0.0.0", api_key=...)`` to expose it. On shutdown, open requests get ``shutdown_timeout`` seconds. An engine
+    that dies (``on_dead``) shuts the server down the same way (its requests have already failed)."""
     import uvicorn
     config = config or ServerConfig()
     server = uvicorn.Server(uvicorn.Config(build_app(engine, config=config), host=config.host, port=port,
                                            log_level=log_level, timeout_graceful_shutdown=shutdown_timeout))
+    if hasattr(engine, "on_dead"):      # an engine that can die (AsyncEngine: a tensor-parallel worker gone) stops
+        engine.on_dead = lambda message: setattr(server, "should_exit", True)   # the server; its caller exits 1
     server.run(sockets=None if sock is None else [sock])
