@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from gdnserve.engine.model_runner import ModelRunner, SeqState, build_pools
+from gdnserve.engine.model_runner import ModelRunner, SeqState, pool_shapes
 from gdnserve.engine.page_pool import PagePool, PageTable
+from gdnserve.engine.state_pool import StatePool
 from gdnserve.engine.step_work import StepWork
 from gdnserve.engine.tp_workers import TPGroup
 
@@ -61,9 +62,9 @@ class _ShardPagePool(PagePool):
 
 class ShardRunner(ModelRunner):
     def __init__(self, model, rc):
-        state, pages = build_pools(model, rc)
-        pages.__class__ = _ShardPagePool
-        super().__init__(model, rc, pools=(state, pages))
+        sc, pc = pool_shapes(model, rc)
+        pages = _ShardPagePool(pc)
+        super().__init__(model, rc, pools=(StatePool(sc), pages))
         self._table = PageTable(pages)       # a stand-in for the sequences' tables in replayed ops
 
     def replay(self, ops: list[tuple], work: StepWork) -> None:

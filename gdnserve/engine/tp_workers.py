@@ -187,9 +187,17 @@ class TPGroup:
     def _mark(self, rank: int) -> None:
         self._drain_report(rank)
         with self._lock:
-            if self.error is None and not self.closing:
-                self.error = exit_text(rank, self.procs[rank - 1].exitcode, self.reports.get(rank))
-                logger.error("%s", self.error)
+            if self.error is not None or self.closing:
+                return
+            self.error = exit_text(rank, self.procs[rank - 1].exitcode, self.reports.get(rank))
+            logger.error("%s", self.error)
+        if self.spec.device_type == "cuda":
+            # An NCCL collective waiting on the dead rank does not notice it (gloo's does: the socket closes);
+            # aborting the communicators makes rank 0's wait raise now instead of at the group's timeout.
+            try:
+                dist.distributed_c10d._abort_process_group()
+            except Exception as e:                # noqa: BLE001  best effort: the timeout still bounds the wait
+                logger.warning("tensor parallel: aborting the NCCL group after rank %d died: %r", rank, e)
 
     def _watch(self) -> None:
         sentinels = {p.sentinel: r for r, p in enumerate(self.procs, 1)}

@@ -50,14 +50,21 @@ def test_embedded_model_shards_are_the_full_weights_cut_per_rank():
     assert shards[0].keys() == full.keys()
 
 
-def test_a_worker_that_raises_ends_the_engine_with_its_error_and_close_joins():
+def test_mtp_drafts_in_intermediate_mode_then_a_worker_that_raises_ends_the_engine_and_close_joins():
+    """The MTP drafter and intermediate-mode commits ship as acceptance ops (the server test covers n-gram drafts
+    in replay mode, whose flushes ship the same way); greedy tokens equal TP = 1's."""
     from gdnserve.entrypoints.llm import LLM
-    llm = LLM(tensor_parallel_size=2, device="cpu", max_num_seqs=4, num_pages=64)
+    kw = dict(device="cpu", max_num_seqs=4, num_pages=64, spec_k=2, spec_draft="mtp", spec_mode="intermediate")
+    prompts = ["a first prompt", "and another <|state_checkpoint|> one", "and another <|state_checkpoint|> two"]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    ref = [o.outputs[0].token_ids for o in LLM(cuda_graphs=False, **kw).generate(prompts, params)]
+    llm = LLM(tensor_parallel_size=2, **kw)
     try:
-        params = SamplingParams(temperature=0, max_tokens=4)
-        assert len(llm.generate(["a first prompt", "and another"], params)) == 2
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref
+        assert llm.engine.counters["spec_drafted"] > 0
         runner = llm.engine.runner
         runner._ops.append(("bogus", []))      # the next step's message makes rank 1 raise
+        params = SamplingParams(temperature=0, max_tokens=4)
         t0 = time.monotonic()
         with pytest.raises(EngineDeadError, match=r"tensor-parallel worker rank 1 exited with exit code 1 after "
                                                   r"raising ValueError: unknown op 'bogus' from rank 0"):
