@@ -143,8 +143,9 @@ def run_serve(args: argparse.Namespace) -> int:
             run_server(AsyncEngine(engine), config=config, port=args.port, sock=sock,
                        shutdown_timeout=args.shutdown_timeout)
         finally:
-            engine.close()
-        if engine.dead is not None:
+            if hasattr(engine, "close"):      # tensor-parallel workers stop and are joined
+                engine.close()
+        if getattr(engine, "dead", None) is not None:
             return _fail(f"the engine stopped: {engine.dead}", 1)
     finally:
         sock.close()
