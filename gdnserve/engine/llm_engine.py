@@ -16,6 +16,8 @@ single-sample requests verify k drafts per step (docs/spec_decode.md).
 Failure domain: a step that raises is rolled back and its culprit isolated (``isolation.py``); only that request
 fails, with the error as its reason, and every other one gives the output it gives alone. The first failed step
 re-raises its error after the rollback (the engine stays consistent); the trials run in the following steps.
+An ``EngineDeadError`` (a tensor-parallel worker gone) is no request's fault: every request fails with it, and so
+does every later submission (``dead``).
 """
 from __future__ import annotations
 

@@ -338,8 +338,9 @@ class ModelRunner:
 
     def _fork(self, prefills: list[PrefillItem], it: PrefillItem, host: StepInputs, start_row: dict) -> None:
         """A consumer's page table: the producer's (same step) or READY checkpoint's full pages shared, the
-        partial tail page private. Positions stored in earlier steps are copied now (they are final); the
-        producer's positions of this step are written into both pages by one store_kv (duplicated rows)."""
+        partial tail page private. Positions stored in earlier steps are copied (they are final); the
+        producer's positions of this step are written into both pages by one store_kv (duplicated rows). The
+        copies are listed in ``host.copies``: ``execute`` runs them before the step's upload."""
         if it.producer >= 0:
             prod = prefills[it.producer].seq
             child, cow = prod.pages.fork(prod.length)

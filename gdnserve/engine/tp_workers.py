@@ -134,8 +134,11 @@ class TPGroup:
                     r = todo[obj]
                     try:
                         msg = obj.recv()
-                    except EOFError:
-                        continue                      # its sentinel follows
+                    except EOFError:                  # it is exiting: wait for its exit code
+                        self.procs[r - 1].join(5)
+                        self.close()
+                        raise TensorParallelError(exit_text(r, self.procs[r - 1].exitcode, self.reports.get(r)) +
+                                                  f" while starting (waiting for {what!r})") from None
                     if msg[0] == "error":
                         self.reports[r] = msg[1]
                     elif msg[0] == what:
