@@ -1,7 +1,8 @@
 """`gdnserve serve --tensor-parallel-size 2` on CPU (two processes over gloo, the embedded model) gives TP=1's
 greedy outputs and logprobs (1e-5, fp32) through the real server: plain prompts, a checkpoint group (marker),
 n = 2, /v1/score and speculative decoding (ngram); then a worker killed mid-stream fails the open request with
-the worker's exit in the message, and the server exits 1 (bounded waits: nothing may hang)."""
+the worker's exit in the message, and the server exits 1 (bounded waits: nothing may hang). A size that does
+not divide the model's heads is refused by `serve` and `generate` before any process starts."""
 from __future__ import annotations
 
 import os
@@ -127,3 +128,12 @@ def test_killed_worker_fails_the_stream_and_the_server_exits_1(server):
     assert "tensor-parallel worker rank 1 exited with signal SIGKILL" in text, text[-2000:]
     assert proc.wait(60) == 1
     assert "the engine stopped: tensor-parallel worker rank 1 exited with signal SIGKILL" in log_path.read_text()
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_process_starts(capsys):
+    from gdnserve.entrypoints import cli
+    msg = "tensor_parallel_size = 4 does not divide the model: config linear_num_key_heads = 2 is not divisible by 4"
+    assert cli.main(["generate", "hi", "--device", "cpu", "--tensor-parallel-size", "4"]) == 2
+    assert msg in capsys.readouterr().err
+    assert cli.main(["serve", "--device", "cpu", "--port", "0", "--tensor-parallel-size", "4"]) == 1
+    assert f"cannot load the embedded model: {msg}" in capsys.readouterr().err
