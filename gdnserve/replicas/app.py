@@ -42,24 +42,30 @@ class Ingress:
         return app
 
 
-def make_app(replicas: int, spec: ReplicaSpec, server: ServerConfig, *, router: str = "affinity",
-             app_name: str = "gdnserve", num_cpus: float = 1.0, num_gpus: float = 0.0,
-             max_ongoing_requests: int | None = None, stats_period_s: float = 1.0) -> Any:
-    """The bound application. ``max_ongoing_requests``: per replica (default: the engine's ``max_num_seqs``
-    x 4, so that requests wait in the engine's queue, where checkpoints pair them, rather than in Serve's)."""
+def engine_deployment(replicas: int, spec: ReplicaSpec, *, router: str = "affinity", num_cpus: float = 1.0,
+                      num_gpus: float = 0.0, max_ongoing_requests: int | None = None,
+                      stats_period_s: float = 1.0) -> Any:
+    """The engine deployment (unbound). ``max_ongoing_requests``: per replica (default: the engine's
+    ``max_num_seqs`` x 4, so that requests wait in the engine's queue, where checkpoints pair them, rather than
+    in Serve's)."""
     if not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be an int >= 1, got {replicas!r}")
     if router not in ROUTERS:
         raise ValueError(f"router must be one of {sorted(ROUTERS)}, got {router!r}")
-    ongoing = max_ongoing_requests or 4 * spec.engine.max_num_seqs
-    engine = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT).options(
-        num_replicas=replicas, max_ongoing_requests=ongoing, max_queued_requests=-1,
-        ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+    return serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT).options(
+        num_replicas=replicas, max_ongoing_requests=max_ongoing_requests or 4 * spec.engine.max_num_seqs,
+        max_queued_requests=-1, ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[router],
                                                   request_routing_stats_period_s=stats_period_s,
                                                   request_routing_stats_timeout_s=max(10.0, 5 * stats_period_s)),
-        health_check_period_s=2.0, health_check_timeout_s=30.0,
-    )
+        health_check_period_s=2.0, health_check_timeout_s=30.0)
+
+
+def make_app(replicas: int, spec: ReplicaSpec, server: ServerConfig, *, app_name: str = "gdnserve",
+             **engine_options: Any) -> Any:
+    """The bound application: the ingress over ``engine_deployment(replicas, spec, **engine_options)``.
+    ``app_name`` must be the name it is deployed under (the ingress finds its routers by it)."""
+    engine = engine_deployment(replicas, spec, **engine_options)
     ingress = serve.deployment(Ingress, name="GdnIngress").options(
         num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine.bind(spec), spec, server, app_name)
