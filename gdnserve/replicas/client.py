@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from gdnserve.engine.engine_api import GenerateRequest, RequestOutput, ScoreResult
 from gdnserve.replicas.keys import Route, generate_route, published_key, score_route
@@ -23,6 +23,12 @@ from gdnserve.replicas.registry import routers_for
 
 class ReplicaDiedError(RuntimeError):
     pass
+
+
+def _cause(e: RayTaskError) -> BaseException:
+    """The replica's own exception (a ValueError the server answers 400 with its message), not Ray's wrapper."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, Exception) else e
 
 
 def merge_stats(reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -73,6 +79,8 @@ class RemoteEngineClient:
                         self._published(replica, req, route, out)
                     yield out
                 return
+            except RayTaskError as e:
+                raise _cause(e) from None
             except RayActorError as e:
                 if sent or attempt == self.retries:
                     raise ReplicaDiedError(f"the replica serving request {req.request_id} died after "
@@ -93,6 +101,8 @@ class RemoteEngineClient:
                 if route.exact is not None:
                     self._learn(replica, route.exact, len(prefix) - 1)
                 return result
+            except RayTaskError as e:
+                raise _cause(e) from None
             except RayActorError as e:
                 if attempt == self.retries:
                     raise ReplicaDiedError(f"the replica serving a score request died {attempt + 1} times: "

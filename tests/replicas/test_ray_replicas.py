@@ -169,6 +169,9 @@ def test_http_ingress_stream_score_metrics_api_key(cluster):
         assert sc.status_code == 200 and len(sc.json()["data"]) == 2
         bad = c.post("/v1/completions", json={"prompt": "a<|state_checkpoint|>b<|state_checkpoint|>c"}, headers=auth)
         assert bad.status_code == 400
+        # refused by the engine in its replica (more KV pages than the pool), answered 400 with its own message
+        big = c.post("/v1/completions", json={"prompt": "hi", "n": 64, "max_tokens": 1000}, headers=auth)
+        assert big.status_code == 400 and "KV pages" in big.json()["error"]["message"], big.text
         assert c.get("/metrics").status_code == 401
         text = ""
         for _ in range(60):     # the replicas report every second
