@@ -21,6 +21,7 @@ the benchmark. ``registry.routers_for`` finds the routers of a deployment in thi
 from __future__ import annotations
 
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +53,8 @@ class _Registered:
 
     def replica_reports(self) -> dict[str, dict[str, Any]]:
         """unique replica id -> its last routing stats (empty before its first report)."""
-        return {rid.unique_id: dict(r.routing_stats or {}) for rid, r in self.curr_replicas.items()}
+        # called from the ingress's event loop: a copy of the router's dict (Serve routes on its own loop)
+        return {rid.unique_id: dict(r.routing_stats or {}) for rid, r in list(self.curr_replicas.items())}
 
     def learn(self, replica: str, key: bytes, length: int) -> None:  # noqa: ARG002  the default router keeps nothing
         return None
@@ -66,6 +68,7 @@ class CheckpointAffinityRouter(_Registered, RequestRouter):
     def initialize_state(self, ttl_s: float = 30.0, **kwargs: Any) -> None:
         self._ttl = float(ttl_s)
         self._local: dict[bytes, tuple[ReplicaID, float, int | None]] = {}   # key -> replica, when, READY length
+        self._lock = threading.Lock()   # learn() comes from the caller's event loop, the routing from Serve's
         self._inflight: dict[ReplicaID, int] = {}
         self._views: dict[ReplicaID, tuple[int, _View]] = {}
         self.routed = {"affinity": 0, "balanced": 0}
@@ -89,15 +92,16 @@ class CheckpointAffinityRouter(_Registered, RequestRouter):
         if got is None:
             return None
         if now - got[1] > self._ttl:
-            del self._local[key]
+            self._local.pop(key, None)
             return None
         return got[0], got[2]
 
     def learn(self, replica: str, key: bytes, length: int) -> None:
         """A checkpoint of ``length`` tokens is READY on the replica with this unique id."""
-        rid = next((r for r in self.curr_replicas if r.unique_id == replica), None)
+        rid = next((r for r in list(self.curr_replicas) if r.unique_id == replica), None)
         if rid is not None:
-            self._local[key] = (rid, time.monotonic(), length)
+            with self._lock:
+                self._local[key] = (rid, time.monotonic(), length)
 
     def _holders(self, route: Route, replicas: list[RunningReplica], now: float) -> list[RunningReplica]:
         if route.exact is not None:
@@ -129,15 +133,16 @@ class CheckpointAffinityRouter(_Registered, RequestRouter):
             return []
         route = None if pending_request is None else pending_request.kwargs.get("route")
         now = time.monotonic()
-        holders = self._holders(route, candidate_replicas, now) if isinstance(route, Route) else []
-        if holders:
-            pick = min(holders, key=self._load)
-            self.routed["affinity"] += 1
-        else:
-            pick = self._least_loaded_of_two(candidate_replicas)
-            self.routed["balanced"] += 1
-            if route is not None and route.exact is not None:   # the group follows its producer from now on
-                self._local[route.exact] = (pick.replica_id, now, None)
+        with self._lock:
+            holders = self._holders(route, candidate_replicas, now) if isinstance(route, Route) else []
+            if holders:
+                pick = min(holders, key=self._load)
+                self.routed["affinity"] += 1
+            else:
+                pick = self._least_loaded_of_two(candidate_replicas)
+                self.routed["balanced"] += 1
+                if route is not None and route.exact is not None:   # the group follows its producer from now on
+                    self._local[route.exact] = (pick.replica_id, now, None)
         rest = [r for r in candidate_replicas if r is not pick]
         # the pick first; if its queue is full, the less loaded of two others (Serve probes queue lengths)
         return [[pick], random.sample(rest, min(2, len(rest)))] if rest else [[pick]]
@@ -153,8 +158,9 @@ class CheckpointAffinityRouter(_Registered, RequestRouter):
             self._inflight[replica_id] -= 1
 
     def _forget(self, alive: set[ReplicaID]) -> None:
-        for key in [k for k, (rid, _, _) in self._local.items() if rid not in alive]:
-            del self._local[key]
+        with self._lock:
+            for key in [k for k, (rid, _, _) in self._local.items() if rid not in alive]:
+                del self._local[key]
         for d in (self._inflight, self._views):
             for rid in [r for r in d if r not in alive]:
                 del d[rid]
