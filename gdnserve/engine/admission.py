@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from gdnserve.engine.checkpoint_index import boundary_prefix, score_prefix
 from gdnserve.engine.engine_api import CheckpointInfo
 from gdnserve.engine.model_runner import PrefillItem
 from gdnserve.engine.request import Producer, Request, ScoreJob
@@ -82,7 +83,7 @@ def _plan(s: Scheduler, req: Request, p: AdmitPass) -> _Plan | None:
         pl = _Plan(auto.length, tuple(ids[:auto.length]), hit=auto)
     else:
         split = c if c is not None else (len(ids) - 1 if n > 1 and len(ids) > 1 else None)
-        pl = _Plan(split, tuple(ids[:split]) if split else None)
+        pl = _Plan(split, boundary_prefix(ids, split))
     if c is not None and pl.key not in p.producers:
         if pl.key in s.producing:
             return None
@@ -240,7 +241,7 @@ def _score_source(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass):
     """Where this wave's candidates start: ("ready", kv) from the prefix checkpoint (held by the job or hit now),
     ("producer", item) of this step, ("zeros", None) for a one-token prefix; None: wait (PENDING elsewhere, or
     the prefix is still being produced chunk by chunk — its next chunk is added here); STOP: the budget is spent."""
-    key = tuple(job.prefix_ids[:-1])
+    key = score_prefix(job.prefix_ids)
     ck = s.kv.checkpoints
     if not key:
         return "zeros", None

@@ -28,6 +28,24 @@ def checkpoint_key(token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def boundary_prefix(prompt_ids: Sequence[int], checkpoint_at: int | None) -> tuple[int, ...] | None:
+    """The tokens a request's checkpoint covers: its prompt up to the marker / ``checkpoint_at``; None
+    without one. The engine's admission looks this prefix up; the replica router keys on it."""
+    return tuple(prompt_ids[:checkpoint_at]) if checkpoint_at else None
+
+
+def score_prefix(prefix_ids: Sequence[int]) -> tuple[int, ...]:
+    """The checkpoint of a score job: its prefix minus the last token (each candidate is fed
+    ``[last prefix token] + candidate``); empty for a one-token prefix (the zero state, no checkpoint)."""
+    return tuple(prefix_ids[:-1])
+
+
+def conversation_prefix(prompt_ids: Sequence[int], output_ids: Sequence[int]) -> list[int]:
+    """The tokens of a finished single-sample request's automatic checkpoint: prompt + output minus the last,
+    unfed token (the next turn of the conversation starts from it)."""
+    return list(prompt_ids) + list(output_ids[:-1])
+
+
 class CheckpointStatus(enum.Enum):
     PENDING = "pending"  # slot reserved, producer not finished: kernels of the producing step write it
     READY = "ready"      # published: read in place by consumers, never a kernel destination
@@ -194,6 +212,20 @@ class CheckpointIndex:
                 self._evicted.popitem(last=False)
         self._evictions += len(victims)
         return victims
+
+    def keys(self) -> tuple[list[bytes], list[bytes], list[int]]:
+        """(READY keys, PENDING keys, distinct READY lengths): what a replica reports to its router. Safe to
+        call from another thread than the engine's (a copy taken in one C-level pass; retried if the engine
+        resized the index meanwhile)."""
+        while True:
+            try:
+                entries = list(self._entries.values())
+                break
+            except RuntimeError:  # "changed size during iteration": take it again
+                continue
+        ready = [e for e in entries if e.status is CheckpointStatus.READY]
+        return ([e.key for e in ready], [e.key for e in entries if e.status is CheckpointStatus.PENDING],
+                sorted({e.length for e in ready}))
 
     def is_writable(self, slot: int) -> bool:
         """False iff ``slot`` holds a READY checkpoint of this index (never a kernel destination)."""

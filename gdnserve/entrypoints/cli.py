@@ -6,6 +6,7 @@
     gdnserve generate PROMPT [--model DIR] [--max-tokens N] [--device ...] [--dtype ...]
     gdnserve score PREFIX CANDIDATE... [--model DIR] [--labels ID,...] [--softmax] [--json] ...
     gdnserve serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--prefill-mode fused] ...
+    gdnserve serve --replicas N [--router affinity|default] [--replica-cpus C] [--replica-gpus G] ...
 
 One ``_add_*`` function per command registers its parser and sets ``func``, a handler that takes the
 parsed arguments and returns an exit code. Heavy imports (torch, the benchmarks) happen inside handlers,
@@ -186,6 +187,14 @@ def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (embedded model by default)")
     add_serve_arguments(p)
     p.set_defaults(func=run_serve)
+    _add_replicas(p, run_serve)
+
+
+def _add_replicas(p: argparse.ArgumentParser, run_serve) -> None:
+    """``serve --replicas N``: N engines on Ray Serve (gdnserve/replicas/serve_cli.py; Ray imported only then)."""
+    from gdnserve.replicas.serve_cli import add_replica_arguments, run_replicas
+    add_replica_arguments(p)
+    p.set_defaults(func=lambda a: run_replicas(a) if a.replicas is not None else run_serve(a))
 
 
 def build_parser() -> argparse.ArgumentParser:
