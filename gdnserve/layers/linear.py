@@ -99,6 +99,7 @@ class ColumnParallelLinear(nn.Module):
         self.blocks = blocks
         self.qweight: nn.Parameter | None = None          # FP8 layers only (see to_fp8)
         self.weight_scale_inv: nn.Parameter | None = None
+        self.num_fp8_blocks = 0
 
     def weight_loader(self, full: torch.Tensor) -> torch.Tensor:
         return weight_loader(self, "weight", full)
@@ -126,6 +127,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight_scale_inv = nn.Parameter(torch.empty(_cdiv(n_fp8, BLOCK), _cdiv(K, BLOCK), device=dev),
                                              requires_grad=False)
         self.weight = nn.Parameter(torch.empty(n_rest, K, dtype=self.weight.dtype, device=dev))
+        self.num_fp8_blocks = num_fp8_blocks
         scale_blocks = (tuple(b // BLOCK for b in fp8) if self.tp_size > 1 else (_cdiv(sum(fp8), BLOCK),))
         self.tp_shards = {"qweight": Shard(0, fp8), "weight_scale_inv": Shard(0, scale_blocks),
                           "weight": Shard(0, rest)}
@@ -173,6 +175,7 @@ class RowParallelLinear(nn.Module):
         self.tp_shards = {"weight": Shard(1, (in_features,))}
         self.qweight: nn.Parameter | None = None          # FP8 layers only (see to_fp8)
         self.weight_scale_inv: nn.Parameter | None = None
+        self.num_fp8_blocks = 0
 
     def weight_loader(self, full: torch.Tensor) -> torch.Tensor:
         return weight_loader(self, "weight", full)
@@ -191,6 +194,7 @@ class RowParallelLinear(nn.Module):
                                              requires_grad=False)
         del self.weight
         self.weight = None
+        self.num_fp8_blocks = 1
         self.tp_shards = {"qweight": Shard(1, (self.in_features,)),
                           "weight_scale_inv": Shard(1, (_cdiv(self.in_features, BLOCK),))}
 
