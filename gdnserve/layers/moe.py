@@ -135,7 +135,7 @@ def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix:
 
     FP8 experts (after ``moe.to_fp8()``): per-expert tensors only, each read as (e4m3 weight, float32 block
     scales) by ``get_fp8(module_name)``; gate and up scale rows are stacked like their weights. A shared
-    expert whose layers are FP8 (``qweight`` set) is left to the caller (the model loader plans FP8 layers).
+    expert's FP8 layers (``qweight`` set) are left to the caller (the model loader plans FP8 layers).
     """
     E, I, H, S = moe.num_experts, moe.moe_intermediate, moe.hidden, moe.shared_intermediate
     used: set[str] = set()
@@ -181,13 +181,13 @@ def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix:
         dn = [fp8(e, ("down_proj",), (H, I)) for e in range(E)]
         plan["experts_gate_up"], plan["experts_gate_up_scale_inv"] = (torch.stack(t) for t in zip(*gu))
         plan["experts_down"], plan["experts_down_scale_inv"] = (torch.stack(t) for t in zip(*dn))
-    if moe.shared_expert is not None and moe.shared_expert.gate_up_proj.qweight is not None:
-        plan["shared_expert_gate.weight"] = fetch(prefix + "shared_expert_gate.weight", (1, H))
-    elif moe.shared_expert is not None:
+    if moe.shared_expert is not None:          # an FP8 layer of the shared expert: planned by the model loader
         s = prefix + "shared_expert."
-        plan["shared_expert.gate_up_proj.weight"] = torch.cat(
-            [fetch(s + "gate_proj.weight", (S, H)), fetch(s + "up_proj.weight", (S, H))], 0)
-        plan["shared_expert.down_proj.weight"] = fetch(s + "down_proj.weight", (H, S))
+        if moe.shared_expert.gate_up_proj.qweight is None:
+            plan["shared_expert.gate_up_proj.weight"] = torch.cat(
+                [fetch(s + "gate_proj.weight", (S, H)), fetch(s + "up_proj.weight", (S, H))], 0)
+        if moe.shared_expert.down_proj.qweight is None:
+            plan["shared_expert.down_proj.weight"] = fetch(s + "down_proj.weight", (H, S))
         plan["shared_expert_gate.weight"] = fetch(prefix + "shared_expert_gate.weight", (1, H))
     params = dict(moe.named_parameters())
     with torch.no_grad():

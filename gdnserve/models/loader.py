@@ -215,9 +215,10 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
             linears.update(_layer_plan(plan, src, cfg, f"mtp.layers.{i}.", "full_attention", cfg.is_moe_layer(i)))
             if cfg.is_moe_layer(i):
                 moe_blocks.append((model.mtp.layers[i].mlp, f"mtp.layers.{i}.mlp."))
-    for moe, p in moe_blocks:                # an FP8 shared expert is planned like the other FP8 layers
-        if moe.shared_expert is not None and moe.shared_expert.gate_up_proj.qweight is not None:
-            linears.update(_moe_linears(p[:-len("mlp.")]))
+    for moe, p in moe_blocks:                # a shared expert's FP8 layers are planned like the others
+        if moe.shared_expert is not None:
+            linears.update({n: parts for n, parts in _moe_linears(p[:-len("mlp.")]).items()
+                            if model.get_submodule(n).qweight is not None})
     for name, parts in linears.items():
         _linear_plan(plan, src, model, name, parts)
     params = dict(model.named_parameters())

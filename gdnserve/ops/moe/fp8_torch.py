@@ -2,7 +2,7 @@
 path, with the same roundings — activations (the gathered x rows, then the intermediate rounded to x's
 dtype) quantized per token-group of 128 (``ops/quant/fp8_ref.py``), each expert's block-FP8 weights
 dequantized to float32, float32 matmuls, each pair output scaled and rounded to x's dtype, the k pair outputs
-summed in float32 and rounded once. Reads expert counts on the host (as ``torch_path``)."""
+summed in float32 and rounded once (float64 throughout for float64 x: the reference). Reads expert counts on the host (as ``torch_path``)."""
 from __future__ import annotations
 
 import torch
@@ -25,18 +25,19 @@ def moe_experts_fp8_torch(x: torch.Tensor, weights: torch.Tensor, experts: torch
     flat = experts.flatten()
     order = torch.argsort(flat, stable=True)
     token = order // k
-    pair_w = weights.flatten()[order, None].float()
-    xs = qdq_act(x).index_select(0, token)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32     # float64: the reference
+    pair_w = weights.flatten()[order, None].to(acc)
+    xs = qdq_act(x).to(acc).index_select(0, token)
     counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).cpu().tolist()
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
     start = 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         sl = slice(start, start + n)
         start += n
-        gu = F.linear(xs[sl], dequantize_gate_up(w_gate_up[e], s_gate_up[e]))
+        gu = F.linear(xs[sl], dequantize_gate_up(w_gate_up[e], s_gate_up[e], acc))
         h = (F.silu(gu[:, :I]) * gu[:, I:]).to(x.dtype)
-        y = F.linear(qdq_act(h), dequantize_weight(w_down[e], s_down[e])) * pair_w[sl]
-        out.index_add_(0, token[sl], y.to(x.dtype).float())
+        y = F.linear(qdq_act(h).to(acc), dequantize_weight(w_down[e], s_down[e], acc)) * pair_w[sl]
+        out.index_add_(0, token[sl], y.to(x.dtype).to(acc))
     return out.to(x.dtype)

@@ -84,8 +84,10 @@ def qdq_act(x: torch.Tensor, group: int = BLOCK) -> torch.Tensor:
 
 
 def fp8_linear_torch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """x [M, K] · dequant(q, s)ᵀ with x quantized per token-group first; float32 math, x.dtype out."""
-    return F.linear(qdq_act(x), dequantize_weight(q, s)).to(x.dtype)
+    """x [M, K] · dequant(q, s)ᵀ with x quantized per token-group first; float32 math (float64 for float64
+    x: a model loaded in float64 is the float64 reference of the quantized math), x.dtype out."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return F.linear(qdq_act(x).to(acc), dequantize_weight(q, s, acc)).to(x.dtype)
 
 
 def fp8_linear_float64(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
