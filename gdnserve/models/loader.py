@@ -251,6 +251,45 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
                               + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
 
 
+@torch.no_grad()
+def quantize_model_fp8_(model: torch.nn.Module) -> list[str]:
+    """Quantize a loaded dense model in place the way the FP8 releases are (benchmarks, tests): every GEMM
+    layer whose layout allows it becomes an FP8 layer (128x128 blocks, ``quantize_weight``) except the GDN
+    in_proj's ``b`` / ``a`` rows (its dense tail); router, shared expert gate, embeddings, lm head and MTP
+    ``fc`` stay dense. Returns the FP8 layers' names."""
+    from gdnserve.ops.quant import quantize_weight
+    done = []
+    for name in model_linears(model.cfg, getattr(model, "mtp", None) is not None):
+        layer = model.get_submodule(name)
+        if layer.qweight is not None:
+            continue
+        w = layer.weight.data
+        if hasattr(layer, "blocks"):
+            nb = 4 if name.endswith("mixer.in_proj") else len(layer.blocks)     # [q k v z | b a]
+            if not layer.fp8_layout_ok(nb):
+                continue
+            rows = sum(layer.local_blocks[:nb])
+            layer.to_fp8(nb)
+            layer.weight.data = w[rows:].clone()
+        else:
+            if not layer.fp8_layout_ok():
+                continue
+            rows = w.shape[0]
+            layer.to_fp8()
+        q, sc = quantize_weight(w[:rows])
+        layer.qweight.data, layer.weight_scale_inv.data = q, sc
+        done.append(name)
+    for name, mod in model.named_modules():
+        if isinstance(mod, SparseMoE) and mod.experts_scales is None and mod.experts_fp8_ok():
+            gu, dn, I = mod.experts_gate_up.data, mod.experts_down.data, mod.local_intermediate
+            mod.to_fp8()
+            (qg, sg), (qu, su), (qd, sd) = (quantize_weight(t) for t in (gu[:, :I], gu[:, I:], dn))
+            mod.experts_gate_up.data, mod.experts_gate_up_scale_inv.data = torch.cat([qg, qu], 1), torch.cat([sg, su], 1)
+            mod.experts_down.data, mod.experts_down_scale_inv.data = qd, sd.contiguous()
+            done.append(name + ".experts")
+    return done
+
+
 def _param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     """A_log stays fp32 (the decay rate; fp16/bf16 would make exp(A_log) coarse); FP8 weights stay e4m3,
     their block scales fp32."""
