@@ -58,8 +58,14 @@ def _tag(dev: torch.device) -> str:
     return dev.type
 
 
+def _act(dev: torch.device) -> torch.dtype:
+    """The activation / dense weight dtype: bf16 on CUDA; float32 on CPU (smoke runs: CPU bf16 GEMMs are slow)."""
+    return torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+
 def _us(fn: Callable[..., Any], rotate: list, dev: torch.device, quick: bool) -> float:
-    r = time_call(fn, iters=5 if quick else 20, warmup=2, rotate=rotate, device=dev)
+    cpu = dev.type != "cuda"
+    r = time_call(fn, iters=2 if cpu else (5 if quick else 20), warmup=1 if cpu else 2, rotate=rotate, device=dev)
     return r["gpu_us"]["p50"]
 
 
@@ -75,10 +81,10 @@ def linear_rows(dev: torch.device, quick: bool, log: Callable[[str], None]) -> l
         w = torch.randn(N + tail_rows, K, device=dev) * 0.02
         n_sets = _copies(N * K, dev)
         q, s = quantize_weight(w[:N])
-        sets_fp8 = [(q.clone(), s.clone(), w[N:].bfloat16().clone() if tail_rows else None) for _ in range(n_sets)]
-        sets_bf16 = [w.bfloat16().clone() for _ in range(_copies(2 * (N + tail_rows) * K, dev))]
+        sets_fp8 = [(q.clone(), s.clone(), w[N:].to(_act(dev)).clone() if tail_rows else None) for _ in range(n_sets)]
+        sets_bf16 = [w.to(_act(dev)).clone() for _ in range(_copies(2 * (N + tail_rows) * K, dev))]
         for M in ms:
-            x = torch.randn(M, K, device=dev).bfloat16()
+            x = torch.randn(M, K, device=dev).to(_act(dev))
             row: dict[str, Any] = {"shape": name, "N": N + tail_rows, "K": K, "M": M}
             try:
                 y = fp8_linear(x, q, s, tail=sets_fp8[0][2])
@@ -111,12 +117,12 @@ def moe_rows(dev: torch.device, quick: bool, log: Callable[[str], None]) -> list
     (qg, sg), (qu, su), (qd, sd) = (quantize_weight(t) for t in (gu[:, :I], gu[:, I:], dn))
     q_gu, s_gu = torch.cat([qg, qu], 1).contiguous(), torch.cat([sg, su], 1).contiguous()
     q_dn, s_dn = qd.contiguous(), sd.contiguous()
-    gu16, dn16 = gu.bfloat16(), dn.bfloat16()
+    gu16, dn16 = gu.to(_act(dev)), dn.to(_act(dev))
     rows = []
-    for T in ((1, 16, 64, 256, 4096) if dev.type == "cuda" else (1, 5)):
-        x = torch.randn(T, Hm, device=dev).bfloat16()
+    for T in ((1, 16, 64, 256, 4096) if dev.type == "cuda" else (3,)):
+        x = torch.randn(T, Hm, device=dev).to(_act(dev))
         w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=dev), -1), k, dim=-1)
-        w = (w / w.sum(-1, keepdim=True)).bfloat16()
+        w = (w / w.sum(-1, keepdim=True)).to(_act(dev))
         row: dict[str, Any] = {"T": T, "E": E, "top_k": k, "H": Hm, "I": I}
         try:
             y = moe_experts(x, w, idx, q_gu, q_dn, scales=(s_gu, s_dn))
@@ -162,7 +168,7 @@ def model_rows(dev: torch.device, quick: bool, layers: int, experts: int, log: C
     from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
     from gdnserve.models.loader import quantize_model_fp8_
     cfg = config_for(dev, layers, experts)
-    L = 4096 if dev.type == "cuda" else 64
+    L = 4096 if dev.type == "cuda" else 32
     rows = []
     for fmt in ("bf16", "fp8"):
         model = build_random_model(cfg, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -184,7 +190,7 @@ def model_rows(dev: torch.device, quick: bool, layers: int, experts: int, log: C
         row: dict[str, Any] = {"format": fmt, "layers": cfg["num_hidden_layers"], "experts": cfg["num_experts"],
                                "weight_GB": weight_bytes / 1e9, "fp8_layers": len(fp8_layers)}
         cpu = dev.type != "cuda"
-        row["decode_B1_ms"] = _wall(decode, dev, 1 if cpu else 5, 2 if cpu else (5 if quick else 20))
+        row["decode_B1_ms"] = _wall(decode, dev, 0 if cpu else 5, 1 if cpu else (5 if quick else 20))
         row["prefill_ms"] = _wall(prefill, dev, 0 if cpu else 1, 1 if cpu else (2 if quick else 5))
         row["prefill_tok_s"] = L / row["prefill_ms"] * 1e3
         log(json.dumps(row))
@@ -255,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-budget", type=float, default=math.inf, help="seconds; later sections are skipped")
     args = ap.parse_args(argv)
     dev = _dev(args.device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
+    if dev.type == "cuda" and dev.index is not None:
+        torch.cuda.set_device(dev.index)
     import triton
     t0 = time.perf_counter()
     rep: dict[str, Any] = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

@@ -148,13 +148,26 @@ def _logits(model, ids):
 
 
 FAMILIES = {"qwen3_5": tiny_qwen35_aligned, "qwen3_next_moe": tiny_qwen3_next_moe}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (folder with bf16/ and fp8/, the HF model, the quantized state dict), built once per module."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            root = tmp_path_factory.mktemp(family)
+            hf = FAMILIES[family](root / "bf16")
+            made[family] = (root, hf, quantize_checkpoint(root / "bf16", root / "fp8"))
+        return made[family]
+    return get
 FALLBACK = {"qwen3_5": (), "qwen3_next_moe": ("shared_expert.gate_proj", "shared_expert.up_proj")}  # dequantized
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_fp8_checkpoint_logits(tmp_path, family):
-    hf = FAMILIES[family](tmp_path / "bf16")
-    sd = quantize_checkpoint(tmp_path / "bf16", tmp_path / "fp8")
+def test_fp8_checkpoint_logits(checkpoints, family):
+    tmp_path, hf, sd = checkpoints(family)
     fp8, cfg = load_model(tmp_path / "fp8", dtype=torch.float32)
     assert cfg.quant is not None and cfg.quant.weight_block_size == (128, 128)
     fp8_layers = {n.removesuffix(".qweight") for n, p in fp8.named_parameters() if p.dtype == torch.float8_e4m3fn}
@@ -191,12 +204,14 @@ def _per_expert_view(sd):
     return out
 
 
-def test_fp8_loader_errors_name_the_tensor(tmp_path):
-    tiny_qwen35_aligned(tmp_path / "bf16")
+def test_fp8_loader_errors_name_the_tensor(checkpoints, tmp_path):
+    import shutil
+    root, _, good = checkpoints("qwen3_5")
     dst = tmp_path / "fp8"
+    shutil.copytree(root / "fp8", dst)
 
     def broken(fn):
-        sd = quantize_checkpoint(tmp_path / "bf16", dst)
+        sd = dict(good)
         fn(sd)
         save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
     broken(lambda sd: sd.pop("model.layers.2.self_attn.o_proj.weight_scale_inv"))
@@ -219,3 +234,18 @@ def test_fp8_loader_errors_name_the_tensor(tmp_path):
         (dst / "config.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=msg):
             load_model(dst)
+
+
+def test_fp8_tensor_parallel_shards(checkpoints):
+    """Under TP each rank keeps its columns of a row-parallel FP8 layer (whole K blocks, their scales); a
+    column layer whose per-rank blocks are not whole 128-blocks (here q / k at 64 rows per rank) loads
+    dequantized on every rank, not wrongly sharded."""
+    tmp_path = checkpoints("qwen3_5")[0]
+    full, _ = load_model(tmp_path / "fp8", dtype=torch.float32)
+    for r in range(2):
+        shard, _ = load_model(tmp_path / "fp8", dtype=torch.float32, tp_rank=r, tp_size=2)
+        o, o_full = shard.layers[2].mixer.o_proj, full.layers[2].mixer.o_proj
+        assert o.qweight is not None and o.qweight.shape == (256, 128)
+        assert torch.equal(o.qweight.float(), o_full.qweight[:, 128 * r:128 * (r + 1)].float())
+        assert torch.equal(o.weight_scale_inv, o_full.weight_scale_inv[:, r:r + 1])
+        assert shard.layers[2].mixer.qkv_proj.qweight is None            # dense fallback

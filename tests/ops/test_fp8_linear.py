@@ -58,6 +58,8 @@ def test_float32_out_is_the_reference_math(device):
 def test_activation_quantization_same_in_both_paths(device):
     x = torch.randn(37, 300, device=device) * 7
     x[3] = 0                                          # an all-zero token: scale eps, values 0
+    x[5, :128] = torch.logspace(-12, 3, 128, device=device)     # subnormals after scaling, a tie-rich range
+    x[6, 128:256] = torch.arange(128, device=device) * 0.5 + 0.25
     qa, sa = quantize_act(x)
     qb, sb = quantize_act_triton(x)
     assert torch.equal(qa.float(), qb.float()) and torch.equal(sa, sb)

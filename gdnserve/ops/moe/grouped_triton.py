@@ -14,7 +14,8 @@ FP8 experts (``FP8`` constexpr, from block checkpoints): weights e4m3 with one f
 block — ``w_gate_up`` scales ``[E, 2·ceil(I/128), ceil(H/128)]`` (the gate rows' blocks, then the up
 rows'), ``w_down`` scales ``[E, ceil(H/128), ceil(I/128)]``. The K step is then exactly 128: each step
 quantizes the activation tile (the gathered x rows, or the rounded intermediate) per row and group of 128
-on the fly (``ops/quant/tl_fp8.py``), multiplies fp8 tiles on the tensor cores and adds ``dot · sx · sw``.
+on the fly (``ops/quant/tl_fp8.py``), multiplies the tiles (weights upcast from e4m3 to bf16, exact) on
+the bf16 tensor cores and adds ``dot · sx · sw``: the weights are read as e4m3 bytes.
 """
 from __future__ import annotations
 
@@ -62,8 +63,8 @@ def _gate_up_kernel(x, w, ws, rows, block_expert, inter, N, H, I, stride_x, SG, 
                 ws_e = ws + e * (2 * SG) * SK + k0 // BK
                 sg = tl.load(ws_e + (offs_n // BK) * SK, mask=n_ok, other=0.0)
                 su = tl.load(ws_e + (SG + offs_n // BK) * SK, mask=n_ok, other=0.0)
-                acc_g += fp8_dot(q, bg) * (sx[:, None] * sg[None, :])
-                acc_u += fp8_dot(q, bu) * (sx[:, None] * su[None, :])
+                acc_g += fp8_dot(q, bg, False) * (sx[:, None] * sg[None, :])
+                acc_u += fp8_dot(q, bu, False) * (sx[:, None] * su[None, :])
             else:
                 acc_g += mma(a, bg, PREC)
                 acc_u += mma(a, bu, PREC)
@@ -92,7 +93,7 @@ def _down_kernel(inter, w, ws, rows, block_expert, pair_w, out, N, H, I, SK,
             if FP8:
                 q, sx = quant_tile(a.to(tl.float32))
                 sw = tl.load(ws + e * tl.cdiv(H, BK) * SK + (offs_n // BK) * SK + k0 // BK, mask=n_ok, other=0.0)
-                acc += fp8_dot(q, b) * (sx[:, None] * sw[None, :])
+                acc += fp8_dot(q, b, False) * (sx[:, None] * sw[None, :])
             else:
                 acc += mma(a, b, PREC)
         pw = tl.load(pair_w + r, mask=valid, other=0.0).to(tl.float32)

@@ -1,13 +1,17 @@
 """Block-scaled FP8 GEMM in Triton: ``y [M, N] = x [M, K] · Wᵀ`` with W stored as e4m3 ``[N, K]`` plus
 ``weight_scale_inv [ceil(N/128), ceil(K/128)]``.
 
-The K loop steps by 128 (the block): each step quantizes the x tile per row (``tl_fp8.quant_tile``: the
-token-group scale of this 128-column group) — or, for large M, loads x already quantized by
-``_quant_kernel`` (once per element instead of once per N tile; same numbers) — multiplies the fp8 tiles
-on the tensor cores into float32 and adds ``dot · sx[m] · sw[n // 128]``. Output rounded once to x's dtype,
-written with its own row stride (so a fused projection's dense tail can share the buffer). Deterministic:
-no split-K, no atomics. Tile configs: ``config`` (decode: 16-row tiles, narrow N tiles for more
-programs; prefill: 128 x 128 tiles in L2-friendly groups of 8 row tiles).
+The K loop steps by 128 (the block) and adds ``dot · sx[m] · sw[n // 128]`` to a float32 accumulator. Two
+forms, the same numbers (``tl_fp8``):
+
+* M <= 32 (decode): each step quantizes the x tile per row in registers (``quant_tile``: the token-group
+  scale of this 128-column group) and multiplies it with the e4m3 weight tile upcast to bf16 (exact) on the
+  bf16 tensor cores: one launch, the weights read as e4m3 bytes (the traffic that decode is bound by).
+* M > 32: x is quantized once by ``_quant_kernel`` (stored as e4m3) and the GEMM multiplies e4m3 tiles on
+  the fp8 tensor cores (64+-row tiles: Hopper wgmma), the structure of the usual block-FP8 GEMMs.
+
+Output rounded once to x's dtype, written with its own row stride (so a fused projection's dense tail can
+share the buffer). Deterministic: no split-K, no atomics. Tile configs: ``config``.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from gdnserve.ops.quant.tl_fp8 import as_fp8_operand, fp8_dot, quant_tile
 from gdnserve.ops.tl_compat import cast
 
 BLOCK = 128
-PREQUANT_M = 256          # from this many rows x is quantized once by its own kernel
+PREQUANT_M = 33           # from this many rows x is quantized once by its own kernel (native fp8 dot)
 
 
 @triton.jit
@@ -68,7 +72,7 @@ def _gemm_kernel(x, xs, w, ws, y, M, N, K, stride_xm, stride_ym, SK, X_FP8: tl.c
         else:
             a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             q, sx = quant_tile(a)
-        acc += fp8_dot(q, b) * (sx[:, None] * sw[None, :])
+        acc += fp8_dot(q, b, X_FP8) * (sx[:, None] * sw[None, :])
     dst = y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(dst, cast(acc, y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -78,18 +82,16 @@ CONFIG_OVERRIDE: tuple[int, int, int, int, int] | None = None
 
 
 def config(M: int, N: int) -> tuple[int, int, int, int, int]:
-    """Decode-sized M: 16-row tiles and N tiles narrow enough for ~2 programs per SM (the weights are the
-    traffic); larger M: wider tiles. Guesses from the usual block-FP8 configs, to be tuned on the H200
-    (benchmarks/bench_fp8.py --sweep)."""
+    """Decode-sized M: 16/32-row tiles and N tiles narrow enough for ~2 programs per SM (the weights are
+    the traffic); M > 32 (native fp8 dot): 64-row tiles, 128-row from 256. Guesses from the usual block-FP8
+    configs, to be tuned on the H200 (benchmarks/bench_fp8.py --sweep)."""
     if CONFIG_OVERRIDE is not None:
         return CONFIG_OVERRIDE
-    if M <= 16:
-        bn = 64 if cdiv(N, 64) >= 256 else 32
-        return 16, bn, 4, 4, 1
-    if M <= 64:
-        return (32 if M <= 32 else 64), 64, 4, 4, 1
     if M < PREQUANT_M:
-        return 64, 128, 4, 3, 8
+        bn = 64 if cdiv(N, 64) >= 256 else 32
+        return (16 if M <= 16 else 32), bn, 4, 4, 1
+    if M < 256:
+        return 64, 64 if M <= 64 else 128, 4, 3, 8
     return 128, 128, 8, 3, 8
 
 
@@ -115,7 +117,7 @@ def fp8_gemm_triton(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, out: to
         return y
     SK = cdiv(K, BLOCK)
     BM, BN, warps, stages, group = config(M, N)
-    pre = M >= PREQUANT_M
+    pre = M >= PREQUANT_M if CONFIG_OVERRIDE is None else BM >= 64
     xq, xs = quantize_act_triton(x) if pre else (x, sw)        # xs unused when x is quantized in the GEMM
     grid = (cdiv(M, BM) * cdiv(N, BN),)
     launch(_gemm_kernel, grid, (xq, xs, qw, sw, y, M, N, K, xq.stride(0), y.stride(0), SK, pre, BM, BN, BLOCK,
