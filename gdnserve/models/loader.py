@@ -245,6 +245,7 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
             raise CheckpointError(str(e)) from e
         bar.update()
     bar.close()
+    model.fp8_dequantized = sorted(set(src.dequantized))   # quantized in the checkpoint, loaded dense
     unexpected = sorted(n for n in names - src.used if not (cfg.tie_word_embeddings and n == "lm_head.weight"))
     if unexpected:
         raise CheckpointError(f"unexpected tensors in checkpoint: {unexpected[:8]}"

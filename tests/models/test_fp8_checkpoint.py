@@ -179,6 +179,8 @@ def test_fp8_checkpoint_logits(checkpoints, family):
     else:
         assert {"layers.0.mixer.in_proj", "layers.1.mlp.experts_gate_up", "layers.1.mlp.experts_down"} <= fp8_layers
         assert fp8.layers[0].mlp.shared_expert.gate_up_proj.qweight is None      # 96 rows: dequantized
+        assert fp8.fp8_dequantized == [f"model.layers.{i}.mlp.shared_expert.{p}" for i in (0, 1)
+                                       for p in ("gate_proj", "up_proj")]
     ref64 = float64_reference(type(hf), tmp_path / "bf16", _per_expert_view(sd), FALLBACK[family])
     dense, _ = load_model(tmp_path / "bf16", dtype=torch.float32)
     ids = torch.randint(0, 97, (29,)).tolist()
