@@ -69,7 +69,7 @@ class GatedAttention(nn.Module):
         ``token_index`` as in ``store_kv``), with no attention and no output: the MTP layer's feed pass.
         Only the k and v rows of the fused projection are multiplied."""
         T, KVH, Dh = h.shape[0], self.KVH, self.Dh
-        kv = torch.nn.functional.linear(h, self.qkv_proj.weight[2 * self.QH * Dh:])
+        kv = self.qkv_proj.forward_rows(h, 2 * self.QH * Dh)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         k = self.rotary(self.k_norm(kv[:, :KVH * Dh].view(T, KVH, Dh)), cos, sin)
         v = kv[:, KVH * Dh:].reshape(T, KVH, Dh).contiguous()

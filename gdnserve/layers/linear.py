@@ -9,6 +9,14 @@ not a contiguous run of the fused rows. Modules list their split parameters in `
 so it survives building on the meta device); :func:`weight_loader` turns a FULL checkpoint tensor into
 this rank's part. Column-parallel layers need no communication; a row-parallel layer sums its partial
 outputs with one all-reduce (``reduce_results=False`` leaves that to the caller, e.g. the MoE block).
+
+FP8 block checkpoints (``to_fp8``, called by the loader on the meta device before weights are allocated):
+the layer's weight becomes ``qweight`` (float8_e4m3fn) + ``weight_scale_inv`` (float32, one per 128x128
+block) and runs ``ops.quant.fp8_linear``. A column-parallel layer may keep its last output blocks dense
+(``weight`` then holds only those rows: the "tail", e.g. the GDN ``b`` / ``a`` rows the checkpoints leave
+in bf16). Block boundaries must be whole 128-row blocks: every FP8 output block but the last a multiple
+of 128 (with tp > 1 every block's per-rank part), a row-parallel layer's per-rank K a multiple of 128;
+``fp8_layout_ok`` says whether a layout qualifies (the loader dequantizes a layer that does not).
 """
 from __future__ import annotations
 
@@ -19,6 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from gdnserve.layers.parallel import all_reduce, resolve
+from gdnserve.ops.quant import BLOCK, fp8_linear
+
+FP8 = torch.float8_e4m3fn
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,11 +96,56 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(self.local_blocks), in_features))
         self.tp_shards = {"weight": Shard(0, blocks)}
 
+        self.blocks = blocks
+        self.qweight: nn.Parameter | None = None          # FP8 layers only (see to_fp8)
+        self.weight_scale_inv: nn.Parameter | None = None
+        self.num_fp8_blocks = 0
+
     def weight_loader(self, full: torch.Tensor) -> torch.Tensor:
         return weight_loader(self, "weight", full)
 
+    def fp8_layout_ok(self, num_fp8_blocks: int) -> bool:
+        """Whether the first ``num_fp8_blocks`` output blocks can be one block-quantized weight here."""
+        fp8 = self.blocks[:num_fp8_blocks]
+        if not fp8:
+            return False
+        if self.tp_size > 1:
+            return all(b % (self.tp_size * BLOCK) == 0 for b in fp8) and self.in_features % BLOCK == 0
+        return all(b % BLOCK == 0 for b in fp8[:-1])
+
+    def to_fp8(self, num_fp8_blocks: int) -> None:
+        """Make the first ``num_fp8_blocks`` output blocks FP8 (``qweight`` + ``weight_scale_inv``), the
+        rest a dense tail in ``weight``. New empty parameters on the weight's device (meta before loading)."""
+        if not self.fp8_layout_ok(num_fp8_blocks):
+            raise ValueError(f"{type(self).__name__}: output blocks {list(self.blocks)} (tp={self.tp_size}) do "
+                             f"not allow an FP8 prefix of {num_fp8_blocks} blocks")
+        dev, K = self.weight.device, self.in_features
+        fp8, rest = self.blocks[:num_fp8_blocks], self.blocks[num_fp8_blocks:]
+        n_fp8 = sum(local_blocks(fp8, self.tp_size, type(self).__name__))
+        n_rest = sum(local_blocks(rest, self.tp_size, type(self).__name__))
+        self.qweight = nn.Parameter(torch.empty(n_fp8, K, dtype=FP8, device=dev), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(_cdiv(n_fp8, BLOCK), _cdiv(K, BLOCK), device=dev),
+                                             requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(n_rest, K, dtype=self.weight.dtype, device=dev))
+        self.num_fp8_blocks = num_fp8_blocks
+        scale_blocks = (tuple(b // BLOCK for b in fp8) if self.tp_size > 1 else (_cdiv(sum(fp8), BLOCK),))
+        self.tp_shards = {"qweight": Shard(0, fp8), "weight_scale_inv": Shard(0, scale_blocks),
+                          "weight": Shard(0, rest)}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        if self.qweight is None:
+            return F.linear(x, self.weight)
+        return fp8_linear(x, self.qweight, self.weight_scale_inv, tail=self.weight if self.weight.shape[0] else None)
+
+    def forward_rows(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """x · W[start:]ᵀ: only this rank's output rows from ``start`` on (attention's k/v-only pass)."""
+        if self.qweight is None:
+            return F.linear(x, self.weight[start:])
+        n_fp8 = self.qweight.shape[0]
+        if start % BLOCK == 0 and start < n_fp8:
+            tail = self.weight if self.weight.shape[0] else None
+            return fp8_linear(x, self.qweight[start:], self.weight_scale_inv[start // BLOCK:], tail=tail)
+        return self.forward(x)[..., start:]
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -113,12 +173,33 @@ class RowParallelLinear(nn.Module):
         (in_local,) = local_blocks((in_features,), self.tp_size, type(self).__name__)
         self.weight = nn.Parameter(torch.empty(out_features, in_local))
         self.tp_shards = {"weight": Shard(1, (in_features,))}
+        self.qweight: nn.Parameter | None = None          # FP8 layers only (see to_fp8)
+        self.weight_scale_inv: nn.Parameter | None = None
+        self.num_fp8_blocks = 0
 
     def weight_loader(self, full: torch.Tensor) -> torch.Tensor:
         return weight_loader(self, "weight", full)
 
+    def fp8_layout_ok(self) -> bool:
+        return self.tp_size == 1 or self.in_features % (self.tp_size * BLOCK) == 0
+
+    def to_fp8(self) -> None:
+        """The weight becomes ``qweight`` + ``weight_scale_inv`` (new empty parameters, see the column layer)."""
+        if not self.fp8_layout_ok():
+            raise ValueError(f"{type(self).__name__}: in_features={self.in_features} / tp={self.tp_size} is not a "
+                             f"multiple of {BLOCK}")
+        dev, (N, K) = self.weight.device, self.weight.shape
+        self.qweight = nn.Parameter(torch.empty(N, K, dtype=FP8, device=dev), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.empty(_cdiv(N, BLOCK), _cdiv(K, BLOCK), device=dev),
+                                             requires_grad=False)
+        del self.weight
+        self.weight = None
+        self.num_fp8_blocks = 1
+        self.tp_shards = {"qweight": Shard(1, (self.in_features,)),
+                          "weight_scale_inv": Shard(1, (_cdiv(self.in_features, BLOCK),))}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.qweight is None else fp8_linear(x, self.qweight, self.weight_scale_inv)
         return all_reduce(y, self.tp_size) if self.reduce_results else y
 
 

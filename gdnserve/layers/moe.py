@@ -13,6 +13,10 @@ input columns split), the shared expert likewise (an ``MLP`` without its own red
 expert gate are replicated, so every rank routes identically. Each rank's output is a partial sum; the
 block ends with ONE all-reduce of routed + shared partials (the sigmoid gate scales per token, so it
 commutes with the sum).
+
+FP8 experts (``to_fp8``, block checkpoints): ``experts_gate_up`` / ``experts_down`` become e4m3 with float32
+scales per 128x128 block, ``experts_gate_up_scale_inv [E, 2·ceil(I/128), ceil(hidden/128)]`` (gate blocks
+then up blocks) and ``experts_down_scale_inv [E, ceil(hidden/128), ceil(I/128)]``; the router stays dense.
 """
 from __future__ import annotations
 
@@ -26,6 +30,12 @@ from gdnserve.layers.linear import Shard, load_shard, local_blocks
 from gdnserve.layers.mlp import MLP
 from gdnserve.layers.parallel import all_reduce, resolve
 from gdnserve.ops.moe import moe_experts
+
+FP8_BLOCK = 128
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class SparseMoE(nn.Module):
@@ -53,12 +63,40 @@ class SparseMoE(nn.Module):
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, I))
         self.tp_shards = {"experts_gate_up": Shard(1, (moe_intermediate, moe_intermediate)),
                           "experts_down": Shard(2, (moe_intermediate,))}
+        self.experts_gate_up_scale_inv: nn.Parameter | None = None      # FP8 experts only (to_fp8)
+        self.experts_down_scale_inv: nn.Parameter | None = None
         if shared_intermediate > 0:
             self.shared_expert: MLP | None = MLP(hidden, shared_intermediate, reduce_results=False,
                                                  tp_rank=self.tp_rank, tp_size=self.tp_size)
             self.shared_expert_gate: nn.Linear | None = nn.Linear(hidden, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
+
+    @property
+    def experts_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.experts_gate_up_scale_inv is None:
+            return None
+        return self.experts_gate_up_scale_inv, self.experts_down_scale_inv
+
+    def experts_fp8_ok(self) -> bool:
+        """Whether this rank's expert slices fall on whole 128-blocks (always with tp = 1)."""
+        return self.tp_size == 1 or self.moe_intermediate % (self.tp_size * FP8_BLOCK) == 0
+
+    def to_fp8(self) -> None:
+        """FP8 experts: new empty e4m3 weights and float32 block scales on the weights' device (meta before
+        loading); see the module docstring for the layouts."""
+        if not self.experts_fp8_ok():
+            raise ValueError(f"SparseMoE: moe_intermediate={self.moe_intermediate} / tp={self.tp_size} is not a "
+                             f"multiple of {FP8_BLOCK}")
+        E, I, H, dev = self.num_experts, self.local_intermediate, self.hidden, self.experts_gate_up.device
+        SG, SH, f8 = _cdiv(I, FP8_BLOCK), _cdiv(H, FP8_BLOCK), torch.float8_e4m3fn
+
+        def param(*shape, dtype=torch.float32):
+            return nn.Parameter(torch.empty(*shape, dtype=dtype, device=dev), requires_grad=False)
+        self.experts_gate_up, self.experts_down = param(E, 2 * I, H, dtype=f8), param(E, H, I, dtype=f8)
+        self.experts_gate_up_scale_inv, self.experts_down_scale_inv = param(E, 2 * SG, SH), param(E, SH, SG)
+        full = (self.moe_intermediate // FP8_BLOCK if self.tp_size > 1 else SG)
+        self.tp_shards.update(experts_gate_up_scale_inv=Shard(1, (full, full)), experts_down_scale_inv=Shard(2, (full,)))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, top_k] in x.dtype, experts [T, top_k] int64)."""
@@ -74,14 +112,16 @@ class SparseMoE(nn.Module):
         if x.dim() != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x: expected [T, {self.hidden}], got {list(x.shape)}")
         weights, experts = self.route(x)
-        out = moe_experts(x, weights, experts, self.experts_gate_up, self.experts_down, backend=self.backend)
+        out = moe_experts(x, weights, experts, self.experts_gate_up, self.experts_down, backend=self.backend,
+                          scales=self.experts_scales)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return all_reduce(out, self.tp_size)
 
 
 def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix: str,
-                     dtype: torch.dtype) -> set[str]:
+                     dtype: torch.dtype,
+                     get_fp8: Callable[[str], tuple[torch.Tensor, torch.Tensor]] | None = None) -> set[str]:
     """Fill ``moe`` from an HF checkpoint accessor ``get(name)`` (raises KeyError or ValueError when the name
     is absent). ``prefix`` is the MoE block's own prefix, e.g. ``"model.layers.3.mlp."``.
 
@@ -92,6 +132,10 @@ def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix:
     shared expert, ``{prefix}shared_expert.{gate,up,down}_proj.weight`` and ``{prefix}shared_expert_gate.weight``.
     Returns the names consumed; a missing or mis-shaped tensor raises ValueError naming it. Shapes are the
     full (checkpoint) ones; each parameter keeps this rank's part (``layers.linear.weight_loader``).
+
+    FP8 experts (after ``moe.to_fp8()``): per-expert tensors only, each read as (e4m3 weight, float32 block
+    scales) by ``get_fp8(module_name)``; gate and up scale rows are stacked like their weights. A shared
+    expert's FP8 layers (``qweight`` set) are left to the caller (the model loader plans FP8 layers).
     """
     E, I, H, S = moe.num_experts, moe.moe_intermediate, moe.hidden, moe.shared_intermediate
     used: set[str] = set()
@@ -117,22 +161,40 @@ def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix:
         return torch.stack([torch.cat([fetch(f"{prefix}experts.{e}.{p}.weight", part_shape) for p in parts], 0)
                             for e in range(E)])
 
-    plan: dict[str, torch.Tensor] = {
-        "gate.weight": fetch(prefix + "gate.weight", (E, H)),
-        "experts_gate_up": experts("experts.gate_up_proj", (E, 2 * I, H), ("gate_proj", "up_proj"), (I, H)),
-        "experts_down": experts("experts.down_proj", (E, H, I), ("down_proj",), (H, I)),
-    }
-    if moe.shared_expert is not None:
+    plan: dict[str, torch.Tensor] = {"gate.weight": fetch(prefix + "gate.weight", (E, H))}
+    if moe.experts_scales is None:
+        plan["experts_gate_up"] = experts("experts.gate_up_proj", (E, 2 * I, H), ("gate_proj", "up_proj"), (I, H))
+        plan["experts_down"] = experts("experts.down_proj", (E, H, I), ("down_proj",), (H, I))
+    else:
+        if get_fp8 is None:
+            raise ValueError(f"{prefix}experts: FP8 experts need get_fp8")
+
+        def fp8(e: int, parts: tuple[str, ...], shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+            qs = []
+            for p in parts:
+                q, s = get_fp8(f"{prefix}experts.{e}.{p}")
+                _check(f"{prefix}experts.{e}.{p}.weight", q, shape)
+                used.update({f"{prefix}experts.{e}.{p}.weight", f"{prefix}experts.{e}.{p}.weight_scale_inv"})
+                qs.append((q, s))
+            return torch.cat([q for q, _ in qs]), torch.cat([s for _, s in qs])
+        gu = [fp8(e, ("gate_proj", "up_proj"), (I, H)) for e in range(E)]
+        dn = [fp8(e, ("down_proj",), (H, I)) for e in range(E)]
+        plan["experts_gate_up"], plan["experts_gate_up_scale_inv"] = (torch.stack(t) for t in zip(*gu))
+        plan["experts_down"], plan["experts_down_scale_inv"] = (torch.stack(t) for t in zip(*dn))
+    if moe.shared_expert is not None:          # an FP8 layer of the shared expert: planned by the model loader
         s = prefix + "shared_expert."
-        plan["shared_expert.gate_up_proj.weight"] = torch.cat(
-            [fetch(s + "gate_proj.weight", (S, H)), fetch(s + "up_proj.weight", (S, H))], 0)
-        plan["shared_expert.down_proj.weight"] = fetch(s + "down_proj.weight", (H, S))
+        if moe.shared_expert.gate_up_proj.qweight is None:
+            plan["shared_expert.gate_up_proj.weight"] = torch.cat(
+                [fetch(s + "gate_proj.weight", (S, H)), fetch(s + "up_proj.weight", (S, H))], 0)
+        if moe.shared_expert.down_proj.qweight is None:
+            plan["shared_expert.down_proj.weight"] = fetch(s + "down_proj.weight", (H, S))
         plan["shared_expert_gate.weight"] = fetch(prefix + "shared_expert_gate.weight", (1, H))
     params = dict(moe.named_parameters())
     with torch.no_grad():
         for name, t in plan.items():
             p = params[name]
-            p.data = load_shard(moe, name, t).to(device=p.device, dtype=dtype)
+            keep = p.dtype if moe.experts_scales is not None and name.startswith("experts_") else dtype   # FP8
+            p.data = load_shard(moe, name, t).to(device=p.device, dtype=keep).contiguous()
     return used
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,11 +177,76 @@ class MTPConfig:
 
 
 @dataclass(frozen=True)
+class QuantConfig:
+    """``quantization_config`` of an FP8 block checkpoint (the Qwen3.5 / Qwen3-Next FP8 releases):
+    ``quant_method`` "fp8", ``fmt`` "e4m3", ``activation_scheme`` "dynamic" (activations quantized per token
+    and group of 128 at run time), ``weight_block_size`` [128, 128] (``weight_scale_inv`` per block), and
+    ``modules_to_not_convert``: the modules the checkpoint keeps unquantized (see ``not_converted``)."""
+    quant_method: str = "fp8"
+    fmt: str = "e4m3"
+    activation_scheme: str = "dynamic"
+    weight_block_size: tuple[int, int] = (128, 128)
+    modules_to_not_convert: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.quant_method != "fp8":
+            raise ValueError(f"quantization_config.quant_method = {self.quant_method!r} is not supported "
+                             f"(gdnserve loads bf16 checkpoints and 'fp8' block-quantized ones)")
+        if self.fmt != "e4m3":
+            raise ValueError(f"quantization_config.fmt = {self.fmt!r} is not supported (only 'e4m3')")
+        if self.activation_scheme != "dynamic":
+            raise ValueError(f"quantization_config.activation_scheme = {self.activation_scheme!r} is not "
+                             f"supported (only 'dynamic': per-token-group scales computed at run time)")
+        if tuple(self.weight_block_size) != (128, 128):
+            raise ValueError(f"quantization_config.weight_block_size = {list(self.weight_block_size)} is not "
+                             f"supported (only [128, 128])")
+
+    def not_converted(self, module: str) -> bool:
+        """Whether ``module`` (a checkpoint module name, e.g. ``model.layers.0.mlp.gate``) is in
+        ``modules_to_not_convert``. An entry matches the module itself and everything under it, compared on
+        whole dotted components, with the checkpoint prefixes (``model.language_model.``, ``model.``) ignored
+        on both sides; ``*`` is a wildcard within the name."""
+        name = _strip_prefix(module)
+        for pat in self.modules_to_not_convert:
+            p = _strip_prefix(pat)
+            if "*" in p:
+                rx = re.escape(p).replace(r"\*", ".*")
+                if re.fullmatch(rf"(.*\.)?{rx}(\..*)?", name):
+                    return True
+            elif name == p or name.startswith(p + ".") or name.endswith("." + p) or f".{p}." in name:
+                return True
+        return False
+
+
+def _strip_prefix(name: str) -> str:
+    for pre in ("model.language_model.", "language_model.", "model."):
+        if name.startswith(pre):
+            return name[len(pre):]
+    return name
+
+
+def _quant(raw: dict[str, Any], top: dict[str, Any]) -> QuantConfig | None:
+    q = top.get("quantization_config") or raw.get("quantization_config")
+    if not q:
+        return None
+    if not isinstance(q, Mapping):
+        raise ValueError(f"quantization_config must be an object, got {type(q).__name__}")
+    if "weight_block_size" not in q or q["weight_block_size"] is None:
+        raise ValueError("quantization_config.weight_block_size is missing: per-tensor FP8 is not supported "
+                         "(only block-quantized [128, 128] checkpoints)")
+    return QuantConfig(quant_method=str(q.get("quant_method")), fmt=str(q.get("fmt", "e4m3")),
+                       activation_scheme=str(q.get("activation_scheme", "dynamic")),
+                       weight_block_size=tuple(q["weight_block_size"]),
+                       modules_to_not_convert=tuple(q.get("modules_to_not_convert") or q.get("ignored_layers") or ()))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Everything the model builder needs, derived once from config.json. ``norm_kind`` is the form of the
     decoder / final / q-k RMSNorms (``zero_centered``: weight stored as w, applied as x̂·(1+w), computed in
     fp32); ``gdn_norm_kind`` the GDN gated norm (``plain``: x̂·w, then · silu(z)). ``hf_model_type`` is
-    the checkpoint's own model_type (a wrapper type means weights live under ``model.language_model.``)."""
+    the checkpoint's own model_type (a wrapper type means weights live under ``model.language_model.``).
+    ``quant``: the checkpoint's FP8 block ``quantization_config`` (None: unquantized)."""
     family: Family
     vocab_size: int
     hidden_size: int
@@ -197,6 +263,7 @@ class ModelConfig:
     gdn_norm_kind: Literal["plain"] = "plain"
     hidden_act: str = "silu"
     hf_model_type: str = ""
+    quant: QuantConfig | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         _positive("ModelConfig", vocab_size=self.vocab_size, hidden_size=self.hidden_size,
@@ -292,7 +359,8 @@ def _from_hf_dict(raw: dict[str, Any]) -> ModelConfig:
                        num_layers=num_layers, layer_types=layer_types, rms_norm_eps=float(d["rms_norm_eps"]),
                        tie_word_embeddings=bool(d["tie_word_embeddings"]), torch_dtype=_dtype(raw, top),
                        gdn=gdn, attn=attn, mlp=_mlp(family, d), mtp=_mtp(d),
-                       hidden_act=d["hidden_act"], hf_model_type=str(top.get("model_type", model_type)))
+                       hidden_act=d["hidden_act"], hf_model_type=str(top.get("model_type", model_type)),
+                       quant=_quant(raw, top))
 
 
 def _mlp(family: Family, d: dict[str, Any]) -> MLPConfig:

@@ -7,6 +7,10 @@ group ``[q_g | k_g | v_g | z_g]`` and ``[b_g | a_g]``); ``qkv_proj = [q_proj | k
 blocks through ``layers.moe.load_moe_from_hf`` (per-expert or fused expert tensors). A missing,
 unexpected or mis-shaped tensor fails with its name and the expected shape.
 
+FP8 block checkpoints (``quantization_config``, models/fp8.py): the layers the checkpoint quantizes become
+FP8 layers before any memory is allocated (``prepare_fp8``), their e4m3 weights and block scales copied
+as stored; everything else is read dense (dequantized if stored as FP8).
+
 Tensor parallel: every mapping above yields the FULL fused tensor (de-interleaving happens on the whole
 checkpoint tensor); each parameter then keeps this rank's rows / columns through
 ``layers.linear.load_shard`` (shapes in errors are the full, checkpoint ones).
@@ -22,15 +26,13 @@ import torch
 from safetensors import safe_open
 
 from gdnserve.layers.linear import load_shard
-from gdnserve.layers.moe import load_moe_from_hf
+from gdnserve.layers.moe import SparseMoE, load_moe_from_hf
 from gdnserve.models.config import ModelConfig
+from gdnserve.models.fp8 import (CheckpointError, Fp8Source, Part, dense_parts, fp8_parts, fp8_prefix,
+                                 parts_for_blocks)
 
 PREFIXES = ("model.language_model.", "model.", "")   # multimodal wrapper, CausalLM, bare
 SKIP = ("mtp.", "model.visual.", "visual.")          # MTP only when the model builds it; vision: not ours
-
-
-class CheckpointError(ValueError):
-    pass
 
 
 def checkpoint_tensors(folder: str | Path) -> dict[str, Callable[[], torch.Tensor]]:
@@ -71,36 +73,117 @@ def _deinterleave_ba(w: torch.Tensor, H: int, HV: int) -> torch.Tensor:
     return torch.cat([b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])], 0)
 
 
-def _layer_plan(plan: dict[str, Callable[[], torch.Tensor]], get: Callable[[str], torch.Tensor], cfg: ModelConfig,
-                L: str, kind: str, moe: bool) -> None:
-    """Entries of ``plan`` for one decoder layer whose parameters AND checkpoint tensors are named ``L...``
-    (``layers.{i}.`` under the model prefix, or ``mtp.layers.{i}.``); a MoE MLP is loaded separately."""
-    g = cfg.gdn
-    plan[L + "input_layernorm.weight"] = lambda: get(L + "input_layernorm.weight")
-    plan[L + "post_attention_layernorm.weight"] = lambda: get(L + "post_attention_layernorm.weight")
+def _linears(cfg: ModelConfig, L: str, kind: str, moe: bool) -> dict[str, list[Part]]:
+    """Our GEMM layers of one decoder layer (parameters AND checkpoint tensors named ``L...``) -> the checkpoint
+    linears each concatenates, in row order (the MoE block's shared expert: ``_moe_linears``)."""
+    g, d = cfg.gdn, {}
     if not moe:
-        plan[L + "mlp.gate_up_proj.weight"] = lambda: torch.cat([get(L + "mlp.gate_proj.weight"),
-                                                                 get(L + "mlp.up_proj.weight")], 0)
-        plan[L + "mlp.down_proj.weight"] = lambda: get(L + "mlp.down_proj.weight")
+        d[L + "mlp.gate_up_proj"] = [Part(L + "mlp.gate_proj"), Part(L + "mlp.up_proj")]
+        d[L + "mlp.down_proj"] = [Part(L + "mlp.down_proj")]
     if kind == "linear_attention":
         A = L + "linear_attn."
         if cfg.family == "qwen3_next":
-            plan[L + "mixer.in_proj.weight"] = lambda: torch.cat([
-                _deinterleave_qkvz(get(A + "in_proj_qkvz.weight"), g.num_k_heads, g.num_v_heads, g.head_k_dim,
-                                   g.head_v_dim),
-                _deinterleave_ba(get(A + "in_proj_ba.weight"), g.num_k_heads, g.num_v_heads)], 0)
+            def qkvz(n: int) -> torch.Tensor:
+                return _deinterleave_qkvz(torch.arange(n).view(n, 1), g.num_k_heads, g.num_v_heads, g.head_k_dim,
+                                          g.head_v_dim).view(-1)
+
+            def ba(n: int) -> torch.Tensor:
+                return _deinterleave_ba(torch.arange(n).view(n, 1), g.num_k_heads, g.num_v_heads).view(-1)
+            d[L + "mixer.in_proj"] = [Part(A + "in_proj_qkvz", 4, qkvz), Part(A + "in_proj_ba", 2, ba)]
         else:
-            plan[L + "mixer.in_proj.weight"] = lambda: torch.cat(
-                [get(A + n + ".weight") for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")], 0)
+            d[L + "mixer.in_proj"] = [Part(A + "in_proj_qkv", 3), Part(A + "in_proj_z"), Part(A + "in_proj_b"),
+                                      Part(A + "in_proj_a")]
+        d[L + "mixer.out_proj"] = [Part(A + "out_proj")]
+    else:
+        A = L + "self_attn."
+        d[L + "mixer.qkv_proj"] = [Part(A + "q_proj"), Part(A + "k_proj"), Part(A + "v_proj")]
+        d[L + "mixer.o_proj"] = [Part(A + "o_proj")]
+    return d
+
+
+def _moe_linears(L: str) -> dict[str, list[Part]]:
+    """The shared expert's GEMM layers of MoE layer ``L``."""
+    S = L + "mlp.shared_expert."
+    return {S + "gate_up_proj": [Part(S + "gate_proj"), Part(S + "up_proj")], S + "down_proj": [Part(S + "down_proj")]}
+
+
+def _layer_plan(plan: dict[str, Callable[[], torch.Tensor]], src: Fp8Source, cfg: ModelConfig, L: str, kind: str,
+                moe: bool) -> dict[str, list[Part]]:
+    """Entries of ``plan`` for one decoder layer's norms and per-layer tensors; returns its GEMM layers
+    (planned by ``_linear_plan``). A MoE MLP is loaded separately."""
+    get = src.get
+    plan[L + "input_layernorm.weight"] = lambda: get(L + "input_layernorm.weight")
+    plan[L + "post_attention_layernorm.weight"] = lambda: get(L + "post_attention_layernorm.weight")
+    if kind == "linear_attention":
+        A = L + "linear_attn."
         plan[L + "mixer.conv_weight"] = lambda: get(A + "conv1d.weight").squeeze(1)
-        for n in ("A_log", "dt_bias", "norm.weight", "out_proj.weight"):
+        for n in ("A_log", "dt_bias", "norm.weight"):
             plan[L + "mixer." + n] = lambda n=n: get(A + n)
     else:
         A = L + "self_attn."
-        plan[L + "mixer.qkv_proj.weight"] = lambda: torch.cat(
-            [get(A + n + ".weight") for n in ("q_proj", "k_proj", "v_proj")], 0)
-        for n in ("o_proj.weight", "q_norm.weight", "k_norm.weight"):
+        for n in ("q_norm.weight", "k_norm.weight"):
             plan[L + "mixer." + n] = lambda n=n: get(A + n)
+    return _linears(cfg, L, kind, moe)
+
+
+def _linear_plan(plan: dict[str, Callable[[], torch.Tensor]], src: Fp8Source, model: torch.nn.Module, name: str,
+                 parts: list[Part]) -> None:
+    """Plan entries of GEMM layer ``name``: its dense ``weight``, or for an FP8 layer (``to_fp8`` done)
+    ``qweight`` + ``weight_scale_inv`` from the quantized parts and the dense tail rows in ``weight``."""
+    layer = model.get_submodule(name)
+    if layer.qweight is None:
+        plan[name + ".weight"] = lambda: dense_parts(src, parts)
+        return
+    n_fp8 = parts_for_blocks(parts, layer.num_fp8_blocks)
+    scales: list[torch.Tensor] = []                 # read with the weights, planned right after them
+
+    def qweight() -> torch.Tensor:
+        q, s = fp8_parts(src, parts, n_fp8)
+        scales.append(s)
+        return q
+    plan[name + ".qweight"] = qweight
+    plan[name + ".weight_scale_inv"] = lambda: scales.pop()
+    if layer.weight is not None:
+        plan[name + ".weight"] = ((lambda: dense_parts(src, parts[n_fp8:])) if n_fp8 < len(parts)
+                                  else (lambda: torch.empty(0, layer.in_features)))
+
+
+def model_linears(cfg: ModelConfig, with_mtp: bool) -> dict[str, list[Part]]:
+    """Every GEMM layer of the model (projections, dense MLPs, shared experts) -> its checkpoint parts."""
+    out: dict[str, list[Part]] = {}
+    layers = [(f"layers.{i}.", k, cfg.is_moe_layer(i)) for i, k in enumerate(cfg.layer_types)]
+    if with_mtp:
+        layers += [(f"mtp.layers.{i}.", "full_attention", cfg.is_moe_layer(i)) for i in range(cfg.mtp.num_layers)]
+    for L, kind, moe in layers:
+        out.update(_linears(cfg, L, kind, moe))
+        if moe and cfg.mlp.shared_expert_intermediate_size:
+            out.update(_moe_linears(L))
+    return out
+
+
+def prepare_fp8(model: torch.nn.Module, cfg: ModelConfig, src: Fp8Source) -> list[str]:
+    """Turn the layers the checkpoint quantizes into FP8 layers (``to_fp8``; on the meta device this
+    allocates nothing; idempotent). Returns the FP8 layers' names. No-op for an unquantized config."""
+    if cfg.quant is None:
+        return []
+    done = []
+    for name, parts in model_linears(cfg, getattr(model, "mtp", None) is not None).items():
+        layer = model.get_submodule(name)
+        if layer.qweight is None:
+            nb = fp8_prefix(src, layer, parts)
+            if not nb:
+                continue
+            layer.to_fp8(nb) if hasattr(layer, "blocks") else layer.to_fp8()
+        done.append(name)
+    for name, mod in model.named_modules():
+        if isinstance(mod, SparseMoE):
+            e0 = name + ".experts.0.gate_proj"
+            if (mod.experts_scales is None and mod.experts_fp8_ok() and src.is_fp8(e0)
+                    and src.full(e0 + ".weight") in src.tensors):
+                mod.to_fp8()
+            if mod.experts_scales is not None:
+                done.append(name + ".experts")
+    return done
 
 
 def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Callable[[], torch.Tensor]],
@@ -111,38 +194,35 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
     parameters read from the safetensors shards (None: only when stderr is a terminal)."""
     from tqdm import tqdm
     with_mtp = getattr(model, "mtp", None) is not None
-    names = {n for n in tensors if not n.startswith(SKIP) or (with_mtp and n.startswith("mtp."))}
-    prefix = next((p for p in PREFIXES if f"{p}embed_tokens.weight" in names), None)
-    if prefix is None:
-        raise CheckpointError("checkpoint has no embed_tokens.weight under any of "
-                              + ", ".join(f"'{p}'" for p in PREFIXES))
-    used: set[str] = set()
-
-    def get(name: str) -> torch.Tensor:
-        full = name if name.startswith(("lm_head", "mtp.")) else prefix + name
-        if full not in tensors:
-            raise CheckpointError(f"missing tensor {full}")
-        used.add(full)
-        return tensors[full]()
-
+    src = checkpoint_source(cfg, tensors, with_mtp)
+    names = _names(tensors, with_mtp)
+    prepare_fp8(model, cfg, src)
+    get = src.get
     plan: dict[str, Callable[[], torch.Tensor]] = {"embed_tokens.weight": lambda: get("embed_tokens.weight"),
                                                   "norm.weight": lambda: get("norm.weight")}
     if not cfg.tie_word_embeddings:
         plan["lm_head.weight"] = lambda: get("lm_head.weight")
     moe_blocks: list[tuple[torch.nn.Module, str]] = []           # (our MoE module, its parameter prefix)
+    linears: dict[str, list[Part]] = {}
     for i, kind in enumerate(cfg.layer_types):
-        _layer_plan(plan, get, cfg, f"layers.{i}.", kind, cfg.is_moe_layer(i))
+        linears.update(_layer_plan(plan, src, cfg, f"layers.{i}.", kind, cfg.is_moe_layer(i)))
         if cfg.is_moe_layer(i):
             moe_blocks.append((model.layers[i].mlp, f"layers.{i}.mlp."))
     if with_mtp:
         for n in ("fc.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight"):
             plan["mtp." + n] = lambda n=n: get("mtp." + n)
         for i in range(cfg.mtp.num_layers):
-            _layer_plan(plan, get, cfg, f"mtp.layers.{i}.", "full_attention", cfg.is_moe_layer(i))
+            linears.update(_layer_plan(plan, src, cfg, f"mtp.layers.{i}.", "full_attention", cfg.is_moe_layer(i)))
             if cfg.is_moe_layer(i):
                 moe_blocks.append((model.mtp.layers[i].mlp, f"mtp.layers.{i}.mlp."))
+    for moe, p in moe_blocks:                # a shared expert's FP8 layers are planned like the others
+        if moe.shared_expert is not None:
+            linears.update({n: parts for n, parts in _moe_linears(p[:-len("mlp.")]).items()
+                            if model.get_submodule(n).qweight is not None})
+    for name, parts in linears.items():
+        _linear_plan(plan, src, model, name, parts)
     params = dict(model.named_parameters())
-    moe_params = {n for n in params if any(n.startswith(p) for _, p in moe_blocks)}
+    moe_params = {n for n in params if any(n.startswith(p) for _, p in moe_blocks)} - set(plan)
     missing_params = sorted(set(params) - set(plan) - moe_params)
     if missing_params:
         raise CheckpointError(f"no checkpoint mapping for parameters {missing_params}")
@@ -156,20 +236,81 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
                 t = load_shard(model, name, t)
             except ValueError as e:
                 raise CheckpointError(f"{name}: {e}") from e
-            # A_log stays fp32 (the decay rate; fp16/bf16 would make exp(A_log) coarse)
-            p.data = t.to(device=p.device, dtype=torch.float32 if name.endswith("A_log") else dtype)
+            p.data = t.to(device=p.device, dtype=_param_dtype(name, dtype))
             bar.update()
     for moe, p in moe_blocks:
         try:
-            load_moe_from_hf(moe, get, p, dtype)
+            load_moe_from_hf(moe, get, p, dtype, get_fp8=src.get_fp8)
         except (KeyError, ValueError) as e:
             raise CheckpointError(str(e)) from e
         bar.update()
     bar.close()
-    unexpected = sorted(n for n in names - used if not (cfg.tie_word_embeddings and n == "lm_head.weight"))
+    model.fp8_dequantized = sorted(set(src.dequantized))   # quantized in the checkpoint, loaded dense
+    unexpected = sorted(n for n in names - src.used if not (cfg.tie_word_embeddings and n == "lm_head.weight"))
     if unexpected:
         raise CheckpointError(f"unexpected tensors in checkpoint: {unexpected[:8]}"
                               + (f" (+{len(unexpected) - 8} more)" if len(unexpected) > 8 else ""))
+
+
+@torch.no_grad()
+def quantize_model_fp8_(model: torch.nn.Module) -> list[str]:
+    """Quantize a loaded dense model in place the way the FP8 releases are (benchmarks, tests): every GEMM
+    layer whose layout allows it becomes an FP8 layer (128x128 blocks, ``quantize_weight``) except the GDN
+    in_proj's ``b`` / ``a`` rows (its dense tail); router, shared expert gate, embeddings, lm head and MTP
+    ``fc`` stay dense. Returns the FP8 layers' names."""
+    from gdnserve.ops.quant import quantize_weight
+    done = []
+    for name in model_linears(model.cfg, getattr(model, "mtp", None) is not None):
+        layer = model.get_submodule(name)
+        if layer.qweight is not None:
+            continue
+        w = layer.weight.data
+        if hasattr(layer, "blocks"):
+            nb = 4 if name.endswith("mixer.in_proj") else len(layer.blocks)     # [q k v z | b a]
+            if not layer.fp8_layout_ok(nb):
+                continue
+            rows = sum(layer.local_blocks[:nb])
+            layer.to_fp8(nb)
+            layer.weight.data = w[rows:].clone()
+        else:
+            if not layer.fp8_layout_ok():
+                continue
+            rows = w.shape[0]
+            layer.to_fp8()
+        q, sc = quantize_weight(w[:rows])
+        layer.qweight.data, layer.weight_scale_inv.data = q, sc
+        done.append(name)
+    for name, mod in model.named_modules():
+        if isinstance(mod, SparseMoE) and mod.experts_scales is None and mod.experts_fp8_ok():
+            gu, dn, I = mod.experts_gate_up.data, mod.experts_down.data, mod.local_intermediate
+            mod.to_fp8()
+            (qg, sg), (qu, su), (qd, sd) = (quantize_weight(t) for t in (gu[:, :I], gu[:, I:], dn))
+            mod.experts_gate_up.data, mod.experts_gate_up_scale_inv.data = torch.cat([qg, qu], 1), torch.cat([sg, su], 1)
+            mod.experts_down.data, mod.experts_down_scale_inv.data = qd, sd.contiguous()
+            done.append(name + ".experts")
+    return done
+
+
+def _param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """A_log stays fp32 (the decay rate; fp16/bf16 would make exp(A_log) coarse); FP8 weights stay e4m3,
+    their block scales fp32."""
+    if name.endswith(("A_log", "weight_scale_inv")):
+        return torch.float32
+    return torch.float8_e4m3fn if name.endswith("qweight") else dtype
+
+
+def _names(tensors: dict[str, Callable[[], torch.Tensor]], with_mtp: bool) -> set[str]:
+    return {n for n in tensors if not n.startswith(SKIP) or (with_mtp and n.startswith("mtp."))}
+
+
+def checkpoint_source(cfg: ModelConfig, tensors: dict[str, Callable[[], torch.Tensor]], with_mtp: bool) -> Fp8Source:
+    """The checkpoint accessor (prefix detected from where ``embed_tokens.weight`` lives)."""
+    names = _names(tensors, with_mtp)
+    prefix = next((p for p in PREFIXES if f"{p}embed_tokens.weight" in names), None)
+    if prefix is None:
+        raise CheckpointError("checkpoint has no embed_tokens.weight under any of "
+                              + ", ".join(f"'{p}'" for p in PREFIXES))
+    return Fp8Source(tensors, prefix, cfg.quant)
 
 
 def resolve_mtp(cfg: ModelConfig, names: Iterable[str]) -> tuple[ModelConfig, str | None]:
@@ -204,6 +345,7 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: 
     cfg, why = resolve_mtp(ModelConfig.from_hf(Path(folder)), tensors)
     with torch.device("meta"):
         model = HybridLM(cfg, tp_rank, tp_size)
+    prepare_fp8(model, cfg, checkpoint_source(cfg, tensors, model.mtp is not None))   # before allocating
     model = model.to_empty(device=device)
     model.mtp_unavailable = why
     shards = len(list(Path(folder).glob("*.safetensors")))

@@ -1,0 +1,61 @@
+"""The FP8 linear op: ``y = x · Wᵀ`` for a block-quantized W, on the Triton GEMM (CUDA devices with fp8
+tensor cores, compute capability >= 8.9; or Triton's interpreter on CPU tensors with backend="triton") or
+the dequantizing PyTorch reference (``fp8_ref.fp8_linear_torch``: CPUs, older GPUs). Both quantize x per
+token-group of 128 the same way, so they differ only by accumulation order.
+
+``tail``: an optional dense (unquantized) weight [N2, K] whose rows follow W's in the output — a fused
+projection whose last blocks the checkpoint keeps in bf16 (Qwen3.5's GDN ``in_proj_b`` / ``in_proj_a``).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from gdnserve.ops.backend import Backend, resolve
+from gdnserve.ops.quant.fp8_ref import BLOCK, cdiv, fp8_linear_torch
+
+
+@lru_cache(maxsize=None)
+def _fp8_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def use_triton(x: torch.Tensor, backend: Backend) -> bool:
+    if resolve(backend, x) != "triton":
+        return False
+    return not x.is_cuda or _fp8_capable(x.device.index or 0)
+
+
+def check_fp8_weight(qw: torch.Tensor, sw: torch.Tensor, K: int, owner: str = "fp8_linear") -> None:
+    """ValueError unless qw is e4m3 [N, K] and sw float [ceil(N/128), ceil(K/128)]."""
+    if qw.dtype != torch.float8_e4m3fn or qw.dim() != 2 or qw.shape[1] != K:
+        raise ValueError(f"{owner}: weight must be float8_e4m3fn [N, {K}], got {qw.dtype} {list(qw.shape)}")
+    want = [cdiv(qw.shape[0], BLOCK), cdiv(K, BLOCK)]
+    if list(sw.shape) != want or not sw.is_floating_point():
+        raise ValueError(f"{owner}: weight_scale_inv must be float {want}, got {sw.dtype} {list(sw.shape)}")
+
+
+def fp8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, tail: torch.Tensor | None = None,
+               backend: Backend = "auto") -> torch.Tensor:
+    """x [..., K] -> [..., N (+ N2)] in x.dtype. qw [N, K] float8_e4m3fn, sw [ceil(N/128), ceil(K/128)]
+    (float32 on the Triton path), tail [N2, K] in x.dtype or None."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, K)
+    N, N2 = qw.shape[0], 0 if tail is None else tail.shape[0]
+    if not use_triton(x, backend):
+        y = fp8_linear_torch(x2, qw, sw)
+        if N2:
+            y = torch.cat([y, F.linear(x2, tail)], dim=1)
+        return y.view(*lead, N + N2)
+    from gdnserve.ops.quant.fp8_gemm_triton import fp8_gemm_triton
+    if x2.stride(1) != 1:
+        x2 = x2.contiguous()
+    if sw.dtype != torch.float32:
+        raise ValueError(f"fp8_linear: the Triton path needs float32 weight_scale_inv (convert at load), got {sw.dtype}")
+    y = torch.empty(x2.shape[0], N + N2, dtype=x.dtype, device=x.device)
+    fp8_gemm_triton(x2, qw, sw, out=y[:, :N])
+    if N2:
+        y[:, N:] = F.linear(x2, tail)
+    return y.view(*lead, N + N2)
