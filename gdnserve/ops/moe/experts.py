@@ -4,19 +4,21 @@ from __future__ import annotations
 import torch
 
 from gdnserve.ops.backend import Backend, resolve
-from gdnserve.ops.moe.align import align_pairs
+from gdnserve.ops.moe.align import Alignment, align_pairs
 from gdnserve.ops.moe.align_triton import MAX_PAIRS, align_pairs_triton
 from gdnserve.ops.moe.grouped_triton import block_rows, moe_experts_triton
 from gdnserve.ops.moe.torch_path import moe_experts_torch
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
-                w_down: torch.Tensor, backend: Backend = "auto") -> torch.Tensor:
+                w_down: torch.Tensor, backend: Backend = "auto", alignment: Alignment | None = None) -> torch.Tensor:
     """Sum over each token's k experts of ``weights[t, j] * down_e(silu(gate_e x) * up_e x)``.
 
     x [T, H] (activation dtype); weights [T, k] (x.dtype); experts [T, k] int (distinct per row, in
     [0, E)); w_gate_up [E, 2I, H] rows ``[gate I | up I]``; w_down [E, H, I] -> [T, H] in x.dtype.
-    The Triton path reads nothing on the host (CUDA-graph safe); the PyTorch path reads expert counts."""
+    The Triton path reads nothing on the host (CUDA-graph safe); the PyTorch path reads expert counts.
+    ``alignment``: the Triton path's grouping of ``experts`` when the caller has it already (the fused router,
+    ``router.route``); None = aligned here."""
     if x.dim() != 2 or weights.shape != experts.shape or weights.shape[0] != x.shape[0]:
         raise ValueError(f"moe_experts: x [T, H], weights/experts [T, k]; got {list(x.shape)}, "
                          f"{list(weights.shape)}, {list(experts.shape)}")
@@ -37,5 +39,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     if T == 0:
         return torch.zeros_like(x)
     BM = block_rows(T * k, E)
-    al = align_pairs_triton(experts, E, BM) if T * k <= MAX_PAIRS else align_pairs(experts, E, BM)
+    if alignment is not None and alignment.BM != BM:
+        raise ValueError(f"moe_experts: alignment row block {alignment.BM} != the grouped GEMM's {BM}")
+    al = alignment
+    if al is None:
+        al = align_pairs_triton(experts, E, BM) if T * k <= MAX_PAIRS else align_pairs(experts, E, BM)
     return moe_experts_triton(x, weights.contiguous(), al, w_gate_up, w_down, k)

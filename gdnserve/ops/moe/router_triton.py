@@ -33,6 +33,7 @@ def _route_rows(logits, weights, ids, r0, T, E, stride_l, TOP_K: tl.constexpr, R
     rm = rows < T
     x = tl.load(logits + rows[:, None].to(tl.int64) * stride_l + cols[None, :],
                 mask=rm[:, None] & (cols < E)[None, :], other=float("-inf")).to(tl.float32)
+    x = tl.where(rm[:, None], x, 0.0)            # rows past T: finite (never stored)
     mx = tl.max(x, axis=1)
     e = tl.exp(x - mx[:, None])
     p = e / tl.sum(e, axis=1)[:, None]
