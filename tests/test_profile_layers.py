@@ -1,0 +1,19 @@
+"""benchmarks/profile_layers.py: events are given to the layer window holding their start; a CPU smoke run
+(aten ops instead of CUDA kernels) writes the before/after table with a row per layer kind and case."""
+from benchmarks import profile_layers as pl
+
+
+def test_attribute_by_window():
+    ev = [pl.Event(n, t, 1.0) for n, t in [("up", 0.5), ("a", 1.0), ("b", 1.9), ("c", 3.0), ("d", 3.5), ("lm", 9.0)]]
+    got = pl.attribute([(1.0, 2.0), (3.0, 4.0)], ev)
+    assert [[e.name for e in l] for l in got.layers] == [["a", "b"], ["c", "d"]]
+    assert [e.name for e in got.outside] == ["up", "lm"]
+
+
+def test_cpu_smoke_run_writes_the_table(tmp_path):
+    out = tmp_path / "k.md"
+    assert pl.main(["--device", "cpu", "--layers", "4", "--prefill", "8", "--context", "4", "--reps", "1",
+                    "--out", str(out), "--commit", "abc"]) == 0
+    text = out.read_text()
+    for row in ("| decode B=1 | GDN |", "| decode B=1 | attention |", "| prefill 1x8 | GDN |", "commit abc"):
+        assert row in text
