@@ -1,6 +1,12 @@
-"""benchmarks/profile_layers.py: events are given to the layer window holding their start; a CPU smoke run
-(aten ops instead of CUDA kernels) writes the before/after table with a row per layer kind and case."""
+"""benchmarks/profile_layers.py: events are given to the layer window holding their start; the CPU proxy run
+(interpreted Triton launches + aten ops instead of CUDA kernels) writes the before/after table, with fewer
+kernels per layer when fused."""
+import re
+
+import pytest
+
 from benchmarks import profile_layers as pl
+from gdnserve.ops.backend import interpreting
 
 
 def test_attribute_by_window():
@@ -10,10 +16,14 @@ def test_attribute_by_window():
     assert [e.name for e in got.outside] == ["up", "lm"]
 
 
-def test_cpu_smoke_run_writes_the_table(tmp_path):
+@pytest.mark.skipif(not interpreting(), reason="the CPU proxy needs TRITON_INTERPRET=1")
+def test_cpu_proxy_run_writes_the_table(tmp_path):
     out = tmp_path / "k.md"
     assert pl.main(["--device", "cpu", "--layers", "4", "--prefill", "8", "--context", "4", "--reps", "1",
                     "--out", str(out), "--commit", "abc"]) == 0
     text = out.read_text()
     for row in ("| decode B=1 | GDN |", "| decode B=1 | attention |", "| prefill 1x8 | GDN |", "commit abc"):
         assert row in text
+    rows = re.findall(r"\| decode B=1 \| (?:GDN|attention) \| (\d+) \| (\d+) \|", text)
+    assert len(rows) == 2 and all(int(on) < int(off) for off, on in rows)
+    assert "triton::_add_rms_norm_kernel" in text and "triton::_router_align_kernel" in text
