@@ -15,8 +15,8 @@ CUDA (the paths are picked by backend, not by shape, except the router's one-lau
 
 Cases: decode B=1 at a context of 128 and prefill 1x512, each an eager ``ModelRunner.step`` (no CUDA graph:
 a replayed graph's kernels cannot be told apart by layer). ``fused`` = ``models.qwen3_5.set_fused``: off =
-the PyTorch ops for the norms, residual adds and router; on = the Triton kernels of ops/norm and
-ops/moe/router. Writes a markdown table (default ``benchmarks/results/kernels_per_layer_<h200|cpu>.md``).
+the PyTorch ops for the norms, residual adds, q/k rotary and router; on = the Triton kernels of ops/norm,
+ops/attention/rope and ops/moe/router. Writes a markdown table (default ``benchmarks/results/kernels_per_layer_<h200|cpu>.md``).
 """
 from __future__ import annotations
 
@@ -290,8 +290,9 @@ def main(argv: list[str] | None = None) -> int:
               f"Model: benchmarks/random_model.py, {cfg.num_layers} layers ({', '.join(results[0].kinds)}), "
               f"{cfg.mlp.num_experts} experts, hidden {cfg.hidden_size}, bf16; Triton backend, eager steps (no CUDA "
               "graph), "
-              f"decode at context {args.context}. Fused off = the PyTorch ops for the residual adds, norms and "
-              "router (`set_fused(model, False)`), on = ops/norm + ops/moe/router (same run).",
+              f"decode at context {args.context}. Fused off = the PyTorch ops for the residual adds, norms, q/k "
+              "rotary and router (`set_fused(model, False)`), on = ops/norm, ops/attention/rope, ops/moe/router "
+              "(same run).",
               "Counts are per layer and per step (mean over the layers of a kind and "
               f"{reps} profiled step(s)); 'outside' = kernels outside every layer (uploads, embedding, final "
               "norm, lm head)."]

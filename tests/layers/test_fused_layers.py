@@ -1,6 +1,7 @@
-"""The fused kernels inside the model (residual add + RMSNorm, GDN gated norm, MoE router; ``set_fused``):
-on the PyTorch backend the residual wiring is the old ``h = h + mixer(norm(h)); h = h + mlp(norm(h))`` bit for
-bit; on the Triton backend (interpreted on CPU) fused and unfused steps agree to fp32 rounding."""
+"""The fused kernels inside the model (residual add + RMSNorm, GDN gated norm, q/k norm + rotary, MoE router;
+``set_fused``): on the PyTorch backend the residual wiring is the old ``h = h + mixer(norm(h));
+h = h + mlp(norm(h))`` bit for bit; on the Triton backend (interpreted on CPU) fused and unfused steps agree
+to fp32 rounding."""
 from __future__ import annotations
 
 import pytest
@@ -53,7 +54,7 @@ def test_set_fused_reaches_every_site():
     model = build_random_model(tiny_hf_config(num_layers=4, num_experts=8), torch.device("cpu"), torch.float32)
     sites = [m for m in model.modules() if hasattr(m, "fused")]
     kinds = {type(m).__name__ for m in sites}
-    assert {"DecoderLayer", "GatedDeltaNet", "SparseMoE"} <= kinds
+    assert {"DecoderLayer", "GatedDeltaNet", "GatedAttention", "SparseMoE"} <= kinds
     set_fused(model, False)
     assert not any(m.fused for m in sites)
 
