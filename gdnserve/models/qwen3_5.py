@@ -91,8 +91,8 @@ class DecoderLayer(nn.Module):
 def set_fused(model: nn.Module, on: bool) -> None:
     """Switch every fused kernel of the decoder on or off (``fused`` attributes: the residual add + norm of
     the decoder layers, the GDN gated norm, the attention's q/k norm + rotary, the MoE router); off = the
-    unfused PyTorch ops on any device
-    (what the kernel-count profile compares against). On by default; CPU runs take the PyTorch path anyway."""
+    unfused PyTorch ops on any device (what the kernel-count profile compares against). On by default; they
+    run only on the Triton backend (CPU runs take the PyTorch path anyway)."""
     for m in model.modules():
         if hasattr(m, "fused"):
             m.fused = on
