@@ -13,7 +13,7 @@ from gdnserve.ops.moe.router_naive import naive_route
 from gdnserve.ops.numerics import rel_rms
 
 pytestmark = pytest.mark.usefixtures("seed")
-W_TOL = {torch.float32: 1e-6, torch.bfloat16: 2.0 ** -8}     # weights vs the PyTorch path (relative)
+W_TOL = {torch.float32: 4e-6, torch.bfloat16: 2.0 ** -8}     # weights vs the PyTorch path (relative; GPU exp approx)
 
 
 @pytest.fixture(params=["one_launch", "row_blocks"])
@@ -40,7 +40,7 @@ def test_fp32_logits_equal_torch(T, E, k, renorm, launch_shape, device):
     assert torch.equal(got.experts.long(), idx)
     torch.testing.assert_close(got.weights, w, rtol=W_TOL[torch.float32], atol=1e-7)
     ref_w, ref_idx = naive_route(logits, k, renorm)
-    assert torch.equal(got.experts.long(), ref_idx) and rel_rms(got.weights, ref_w) < 1e-6
+    assert torch.equal(got.experts.long(), ref_idx) and rel_rms(got.weights, ref_w) < 2e-6
     check_alignment(got, E)
 
 
@@ -70,3 +70,22 @@ def test_odd_strides_and_empty(device):
     assert empty.experts.shape == (0, 3) and empty.alignment.rows.numel() == 0
     with pytest.raises(ValueError, match="top_k"):
         route(logits, 31, True, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 16, 64, 65, 256, 512])
+@pytest.mark.parametrize("E", [64, 256])
+def test_bench_shapes_against_cuda_topk(T, E, device):
+    """The benchmark's router (hidden 2048, top-8, bf16 logits from the GEMM): on rows whose top-8 logits have
+    no tie at the 8th place the ids equal CUDA torch.topk's (as a set, in weight order where weights differ);
+    everywhere the chosen logit values are torch's; the alignment is align_pairs'."""
+    x = torch.randn(T, 2048, device=device, dtype=torch.bfloat16)
+    logits = torch.nn.functional.linear(x, (torch.randn(E, 2048, device=device) * 0.02).to(torch.bfloat16))
+    got = route(logits, 8, True, backend="triton")
+    w, idx = route(logits, 8, True, backend="torch")[:2]
+    assert torch.equal(torch.gather(logits, 1, idx), torch.gather(logits, 1, got.experts.long()))
+    srt = torch.sort(logits.float(), dim=1, descending=True).values
+    clean = srt[:, 7] != srt[:, 8]
+    assert torch.equal(got.experts.long()[clean].sort(1).values, idx[clean].sort(1).values)
+    torch.testing.assert_close(got.weights.float(), w.float(), rtol=2.0 ** -8, atol=0)
+    check_alignment(got, E)
