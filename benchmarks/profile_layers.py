@@ -16,7 +16,8 @@ CUDA (the paths are picked by backend, not by shape, except the router's one-lau
 Cases: decode B=1 at a context of 128 and prefill 1x512, each an eager ``ModelRunner.step`` (no CUDA graph:
 a replayed graph's kernels cannot be told apart by layer). ``fused`` = ``models.qwen3_5.set_fused``: off =
 the PyTorch ops for the norms, residual adds, q/k rotary and router; on = the Triton kernels of ops/norm,
-ops/attention/rope and ops/moe/router. Writes a markdown table (default ``benchmarks/results/kernels_per_layer_<h200|cpu>.md``).
+ops/attention/rope and ops/moe/router. ``--cases decode`` / ``prefill`` runs one. Writes a markdown table
+(default ``benchmarks/results/kernels_per_layer_<h200|cpu>.md``).
 """
 from __future__ import annotations
 
@@ -192,7 +193,7 @@ def _short(name: str) -> str:
 
 
 def run_cases(runner: ModelRunner, cuda: bool, prefill_len: int, context: int, reps: int,
-              windows: list[tuple[float, float]]) -> list[CaseResult]:
+              windows: list[tuple[float, float]], cases: Sequence[str] = ("decode", "prefill")) -> list[CaseResult]:
     model = runner.model
     vocab = model.cfg.vocab_size
     kinds = ["GDN" if l.kind == "linear_attention" else "attention" for l in model.layers]
@@ -216,6 +217,8 @@ def run_cases(runner: ModelRunner, cuda: bool, prefill_len: int, context: int, r
     for fused in (False, True):
         set_fused(model, fused)
         for case, call in (("decode B=1", decode), (f"prefill 1x{prefill_len}", prefill)):
+            if case.split()[0] not in cases:
+                continue
             steps = profiled(call, reps) if cuda else counted(call, windows, reps)
             out.append(CaseResult(case, fused, kinds, steps))
     return out
@@ -262,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill", type=int, default=512, help="prefill tokens (one sequence)")
     ap.add_argument("--context", type=int, default=128, help="decode context (prompt tokens before it)")
     ap.add_argument("--reps", type=int, default=3, help="profiled steps per case and setting")
+    ap.add_argument("--cases", default="decode,prefill", help="comma-separated: decode, prefill")
     ap.add_argument("--out", default=None, help="markdown (default benchmarks/results/kernels_per_layer_<dev>.md)")
     ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     args = ap.parse_args(argv)
@@ -277,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     wrap_layers(model, cuda, windows)
     with torch.inference_mode():
         reps = args.reps if cuda else 1
-        results = run_cases(runner, cuda, args.prefill, args.context, reps, windows)
+        cases = args.cases.split(",")
+        if not set(cases) <= {"decode", "prefill"}:
+            ap.error(f"--cases: expected decode and/or prefill, got {args.cases!r}")
+        results = run_cases(runner, cuda, args.prefill, args.context, reps, windows, cases)
     name = torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu"
     tag = ("h200" if "H200" in name else "cuda") if cuda else "cpu"
     cfg = model.cfg
