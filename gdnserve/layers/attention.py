@@ -57,7 +57,7 @@ class GatedAttention(nn.Module):
         v = qkv[:, 2 * QH * Dh + KVH * Dh:].view(T, KVH, Dh)
         q, k = self._norm_rope(q, k, ctx.positions)
         m = ctx.attn
-        store_kv(k, v.contiguous(), self.k_cache, self.v_cache, m.slot_mapping, m.token_index, backend=self.backend)
+        store_kv(k, v, self.k_cache, self.v_cache, m.slot_mapping, m.token_index, backend=self.backend)  # v: a view
         o = paged_attention(q.contiguous(), self.k_cache, self.v_cache, m.cu_seqlens_q, m.kv_lens, m.page_table,
                             scale=Dh ** -0.5, kv_start=m.kv_start, max_q_len=m.max_q_len,
                             out=torch.zeros(T, QH, Dh, dtype=q.dtype, device=q.device) if m.zero_out else None,
