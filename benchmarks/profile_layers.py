@@ -129,7 +129,7 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if not self.paused and not func.is_view and name not in _NO_KERNEL:
+        if not self.paused and name not in _NO_KERNEL and (not func.is_view or _copied(args, out)):
             self.events.append(Event(f"aten::{name}", _now(), 0.0))
         return out
 
@@ -151,6 +151,14 @@ class OpCounter(TorchDispatchMode):
             yield
         finally:
             InterpretedFunction.run = orig
+
+
+def _copied(args, out) -> bool:
+    """An op whose schema may alias its input (``to``, ``contiguous``, ``reshape``) but returned new storage."""
+    src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if src is None or not isinstance(out, torch.Tensor):
+        return False
+    return out.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
 
 
 def counted(call: Callable[[], None], windows: list[tuple[float, float]], reps: int = 1) -> list[StepCount]:
