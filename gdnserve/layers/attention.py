@@ -17,6 +17,8 @@ from gdnserve.layers.norm import RMSNorm
 from gdnserve.layers.parallel import resolve
 from gdnserve.layers.rotary import PartialRotary
 from gdnserve.ops.attention import paged_attention, store_kv
+from gdnserve.ops.attention.rope import rms_norm_rope
+from gdnserve.ops.backend import resolve as resolve_backend
 
 
 class GatedAttention(nn.Module):
@@ -39,6 +41,7 @@ class GatedAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None      # [pages, page_size, KVH, Dh], bound by the runner
         self.v_cache: torch.Tensor | None = None
         self.backend = "auto"
+        self.fused = True        # the Triton backend's q/k norm + rotary prologue (models.set_fused)
 
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
@@ -52,16 +55,25 @@ class GatedAttention(nn.Module):
         q, gate = qg[..., :Dh], qg[..., Dh:].reshape(T, QH * Dh)
         k = qkv[:, 2 * QH * Dh:2 * QH * Dh + KVH * Dh].view(T, KVH, Dh)
         v = qkv[:, 2 * QH * Dh + KVH * Dh:].view(T, KVH, Dh)
-        cos, sin = self.rotary.cos_sin(ctx.positions, h.dtype)
-        q = self.rotary(self.q_norm(q), cos, sin)
-        k = self.rotary(self.k_norm(k), cos, sin)
+        q, k = self._norm_rope(q, k, ctx.positions)
         m = ctx.attn
-        store_kv(k, v.contiguous(), self.k_cache, self.v_cache, m.slot_mapping, m.token_index)
+        store_kv(k, v, self.k_cache, self.v_cache, m.slot_mapping, m.token_index, backend=self.backend)  # v: a view
         o = paged_attention(q.contiguous(), self.k_cache, self.v_cache, m.cu_seqlens_q, m.kv_lens, m.page_table,
                             scale=Dh ** -0.5, kv_start=m.kv_start, max_q_len=m.max_q_len,
                             out=torch.zeros(T, QH, Dh, dtype=q.dtype, device=q.device) if m.zero_out else None,
                             backend=self.backend)
         return self.o_proj(o.reshape(T, QH * Dh) * torch.sigmoid(gate))
+
+    def _norm_rope(self, q: torch.Tensor, k: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prologue: q/k RMSNorm then rotary. Fused on the Triton backend (one launch per tensor, angles
+        computed in the kernel); else the PyTorch ops (HF's: cos/sin tables, rotate-half, concatenations)."""
+        if self.fused and resolve_backend(self.backend, q) == "triton":
+            f = self.rotary.inv_freq
+            return (rms_norm_rope(q, self.q_norm.weight, self.q_norm.eps, positions, f, backend="triton"),
+                    rms_norm_rope(k, self.k_norm.weight, self.k_norm.eps, positions, f, backend="triton"))
+        cos, sin = self.rotary.cos_sin(positions, q.dtype)
+        return self.rotary(self.q_norm(q), cos, sin), self.rotary(self.k_norm(k), cos, sin)
 
     def store(self, h: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
               token_index: torch.Tensor | None = None) -> None:

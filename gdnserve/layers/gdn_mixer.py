@@ -51,6 +51,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_scratch = self.ssm_scratch = self.pending = None   # speculative-decoding buffers (bind_spec)
         self.ssm_pool: torch.Tensor | None = None    # [S, HV, V, K]
         self.backend = "auto"
+        self.fused = True        # the gated norm as one Triton launch on the Triton backend (models.set_fused)
 
     def bind_state(self, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> None:
         self.conv_pool, self.ssm_pool = conv_pool, ssm_pool
@@ -117,5 +118,6 @@ class GatedDeltaNet(nn.Module):
                        backend=self.backend)
         if td < T:
             self._verify(x[td:], a[td:], b[td:], vf, p, o[td:])
-        y = self.norm(o.view(T * HV, self.V), z.reshape(T * HV, self.V)).view(T, HVV)
-        return self.out_proj(y)
+        # fused: one launch reading z in place (its strided view); else the PyTorch ops (HF's, z copied)
+        y = self.norm(o, z.view(T, HV, self.V), backend=self.backend if self.fused else "torch")
+        return self.out_proj(y.view(T, HVV))

@@ -29,7 +29,9 @@ from torch import nn
 from gdnserve.layers.linear import Shard, load_shard, local_blocks
 from gdnserve.layers.mlp import MLP
 from gdnserve.layers.parallel import all_reduce, resolve
+from gdnserve.ops.backend import resolve as resolve_backend
 from gdnserve.ops.moe import moe_experts
+from gdnserve.ops.moe.router import route, route_torch
 
 FP8_BLOCK = 128
 
@@ -58,6 +60,7 @@ class SparseMoE(nn.Module):
         I = self.local_intermediate
         self.norm_topk_prob = norm_topk_prob
         self.backend = "auto"      # the routed experts' op (ops/moe): Triton grouped GEMM on CUDA, capturable
+        self.fused = True          # on the Triton backend: the fused router (ops/moe/router: one launch at decode)
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * I, hidden))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, I))
@@ -99,21 +102,20 @@ class SparseMoE(nn.Module):
         self.tp_shards.update(experts_gate_up_scale_inv=Shard(1, (full, full)), experts_down_scale_inv=Shard(2, (full,)))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [T, hidden] -> (weights [T, top_k] in x.dtype, experts [T, top_k] int64)."""
-        logits = F.linear(x, self.gate.weight)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        w, idx = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            w = w / w.sum(dim=-1, keepdim=True)
-        return w.to(logits.dtype), idx
+        """x: [T, hidden] -> (weights [T, top_k] in x.dtype, experts [T, top_k] int64): HF's PyTorch ops."""
+        return route_torch(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         if x.dim() != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x: expected [T, {self.hidden}], got {list(x.shape)}")
-        weights, experts = self.route(x)
+        al = None
+        if self.fused and resolve_backend(self.backend, x) == "triton":   # one fused router launch at decode sizes
+            weights, experts, al = route(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, "triton")
+        else:
+            weights, experts = self.route(x)
         out = moe_experts(x, weights, experts, self.experts_gate_up, self.experts_down, backend=self.backend,
-                          scales=self.experts_scales)
+                          scales=self.experts_scales, alignment=al)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return all_reduce(out, self.tp_size)

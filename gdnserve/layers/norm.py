@@ -1,23 +1,28 @@
-"""RMSNorms of the Qwen3-Next / Qwen3.5 family (HF modeling files are the reference)."""
+"""RMSNorms of the Qwen3-Next / Qwen3.5 family (HF modeling files are the reference), as modules over the
+ops in ``ops/norm``: the PyTorch path keeps HF's roundings (CPU, parity tests), the Triton path fuses the
+residual add into the norm and the gate into the GDN output norm (one launch each). ``backend`` defaults to
+"torch" (the unfused ops): the decoder layer and the GDN mixer pass their own backend where they fuse."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from gdnserve.ops.backend import Backend
+from gdnserve.ops.norm import gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
-    """Zero-centred RMSNorm of the decoder and q/k norms: y = x / rms(x) * (1 + w), in fp32, cast back."""
+    """Zero-centred RMSNorm of the decoder and q/k norms: y = x / rms(x) * (1 + w), in fp32, cast back.
+    With ``residual``: normalises ``s = x + residual`` and returns ``(y, s)`` (the fused residual add)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).type_as(x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                backend: Backend = "torch") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, self.weight, self.eps, residual, backend=backend)
 
 
 class GatedRMSNorm(nn.Module):
@@ -29,9 +34,5 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dt = x.dtype
-        xf = x.float()
-        y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(dt)
-        y = self.weight * y
-        return (y * F.silu(z.float())).to(dt)
+    def forward(self, x: torch.Tensor, z: torch.Tensor, backend: Backend = "torch") -> torch.Tensor:
+        return gated_rms_norm(x, z, self.weight, self.eps, backend=backend)

@@ -1,9 +1,12 @@
 """Partial rotary embedding (rotate-half style on the first ``rotary_dim`` dims of each head), as the
-Qwen3.5 text model applies it (its mrope sections collapse to plain rope for text positions)."""
+Qwen3.5 text model applies it (its mrope sections collapse to plain rope for text positions). The math lives
+in ``ops/attention/rope.py`` (also fused there with the q/k norm for the Triton backend)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from gdnserve.ops.attention.rope import apply_rope, rope_cos_sin
 
 
 class PartialRotary(nn.Module):
@@ -21,15 +24,9 @@ class PartialRotary(nn.Module):
         self.inv_freq = self._inv_freq(self.inv_freq.device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        f = positions[:, None].float() * self.inv_freq.to(positions.device)[None, :]
-        emb = torch.cat([f, f], dim=-1)                        # [T, rotary_dim]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """-> cos, sin [T, rotary_dim] in ``dtype``."""
+        return rope_cos_sin(positions, self.inv_freq, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim]; cos, sin: [T, rotary_dim]."""
-        rd = self.rotary_dim
-        xr, xp = x[..., :rd], x[..., rd:]
-        x1, x2 = xr[..., : rd // 2], xr[..., rd // 2:]
-        rot = torch.cat([-x2, x1], dim=-1)
-        out = xr * cos[:, None, :] + rot * sin[:, None, :]
-        return torch.cat([out, xp], dim=-1)
+        return apply_rope(x, cos, sin)

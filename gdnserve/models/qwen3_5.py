@@ -66,10 +66,36 @@ class DecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, m.intermediate_size, **tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.fused = True      # fused residual add + norm (set_fused); the mixer's backend picks Triton or not
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        h = h + self.mixer(self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """h: [T, hidden] -> h + mixer + MLP (the layer on its own: the MTP head's use)."""
+        out, residual = self.step(h, None)
+        return out + residual
+
+    def step(self, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream carried as (the previous layer's MLP output ``h``, the stream before it
+        ``residual``; None for the first layer, whose ``h`` is the stream itself) -> this layer's pair. Each
+        norm adds the pending branch output into the stream first: with ``fused`` and a Triton backend
+        (the mixer's, set by the runner) the add and the norm are one launch; else the PyTorch ops, which
+        are ``h = h + mixer(norm(h)); h = h + mlp(norm(h))`` bit for bit."""
+        be = self.mixer.backend if self.fused else "torch"
+        if residual is None:
+            x, residual = self.input_layernorm(h, backend=be), h
+        else:
+            x, residual = self.input_layernorm(h, residual, backend=be)
+        x, residual = self.post_attention_layernorm(self.mixer(x), residual, backend=be)
+        return self.mlp(x), residual
+
+
+def set_fused(model: nn.Module, on: bool) -> None:
+    """Switch every fused kernel of the decoder on or off (``fused`` attributes: the residual add + norm of
+    the decoder layers, the GDN gated norm, the attention's q/k norm + rotary, the MoE router); off = the
+    unfused PyTorch ops on any device (what the kernel-count profile compares against). On by default; they
+    run only on the Triton backend (CPU runs take the PyTorch path anyway)."""
+    for m in model.modules():
+        if hasattr(m, "fused"):
+            m.fused = on
 
 
 class HybridLM(nn.Module):
@@ -114,10 +140,10 @@ class HybridLM(nn.Module):
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] tokens -> [T, hidden] after the last decoder layer (before the final norm). A CUDA graph
         captures this plus the norm; the lm head then runs eagerly on the live rows only."""
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(h)
-        return h
+            h, residual = layer.step(h, residual)
+        return h + residual
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [R, hidden] -> fp32 logits [R, vocab]."""

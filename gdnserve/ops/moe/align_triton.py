@@ -23,6 +23,14 @@ MAX_PAIRS = 4096
 def _align_kernel(experts, rows, block_expert, N, P, NB,
                   E: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr):
+    align_body(experts, rows, block_expert, N, P, NB, E, BM, BLOCK_N, BLOCK_E, BLOCK_P, BLOCK_B)
+
+
+@triton.jit
+def align_body(experts, rows, block_expert, N, P, NB,
+               E: tl.constexpr, BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+               BLOCK_P: tl.constexpr, BLOCK_B: tl.constexpr):
+    """The whole alignment in the calling program (also the tail of the fused router, ops/moe/router_triton.py)."""
     i = tl.arange(0, BLOCK_N)
     e = tl.load(experts + i, mask=i < N, other=E).to(tl.int32)        # sentinel E: its own bin, sorts last
     eidx = tl.arange(0, BLOCK_E)
@@ -58,6 +66,11 @@ def align_pairs_triton(experts: torch.Tensor, num_experts: int, BM: int) -> Alig
     flat = experts.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    launch(_align_kernel, (1,), (flat, rows, block_expert, N, P, P // BM, num_experts, BM, max(pow2(N), 16),
-                                 max(pow2(num_experts + 1), 16), 1024, 64), num_warps=8)
+    launch(_align_kernel, (1,), (flat, rows, block_expert, N, P, P // BM, *align_constexprs(N, num_experts, BM)),
+           num_warps=8)
     return Alignment(rows, block_expert, BM)
+
+
+def align_constexprs(N: int, num_experts: int, BM: int) -> tuple[int, int, int, int, int, int]:
+    """(E, BM, BLOCK_N, BLOCK_E, BLOCK_P, BLOCK_B) of ``align_body`` for N pairs."""
+    return num_experts, BM, max(pow2(N), 16), max(pow2(num_experts + 1), 16), 1024, 64

@@ -5,7 +5,7 @@ import torch
 
 from gdnserve.ops.backend import Backend, resolve
 from gdnserve.ops.launch import cdiv
-from gdnserve.ops.moe.align import align_pairs
+from gdnserve.ops.moe.align import Alignment, align_pairs
 from gdnserve.ops.moe.align_triton import MAX_PAIRS, align_pairs_triton
 from gdnserve.ops.moe.fp8_torch import moe_experts_fp8_torch
 from gdnserve.ops.moe.grouped_triton import block_rows, moe_experts_triton
@@ -15,7 +15,8 @@ from gdnserve.ops.quant.fp8_linear import use_triton
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
                 w_down: torch.Tensor, backend: Backend = "auto",
-                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                alignment: Alignment | None = None) -> torch.Tensor:
     """Sum over each token's k experts of ``weights[t, j] * down_e(silu(gate_e x) * up_e x)``.
 
     x [T, H] (activation dtype); weights [T, k] (x.dtype); experts [T, k] int (distinct per row, in
@@ -25,7 +26,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     FP8 experts: w_gate_up / w_down float8_e4m3fn and ``scales`` = (gate_up scales [E, 2·ceil(I/128),
     ceil(H/128)], down scales [E, ceil(H/128), ceil(I/128)]) float32; activations are quantized per
     token-group of 128 on the fly (the Triton kernels' FP8 path on CUDA devices with fp8 tensor cores, else
-    the dequantizing ``fp8_torch`` path)."""
+    the dequantizing ``fp8_torch`` path).
+    ``alignment``: the Triton path's grouping of ``experts`` when the caller has it already (the fused router,
+    ``router.route``); None = aligned here."""
     if x.dim() != 2 or weights.shape != experts.shape or weights.shape[0] != x.shape[0]:
         raise ValueError(f"moe_experts: x [T, H], weights/experts [T, k]; got {list(x.shape)}, "
                          f"{list(weights.shape)}, {list(experts.shape)}")
@@ -51,7 +54,11 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     if T == 0:
         return torch.zeros_like(x)
     BM = block_rows(T * k, E)
-    al = align_pairs_triton(experts, E, BM) if T * k <= MAX_PAIRS else align_pairs(experts, E, BM)
+    if alignment is not None and alignment.BM != BM:
+        raise ValueError(f"moe_experts: alignment row block {alignment.BM} != the grouped GEMM's {BM}")
+    al = alignment
+    if al is None:
+        al = align_pairs_triton(experts, E, BM) if T * k <= MAX_PAIRS else align_pairs(experts, E, BM)
     return moe_experts_triton(x, weights.contiguous(), al, w_gate_up, w_down, k, scales)
 
 

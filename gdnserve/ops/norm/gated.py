@@ -1,0 +1,38 @@
+"""The GDN output norm, norm before gate, plain weight (gdn_kernels.md §1.2 step 8):
+``out = w * (x / rms(x)) * silu(z)`` over the value dim of each (token, value head).
+
+PyTorch path: HF's roundings (normalise in fp32, round to x's dtype, multiply by w in the promoted dtype,
+multiply by silu(z) in fp32, round). Triton path (``gated_triton.py``): one launch that reads ``z`` in place
+(a strided column slice of the input projection: the PyTorch path copies it), rounding at the same points.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gdnserve.ops.backend import Backend, resolve
+from gdnserve.ops.checks import ACT_DTYPES, check_tensor
+from gdnserve.ops.norm.rmsnorm import check_rows
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   backend: Backend = "auto") -> torch.Tensor:
+    """x, z [..., V] (Triton: [R, V] or [T, G, V], unit last stride, any row strides; z any float dtype);
+    weight [V] -> [..., V] in x's dtype, contiguous."""
+    if resolve(backend, x) == "torch":
+        return gated_rms_norm_torch(x, z, weight, eps)
+    from gdnserve.ops.norm.gated_triton import gated_rms_norm_triton
+    check_rows("gated_rms_norm: x", x)
+    check_tensor("gated_rms_norm: z", z, tuple(x.shape), ACT_DTYPES, x.device)
+    check_tensor("gated_rms_norm: weight", weight, (x.shape[-1],), ACT_DTYPES, x.device)
+    return gated_rms_norm_triton(x, z, weight, eps)
+
+
+def gated_rms_norm_torch(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    shape, V = x.shape, x.shape[-1]
+    x, z = x.reshape(-1, V), z.reshape(-1, V)
+    dt = x.dtype
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+    y = weight * y
+    return (y * F.silu(z.float())).to(dt).view(shape)

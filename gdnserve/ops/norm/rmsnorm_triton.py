@@ -1,0 +1,56 @@
+"""Residual add + zero-centred RMSNorm in one launch: one program per row (a [T, G, N] input has T·G rows).
+
+    s = round(x + residual)            stored (the residual stream), then read back from registers
+    y = round(s * rsqrt(mean(s²) + eps) * (1 + w))
+
+fp32 arithmetic, rounding exactly where ``rmsnorm.rms_norm_torch`` rounds.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gdnserve.ops.launch import launch, pow2
+from gdnserve.ops.norm.rmsnorm import row_strides
+from gdnserve.ops.tl_compat import cast
+
+
+@triton.jit
+def _add_rms_norm_kernel(x, res, w, y, s_out, G, N, sx_t, sx_g, sr_t, sr_g, eps,
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t, g = row // G, row % G
+    offs = tl.arange(0, BLOCK)
+    m = offs < N
+    v = tl.load(x + t * sx_t + g * sx_g + offs, mask=m, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(res + t * sr_t + g * sr_g + offs, mask=m, other=0.0).to(tl.float32)
+        sv = cast(v + r, s_out.dtype.element_ty)
+        tl.store(s_out + row * N + offs, sv, mask=m)
+        v = sv.to(tl.float32)
+    ms = tl.sum(v * v, axis=0) / N
+    rstd = tl.math.rsqrt(ms + eps)
+    wv = tl.load(w + offs, mask=m, other=0.0).to(tl.float32)
+    out = (v * rstd) * (1.0 + wv)
+    tl.store(y + row * N + offs, cast(out, y.dtype.element_ty), mask=m)
+
+
+def warps_for(block: int) -> int:
+    return 4 if block <= 1024 else (8 if block <= 4096 else 16)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    N = x.shape[-1]
+    G = 1 if x.dim() == 2 else x.shape[1]
+    R = x.numel() // N
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = None if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if R:
+        sx_t, sx_g = row_strides(x)
+        sr_t, sr_g = (0, 0) if residual is None else row_strides(residual)
+        block = max(pow2(N), 16)
+        launch(_add_rms_norm_kernel, (R,), (x, residual, weight, y, s, G, N, sx_t, sx_g, sr_t, sr_g, float(eps),
+                                            residual is not None, block), num_warps=warps_for(block))
+    return y if residual is None else (y, s)
