@@ -194,7 +194,16 @@ def _add_replicas(p: argparse.ArgumentParser, run_serve) -> None:
     """``serve --replicas N``: N engines on Ray Serve (gdnserve/replicas/serve_cli.py; Ray imported only then)."""
     from gdnserve.replicas.serve_cli import add_replica_arguments, run_replicas
     add_replica_arguments(p)
-    p.set_defaults(func=lambda a: run_replicas(a) if a.replicas is not None else run_serve(a))
+    p.set_defaults(func=lambda a: (_tp_with_replicas(a) or run_replicas(a)) if a.replicas is not None else run_serve(a))
+
+
+def _tp_with_replicas(args: argparse.Namespace) -> int:
+    """Replicas run TP = 1 engines: refuse a tensor-parallel size with them rather than ignore it."""
+    if getattr(args, "tensor_parallel_size", 1) != 1:
+        print("gdnserve serve: --tensor-parallel-size with --replicas is not supported yet (each replica runs one "
+              "GPU); use one or the other", file=sys.stderr)
+        return 2
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

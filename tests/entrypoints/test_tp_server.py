@@ -137,3 +137,5 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_process_sta
     assert msg in capsys.readouterr().err
     assert cli.main(["serve", "--device", "cpu", "--port", "0", "--tensor-parallel-size", "4"]) == 1
     assert f"cannot load the embedded model: {msg}" in capsys.readouterr().err
+    assert cli.main(["serve", "--replicas", "2", "--tensor-parallel-size", "2"]) == 2
+    assert "--tensor-parallel-size with --replicas is not supported yet" in capsys.readouterr().err
