@@ -14,6 +14,8 @@
 #                PROFILE_ARGS=--host adds the host-time profile of one eager call per case)
 #   tune[:s]     python -m benchmarks.tune_chunk            (per-stage launch configs; TUNE_ARGS=--accuracy: only
 #                the state error against length, fla beside)
+#   layers[:s]   python -m benchmarks.profile_layers        (kernels per decoder layer, fused kernels off vs on)
+#   fp8[:s]      python -m benchmarks.bench_fp8             (FP8 block GEMMs/experts/model vs bf16; FP8_ARGS=--sweep)
 #   model[:s] serve[:s] spec[:s] moe[:s]   the end-to-end benchmarks (--time-budget s)
 #
 # .whl/ (git-ignored; make it once on the workstation:
@@ -75,6 +77,10 @@ for arg in "$@"; do
              grep -A5 "^##" "$OUT/profile.log" | head -60 ;;
     tune)    timeout "${b:-200}" python3 -m benchmarks.tune_chunk --out "$OUT" ${TUNE_ARGS:-} > "$OUT/tune_chunk.log" 2>&1
              tail -30 "$OUT/tune_chunk.log" ;;
+    layers)  timeout "${b:-100}" python3 -m benchmarks.profile_layers --out "$OUT/kernels_per_layer_h200.md" \
+               > "$OUT/profile_layers.log" 2>&1; echo "profile_layers rc=$?"; tail -30 "$OUT/profile_layers.log" ;;
+    fp8)     timeout $(( ${b:-120} + 60 )) python3 -m benchmarks.bench_fp8 --out "$OUT" --time-budget "${b:-120}" \
+               ${FP8_ARGS:-} > "$OUT/bench_fp8.log" 2>&1; echo "bench_fp8 rc=$?"; tail -40 "$OUT/bench_fp8.log" ;;
     model|serve|spec|moe) bench "bench_$suite" "${b:-120}" --time-budget "${b:-120}" ;;
     *)       echo "unknown suite $suite" ;;
   esac
