@@ -403,9 +403,9 @@ def build_prefill(ctx: Ctx, N: int, L: int) -> Case:
 
 
 TILE_SWEEP_B = (256,)     # batch sizes whose decode/verify rows also time launch-config variants
-DECODE_TILES = ((8, 1), (16, 1), (16, 2), (64, 4))   # (BV, num_warps); (32, 4) is "ours" at B = 256
+DECODE_TILES = ((8, 1), (16, 1), (32, 4), (64, 4))   # (BV, num_warps); (16, 2) is "ours" at B = 256
 # token-by-token replay tiles: fla's recurrent kernel runs [K, 8] tiles on one warp
-REPLAY_TILES = ((8, 1), (16, 1), (8, 2), (16, 2))
+REPLAY_TILES = ((8, 1), (32, 1), (16, 2), (32, 4))   # (16, 1) is "ours" at B = 256
 CHUNK_VARIANTS = (((16, 2), "tf32x3"), ((16, 4), "tf32x3"), ((32, 4), "tf32x3"))   # the chunked kernel, opt-in
 
 

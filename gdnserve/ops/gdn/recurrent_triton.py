@@ -116,12 +116,15 @@ def gdn_recurrent_fwd_kernel(
         tl.store(p_h, cast(b_h, pool.dtype.element_ty), mask=mask_h)
 
 
-def _tile(B: int, HV: int, K: int, V: int) -> tuple[int, int, int]:
-    """Fixed (BK, BV, num_warps): the whole K row per tile; 32 value rows and 4 warps when the grid
-    fills the GPU, 16 rows and 2 warps for small batches (more programs, shorter latency chains).
-    K > 128 halves the rows to keep the fp32 tile at <= 32 registers per thread."""
+def _tile(B: int, HV: int, K: int, V: int, positions: int = 1) -> tuple[int, int, int]:
+    """Fixed (BK, BV, num_warps): the whole K row per tile. When the grid fills the GPU: 16 value rows on one
+    warp for calls of several positions per request (replay verify: 612 vs 790 µs at B=256 L=4 + 3 pending on
+    the H200), on two warps for one position (decode B=256: 272 vs 280 µs; benchmarks/results/ops_tiles_h200.md);
+    16 rows and 2 warps for small batches (more programs, shorter latency chains). K > 128 halves the rows to
+    keep the fp32 tile at <= 32 registers per thread."""
     BK = pow2(K)
-    BV, nw = (32, 4) if B * HV * cdiv(V, 32) >= 2048 else (16, 2)
+    big = B * HV * cdiv(V, 32) >= 2048
+    BV, nw = (16, 1 if positions > 1 else 2) if big else (16, 2)
     if BK > 128:
         BV //= 2
     return BK, min(BV, max(pow2(V), 8)), nw
@@ -144,15 +147,14 @@ def recurrent_plan(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per_re
                    scale, out, chunked=None, tile=None, prec=None, evict=""):
     """(kernel, grid, args, num_warps, key) of one recurrent call; arguments as ``recurrent.gdn_recurrent``,
     already validated (scale a float, out allocated). ``chunked``: None = the chunked (WY-form) kernel
-    whenever no per-token scratch states are asked for and a request has 2..16 positions (pending + new
-    tokens), else the token-by-token kernel; ``tile`` = (BV, num_warps) and ``prec`` override the fixed
+    when ``chunked`` (or ``chunked=None`` and CHUNKED_DEFAULT), no per-token scratch states are asked for and a
+    request has 2..16 positions (pending + new tokens), else the token-by-token kernel; ``tile`` = (BV, num_warps) and ``prec`` override the fixed
     configs, ``evict`` is the state load's eviction policy in the token-by-token kernel (benchmarks compare
     variants through these)."""
     B = slots.shape[0]
     _, HV, V, K = ssm_pool.shape
     H = k.shape[1]
     L = tokens_per_req
-    BK, BV, nw = _tile(B, HV, K, V)
     if pending is None:
         pk = pv = pa = pb = None
         LP = 0
@@ -160,6 +162,7 @@ def recurrent_plan(q, k, v, a, b, A_log, dt_bias, ssm_pool, slots, tokens_per_re
         pk, pv, pa, pb = pending.k, pending.v, pending.a, pending.b
         LP = pk.shape[1]
     P0 = LP if pending_in_rows is not None else 0
+    BK, BV, nw = _tile(B, HV, K, V, P0 + L)
     if chunked is None:
         chunked = CHUNKED_DEFAULT and scratch is None and 2 <= P0 + L <= MAX_CHUNK_POSITIONS
     elif chunked and (scratch is not None or P0 + L > MAX_CHUNK_POSITIONS):

@@ -45,9 +45,16 @@ def quantize_weight(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, 
                 torch.stack([s for _, s in qs]).view(*w.shape[:-2], *qs[0][1].shape))
     N, K = w.shape
     b = _blocks(w, block)
-    s = b.abs().amax(dim=(1, 3)).clamp_min(ACT_EPS) / FP8_MAX                    # [nb, kb]
+    s = _div448(b.abs().amax(dim=(1, 3)).clamp_min(ACT_EPS))                      # [nb, kb]
     q = (b / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(b.shape[0] * block, -1)[:N, :K].contiguous(), s
+
+
+def _div448(a: torch.Tensor) -> torch.Tensor:
+    """a / 448 correctly rounded on every device: PyTorch's CUDA division by a Python scalar multiplies by its
+    reciprocal (an ulp off at times, so it would not match the Triton kernels' div_rn); a tensor divisor is
+    true division."""
+    return a / torch.full_like(a, FP8_MAX)
 
 
 def expand_scale(s: torch.Tensor, N: int, K: int, block: int = BLOCK) -> torch.Tensor:
@@ -68,7 +75,7 @@ def quantize_act(x: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, tor
     M, K = x.shape
     G = cdiv(K, group)
     xf = F.pad(x.float(), (0, G * group - K)).view(M, G, group)
-    s = xf.abs().amax(-1).clamp_min(ACT_EPS) / FP8_MAX
+    s = _div448(xf.abs().amax(-1).clamp_min(ACT_EPS))
     q = (xf / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(M, G * group)[:, :K], s
 
