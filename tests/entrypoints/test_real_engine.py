@@ -6,10 +6,6 @@ special tokens in user text as plain text."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.entrypoints.test_metrics import check_against_docs
 
 httpx = pytest.importorskip("httpx")
+from tests.entrypoints.live_server import start_server  # noqa: E402  (needs httpx)
 
 openai = pytest.importorskip("openai")
 
@@ -30,27 +27,8 @@ LOG: dict[str, str] = {}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    log = open(log_path, "w")  # a file, not a pipe nobody reads (the access log would fill it)
-    proc = subprocess.Popen([sys.executable, "-m", "gdnserve.entrypoints.cli", "serve", "--device", "cpu",
-                             "--port", str(port), "--max-num-seqs", "32", "--num-pages", "1024"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("server did not start:\n" + log_path.read_text(errors="replace"))
-        time.sleep(0.2)
+    proc, url, log = start_server(["--max-num-seqs", "32", "--num-pages", "1024"], log_path)
     LOG["path"] = str(log_path)
     yield url
     proc.terminate()

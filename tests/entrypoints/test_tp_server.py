@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import pytest
 
 httpx = pytest.importorskip("httpx")
+from tests.entrypoints.live_server import start_server  # noqa: E402  (needs httpx)
 
 MARK = "<|state_checkpoint|>"
 PREFIX = "Shared context for ranking: gdnserve computes a prefix once and forks it. "
@@ -26,27 +23,9 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log_path = tmp_path_factory.mktemp("tp_serve") / "serve.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "gdnserve.entrypoints.cli", "serve", "--device", "cpu",
-                             "--port", str(port), "--tensor-parallel-size", "2", "--spec-k", "2",
-                             "--max-num-seqs", "8", "--num-pages", "256"],
-                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("server did not start:\n" + log_path.read_text(errors="replace"))
-        time.sleep(0.2)
+    proc, url, log = start_server(["--tensor-parallel-size", "2", "--spec-k", "2", "--max-num-seqs", "8",
+                                   "--num-pages", "256"], log_path)
     yield url, proc, log_path
     if proc.poll() is None:
         proc.terminate()
