@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from gdnserve.ops.moe.torch_path import expert_groups
 from gdnserve.ops.quant.fp8_ref import BLOCK, cdiv, dequantize_weight, qdq_act
 
 
@@ -21,21 +22,13 @@ def dequantize_gate_up(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype = to
 
 def moe_experts_fp8_torch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
                           w_down: torch.Tensor, s_gate_up: torch.Tensor, s_down: torch.Tensor) -> torch.Tensor:
-    k, I = experts.shape[1], w_down.shape[2]
-    flat = experts.flatten()
-    order = torch.argsort(flat, stable=True)
-    token = order // k
+    I = w_down.shape[2]
+    order, token, groups = expert_groups(experts, w_gate_up.shape[0])
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32     # float64: the reference
     pair_w = weights.flatten()[order, None].to(acc)
     xs = qdq_act(x).to(acc).index_select(0, token)
-    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).cpu().tolist()
     out = torch.zeros(x.shape, dtype=acc, device=x.device)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        sl = slice(start, start + n)
-        start += n
+    for e, sl in groups:
         gu = F.linear(xs[sl], dequantize_gate_up(w_gate_up[e], s_gate_up[e], acc))
         h = (F.silu(gu[:, :I]) * gu[:, I:]).to(x.dtype)
         y = F.linear(qdq_act(h).to(acc), dequantize_weight(w_down[e], s_down[e], acc)) * pair_w[sl]

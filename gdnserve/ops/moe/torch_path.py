@@ -10,22 +10,29 @@ import torch
 import torch.nn.functional as F
 
 
+def expert_groups(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, slice]]]:
+    """The T*k (token, expert) pairs grouped by expert, token order kept within a group: (order [T*k] into the
+    flattened pairs, token [T*k] of each sorted pair, [(expert, slice of the sorted pairs)] for the non-empty
+    experts in ascending order). Reads the counts on the host."""
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).cpu().tolist()
+    groups, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            groups.append((e, slice(start, start + n)))
+            start += n
+    return order, order // experts.shape[1], groups
+
+
 def moe_experts_torch(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
                       w_down: torch.Tensor) -> torch.Tensor:
-    k, I = experts.shape[1], w_down.shape[2]
-    flat = experts.flatten()
-    order = torch.argsort(flat, stable=True)        # group the T*k pairs by expert, token order kept
-    token = order // k
+    I = w_down.shape[2]
+    order, token, groups = expert_groups(experts, w_gate_up.shape[0])
     pair_w = weights.flatten()[order, None]
     xs = x.index_select(0, token)
-    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).cpu().tolist()
     out = torch.zeros_like(x)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        sl = slice(start, start + n)
-        start += n
+    for e, sl in groups:
         gu = F.linear(xs[sl], w_gate_up[e])
         y = F.linear(F.silu(gu[:, :I]) * gu[:, I:], w_down[e]) * pair_w[sl]
         out.index_add_(0, token[sl], y)             # top-k experts are distinct: one add per token per call
