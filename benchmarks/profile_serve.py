@@ -1,0 +1,129 @@
+"""Per-step wall time and per-kernel GPU time of the serve benchmark's throughput pass (RFC workload), per mode.
+
+    python -m benchmarks.profile_serve --out /tmp/res/profile_serve.json [--modes none,fused,two_phase]
+
+Uses only bench_serve's make_plan / make_engine / drive and random_model's builders, so the same script runs
+against an older checkout (PYTHONPATH=that tree) to compare commits side by side. For each mode: the
+latency warm-up (1 group) and two throughput-shaped warm-ups (16 groups each), then one timed pass (per step
+wall time, device synchronised around every step) and one profiled pass (torch.profiler, CUDA kernels summed
+by name over the pass). Prints JSON lines and writes the whole result to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections import defaultdict
+
+import torch
+
+from benchmarks.bench_serve import drive, make_engine, make_plan
+from benchmarks.random_model import build_random_model, config_for
+from gdnserve.engine.sampling_params import SamplingParams
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed_pass(engine, groups, mode: str, params, tag: str) -> dict:
+    steps: list[float] = []
+    step = engine.step
+
+    def timed():
+        _sync()
+        t = time.perf_counter()
+        out = step()
+        _sync()
+        steps.append(time.perf_counter() - t)
+        return out
+    engine.step = timed
+    try:
+        t0 = time.perf_counter()
+        drive(engine, groups, mode, params, tag)
+        wall = time.perf_counter() - t0
+    finally:
+        engine.step = step
+    return {"wall_ms": 1e3 * wall, "steps_ms": [round(1e3 * s, 2) for s in steps],
+            "qps": sum(len(c) for _, c in groups) / wall}
+
+
+def watch_mixed(engine) -> list:
+    """Record each prefill step's (tokens, segments, longest, decodes) -> the mixed graph bucket picked (or
+    None: eager), when the runner has prefill / mixed graphs."""
+    picks: list = []
+    g = getattr(engine.runner, "graphs", None)
+    if g is None or not hasattr(g, "select_mixed"):
+        return picks
+    sel = g.select_mixed
+
+    def wrapped(prefills, decodes):
+        key = sel(prefills, decodes)
+        lens = [len(it.tokens) for it in prefills]
+        picks.append([sum(lens), len(lens), max(lens, default=0), len(decodes), str(key)])
+        return key
+    g.select_mixed = wrapped
+    return picks
+
+
+def kernel_table(engine, groups, mode: str, params, tag: str, top: int) -> list[tuple[str, int, float]]:
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        drive(engine, groups, mode, params, tag)
+        _sync()
+    agg: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if not cuda or e.device_type == torch.autograd.DeviceType.CUDA:
+            a = agg[e.name[:90]]
+            a[0] += 1
+            a[1] += e.device_time_total if cuda else e.self_cpu_time_total
+    rows = sorted(((n, int(c), round(t, 1)) for n, (c, t) in agg.items()), key=lambda r: -r[2])
+    return [("TOTAL", sum(r[1] for r in rows), round(sum(r[2] for r in rows), 1))] + rows[:top]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--modes", default="none,fused,two_phase")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    plan = make_plan(dev.type == "cuda", False, None)
+    wl = plan.workloads[0]
+    hf_cfg = config_for(dev, None, None)
+    model = build_random_model(hf_cfg, dev, torch.bfloat16)
+    vocab = hf_cfg["vocab_size"]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    res = {"tag": a.tag, "workload": wl.name}
+    for mode in a.modes.split(","):
+        rng = random.Random(0)
+        engine = make_engine(model, mode, plan)
+        picks = watch_mixed(engine)
+        drive(engine, wl.make_groups(1, vocab, rng), mode, params, "w")
+        for i in range(2):
+            drive(engine, wl.make_groups(wl.groups, vocab, rng), mode, params, f"wt{i}")
+        r = timed_pass(engine, wl.make_groups(wl.groups, vocab, rng), mode, params, "t")
+        r["kernels"] = kernel_table(engine, wl.make_groups(wl.groups, vocab, rng), mode, params, "p", a.top)
+        g = getattr(engine.runner, "graphs", None)
+        r["graph_stats"] = dict(g.stats) if g is not None and hasattr(g, "stats") else None
+        r["mixed_picks"] = picks[-8:]
+        res[mode] = r
+        print(json.dumps({"tag": a.tag, "mode": mode, "qps": round(r["qps"], 1), "steps_ms": r["steps_ms"],
+                          "graph_stats": r["graph_stats"], "mixed_picks": r["mixed_picks"]}), flush=True)
+        for row in r["kernels"][:a.top]:
+            print(f"  {a.tag} {mode} {row[2]:>10.1f} us {row[1]:>6d}  {row[0]}")
+        del engine
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
