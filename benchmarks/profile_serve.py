@@ -90,6 +90,7 @@ def main() -> int:
     ap.add_argument("--modes", default="none,fused,two_phase")
     ap.add_argument("--tag", default="")
     ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--host", action="store_true", help="also cProfile one pass per mode (host time by function)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args()
     dev = torch.device(a.device)
@@ -109,6 +110,20 @@ def main() -> int:
             drive(engine, wl.make_groups(wl.groups, vocab, rng), mode, params, f"wt{i}")
         r = timed_pass(engine, wl.make_groups(wl.groups, vocab, rng), mode, params, "t")
         r["kernels"] = kernel_table(engine, wl.make_groups(wl.groups, vocab, rng), mode, params, "p", a.top)
+        if a.host:
+            import cProfile
+            import io
+            import pstats
+            pr = cProfile.Profile()
+            pr.enable()
+            drive(engine, wl.make_groups(wl.groups, vocab, rng), mode, params, "h")
+            _sync()
+            pr.disable()
+            buf = io.StringIO()
+            pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(35)
+            pstats.Stats(pr, stream=buf).sort_stats("cumtime").print_stats(35)
+            r["host_profile"] = buf.getvalue()
+            print(buf.getvalue(), flush=True)
         g = getattr(engine.runner, "graphs", None)
         r["graph_stats"] = dict(g.stats) if g is not None and hasattr(g, "stats") else None
         r["mixed_picks"] = picks[-8:]

@@ -66,7 +66,7 @@ class EngineConfig:
                             spec_draft=self.spec_draft,
                             cuda_graphs=False if self.tensor_parallel_size > 1 else self.cuda_graphs,
                             graph_capture=self.graph_capture, graph_max_batch=self.max_num_seqs,
-                            max_model_len=self.max_model_len)
+                            max_model_len=self.max_model_len, graph_max_tokens=self.max_step_tokens)
 
     @classmethod
     def from_runner(cls, rc: RunnerConfig, **kw) -> EngineConfig:

@@ -4,10 +4,22 @@ are queued. A request that can never fit (``n`` samples beyond ``max_num_seqs`` 
 admitted to wait forever. Pure functions of the frozen config: safe to call from any thread."""
 from __future__ import annotations
 
+from array import array
+
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.detokenizer import IncrementalDetokenizer
 from gdnserve.engine.request import Request, RequestError, Sample, ScoreJob
 from gdnserve.engine.sampling_params import SamplingParams
+
+
+def _token_ids(prompt, vocab_size: int) -> list[int]:
+    """A token-id prompt as Python ints, checked at C speed (a 600-token prompt per request, 160 requests a
+    serving pass: the per-token Python check cost ~10 % of a grouped pass's wall time on the H200 host)."""
+    try:
+        return array("q", prompt).tolist()
+    except (TypeError, OverflowError) as e:
+        raise RequestError(f"prompt has token ids outside the vocabulary 0..{vocab_size - 1} or not ints ({e})") \
+            from None
 
 
 def _pages(cfg: EngineConfig, tokens: int) -> int:
@@ -24,10 +36,10 @@ def make_request(cfg: EngineConfig, tokenizer, vocab_size: int, request_id: str,
             raise RequestError(f"checkpoint_at={checkpoint_at} disagrees with the marker at token {marker_at}")
         checkpoint_at = marker_at if marker_at is not None else checkpoint_at
     else:
-        ids = list(prompt)
+        ids = _token_ids(prompt, vocab_size)
     if not ids:
         raise RequestError("prompt is empty")
-    if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
+    if min(ids) < 0 or max(ids) >= vocab_size:
         raise RequestError(f"prompt has token ids outside the vocabulary 0..{vocab_size - 1}")
     if len(ids) + params.max_tokens > cfg.max_model_len:
         raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "

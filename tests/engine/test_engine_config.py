@@ -36,3 +36,13 @@ def test_frozen_validated_and_the_cli_defaults_are_its_own():
     args = p.parse_args([])
     for name in ("max_num_seqs", "max_model_len", "num_pages", "prefill_mode", "spec_k", "spec_mode", "spec_draft"):
         assert getattr(args, name) == getattr(c, name), name
+
+
+def test_prefill_graph_buckets_reach_the_step_token_budget():
+    """A step may hold max_step_tokens prefill tokens (many sequences), more than one sequence's max_model_len:
+    the prefill / mixed graph buckets must reach it, or every large grouped step falls back to eager (it did,
+    capped at min(max_model_len, 8192), before the engine passed max_step_tokens on)."""
+    assert EngineConfig(max_step_tokens=8192, max_model_len=4096).runner_config().graph_max_tokens == 8192
+    e = LLMEngine(build_builtin_model(), ByteTokenizer(), runner=RunnerConfig(num_slots=9, num_pages=64, page_size=8),
+                  max_num_seqs=4, max_step_tokens=300, max_model_len=128)
+    assert e.runner.rc.graph_max_tokens == 300

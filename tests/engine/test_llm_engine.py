@@ -77,8 +77,9 @@ def test_bad_requests_are_refused_and_nothing_leaks(llm):
         e.add_request(None, "<|state_checkpoint|>abc", GREEDY)
     with pytest.raises(RequestError, match="context length"):
         e.add_request(None, "x" * 5000, GREEDY)
-    with pytest.raises(RequestError, match="vocabulary"):
-        e.add_request(None, [1, 2, 10 ** 6], GREEDY)
+    for bad in ([1, 2, 10 ** 6], [-1, 3], [1, 2.0], [1, "2"], [1, 2 ** 70]):
+        with pytest.raises(RequestError, match="vocabulary"):
+            e.add_request(None, bad, GREEDY)
     rid = e.add_request(None, "to be aborted", SamplingParams(max_tokens=50))
     e.step()
     e.abort(rid)
