@@ -144,17 +144,24 @@ class PagePool:
     def incref(self, pages: Iterable[int]) -> None:
         """One more holder of each page (all must be in use); nothing changes if any is not."""
         pages = list(pages)
+        refs = self._refs
+        if not self._valid(pages):
+            for p in pages:
+                self._check_page(p)               # raises, naming the page
         for p in pages:
-            self._check_used(p, "incref")
+            if refs[p] == 0:
+                raise PagePoolError(f"incref: page {p} is free")
         for p in pages:
-            self._refs[p] += 1
+            refs[p] += 1
 
     def decref(self, pages: Iterable[int]) -> None:
         """One holder fewer of each page; pages reaching 0 are freed. A page listed more often than its
         refcount raises PagePoolError naming it, and nothing changes."""
         counts = Counter(pages)
+        if not self._valid(counts):
+            for p in counts:
+                self._check_page(p)               # raises, naming the page
         for p, c in counts.items():
-            self._check_page(p)
             if c > self._refs[p]:
                 raise PagePoolError(f"decref: page {p} has refcount {self._refs[p]}, cannot drop {c} "
                                     f"(double free?)")
@@ -162,6 +169,11 @@ class PagePool:
             self._refs[p] -= c
             if self._refs[p] == 0:
                 heapq.heappush(self._free, p)
+
+    def _valid(self, pages) -> bool:
+        """Whether every page is an int page number of this pool (one pass; the callers then name the bad one)."""
+        n = self.config.num_pages
+        return all(type(p) is int and 0 <= p < n for p in pages)
 
     def _check_page(self, page: int) -> None:
         if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < self.num_pages:

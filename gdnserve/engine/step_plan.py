@@ -107,7 +107,7 @@ class _Packer:
     def add(self, v: Sequence[int]) -> tuple[int, int]:
         self.vals.extend([0] * (aligned(len(self.vals)) - len(self.vals)))
         start = len(self.vals)
-        self.vals.extend(int(x) for x in v)
+        self.vals.extend(map(int, v))
         return start, len(self.vals)
 
 
@@ -233,17 +233,19 @@ def _check_group_aliasing(part: list[int], srcs: list[int], dsts: list[int], par
                           segs: list[PrefillSegment]) -> None:
     """Within one launch, no slot read by one sequence (directly or through its parent) may be
     written by another: the kernels give no ordering between different sequences' programs."""
-    reads = []
     for j, p in enumerate(parents or ()):
         if p >= j or (p >= 0 and dsts[p] < 0):   # the state pass hands a parent's state over via its dst slot
             raise PlanError(f"segment {part[j]}: its producer must come first in the launch and write a slot")
+    writers: dict[int, list[int]] = {}          # slot -> the launch's segments writing it (O(n), not all pairs)
+    for jj, d in enumerate(dsts):
+        if d >= 0:
+            writers.setdefault(d, []).append(jj)
     for j, s in enumerate(srcs):
-        r = {s} if s >= 0 else set()
+        reads = [s] if s >= 0 else []
         if parents is not None and parents[j] >= 0 and srcs[parents[j]] >= 0:
-            r.add(srcs[parents[j]])
-        reads.append(r)
-    for j, r in enumerate(reads):
-        for jj, d in enumerate(dsts):
-            if jj != j and d >= 0 and d in r:
-                raise PlanError(f"slot {d} is read by segment {part[j]} and written by segment {part[jj]} "
-                                f"in the same launch")
+            reads.append(srcs[parents[j]])
+        for r in reads:
+            for jj in writers.get(r, ()):
+                if jj != j:
+                    raise PlanError(f"slot {r} is read by segment {part[j]} and written by segment {part[jj]} "
+                                    f"in the same launch")
