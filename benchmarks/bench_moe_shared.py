@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
             want = ref64(xs[0][:8].double())
         bytes_ = (hit + 1) * 3 * hidden * inter * 2 + (E + 1) * hidden * 2
         outs = {}
-        for name, fold in (("unfolded", False), ("folded", True)):
-            moe.fold = fold
+        for name, fold in (("unfolded", 0), ("folded", 1 << 30)):
+            moe.fold_max_tokens = fold          # forced either way (the default folds up to FOLD_MAX_TOKENS)
 
             def call(x, moe=moe):
                 with torch.no_grad():

@@ -19,14 +19,17 @@ shared expert's intermediate size equals the experts' (Qwen3.5-35B-A3B, Qwen3-Ne
 it is stored as expert number E: ``experts_gate_up [E+1, 2I, hidden]``, ``experts_down [E+1, hidden, I]``,
 and its gate as row E of the router, ``gate.weight [E+1, hidden]``; ``shared_expert`` / ``shared_expert_gate``
 are then None (no second copy of the weights). Tensor parallel cuts expert E's intermediate like the others'
-(the shared MLP's gate / up / down split is the experts'), so folding is per rank. The Triton path (with
-``fused`` and ``fold`` on) then runs the whole block as ONE router GEMM (E+1 logits), the router kernel
-(column E leaves softmax / top-k and becomes each token's (k+1)-th pair, weight sigmoid(logit) in the
-activation dtype; ``ops.moe.router``) and the grouped GEMM over E+1 experts with k+1 pairs per token: the
-shared expert's output is rounded like a routed pair's (pair output in the activation dtype, the k+1 sum in
-fp32, rounded once) instead of the unfolded path's separate MLP, sigmoid, multiply and add. The PyTorch path
-(and the Triton path with ``fold`` off) computes the shared expert from views of row E with HF's ops and
-roundings. ``unfold_shared`` restores the separate modules (``to_fp8`` and FP8 quantizing call it).
+(the shared MLP's gate / up / down split is the experts'), so folding is per rank. On the Triton path (``fused``
+on) a step of at most ``fold_max_tokens`` tokens then runs the whole block as ONE router GEMM (E+1 logits), the
+router kernel (column E leaves softmax / top-k and becomes each token's (k+1)-th pair, weight sigmoid(logit)
+in the activation dtype; ``ops.moe.router``) and the grouped GEMM over E+1 experts with k+1 pairs per token:
+the shared expert's output is rounded like a routed pair's (pair output in the activation dtype, the k+1
+sum in fp32, rounded once). Larger steps, and the PyTorch path, compute the shared expert as before (dense
+GEMMs, sigmoid gate, add) from views of row E with HF's ops and roundings: on the H200 the folded block is
+1.7x faster at T = 1 (41 vs 71 µs, 14 -> 5 kernels) but 5-15 % slower from T = 16 on, where the shared
+expert's T rows in 16-row blocks re-stream its weights and the extra pair per token enlarges the alignment
+(docs/kernels.md, ``benchmarks/results/moe_shared_h200.md``). ``unfold_shared`` restores the separate modules
+(``to_fp8`` and FP8 quantizing call it).
 
 FP8 experts (``to_fp8``, block checkpoints): ``experts_gate_up`` / ``experts_down`` become e4m3 with float32
 scales per 128x128 block, ``experts_gate_up_scale_inv [E, 2·ceil(I/128), ceil(hidden/128)]`` (gate blocks
@@ -48,6 +51,9 @@ from gdnserve.ops.moe import moe_experts
 from gdnserve.ops.moe.router import route, route_torch
 
 FP8_BLOCK = 128
+# Steps of at most this many tokens run the folded block (module docstring). Measured on the H200 (E = 256,
+# bf16): folded faster at T = 1, slower at T = 16, 64, 256, 4096; T = 2..15 not measured.
+FOLD_MAX_TOKENS = 1
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -76,7 +82,7 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.backend = "auto"      # the routed experts' op (ops/moe): Triton grouped GEMM on CUDA, capturable
         self.fused = True          # on the Triton backend: the fused router (ops/moe/router: one launch at decode)
-        self.fold = True           # ... and with the shared expert folded: it runs as expert E of the grouped GEMM
+        self.fold_max_tokens = FOLD_MAX_TOKENS   # ... and folded: steps up to this size run it as expert E
         self.shared_folded = False         # storage: the shared expert is expert E (fold_shared)
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * I, hidden))
@@ -171,7 +177,7 @@ class SparseMoE(nn.Module):
             raise ValueError(f"x: expected [T, {self.hidden}], got {list(x.shape)}")
         E = self.num_experts
         triton = self.fused and resolve_backend(self.backend, x) == "triton"
-        if triton and self.fold and self.shared_folded:     # router GEMM, router kernel, grouped GEMM: that is all
+        if triton and self.shared_folded and x.shape[0] <= self.fold_max_tokens:   # router GEMM, router, grouped GEMM
             r = route(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, "triton", shared=True)
             out = moe_experts(x, r.weights, r.experts, self.experts_gate_up, self.experts_down, backend="triton",
                               alignment=r.alignment)

@@ -19,6 +19,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 def random_block(dtype=torch.float32, device="cpu", renorm=True, tp_rank=0, tp_size=1) -> SparseMoE:
     moe = SparseMoE(H, E, K, I, I, renorm, tp_rank=tp_rank, tp_size=tp_size)
+    moe.fold_max_tokens = 1 << 30             # the folded path at every step size
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
@@ -89,11 +90,27 @@ def test_folded_triton_equals_unfolded(T, dtype, renorm, device):
         unfolded = moe(x)
         assert moe.fold_shared()
         folded = moe(x)
-        moe.fold = False                   # folded storage, the shared expert as its own MLP (views)
+        moe.fold_max_tokens = T - 1        # folded storage, the shared expert as its own MLP (views)
         split = moe(x)
     assert folded.dtype == dtype and folded.shape == (T, H)
     assert torch.equal(split, unfolded)
     assert rel_rms(folded, unfolded) < TOL[dtype] and rel_rms(folded, unfolded_torch) < TOL[dtype]
+
+
+def test_default_folds_only_small_steps(monkeypatch, device):
+    """By default only steps of at most FOLD_MAX_TOKENS tokens take the folded path (H200: faster at T = 1,
+    slower from T = 16 on); larger ones run the shared expert as its own MLP from the folded weights."""
+    seen = []
+    route = moe_mod.route
+    monkeypatch.setattr(moe_mod, "route", lambda *a, **kw: seen.append(kw.get("shared", False)) or route(*a, **kw))
+    moe = random_block(device=device)
+    moe.fold_max_tokens = moe_mod.FOLD_MAX_TOKENS
+    moe.fold_shared()
+    moe.backend = "triton"
+    with torch.no_grad():
+        for T in (moe_mod.FOLD_MAX_TOKENS, moe_mod.FOLD_MAX_TOKENS + 1):
+            moe(torch.randn(T, H, device=device))
+    assert seen == [True, False]
 
 
 def test_tp2_partials_sum_to_tp1(monkeypatch, device):
@@ -103,11 +120,13 @@ def test_tp2_partials_sum_to_tp1(monkeypatch, device):
     sd = checkpoint(random_block())
     full = SparseMoE(H, E, K, I, I, True)
     load_moe_from_hf(full, sd.__getitem__, "", torch.float32)
+    full.fold_max_tokens = 1 << 30
     x = torch.randn(7, H, device=device)
     parts = []
     for r in range(2):
         shard = SparseMoE(H, E, K, I, I, True, tp_rank=r, tp_size=2)
         load_moe_from_hf(shard, sd.__getitem__, "", torch.float32)
+        shard.fold_max_tokens = 1 << 30
         assert shard.shared_folded and shard.experts_gate_up.shape == (E + 1, I, H)
         gate, up = sd["shared_expert.gate_proj.weight"], sd["shared_expert.up_proj.weight"]
         want = torch.cat([gate.chunk(2, 0)[r], up.chunk(2, 0)[r]])
@@ -133,6 +152,7 @@ def test_tp2_partials_sum_to_tp1(monkeypatch, device):
 def test_bench_shape_folded_equals_unfolded_on_gpu(T, device):
     """The Qwen3.5-35B-A3B block (hidden 2048, 256 experts, top-8, shared 512), bf16: folded vs unfolded."""
     moe = SparseMoE(2048, 256, 8, 512, 512, True).to(device=device, dtype=torch.bfloat16)
+    moe.fold_max_tokens = 1 << 30
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.02)
