@@ -306,8 +306,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{cfg.mlp.num_experts} experts, hidden {cfg.hidden_size}, bf16; Triton backend, eager steps (no CUDA "
               "graph), "
               f"decode at context {args.context}. Fused off = the PyTorch ops for the residual adds, norms, q/k "
-              "rotary and router (`set_fused(model, False)`), on = ops/norm, ops/attention/rope, ops/moe/router "
-              "(same run).",
+              "rotary and router and the shared expert as its own MLP (`set_fused(model, False)`), on = ops/norm, "
+              "ops/attention/rope, ops/moe/router and, at steps of at most layers.moe.FOLD_MAX_TOKENS tokens, the "
+              "shared expert folded into the routed grouped GEMM (same run).",
               "Counts are per layer and per step (mean over the layers of a kind and "
               f"{reps} profiled step(s)); 'outside' = kernels outside every layer (uploads, embedding, final "
               "norm, lm head)."]

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
+from gdnserve.layers.moe import fold_shared_experts
 from gdnserve.models.config import ModelConfig
 
 VOCAB = 248320
@@ -152,6 +153,7 @@ def build_random_model(hf_cfg: dict[str, Any], device: torch.device, dtype: torc
 
 
 def _finish(model) -> None:
+    fold_shared_experts(model)                 # as the loader does: the shared expert as expert E (layers/moe.py)
     for layer in model.gdn_layers():           # the decay rate stays fp32 (as the loader keeps it)
         layer.A_log.data = layer.A_log.data.float()
     for attn in model.attention_layers():      # non-persistent buffers are not filled by to_empty

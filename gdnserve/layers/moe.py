@@ -14,6 +14,23 @@ expert gate are replicated, so every rank routes identically. Each rank's output
 block ends with ONE all-reduce of routed + shared partials (the sigmoid gate scales per token, so it
 commutes with the sum).
 
+Shared expert folded into the routed weights (``fold_shared``, done by ``load_moe_from_hf``): when the
+shared expert's intermediate size equals the experts' (Qwen3.5-35B-A3B, Qwen3-Next: 512) and neither is FP8,
+it is stored as expert number E: ``experts_gate_up [E+1, 2I, hidden]``, ``experts_down [E+1, hidden, I]``,
+and its gate as row E of the router, ``gate.weight [E+1, hidden]``; ``shared_expert`` / ``shared_expert_gate``
+are then None (no second copy of the weights). Tensor parallel cuts expert E's intermediate like the others'
+(the shared MLP's gate / up / down split is the experts'), so folding is per rank. On the Triton path (``fused``
+on) a step of at most ``fold_max_tokens`` tokens then runs the whole block as ONE router GEMM (E+1 logits), the
+router kernel (column E leaves softmax / top-k and becomes each token's (k+1)-th pair, weight sigmoid(logit)
+in the activation dtype; ``ops.moe.router``) and the grouped GEMM over E+1 experts with k+1 pairs per token:
+the shared expert's output is rounded like a routed pair's (pair output in the activation dtype, the k+1
+sum in fp32, rounded once). Larger steps, and the PyTorch path, compute the shared expert as before (dense
+GEMMs, sigmoid gate, add) from views of row E with HF's ops and roundings: on the H200 the folded block is
+1.7x faster at T = 1 (41 vs 71 µs, 14 -> 5 kernels) but 5-15 % slower from T = 16 on, where the shared
+expert's T rows in 16-row blocks re-stream its weights and the extra pair per token enlarges the alignment
+(docs/kernels.md, ``benchmarks/results/moe_shared_h200.md``). ``unfold_shared`` restores the separate modules
+(``to_fp8`` and FP8 quantizing call it).
+
 FP8 experts (``to_fp8``, block checkpoints): ``experts_gate_up`` / ``experts_down`` become e4m3 with float32
 scales per 128x128 block, ``experts_gate_up_scale_inv [E, 2·ceil(I/128), ceil(hidden/128)]`` (gate blocks
 then up blocks) and ``experts_down_scale_inv [E, ceil(hidden/128), ceil(I/128)]``; the router stays dense.
@@ -34,6 +51,9 @@ from gdnserve.ops.moe import moe_experts
 from gdnserve.ops.moe.router import route, route_torch
 
 FP8_BLOCK = 128
+# Steps of at most this many tokens run the folded block (module docstring). Measured on the H200 (E = 256,
+# bf16): folded faster at T = 1, slower at T = 16, 64, 256, 4096; T = 2..15 not measured.
+FOLD_MAX_TOKENS = 1
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -43,7 +63,8 @@ def _cdiv(a: int, b: int) -> int:
 class SparseMoE(nn.Module):
     """Parameters: ``gate.weight [E, hidden]`` (router), ``experts_gate_up [E, 2I, hidden]`` (rows
     ``[gate I | up I]``), ``experts_down [E, hidden, I]``, ``shared_expert`` (an ``MLP``) and
-    ``shared_expert_gate.weight [1, hidden]``; the last two are None when ``shared_intermediate == 0``.
+    ``shared_expert_gate.weight [1, hidden]``; the last two are None when ``shared_intermediate == 0`` or the
+    shared expert is folded (``shared_folded``: expert E of the stacked weights, row E of ``gate.weight``).
     Under tensor parallelism I is this rank's ``moe_intermediate / tp`` (``moe_intermediate`` stays the full
     size, the checkpoint's)."""
 
@@ -61,6 +82,8 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.backend = "auto"      # the routed experts' op (ops/moe): Triton grouped GEMM on CUDA, capturable
         self.fused = True          # on the Triton backend: the fused router (ops/moe/router: one launch at decode)
+        self.fold_max_tokens = FOLD_MAX_TOKENS   # ... and folded: steps up to this size run it as expert E
+        self.shared_folded = False         # storage: the shared expert is expert E (fold_shared)
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * I, hidden))
         self.experts_down = nn.Parameter(torch.empty(num_experts, hidden, I))
@@ -88,6 +111,7 @@ class SparseMoE(nn.Module):
     def to_fp8(self) -> None:
         """FP8 experts: new empty e4m3 weights and float32 block scales on the weights' device (meta before
         loading); see the module docstring for the layouts."""
+        self.unfold_shared()                   # FP8 experts do not fold
         if not self.experts_fp8_ok():
             raise ValueError(f"SparseMoE: moe_intermediate={self.moe_intermediate} / tp={self.tp_size} is not a "
                              f"multiple of {FP8_BLOCK}")
@@ -101,24 +125,83 @@ class SparseMoE(nn.Module):
         full = (self.moe_intermediate // FP8_BLOCK if self.tp_size > 1 else SG)
         self.tp_shards.update(experts_gate_up_scale_inv=Shard(1, (full, full)), experts_down_scale_inv=Shard(2, (full,)))
 
+    def shared_foldable(self) -> bool:
+        """Whether ``fold_shared`` can store the shared expert as expert E: it exists (unfolded), has the
+        experts' local intermediate size and dtype, and neither it nor the experts are FP8."""
+        s, g = self.shared_expert, self.shared_expert_gate
+        return (s is not None and self.experts_scales is None and s.gate_up_proj.qweight is None
+                and s.down_proj.qweight is None and s.intermediate == self.local_intermediate
+                and s.gate_up_proj.weight.dtype == s.down_proj.weight.dtype == self.experts_gate_up.dtype
+                == self.experts_down.dtype and g.weight.dtype == self.gate.weight.dtype)
+
+    @torch.no_grad()
+    def fold_shared(self) -> bool:
+        """Store the shared expert as expert E and its gate as router row E (module docstring), in place,
+        on the weights' device; returns whether the block is folded (False: ``shared_foldable`` is not)."""
+        if self.shared_folded or not self.shared_foldable():
+            return self.shared_folded
+        s, g = self.shared_expert, self.shared_expert_gate
+        self.experts_gate_up.data = torch.cat([self.experts_gate_up.data, s.gate_up_proj.weight.data[None]])
+        self.experts_down.data = torch.cat([self.experts_down.data, s.down_proj.weight.data[None]])
+        self.gate.weight.data = torch.cat([self.gate.weight.data, g.weight.data])
+        self.gate.out_features = self.num_experts + 1
+        self.shared_expert = self.shared_expert_gate = None
+        self.shared_folded = True
+        return True
+
+    @torch.no_grad()
+    def unfold_shared(self) -> None:
+        """Undo ``fold_shared`` (no-op when not folded): a separate shared ``MLP`` and gate again."""
+        if not self.shared_folded:
+            return
+        E = self.num_experts
+        gu, dn, gw = self.experts_gate_up.data, self.experts_down.data, self.gate.weight.data
+        with torch.device("meta"):
+            mlp = MLP(self.hidden, self.shared_intermediate, reduce_results=False, tp_rank=self.tp_rank,
+                      tp_size=self.tp_size)
+            gate = nn.Linear(self.hidden, 1, bias=False)
+        mlp.gate_up_proj.weight = nn.Parameter(gu[E].clone())
+        mlp.down_proj.weight = nn.Parameter(dn[E].clone())
+        gate.weight = nn.Parameter(gw[E:].clone())
+        self.experts_gate_up.data, self.experts_down.data = gu[:E].clone(), dn[:E].clone()
+        self.gate.weight.data, self.gate.out_features = gw[:E].clone(), E
+        self.shared_expert, self.shared_expert_gate, self.shared_folded = mlp, gate, False
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, top_k] in x.dtype, experts [T, top_k] int64): HF's PyTorch ops."""
-        return route_torch(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob)
+        return route_torch(F.linear(x, self.gate.weight[:self.num_experts]), self.top_k, self.norm_topk_prob)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]."""
         if x.dim() != 2 or x.shape[1] != self.hidden:
             raise ValueError(f"x: expected [T, {self.hidden}], got {list(x.shape)}")
-        al = None
-        if self.fused and resolve_backend(self.backend, x) == "triton":   # one fused router launch at decode sizes
-            weights, experts, al = route(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, "triton")
+        E = self.num_experts
+        triton = self.fused and resolve_backend(self.backend, x) == "triton"
+        if triton and self.shared_folded and x.shape[0] <= self.fold_max_tokens:   # router GEMM, router, grouped GEMM
+            r = route(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, "triton", shared=True)
+            out = moe_experts(x, r.weights, r.experts, self.experts_gate_up, self.experts_down, backend="triton",
+                              alignment=r.alignment)
+            return all_reduce(out, self.tp_size)
+        gu, dn, al = self.experts_gate_up, self.experts_down, None
+        if self.shared_folded:
+            gu, dn = gu[:E], dn[:E]
+        if triton:                                        # one fused router launch at decode sizes
+            weights, experts, al = route(F.linear(x, self.gate.weight[:E]), self.top_k, self.norm_topk_prob, "triton")
         else:
             weights, experts = self.route(x)
-        out = moe_experts(x, weights, experts, self.experts_gate_up, self.experts_down, backend=self.backend,
-                          scales=self.experts_scales, alignment=al)
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        out = moe_experts(x, weights, experts, gu, dn, backend=self.backend, scales=self.experts_scales, alignment=al)
+        if self.shared_folded or self.shared_expert is not None:
+            out = out + self.shared_output(x)
         return all_reduce(out, self.tp_size)
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
+        """sigmoid(shared gate(x)) * shared_expert(x) with HF's ops (a folded block reads views of row E)."""
+        if not self.shared_folded:
+            return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        E, I = self.num_experts, self.local_intermediate
+        h = F.linear(x, self.experts_gate_up[E])
+        h = F.linear(F.silu(h[:, :I]) * h[:, I:], self.experts_down[E])
+        return torch.sigmoid(F.linear(x, self.gate.weight[E:])) * h
 
 
 def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix: str,
@@ -138,7 +221,9 @@ def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix:
     FP8 experts (after ``moe.to_fp8()``): per-expert tensors only, each read as (e4m3 weight, float32 block
     scales) by ``get_fp8(module_name)``; gate and up scale rows are stacked like their weights. A shared
     expert's FP8 layers (``qweight`` set) are left to the caller (the model loader plans FP8 layers).
+    A dense shared expert of the experts' size is folded afterwards (``SparseMoE.fold_shared``).
     """
+    moe.unfold_shared()                 # loading again into a folded block: the unfolded parameters first
     E, I, H, S = moe.num_experts, moe.moe_intermediate, moe.hidden, moe.shared_intermediate
     used: set[str] = set()
 
@@ -197,7 +282,14 @@ def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix:
             p = params[name]
             keep = p.dtype if moe.experts_scales is not None and name.startswith("experts_") else dtype   # FP8
             p.data = load_shard(moe, name, t).to(device=p.device, dtype=keep).contiguous()
+    moe.fold_shared()                   # an FP8 shared layer (the caller's to load) never folds
     return used
+
+
+def fold_shared_experts(model: nn.Module) -> int:
+    """``fold_shared`` on every SparseMoE of ``model`` that allows it (random-weight models built without the
+    loader); returns how many are folded."""
+    return sum(m.fold_shared() for m in model.modules() if isinstance(m, SparseMoE))
 
 
 def _try_get(get: Callable[[str], torch.Tensor], name: str) -> torch.Tensor | None:

@@ -260,6 +260,9 @@ def quantize_model_fp8_(model: torch.nn.Module) -> list[str]:
     ``fc`` stay dense. Returns the FP8 layers' names."""
     from gdnserve.ops.quant import quantize_weight
     done = []
+    for mod in model.modules():             # a folded shared expert (expert E) becomes its own MLP again
+        if isinstance(mod, SparseMoE):
+            mod.unfold_shared()
     for name in model_linears(model.cfg, getattr(model, "mtp", None) is not None):
         layer = model.get_submodule(name)
         if layer.qweight is not None:

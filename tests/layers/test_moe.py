@@ -62,7 +62,8 @@ def per_expert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 CASES = [("qwen3_next", dict()), ("qwen3_next", dict(norm_topk_prob=False)), ("qwen3_next", dict(top_k=3)),
-         ("qwen3_5_moe", dict()), ("qwen3_5_moe", dict(top_k=3))]
+         ("qwen3_5_moe", dict()), ("qwen3_5_moe", dict(top_k=3)),
+         ("qwen3_next", dict(shared=I, norm_topk_prob=False)), ("qwen3_5_moe", dict(shared=I))]   # folded
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -74,6 +75,7 @@ def test_matches_hf(family, kw, layout, dtype):
     sd = layout(block.state_dict())
     moe, used = ours(block, sd, dtype, norm_topk_prob=kw.get("norm_topk_prob", True))
     assert used == set(sd), f"not consumed: {sorted(set(sd) - used)}"
+    assert moe.shared_folded == (kw.get("shared", S) == I)     # the shared expert as expert E (PyTorch path: views)
     block = block.to(dtype)
     x = torch.randn(T, H, dtype=dtype)
     with torch.no_grad():

@@ -141,7 +141,8 @@ def _worker(rank: int, world: int, init_file: str, folder: str, work, out_dir: s
 
 FAMILIES = {"qwen3_5": lambda p, hf: hf.tiny_qwen35(p),                                # dense, r = 2
             "qwen3_next_moe": lambda p, hf: hf.tiny_qwen3_next(p, HV=6, num_experts=8),  # r = 3, MoE/dense mix
-            "qwen3_5_moe": lambda p, hf: hf.tiny_qwen35_moe(p)}
+            "qwen3_5_moe": lambda p, hf: hf.tiny_qwen35_moe(p),
+            "qwen3_5_moe_folded": lambda p, hf: hf.tiny_qwen35_moe(p, shared=24)}          # shared expert = expert E
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

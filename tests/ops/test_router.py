@@ -89,3 +89,22 @@ def test_bench_shapes_against_cuda_topk(T, E, device):
     assert torch.equal(got.experts.long()[clean].sort(1).values, idx[clean].sort(1).values)
     torch.testing.assert_close(got.weights.float(), w.float(), rtol=2.0 ** -8, atol=0)
     check_alignment(got, E)
+
+
+@pytest.mark.parametrize("T,E,k,renorm,dtype", [(1, 8, 2, True, torch.float32), (3, 60, 8, False, torch.bfloat16),
+                                                (65, 20, 3, True, torch.float32), (30, 7, 6, False, torch.bfloat16)])
+def test_shared_column_becomes_pair_k(T, E, k, renorm, dtype, launch_shape, device):
+    """``shared=True``: column E (the shared expert's gate logit) is not routed; each token's pair k is
+    (expert E, sigmoid(logit) in the logits' dtype); the alignment counts E+1 experts and k+1 pairs."""
+    logits = (torch.randn(T, E + 1, device=device) * 2).to(dtype)
+    got = route(logits, k, renorm, backend="triton", shared=True)
+    assert got.weights.shape == got.experts.shape == (T, k + 1) and got.weights.dtype == dtype
+    plain = route(logits[:, :E].contiguous(), k, renorm, backend="triton")
+    assert torch.equal(got.experts[:, :k], plain.experts) and torch.equal(got.weights[:, :k], plain.weights)
+    assert (got.experts[:, k] == E).all()
+    torch.testing.assert_close(got.weights[:, k], torch.sigmoid(logits[:, E]), rtol=W_TOL[dtype], atol=0)
+    w, idx = route(logits, k, renorm, backend="torch", shared=True)[:2]
+    assert idx.shape == (T, k + 1) and (idx[:, k] == E).all() and torch.equal(w[:, k], torch.sigmoid(logits[:, E]))
+    if dtype == torch.float32:
+        assert torch.equal(got.experts.long(), idx)
+    check_alignment(got, E + 1)

@@ -11,6 +11,12 @@ chosen set is the one CUDA's ``torch.topk`` picks). ``torch.topk`` on the CPU le
 unspecified (a partial sort), so the two paths agree exactly on logits without ties and on the set of
 weights otherwise. Selection runs on the logits (softmax is monotone), the weights are
 ``exp(l - max) / sum`` as the PyTorch path computes them.
+
+Shared expert folded into the grouped GEMM (``shared=True``, ``layers/moe.py``): the logits have E+1
+columns, the last one the shared expert's gate logit (row E of the router weight). It takes no part in the
+softmax / top-k; each token gets a (k+1)-th pair, expert E with weight ``sigmoid(logit)`` (fp32, cast to the
+logits' dtype: what ``torch.sigmoid`` on the activation-dtype logit gives), after the k weights' renormalisation,
+and the alignment counts E+1 experts and k+1 pairs per token.
 """
 from __future__ import annotations
 
@@ -29,18 +35,24 @@ class Routing(NamedTuple):
     alignment: Alignment | None          # the grouped GEMM's alignment (Triton path), None on the PyTorch path
 
 
-def route(logits: torch.Tensor, top_k: int, renormalize: bool, backend: Backend = "auto") -> Routing:
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, backend: Backend = "auto",
+          shared: bool = False) -> Routing:
     """logits [T, E] (activation dtype, unit last stride) -> Routing. The Triton path's alignment uses the
-    row block the grouped GEMM picks for T * top_k pairs (``grouped_triton.block_rows``)."""
+    row block the grouped GEMM picks for its pairs (``grouped_triton.block_rows``). ``shared``: logits
+    [T, E+1] whose last column is the shared expert's gate logit -> weights / experts [T, top_k + 1] (see
+    the module docstring), the alignment over E+1 experts."""
     check_tensor("route: logits", logits, (None, None), ACT_DTYPES)
-    E = logits.shape[1]
+    E = logits.shape[1] - shared
     if not 1 <= top_k <= E:
         raise ValueError(f"route: top_k must be in [1, num_experts={E}], got {top_k}")
     if resolve(backend, logits) == "torch":
-        w, idx = route_torch(logits, top_k, renormalize)
+        w, idx = route_torch(logits[:, :E], top_k, renormalize)
+        if shared:
+            w = torch.cat([w, torch.sigmoid(logits[:, E:])], 1)
+            idx = torch.cat([idx, torch.full_like(idx[:, :1], E)], 1)
         return Routing(w, idx, None)
     from gdnserve.ops.moe.router_triton import route_triton
-    return route_triton(logits, top_k, renormalize)
+    return route_triton(logits, top_k, renormalize, shared)
 
 
 def route_torch(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

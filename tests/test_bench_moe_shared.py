@@ -1,0 +1,16 @@
+"""The folded-shared-expert MoE block benchmark runs end to end (CPU smoke run, tiny shapes)."""
+from __future__ import annotations
+
+import json
+
+from benchmarks import bench_moe_shared
+
+
+def test_smoke(tmp_path):
+    out = tmp_path / "moe_shared.md"
+    assert bench_moe_shared.main(["--device", "cpu", "--tokens", "3", "--experts", "9", "--hidden", "32",
+                                  "--intermediate", "16", "--iters", "1", "--out", str(out), "--commit", "x"]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["T"], r["variant"]) for r in rows] == [(3, "unfolded"), (3, "folded")]
+    assert rows[1]["rel_rms_vs_unfolded"] < 1e-2 and rows[1]["rel_rms_vs_f64"] < 1e-2
+    assert "| 3 |" in out.read_text()
