@@ -1,23 +1,29 @@
 """Grouped GEMM for the routed experts (Triton), driven by ``align.Alignment``: block ``b`` of ``BM`` sorted
-rows multiplies the rows' tokens by its expert's weights. Two kernels:
+rows multiplies the rows' tokens by its expert's weights. Two kernels, then the k-sum (``combine_triton.py``):
 
   gate_up:  inter[r, n] = silu(x[tok(r)] . Wg[e, n]) * (x[tok(r)] . Wu[e, n])     r: padded sorted row
   down:     pair_out[pair(r), n] = w(pair) * (inter[r] . Wd[e, n])                 written per pair, no atomics
+  k-sum:    out[t] = sum_j pair_out[t * k + j]                                       one kernel, fp32
 
-and the k pair outputs of a token are summed afterwards. Matmuls accumulate in fp32; the intermediate and each
-pair output are rounded to the activation dtype, the k-sum accumulates in fp32 and rounds once. A token's
-result does not depend on the other tokens' values (no atomics, rows of a tile are independent), so it is
-deterministic; the tile config (row block BM, K step BK) is chosen from the batch shape T*k and can change its
-rounding, so batches of different sizes may differ in the last bits.
+For decode-sized batches (``Config.fused``) the down GEMM and the k-sum are one token-major kernel instead:
+gate_up also records each pair's padded row, and a program per (token, H tile) runs the token's k GEMVs and
+sums them (``combine_triton.down_combine``). Matmuls accumulate in fp32; the intermediate and each pair output
+are rounded to the activation dtype, the k-sum accumulates in fp32 and rounds once. A token's result does not
+depend on the other tokens' values (no atomics, rows of a tile are independent), so it is deterministic; the
+row block BM and the tiles are chosen from the batch shape and can change the rounding, so batches of
+different sizes may differ in the last bits.
 
 FP8 experts (``FP8`` constexpr, from block checkpoints): weights e4m3 with one float32 scale per 128x128
 block — ``w_gate_up`` scales ``[E, 2·ceil(I/128), ceil(H/128)]`` (the gate rows' blocks, then the up
 rows'), ``w_down`` scales ``[E, ceil(H/128), ceil(I/128)]``. The K step is then exactly 128: each step
 quantizes the activation tile (the gathered x rows, or the rounded intermediate) per row and group of 128
 on the fly (``ops/quant/tl_fp8.py``), multiplies the tiles (weights upcast from e4m3 to bf16, exact) on
-the bf16 tensor cores and adds ``dot · sx · sw``: the weights are read as e4m3 bytes.
+the bf16 tensor cores and adds ``dot · sx · sw``: the weights are read as e4m3 bytes. FP8 always takes the
+block down kernel and the separate k-sum.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -25,28 +31,38 @@ import triton.language as tl
 
 from gdnserve.ops.launch import cdiv, launch
 from gdnserve.ops.moe.align import Alignment
+from gdnserve.ops.moe.combine_triton import combine, down_combine
 from gdnserve.ops.quant.tl_fp8 import fp8_dot, quant_tile
 from gdnserve.ops.tl_compat import cast, mma
 
 
 @triton.jit
-def _tile(rows, pid_m, pid_n, N, n_out, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """The row block's padded rows, their pairs (N = padding) and the N / K offsets of this program's tile."""
+def _tile(n_out, NUM_N, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_FAST: tl.constexpr):
+    """This program's row block and N tile, the block's padded rows and the N / K offsets of its tile. N_FAST: consecutive programs walk the N tiles of one row block (the block's
+    rows stay in L2) instead of the row blocks of one N tile (one expert's weight tile stays in L2)."""
+    if N_FAST:
+        pid_m = tl.program_id(0) // NUM_N
+        pid_n = tl.program_id(0) % NUM_N
+    else:
+        pid_m = tl.program_id(0) % (tl.num_programs(0) // NUM_N)
+        pid_n = tl.program_id(0) // (tl.num_programs(0) // NUM_N)
     offs_m = pid_m * BM + tl.arange(0, BM)
-    r = tl.load(rows + offs_m)
     offs_n = pid_n * BN + tl.arange(0, BN)
-    return offs_m, r, r < N, offs_n, offs_n < n_out, tl.arange(0, BK)
+    return pid_m, pid_n, offs_m, offs_n, offs_n < n_out, tl.arange(0, BK)
 
 
 @triton.jit
-def _gate_up_kernel(x, w, ws, rows, block_expert, inter, N, H, I, stride_x, SG, SK,
+def _gate_up_kernel(x, w, ws, rows, block_expert, inter, pos, N, H, I, stride_x, SG, SK,
                     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    PREC: tl.constexpr, FP8: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                    PREC: tl.constexpr, FP8: tl.constexpr, N_FAST: tl.constexpr, POS: tl.constexpr):
+    pid_m, pid_n, offs_m, offs_n, n_ok, offs_k = _tile(I, tl.cdiv(I, BN), BM, BN, BK, N_FAST)
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e >= 0:
-        offs_m, r, valid, offs_n, n_ok, offs_k = _tile(rows, pid_m, pid_n, N, I, BM, BN, BK)
+        r = tl.load(rows + offs_m)
+        valid = r < N
+        if POS:                                   # each pair's padded row, for the token-major down + k-sum
+            if pid_n == 0:
+                tl.store(pos + r, offs_m.to(tl.int32), mask=valid)
         tok = (r // TOP_K).to(tl.int64)
         w_e = w + e * (2 * I) * H
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
@@ -75,12 +91,13 @@ def _gate_up_kernel(x, w, ws, rows, block_expert, inter, N, H, I, stride_x, SG, 
 
 @triton.jit
 def _down_kernel(inter, w, ws, rows, block_expert, pair_w, out, N, H, I, SK,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
+                 N_FAST: tl.constexpr):
+    pid_m, pid_n, offs_m, offs_n, n_ok, offs_k = _tile(H, tl.cdiv(H, BN), BM, BN, BK, N_FAST)
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e >= 0:
-        offs_m, r, valid, offs_n, n_ok, offs_k = _tile(rows, pid_m, pid_n, N, H, BM, BN, BK)
+        r = tl.load(rows + offs_m)
+        valid = r < N
         w_e = w + e * H * I
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, I, BK):
@@ -102,48 +119,98 @@ def _down_kernel(inter, w, ws, rows, block_expert, pair_w, out, N, H, I, SK,
         tl.store(dst, cast(y, out.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
+class Tiles(NamedTuple):
+    """One kernel's tiles: N width, K step, warps, pipeline stages, and the program order (``_tile``)."""
+    BN: int
+    BK: int
+    warps: int
+    stages: int
+    n_fast: bool = False
+
+
+class Config(NamedTuple):
+    gate_up: Tiles
+    down: Tiles           # the block down kernel's, or the token-major down + k-sum's when ``fused``
+    fused: bool           # down GEMM and k-sum in one token-major kernel (decode-sized batches)
+    sum_block: int = 1024  # H columns per program of the separate k-sum
+
+
 def block_rows(num_pairs: int, num_experts: int) -> int:
-    """Row block from the expected rows per expert (shapes only: no host read)."""
+    """Row block from the expected rows per expert (shapes only: no host read). Every caller that aligns pairs
+    for the grouped GEMM (``experts.py``, the fused router) takes BM from here."""
     per = num_pairs / num_experts
-    return 16 if per <= 16 else (32 if per <= 32 else 64)
+    return 16 if per <= 16 else (32 if per <= 32 else (64 if per <= 192 else 128))
 
 
-# (BN gate_up, BN down, BK, num_warps, num_stages); None = pick from the shapes (``config``).
-CONFIG_OVERRIDE: tuple[int, int, int, int, int] | None = None
+FUSED_MAX_TOKENS = 4       # up to here the down GEMM and the k-sum are one token-major kernel
+
+CONFIG_OVERRIDE: Config | None = None      # benchmarks' sweeps: force a config
 
 
-def config(num_blocks: int, H: int, I: int) -> tuple[int, int, int, int, int]:
-    """Tile widths so that the grid has enough programs to stream the weights: with few row blocks (decode)
-    narrower N tiles and K steps of 128, else 64 / 128 and K steps of 64 (H200 sweep: moe_sweep_h200_run4.log)."""
+def config(T: int, top_k: int, num_blocks: int, BM: int, H: int, I: int) -> Config:
+    """Tiles from the shapes only (H200 sweep: ``benchmarks/results/moe_sweep_h200.log``). ``num_blocks``: the
+    row blocks that can hold rows. Decode-sized grids (few row blocks) take narrow N tiles and long K steps so
+    that enough programs stream the weights; prefill-sized ones wide tiles on the tensor cores."""
     if CONFIG_OVERRIDE is not None:
         return CONFIG_OVERRIDE
-    few = num_blocks * cdiv(I, 64) < 256                # decode-sized: narrower N tiles, longer K steps
-    bn2 = 128 if num_blocks * cdiv(H, 128) >= 256 else 64
-    return (32, bn2, 128, 4, 3) if few else (64, bn2, 64, 4, 3)
+    if T <= FUSED_MAX_TOKENS:
+        return Config(Tiles(32, 128, 4, 3), Tiles(16, 512, 4, 2), True)
+    if num_blocks * cdiv(I, 64) < 256:
+        return Config(Tiles(32, 128, 4, 3), Tiles(128 if num_blocks * cdiv(H, 128) >= 256 else 64, 128, 4, 3), False)
+    if BM <= 64:
+        return Config(Tiles(64, 64, 4, 3), Tiles(128, 64, 4, 3), False)
+    return Config(Tiles(64, 64, 8, 3), Tiles(128, 64, 8, 3), False)
+
+
+def _prec(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def gate_up(x: torch.Tensor, al: Alignment, w_gate_up: torch.Tensor, top_k: int, t: Tiles,
+            scales: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """-> inter [P, I] (rows of padding unwritten); ``pos`` [T*k] int32, when given, gets each pair's row."""
+    H = x.shape[1]
+    I = w_gate_up.shape[1] // 2
+    N, P, BM = x.shape[0] * top_k, al.rows.numel(), al.BM
+    fp8 = scales is not None
+    BK = 128 if fp8 else t.BK                                      # one scale block per K step
+    inter = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    launch(_gate_up_kernel, ((P // BM) * cdiv(I, t.BN),),
+           (x, w_gate_up, scales if fp8 else w_gate_up, al.rows, al.block_expert, inter,
+            al.rows if pos is None else pos, N, H, I, x.stride(0), cdiv(I, 128), cdiv(H, 128),
+            top_k, BM, t.BN, BK, _prec(x), fp8, t.n_fast, pos is not None), num_warps=t.warps, num_stages=t.stages)
+    return inter
+
+
+def down(inter: torch.Tensor, al: Alignment, w_down: torch.Tensor, pair_w: torch.Tensor, N: int, t: Tiles,
+         scales: torch.Tensor | None = None) -> torch.Tensor:
+    """-> pair_out [N, H]: each pair's weighted expert output, in pair (token-major) order."""
+    H, I = w_down.shape[1], w_down.shape[2]
+    P, BM = al.rows.numel(), al.BM
+    fp8 = scales is not None
+    out = torch.empty(N, H, dtype=inter.dtype, device=inter.device)
+    launch(_down_kernel, ((P // BM) * cdiv(H, t.BN),),
+           (inter, w_down, scales if fp8 else w_down, al.rows, al.block_expert, pair_w, out, N, H, I, cdiv(I, 128),
+            BM, t.BN, 128 if fp8 else t.BK, _prec(inter), fp8, t.n_fast), num_warps=t.warps, num_stages=t.stages)
+    return out
 
 
 def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, al: Alignment, w_gate_up: torch.Tensor,
                        w_down: torch.Tensor, top_k: int,
                        scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """x [T, H] (unit column stride), weights [T, k], w_gate_up [E, 2I, H], w_down [E, H, I] (contiguous)
-    -> [T, H] in x.dtype. ``scales``: the FP8 experts' block scales (gate_up, down), float32, contiguous."""
+    """x [T, H] (unit column stride), weights [T, k] (contiguous), w_gate_up [E, 2I, H], w_down [E, H, I]
+    (contiguous) -> [T, H] in x.dtype. ``scales``: the FP8 experts' block scales (gate_up, down), float32,
+    contiguous. Any E and top_k (the alignment's rows index pairs token * top_k + j)."""
     T, H = x.shape
     I = w_down.shape[2]
     N, P, BM = T * top_k, al.rows.numel(), al.BM
     # blocks that can hold rows: every pair alone in its expert's block at worst (the rest exit at once)
-    live = min(P // BM, N)
-    BN1, BN2, BK, warps, stages = config(live, H, I)
-    fp8 = scales is not None
-    if fp8:
-        BK = 128                                      # one scale block per K step
-    s_gu, s_dn = scales if fp8 else (w_gate_up, w_down)          # unused pointers when not FP8
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    inter = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    launch(_gate_up_kernel, (P // BM, cdiv(I, BN1)),
-           (x, w_gate_up, s_gu, al.rows, al.block_expert, inter, N, H, I, x.stride(0), cdiv(I, 128), cdiv(H, 128),
-            top_k, BM, BN1, BK, prec, fp8), num_warps=warps, num_stages=stages)
-    pair_out = torch.empty(N, H, dtype=x.dtype, device=x.device)
-    launch(_down_kernel, (P // BM, cdiv(H, BN2)),
-           (inter, w_down, s_dn, al.rows, al.block_expert, weights.reshape(-1), pair_out, N, H, I, cdiv(I, 128),
-            BM, BN2, BK, prec, fp8), num_warps=warps, num_stages=stages)
-    return pair_out.view(T, top_k, H).sum(dim=1)
+    cfg = config(T, top_k, min(P // BM, N), BM, H, I)
+    s_gu, s_dn = scales if scales is not None else (None, None)
+    pw = weights.reshape(-1)
+    if cfg.fused and scales is None:
+        pos = torch.empty(N, dtype=torch.int32, device=x.device)
+        inter = gate_up(x, al, w_gate_up, top_k, cfg.gate_up, pos=pos)
+        return down_combine(inter, al, pos, w_down, pw, T, top_k, cfg.down)
+    inter = gate_up(x, al, w_gate_up, top_k, cfg.gate_up, s_gu)
+    return combine(down(inter, al, w_down, pw, N, cfg.down, s_dn), T, top_k, cfg.sum_block)
