@@ -220,8 +220,12 @@ def precompile(sh: Shapes, procs: int) -> None:
     js = jobs(sh)
     parts = [js[i::procs] for i in range(procs)]
     t0 = time.time()
-    with mp.get_context("spawn").Pool(procs) as pool:
-        n = sum(pool.map(_compile_worker, parts))
+    try:
+        with mp.get_context("spawn").Pool(procs) as pool:
+            n = sum(pool.map_async(_compile_worker, parts).get(timeout=240))
+    except Exception as e:  # noqa: BLE001 - the sweep compiles what is missing itself
+        print(f"precompile failed ({type(e).__name__}: {e}); compiling in the sweep", flush=True)
+        n = -1
     print(f"precompiled {n}/{len(js)} kernel variants in {time.time() - t0:.0f} s with {procs} processes", flush=True)
 
 
