@@ -32,16 +32,22 @@ from gdnserve.ops.moe.naive import naive_moe_experts
 from gdnserve.ops.numerics import rel_rms
 
 T_ = Tiles
-GU_DECODE = [T_(32, 128, 4, 3), T_(16, 128, 4, 3), T_(16, 256, 4, 3), T_(32, 256, 4, 3), T_(32, 128, 4, 4),
-             T_(16, 128, 2, 4), T_(64, 128, 4, 3), T_(16, 512, 4, 2)]
-DN_DECODE = [T_(64, 128, 4, 3), T_(128, 128, 4, 3), T_(32, 128, 4, 3), T_(32, 256, 4, 3), T_(64, 256, 4, 3),
-             T_(16, 256, 4, 3), T_(64, 64, 4, 4)]
-FUSED = [T_(16, 512, 4, 2), T_(16, 256, 4, 3), T_(32, 256, 4, 3), T_(8, 512, 2, 2), T_(32, 512, 8, 2),
-         T_(64, 128, 4, 3), T_(16, 128, 2, 4)]
-GU_PREFILL = [T_(64, 64, 4, 3), T_(64, 64, 8, 3), T_(128, 64, 8, 3), T_(128, 64, 8, 4), T_(64, 64, 4, 4),
-              T_(128, 64, 4, 3), T_(64, 128, 4, 3), T_(64, 64, 4, 3, True), T_(128, 64, 8, 3, True)]
-DN_PREFILL = [T_(128, 64, 4, 3), T_(128, 64, 8, 3), T_(256, 64, 8, 3), T_(128, 64, 8, 4), T_(256, 64, 8, 4),
-              T_(64, 64, 4, 3), T_(128, 128, 8, 3), T_(128, 64, 4, 4), T_(128, 64, 8, 3, True), T_(256, 64, 8, 3, True)]
+F, Y = False, True
+GU_DECODE = [T_(32, 128, 4, 3), T_(32, 256, 4, 3), T_(32, 128, 4, 4), T_(32, 256, 4, 4), T_(32, 256, 8, 3),
+             T_(64, 256, 8, 3), T_(32, 512, 8, 2), T_(16, 128, 2, 4), T_(16, 256, 4, 4),
+             T_(16, 256, 4, 3, F, Y), T_(32, 256, 4, 3, F, Y), T_(16, 512, 4, 2, F, Y), T_(32, 128, 4, 4, F, Y),
+             T_(64, 128, 4, 3, F, Y), T_(32, 256, 8, 3, F, Y)]
+DN_DECODE = [T_(64, 128, 4, 3), T_(128, 128, 4, 3), T_(32, 128, 4, 3), T_(64, 256, 4, 3), T_(32, 256, 4, 3),
+             T_(64, 128, 4, 4), T_(64, 512, 4, 2), T_(128, 256, 8, 3), T_(64, 128, 4, 3, Y), T_(128, 128, 4, 3, Y)]
+FUSED = [T_(16, 512, 4, 2), T_(16, 512, 8, 1), T_(32, 512, 8, 1), T_(8, 512, 4, 1), T_(16, 256, 4, 2),
+         T_(32, 256, 8, 2)]
+GU_PREFILL = [T_(64, 64, 4, 3), T_(64, 64, 4, 3, Y), T_(128, 64, 8, 4), T_(128, 64, 8, 3, Y), T_(64, 64, 8, 3),
+              T_(64, 64, 4, 3, F, Y), T_(64, 64, 4, 3, Y, Y), T_(64, 64, 4, 4, Y, Y), T_(128, 64, 4, 3, Y, Y),
+              T_(128, 64, 8, 3, F, Y), T_(128, 64, 8, 3, Y, Y), T_(128, 64, 8, 4, Y, Y), T_(64, 64, 8, 3, Y, Y),
+              T_(128, 32, 8, 4, Y, Y), T_(64, 128, 8, 3, Y, Y)]
+DN_PREFILL = [T_(128, 64, 4, 3), T_(128, 64, 8, 3, Y), T_(256, 64, 8, 3, Y), T_(256, 64, 8, 4), T_(256, 64, 8, 4, Y),
+              T_(128, 64, 8, 4, Y), T_(128, 128, 8, 3, Y), T_(256, 128, 8, 2, Y), T_(128, 64, 4, 3, Y),
+              T_(64, 64, 4, 3, Y), T_(128, 128, 4, 3, Y), T_(128, 64, 4, 4, Y)]
 SUM_BLOCKS: list[int | str] = ["torch", 512, 1024, 2048]     # "torch": pair_out.view(T, k, H).sum(1), as before
 
 
@@ -64,11 +70,11 @@ def k_sum(pair: torch.Tensor, T: int, k: int, t: int | str) -> torch.Tensor:
 def candidates(T: int, BM: int) -> dict[str, list[Tiles]]:
     """Tile sets per kernel worth timing at this shape."""
     if T <= gt.FUSED_MAX_TOKENS:
-        return {"gate_up": GU_DECODE, "fused": FUSED, "down": DN_DECODE[:3]}
+        return {"gate_up": GU_DECODE, "fused": FUSED, "down": DN_DECODE}
     if BM <= 16:
         return {"gate_up": GU_DECODE, "down": DN_DECODE}
     if BM == 32:
-        return {"gate_up": GU_DECODE[:4] + GU_PREFILL[:4], "down": DN_DECODE[:4] + DN_PREFILL[:4]}
+        return {"gate_up": GU_DECODE[:6] + GU_PREFILL[:8], "down": DN_DECODE[:6] + DN_PREFILL[:6]}
     return {"gate_up": GU_PREFILL, "down": DN_PREFILL}
 
 

@@ -1,5 +1,5 @@
 """The grouped GEMM's shape-chosen paths against the float64 reference at small odd sizes: every row block
-(BM 16..128), both program orders, K steps and N tiles that do not divide H / I, the token-major down + k-sum
+(BM 16..128), both program orders, gate and up as one MMA or two, K steps and N tiles that do not divide H / I, the token-major down + k-sum
 (``Config.fused``) at any T, the separate k-sum with H not a multiple of its block, any top_k (the shared
 expert folded in as one more pair per token); and the shape rules (block_rows, config) themselves."""
 from __future__ import annotations
@@ -34,6 +34,8 @@ def run(cfg, BM, x, w, idx, gu, dn, monkeypatch):
 @pytest.mark.parametrize("T,BM,cfg,dtype", [
     (65, 128, Config(Tiles(32, 32, 4, 3), Tiles(64, 32, 4, 3), False, 64), torch.bfloat16),
     (65, 64, Config(Tiles(32, 32, 4, 3, True), Tiles(32, 16, 4, 2, True), False, 32), torch.float32),
+    (65, 128, Config(Tiles(16, 32, 4, 3, True, True), Tiles(32, 32, 4, 3), False, 1024), torch.bfloat16),
+    (3, 16, Config(Tiles(32, 64, 4, 2, False, True), Tiles(16, 64, 4, 2), True), torch.float32),
     (3, 16, Config(Tiles(16, 64, 4, 2), Tiles(16, 32, 4, 2), True), torch.bfloat16),
     (65, 32, Config(Tiles(16, 32, 4, 2), Tiles(32, 64, 4, 2), True), torch.float32),
     (1, 16, Config(Tiles(32, 128, 4, 3), Tiles(16, 512, 4, 2), True), torch.float32),

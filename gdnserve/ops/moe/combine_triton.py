@@ -42,7 +42,7 @@ def _down_combine_kernel(inter, w, pos, block_expert, pair_w, out, H, I,
     n_ok = offs_n < H
     offs_k = tl.arange(0, BK)
     total = tl.zeros((BN,), dtype=tl.float32)
-    for j in range(TOP_K):
+    for j in tl.static_range(TOP_K):          # unrolled: the k pairs' loads can be in flight together
         p = t * TOP_K + j
         row = tl.load(pos + p).to(tl.int64)
         e = tl.load(block_expert + row // BM).to(tl.int64)

@@ -90,6 +90,38 @@ def _gate_up_kernel(x, w, ws, rows, block_expert, inter, pos, N, H, I, stride_x,
 
 
 @triton.jit
+def _gate_up_one_dot_kernel(x, w, rows, block_expert, inter, pos, N, H, I, stride_x,
+                            TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                            PREC: tl.constexpr, N_FAST: tl.constexpr, POS: tl.constexpr):
+    """gate_up (not FP8) as one [BM, BK] x [BK, 2 BN] product per K step: the B tile's columns interleave the gate
+    rows and the up rows of this program's BN columns of ``inter`` (wider MMAs than two [BK, BN] products)."""
+    pid_m, pid_n, offs_m, offs_n, n_ok, offs_k = _tile(I, tl.cdiv(I, BN), BM, BN, BK, N_FAST)
+    e = tl.load(block_expert + pid_m).to(tl.int64)
+    if e >= 0:
+        r = tl.load(rows + offs_m)
+        valid = r < N
+        if POS:
+            if pid_n == 0:
+                tl.store(pos + r, offs_m.to(tl.int32), mask=valid)
+        tok = (r // TOP_K).to(tl.int64)
+        j = tl.arange(0, 2 * BN)
+        col = pid_n * BN + j // 2                                   # even j: gate row col, odd j: up row I + col
+        w_cols = w + e * (2 * I) * H + (col + (j % 2) * I).to(tl.int64)[None, :] * H
+        col_ok = (col < I)[None, :]
+        acc = tl.zeros((BM, 2 * BN), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            kk = k0 + offs_k
+            k_ok = kk < H
+            a = tl.load(x + tok[:, None] * stride_x + kk[None, :], mask=valid[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & col_ok, other=0.0)
+            acc += mma(a, b, PREC)
+        g, u = tl.split(tl.reshape(acc, (BM, BN, 2)))
+        h = g * tl.sigmoid(g) * u
+        dst = inter + offs_m[:, None].to(tl.int64) * I + offs_n[None, :]
+        tl.store(dst, cast(h, inter.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
 def _down_kernel(inter, w, ws, rows, block_expert, pair_w, out, N, H, I, SK,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr,
                  N_FAST: tl.constexpr):
@@ -120,12 +152,14 @@ def _down_kernel(inter, w, ws, rows, block_expert, pair_w, out, N, H, I, SK,
 
 
 class Tiles(NamedTuple):
-    """One kernel's tiles: N width, K step, warps, pipeline stages, and the program order (``_tile``)."""
+    """One kernel's tiles: N width, K step, warps, pipeline stages, the program order (``_tile``), and for gate_up
+    whether gate and up take one MMA of twice the width (``_gate_up_one_dot_kernel``; not FP8)."""
     BN: int
     BK: int
     warps: int
     stages: int
     n_fast: bool = False
+    one_dot: bool = False
 
 
 class Config(NamedTuple):
@@ -175,6 +209,11 @@ def gate_up(x: torch.Tensor, al: Alignment, w_gate_up: torch.Tensor, top_k: int,
     fp8 = scales is not None
     BK = 128 if fp8 else t.BK                                      # one scale block per K step
     inter = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    if t.one_dot and not fp8:
+        launch(_gate_up_one_dot_kernel, ((P // BM) * cdiv(I, t.BN),),
+               (x, w_gate_up, al.rows, al.block_expert, inter, al.rows if pos is None else pos, N, H, I, x.stride(0),
+                top_k, BM, t.BN, t.BK, _prec(x), t.n_fast, pos is not None), num_warps=t.warps, num_stages=t.stages)
+        return inter
     launch(_gate_up_kernel, ((P // BM) * cdiv(I, t.BN),),
            (x, w_gate_up, scales if fp8 else w_gate_up, al.rows, al.block_expert, inter,
             al.rows if pos is None else pos, N, H, I, x.stride(0), cdiv(I, 128), cdiv(H, 128),
