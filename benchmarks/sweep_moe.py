@@ -26,7 +26,7 @@ import torch
 
 from gdnserve.ops.moe import grouped_triton as gt
 from gdnserve.ops.moe.align import align_pairs
-from gdnserve.ops.moe.combine_triton import combine, down_combine
+from gdnserve.ops.moe.combine_triton import combine
 from gdnserve.ops.moe.grouped_triton import Config, Tiles
 from gdnserve.ops.moe.naive import naive_moe_experts
 from gdnserve.ops.numerics import rel_rms
@@ -39,8 +39,6 @@ GU_DECODE = [T_(32, 128, 4, 3), T_(32, 256, 4, 3), T_(32, 128, 4, 4), T_(32, 256
              T_(64, 128, 4, 3, F, Y), T_(32, 256, 8, 3, F, Y)]
 DN_DECODE = [T_(64, 128, 4, 3), T_(128, 128, 4, 3), T_(32, 128, 4, 3), T_(64, 256, 4, 3), T_(32, 256, 4, 3),
              T_(64, 128, 4, 4), T_(64, 512, 4, 2), T_(128, 256, 8, 3), T_(64, 128, 4, 3, Y), T_(128, 128, 4, 3, Y)]
-FUSED = [T_(16, 512, 4, 2), T_(16, 512, 8, 1), T_(32, 512, 8, 1), T_(8, 512, 4, 1), T_(16, 256, 4, 2),
-         T_(32, 256, 8, 2)]
 GU_PREFILL = [T_(64, 64, 4, 3), T_(64, 64, 4, 3, Y), T_(128, 64, 8, 4), T_(128, 64, 8, 3, Y), T_(64, 64, 8, 3),
               T_(64, 64, 4, 3, F, Y), T_(64, 64, 4, 3, Y, Y), T_(64, 64, 4, 4, Y, Y), T_(128, 64, 4, 3, Y, Y),
               T_(128, 64, 8, 3, F, Y), T_(128, 64, 8, 3, Y, Y), T_(128, 64, 8, 4, Y, Y), T_(64, 64, 8, 3, Y, Y),
@@ -59,8 +57,8 @@ def old_config(T: int, k: int, E: int, H: int, I: int) -> tuple[int, Config]:
     nb = min(padded_rows(T * k, E, BM) // BM, T * k)
     bn2 = 128 if nb * -(-H // 128) >= 256 else 64
     if nb * -(-I // 64) < 256:
-        return BM, Config(Tiles(32, 128, 4, 3), Tiles(bn2, 128, 4, 3), False)
-    return BM, Config(Tiles(64, 64, 4, 3), Tiles(bn2, 64, 4, 3), False)
+        return BM, Config(Tiles(32, 128, 4, 3), Tiles(bn2, 128, 4, 3), "torch")
+    return BM, Config(Tiles(64, 64, 4, 3), Tiles(bn2, 64, 4, 3), "torch")
 
 
 def k_sum(pair: torch.Tensor, T: int, k: int, t: int | str) -> torch.Tensor:
@@ -69,8 +67,6 @@ def k_sum(pair: torch.Tensor, T: int, k: int, t: int | str) -> torch.Tensor:
 
 def candidates(T: int, BM: int) -> dict[str, list[Tiles]]:
     """Tile sets per kernel worth timing at this shape."""
-    if T <= gt.FUSED_MAX_TOKENS:
-        return {"gate_up": GU_DECODE, "fused": FUSED, "down": DN_DECODE}
     if BM <= 16:
         return {"gate_up": GU_DECODE, "down": DN_DECODE}
     if BM == 32:
@@ -119,18 +115,23 @@ def reference(x, w, idx, gu, dn, n: int = 16):
 
 
 # ------------------------------------------------------------------------------------------------------ runs
-def run_variant(kind: str, t: Tiles | int, s: dict, gu, dn, k: int, base: Config) -> torch.Tensor:
+def run_variant(kind: str, t: Tiles | int | str, s: dict, gu, dn, k: int, base: Config) -> torch.Tensor:
     """The MoE output with ``t`` in place of the default tiles of kernel ``kind``."""
     x, w, al = s["x"], s["w"], s["al"]
     T, N = x.shape[0], x.shape[0] * k
     pw = w.reshape(-1)
-    if kind == "fused" or (kind == "gate_up" and base.fused):
-        pos = torch.empty(N, dtype=torch.int32, device=x.device)
-        inter = gt.gate_up(x, al, gu, k, t if kind == "gate_up" else base.gate_up, pos=pos)
-        return down_combine(inter, al, pos, dn, pw, T, k, t if kind == "fused" else base.down)
     inter = gt.gate_up(x, al, gu, k, t if kind == "gate_up" else base.gate_up)
-    pair = gt.down(inter, al, dn, pw, N, t if kind == "down" else (Tiles(64, 128, 4, 3) if base.fused else base.down))
+    pair = gt.down(inter, al, dn, pw, N, t if kind == "down" else base.down)
     return k_sum(pair, T, k, t if kind == "sum" else base.sum_block)
+
+
+def moe_call(s: dict, gu, dn, k: int, cfg: Config | None) -> torch.Tensor:
+    """The whole op: the library's own choice (cfg None, ``moe_experts_triton``) or the three kernels of ``cfg``."""
+    if cfg is None:
+        return gt.moe_experts_triton(s["x"], s["w"], s["al"], gu, dn, k)
+    T, N = s["x"].shape[0], s["x"].shape[0] * k
+    inter = gt.gate_up(s["x"], s["al"], gu, k, cfg.gate_up)
+    return k_sum(gt.down(inter, s["al"], dn, s["w"].reshape(-1), N, cfg.down), T, k, cfg.sum_block)
 
 
 def kernel_call(kind: str, t: Tiles | int, s: dict, gu, dn, k: int) -> Callable[[], Any]:
@@ -139,10 +140,7 @@ def kernel_call(kind: str, t: Tiles | int, s: dict, gu, dn, k: int) -> Callable[
     T, N = x.shape[0], x.shape[0] * k
     pw = w.reshape(-1)
     if kind == "gate_up":
-        pos = s["pos"] if s["fused"] else None
-        return lambda: gt.gate_up(x, al, gu, k, t, pos=pos)
-    if kind == "fused":
-        return lambda: down_combine(s["inter_pos"], al, s["pos"], dn, pw, T, k, t)
+        return lambda: gt.gate_up(x, al, gu, k, t)
     if kind == "down":
         return lambda: gt.down(s["inter"], al, dn, pw, N, t)
     return lambda: k_sum(s["pair"], T, k, t)
@@ -200,7 +198,7 @@ def jobs(sh: Shapes) -> list[tuple]:
                     for t in ts:
                         if t == "torch":
                             continue
-                        out.add((kind, BM, t, Tspec, T <= gt.FUSED_MAX_TOKENS))
+                        out.add((kind, BM, t, Tspec))
     return sorted(out, key=str)
 
 
@@ -211,10 +209,10 @@ def _compile_worker(part: list[tuple]) -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     gu, dn = make_weights(16, sh.H, sh.I, dev, gen)
     done = 0
-    for kind, BM, t, T, fused in part:
+    for kind, BM, t, T in part:
         x, w, idx = make_routing(T, 16, sh.K, sh.H, torch.bfloat16, dev, gen)
         try:
-            kernel_call(kind, t, prepare(x, w, idx, 16, BM, gu, dn, sh.K, fused), gu, dn, sh.K)()
+            kernel_call(kind, t, prepare(x, w, idx, 16, BM, gu, dn, sh.K), gu, dn, sh.K)()
             done += 1
         except Exception as e:  # noqa: BLE001 - reported again (with the reason) when the sweep runs it
             print(f"compile {kind} BM={BM} {t}: {type(e).__name__}: {str(e)[:160]}", flush=True)
@@ -235,17 +233,14 @@ def precompile(sh: Shapes, procs: int) -> None:
     print(f"precompiled {n}/{len(js)} kernel variants in {time.time() - t0:.0f} s with {procs} processes", flush=True)
 
 
-def prepare(x, w, idx, E: int, BM: int, gu, dn, k: int, fused: bool) -> dict:
+def prepare(x, w, idx, E: int, BM: int, gu, dn, k: int) -> dict:
     """One input set: the alignment and the default intermediate / pair outputs each kernel reads."""
     al = align_pairs(idx, E, BM)
-    s = {"x": x, "w": w, "idx": idx, "al": al, "fused": fused}
-    T, N = x.shape[0], x.shape[0] * k
-    base = gt.config(T, k, min(al.rows.numel() // BM, N), BM, x.shape[1], dn.shape[2])
-    if fused:
-        s["pos"] = torch.empty(N, dtype=torch.int32, device=x.device)
-        s["inter_pos"] = gt.gate_up(x, al, gu, k, base.gate_up, pos=s["pos"])
+    s = {"x": x, "w": w, "idx": idx, "al": al}
+    N = x.shape[0] * k
+    base = gt.config(N, BM)
     s["inter"] = gt.gate_up(x, al, gu, k, base.gate_up)
-    s["pair"] = gt.down(s["inter"], al, dn, w.reshape(-1), N, base.down if not base.fused else Tiles(64, 128, 4, 3))
+    s["pair"] = gt.down(s["inter"], al, dn, w.reshape(-1), N, base.down)
     return s
 
 
@@ -264,15 +259,13 @@ def sweep(sh: Shapes, log: Callable[[str], None], ceil: dict) -> list[dict]:
             wbytes, flops = hit * 3 * H * I * gu.element_size(), T * K * 6 * H * I
             x0, w0, idx0 = routings[0]
             s_idx, ref = reference(x0, w0, idx0, gu, dn)
-            fused = T <= gt.FUSED_MAX_TOKENS
             assembled: list[tuple[int, Config]] = []
             for BM in row_blocks(T, E, K):
-                sets = [prepare(x, w, idx, E, BM, gu, dn, K, fused) for x, w, idx in routings]
+                sets = [prepare(x, w, idx, E, BM, gu, dn, K) for x, w, idx in routings]
                 N = T * K
-                base = gt.config(T, K, min(sets[0]["al"].rows.numel() // BM, N), BM, H, I)
+                base = gt.config(N, BM)
                 cands = dict(candidates(T, BM), sum=SUM_BLOCKS)
-                default = {"gate_up": base.gate_up, "sum": base.sum_block,
-                           "fused" if base.fused else "down": base.down}
+                default = {"gate_up": base.gate_up, "down": base.down, "sum": base.sum_block}
                 best: dict[str, tuple[float, Any]] = {}
                 for kind, ts in cands.items():
                     for t in ts:
@@ -296,23 +289,15 @@ def sweep(sh: Shapes, log: Callable[[str], None], ceil: dict) -> list[dict]:
                         log(f"E={E:3d} T={T:5d} BM={BM:3d} {kind:7s} {str(rec['tiles']):28s} {p50:8.1f} us "
                             f"[{rec['gpu_us']['p10']:.1f}-{rec['gpu_us']['p90']:.1f}] err {err:.1e}"
                             f"{'' if rec['ok'] else ' FAIL'}{' (default)' if rec['default'] else ''}")
-                if "gate_up" in best and "fused" in best:
-                    assembled.append((BM, Config(best["gate_up"][1], best["fused"][1], True)))
                 if "gate_up" in best and "down" in best and "sum" in best:
-                    assembled.append((BM, Config(best["gate_up"][1], best["down"][1], False, best["sum"][1])))
+                    assembled.append((BM, Config(best["gate_up"][1], best["down"][1], best["sum"][1])))
             # end to end: the shape-chosen default (BM from block_rows) against the best assembled config
             e2e = {}
             for label, BM, cfg in [("before", *old_config(T, K, E, H, I)), ("default", gt.block_rows(T * K, E), None)] + [
-                    ("best " + ("fused" if c.fused else "block"), bm, c) for bm, c in assembled]:
-                sets = [prepare(x, w, idx, E, BM, gu, dn, K, fused) for x, w, idx in routings]
-                gt.CONFIG_OVERRIDE = cfg
-                try:
-                    out = gt.moe_experts_triton(x0, w0, sets[0]["al"], gu, dn, K)
-                    err = rel_rms(out[s_idx], ref)
-                    us = pct(gpu_us([(lambda s=s: gt.moe_experts_triton(s["x"], s["w"], s["al"], gu, dn, K))
-                                     for s in sets]))
-                finally:
-                    gt.CONFIG_OVERRIDE = None
+                    ("best", bm, c) for bm, c in assembled]:
+                sets = [prepare(x, w, idx, E, BM, gu, dn, K) for x, w, idx in routings]
+                err = rel_rms(moe_call(sets[0], gu, dn, K, cfg)[s_idx], ref)
+                us = pct(gpu_us([(lambda s=s: moe_call(s, gu, dn, K, cfg)) for s in sets]))
                 rec = {"E": E, "T": T, "BM": BM, "kernel": "e2e " + label, "config": cfg, "gpu_us": us,
                        "rel_rms": err, "TFLOPs": flops / us["p50"] / 1e6, "TBps": wbytes / us["p50"] / 1e6}
                 rows.append(rec)

@@ -5,9 +5,7 @@ rows multiplies the rows' tokens by its expert's weights. Two kernels, then the 
   down:     pair_out[pair(r), n] = w(pair) * (inter[r] . Wd[e, n])                 written per pair, no atomics
   k-sum:    out[t] = sum_j pair_out[t * k + j]                                       one kernel, fp32
 
-For decode-sized batches (``Config.fused``) the down GEMM and the k-sum are one token-major kernel instead:
-gate_up also records each pair's padded row, and a program per (token, H tile) runs the token's k GEMVs and
-sums them (``combine_triton.down_combine``). Matmuls accumulate in fp32; the intermediate and each pair output
+Matmuls accumulate in fp32; the intermediate and each pair output
 are rounded to the activation dtype, the k-sum accumulates in fp32 and rounds once. A token's result does not
 depend on the other tokens' values (no atomics, rows of a tile are independent), so it is deterministic; the
 row block BM and the tiles are chosen from the batch shape and can change the rounding, so batches of
@@ -18,8 +16,8 @@ block — ``w_gate_up`` scales ``[E, 2·ceil(I/128), ceil(H/128)]`` (the gate ro
 rows'), ``w_down`` scales ``[E, ceil(H/128), ceil(I/128)]``. The K step is then exactly 128: each step
 quantizes the activation tile (the gathered x rows, or the rounded intermediate) per row and group of 128
 on the fly (``ops/quant/tl_fp8.py``), multiplies the tiles (weights upcast from e4m3 to bf16, exact) on
-the bf16 tensor cores and adds ``dot · sx · sw``: the weights are read as e4m3 bytes. FP8 always takes the
-block down kernel and the separate k-sum.
+the bf16 tensor cores and adds ``dot · sx · sw``: the weights are read as e4m3 bytes (always the two-MMA
+gate_up kernel).
 """
 from __future__ import annotations
 
@@ -31,7 +29,7 @@ import triton.language as tl
 
 from gdnserve.ops.launch import cdiv, launch
 from gdnserve.ops.moe.align import Alignment
-from gdnserve.ops.moe.combine_triton import combine, down_combine
+from gdnserve.ops.moe.combine_triton import combine
 from gdnserve.ops.quant.tl_fp8 import fp8_dot, quant_tile
 from gdnserve.ops.tl_compat import cast, mma
 
@@ -52,17 +50,14 @@ def _tile(n_out, NUM_N, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_
 
 
 @triton.jit
-def _gate_up_kernel(x, w, ws, rows, block_expert, inter, pos, N, H, I, stride_x, SG, SK,
+def _gate_up_kernel(x, w, ws, rows, block_expert, inter, N, H, I, stride_x, SG, SK,
                     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    PREC: tl.constexpr, FP8: tl.constexpr, N_FAST: tl.constexpr, POS: tl.constexpr):
+                    PREC: tl.constexpr, FP8: tl.constexpr, N_FAST: tl.constexpr):
     pid_m, pid_n, offs_m, offs_n, n_ok, offs_k = _tile(I, tl.cdiv(I, BN), BM, BN, BK, N_FAST)
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e >= 0:
         r = tl.load(rows + offs_m)
         valid = r < N
-        if POS:                                   # each pair's padded row, for the token-major down + k-sum
-            if pid_n == 0:
-                tl.store(pos + r, offs_m.to(tl.int32), mask=valid)
         tok = (r // TOP_K).to(tl.int64)
         w_e = w + e * (2 * I) * H
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
@@ -90,9 +85,9 @@ def _gate_up_kernel(x, w, ws, rows, block_expert, inter, pos, N, H, I, stride_x,
 
 
 @triton.jit
-def _gate_up_one_dot_kernel(x, w, rows, block_expert, inter, pos, N, H, I, stride_x,
+def _gate_up_one_dot_kernel(x, w, rows, block_expert, inter, N, H, I, stride_x,
                             TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                            PREC: tl.constexpr, N_FAST: tl.constexpr, POS: tl.constexpr):
+                            PREC: tl.constexpr, N_FAST: tl.constexpr):
     """gate_up (not FP8) as one [BM, BK] x [BK, 2 BN] product per K step: the B tile's columns interleave the gate
     rows and the up rows of this program's BN columns of ``inter`` (wider MMAs than two [BK, BN] products)."""
     pid_m, pid_n, offs_m, offs_n, n_ok, offs_k = _tile(I, tl.cdiv(I, BN), BM, BN, BK, N_FAST)
@@ -100,9 +95,6 @@ def _gate_up_one_dot_kernel(x, w, rows, block_expert, inter, pos, N, H, I, strid
     if e >= 0:
         r = tl.load(rows + offs_m)
         valid = r < N
-        if POS:
-            if pid_n == 0:
-                tl.store(pos + r, offs_m.to(tl.int32), mask=valid)
         tok = (r // TOP_K).to(tl.int64)
         j = tl.arange(0, 2 * BN)
         col = pid_n * BN + j // 2                                   # even j: gate row col, odd j: up row I + col
@@ -164,36 +156,41 @@ class Tiles(NamedTuple):
 
 class Config(NamedTuple):
     gate_up: Tiles
-    down: Tiles           # the block down kernel's, or the token-major down + k-sum's when ``fused``
-    fused: bool           # down GEMM and k-sum in one token-major kernel (decode-sized batches)
-    sum_block: int = 1024  # H columns per program of the separate k-sum
+    down: Tiles
+    sum_block: int = 512   # H columns per program of the k-sum
 
 
 def block_rows(num_pairs: int, num_experts: int) -> int:
     """Row block from the expected rows per expert (shapes only: no host read). Every caller that aligns pairs
-    for the grouped GEMM (``experts.py``, the fused router) takes BM from here."""
+    for the grouped GEMM (``experts.py``, the fused router) takes BM from here. H200 sweep: 64 beats 32 from 32
+    rows per expert on, 128 beats 64 from 256 on (not at 128)."""
     per = num_pairs / num_experts
-    return 16 if per <= 16 else (32 if per <= 32 else (64 if per <= 192 else 128))
+    return 16 if per <= 16 else (32 if per < 32 else (64 if per <= 192 else 128))
 
-
-FUSED_MAX_TOKENS = 4       # up to here the down GEMM and the k-sum are one token-major kernel
 
 CONFIG_OVERRIDE: Config | None = None      # benchmarks' sweeps: force a config
 
+_DECODE = Config(Tiles(32, 256, 4, 3), Tiles(64, 128, 4, 3, True))
+_ROWS32 = Config(Tiles(64, 64, 4, 4, True, True), Tiles(128, 64, 4, 3, True))
+_ROWS64_FEW = Config(Tiles(64, 64, 4, 4, True, True), Tiles(128, 64, 4, 3, True))
+_ROWS64 = Config(Tiles(64, 64, 4, 3, True), Tiles(128, 64, 4, 3, True))
+_ROWS128 = Config(Tiles(128, 64, 8, 3, True, True), Tiles(128, 64, 8, 3, True))
 
-def config(T: int, top_k: int, num_blocks: int, BM: int, H: int, I: int) -> Config:
-    """Tiles from the shapes only (H200 sweep: ``benchmarks/results/moe_sweep_h200.log``). ``num_blocks``: the
-    row blocks that can hold rows. Decode-sized grids (few row blocks) take narrow N tiles and long K steps so
-    that enough programs stream the weights; prefill-sized ones wide tiles on the tensor cores."""
+
+def config(num_pairs: int, BM: int) -> Config:
+    """Tiles from the shapes only (H200 sweep, H 2048, I 512: ``benchmarks/results/moe_sweep_h200.log``).
+    BM 16 (decode-sized: few rows per expert, the weights streamed once) takes narrow N tiles and K steps of
+    256 for gate_up; the larger row blocks wider tiles on the tensor cores, N-tile-major program order (a row
+    block's N tiles run together), gate and up as one MMA up to 8192 pairs."""
     if CONFIG_OVERRIDE is not None:
         return CONFIG_OVERRIDE
-    if T <= FUSED_MAX_TOKENS:
-        return Config(Tiles(32, 128, 4, 3), Tiles(16, 512, 4, 2), True)
-    if num_blocks * cdiv(I, 64) < 256:
-        return Config(Tiles(32, 128, 4, 3), Tiles(128 if num_blocks * cdiv(H, 128) >= 256 else 64, 128, 4, 3), False)
-    if BM <= 64:
-        return Config(Tiles(64, 64, 4, 3), Tiles(128, 64, 4, 3), False)
-    return Config(Tiles(64, 64, 8, 3), Tiles(128, 64, 8, 3), False)
+    if BM <= 16:
+        return _DECODE
+    if BM == 32:
+        return _ROWS32
+    if BM == 64:
+        return _ROWS64_FEW if num_pairs <= 8192 else _ROWS64
+    return _ROWS128
 
 
 def _prec(x: torch.Tensor) -> str:
@@ -201,23 +198,23 @@ def _prec(x: torch.Tensor) -> str:
 
 
 def gate_up(x: torch.Tensor, al: Alignment, w_gate_up: torch.Tensor, top_k: int, t: Tiles,
-            scales: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
-    """-> inter [P, I] (rows of padding unwritten); ``pos`` [T*k] int32, when given, gets each pair's row."""
+            scales: torch.Tensor | None = None) -> torch.Tensor:
+    """-> inter [P, I] (the padding rows unwritten)."""
     H = x.shape[1]
     I = w_gate_up.shape[1] // 2
     N, P, BM = x.shape[0] * top_k, al.rows.numel(), al.BM
     fp8 = scales is not None
-    BK = 128 if fp8 else t.BK                                      # one scale block per K step
     inter = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    grid = ((P // BM) * cdiv(I, t.BN),)
     if t.one_dot and not fp8:
-        launch(_gate_up_one_dot_kernel, ((P // BM) * cdiv(I, t.BN),),
-               (x, w_gate_up, al.rows, al.block_expert, inter, al.rows if pos is None else pos, N, H, I, x.stride(0),
-                top_k, BM, t.BN, t.BK, _prec(x), t.n_fast, pos is not None), num_warps=t.warps, num_stages=t.stages)
+        launch(_gate_up_one_dot_kernel, grid, (x, w_gate_up, al.rows, al.block_expert, inter, N, H, I, x.stride(0),
+                                               top_k, BM, t.BN, t.BK, _prec(x), t.n_fast),
+               num_warps=t.warps, num_stages=t.stages)
         return inter
-    launch(_gate_up_kernel, ((P // BM) * cdiv(I, t.BN),),
-           (x, w_gate_up, scales if fp8 else w_gate_up, al.rows, al.block_expert, inter,
-            al.rows if pos is None else pos, N, H, I, x.stride(0), cdiv(I, 128), cdiv(H, 128),
-            top_k, BM, t.BN, BK, _prec(x), fp8, t.n_fast, pos is not None), num_warps=t.warps, num_stages=t.stages)
+    launch(_gate_up_kernel, grid,
+           (x, w_gate_up, scales if fp8 else w_gate_up, al.rows, al.block_expert, inter, N, H, I, x.stride(0),
+            cdiv(I, 128), cdiv(H, 128), top_k, BM, t.BN, 128 if fp8 else t.BK, _prec(x), fp8, t.n_fast),
+           num_warps=t.warps, num_stages=t.stages)           # FP8: one scale block per K step
     return inter
 
 
@@ -240,16 +237,9 @@ def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, al: Alignment, w_
     """x [T, H] (unit column stride), weights [T, k] (contiguous), w_gate_up [E, 2I, H], w_down [E, H, I]
     (contiguous) -> [T, H] in x.dtype. ``scales``: the FP8 experts' block scales (gate_up, down), float32,
     contiguous. Any E and top_k (the alignment's rows index pairs token * top_k + j)."""
-    T, H = x.shape
-    I = w_down.shape[2]
-    N, P, BM = T * top_k, al.rows.numel(), al.BM
-    # blocks that can hold rows: every pair alone in its expert's block at worst (the rest exit at once)
-    cfg = config(T, top_k, min(P // BM, N), BM, H, I)
+    T = x.shape[0]
+    N = T * top_k
+    cfg = config(N, al.BM)
     s_gu, s_dn = scales if scales is not None else (None, None)
-    pw = weights.reshape(-1)
-    if cfg.fused and scales is None:
-        pos = torch.empty(N, dtype=torch.int32, device=x.device)
-        inter = gate_up(x, al, w_gate_up, top_k, cfg.gate_up, pos=pos)
-        return down_combine(inter, al, pos, w_down, pw, T, top_k, cfg.down)
     inter = gate_up(x, al, w_gate_up, top_k, cfg.gate_up, s_gu)
-    return combine(down(inter, al, w_down, pw, N, cfg.down, s_dn), T, top_k, cfg.sum_block)
+    return combine(down(inter, al, w_down, weights.reshape(-1), N, cfg.down, s_dn), T, top_k, cfg.sum_block)
