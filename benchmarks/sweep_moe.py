@@ -1,10 +1,10 @@
 """Tile sweep of the routed-experts grouped GEMM (``ops/moe/grouped_triton.py``), each kernel timed alone.
 
 For every (E, T) it times, per row block BM worth trying, each candidate tile set of the gate_up kernel, the
-block down kernel, the token-major down + k-sum (decode sizes) and the k-sum, checks every variant's MoE
-output against a float64 reference on sampled tokens (the variant in place of the default for that kernel),
-and prints per kernel the best tiles; then end to end the shape-chosen default against the best assembled
-config. GPU µs: CUDA-graph replay of back-to-back launches rotating over several routings (so that a decode
+down kernel and the k-sum (``torch``: the ``view(T, k, H).sum(1)`` it replaced), checks every variant's MoE
+output against a float64 reference on sampled tokens (the variant in place of the default for that kernel);
+then end to end: ``before`` (BM and tiles of commit ff7685e), ``default`` (``moe_experts_triton``'s own
+choice) and ``best`` (the best kernels assembled, per BM). GPU µs: CUDA-graph replay of back-to-back launches rotating over several routings (so that a decode
 call does not find its experts' weights in L2), median [P10–P90]. TFLOP/s = T k 6 H I / time (the GEMMs),
 TB/s = weight bytes of the experts hit / time. The compiles run first in parallel worker processes (Triton's
 disk cache), so the sweep is mostly timing.

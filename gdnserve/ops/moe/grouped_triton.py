@@ -5,8 +5,10 @@ rows multiplies the rows' tokens by its expert's weights. Two kernels, then the 
   down:     pair_out[pair(r), n] = w(pair) * (inter[r] . Wd[e, n])                 written per pair, no atomics
   k-sum:    out[t] = sum_j pair_out[t * k + j]                                       one kernel, fp32
 
-Matmuls accumulate in fp32; the intermediate and each pair output
-are rounded to the activation dtype, the k-sum accumulates in fp32 and rounds once. A token's result does not
+The row block BM (``block_rows``) and each kernel's tiles (``Tiles``: N width, K step, warps, stages, program
+order, gate and up as one MMA or two; ``config``) are picked from the shapes alone. Matmuls accumulate in fp32;
+the intermediate and each pair output are rounded to the activation dtype, the k-sum accumulates in fp32 and
+rounds once. A token's result does not
 depend on the other tokens' values (no atomics, rows of a tile are independent), so it is deterministic; the
 row block BM and the tiles are chosen from the batch shape and can change the rounding, so batches of
 different sizes may differ in the last bits.
