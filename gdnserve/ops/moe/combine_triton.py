@@ -5,7 +5,7 @@ contiguous rows of one H tile: one pass at the copy rate (H200: 36.6 µs at T = 
 for ``pair_out.view(T, k, H).sum(1)``; 1.2 vs 2.1 µs at T = 1). No atomics: a token's sum runs in a fixed
 order (j = 0..k-1) over its own pairs only.
 
-Tried and not taken (``benchmarks/sweep_moe.py`` at commit 76cbaa5): the down GEMM and the k-sum in one
+Tried and not taken (``benchmarks/sweep_moe.py`` at commit ca14ffe): the down GEMM and the k-sum in one
 token-major kernel for decode (a program per token and H tile running the token's k GEMVs): 12.8 µs at T = 1,
 E = 256 against 7.1 + 1.2 µs for the block down kernel and this sum.
 """
