@@ -65,3 +65,23 @@ def test_shape_rules():
         for E in (64, 256):
             cfg = gt.config(8 * T, gt.block_rows(8 * T, E))
             assert all(t.BK > 0 and t.BN > 0 and t.warps in (1, 2, 4, 8) for t in cfg[:2]) and cfg.sum_block > 0
+
+
+def test_fp8_row_block_128_matches_16(device):
+    """The FP8 path (its own tiles, ``fp8_config``) at BM = 128, 8 warps, gives what it gives at BM = 16."""
+    from gdnserve.ops.quant import quantize_weight
+    T, E, k, H8, I8 = 65, 2, 1, 256, 128
+    gu = torch.randn(E, 2 * I8, H8, device=device) / H8 ** 0.5
+    dn = torch.randn(E, H8, I8, device=device) / I8 ** 0.5
+    halves = [(quantize_weight(g[:I8]), quantize_weight(g[I8:])) for g in gu]      # gate rows, then up rows
+    q_gu = torch.stack([torch.cat([a[0], b[0]]) for a, b in halves])
+    s_gu = torch.stack([torch.cat([a[1], b[1]]) for a, b in halves]).contiguous()
+    q_dn, s_dn = quantize_weight(dn)
+    scales = (s_gu, s_dn.contiguous())
+    x = torch.randn(T, H8, device=device).bfloat16()
+    w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=device), -1), k, dim=-1)
+    w = w.bfloat16().contiguous()
+    assert gt.fp8_config(2, 128, H8, I8).gate_up.warps == 8
+    outs = [gt.moe_experts_triton(x, w, align_pairs(idx, E, BM), q_gu, q_dn, k, scales)
+            for BM in (16, 128)]
+    assert rel_rms(outs[1], outs[0].float()) < 1e-2

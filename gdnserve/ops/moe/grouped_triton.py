@@ -195,6 +195,17 @@ def config(num_pairs: int, BM: int) -> Config:
     return _ROWS128
 
 
+def fp8_config(num_blocks: int, BM: int, H: int, I: int) -> Config:
+    """FP8 experts keep the tiles they had before the bf16 sweep (commit ff7685e; K step 128 = the scale block),
+    on 8 warps at BM = 128. ``num_blocks``: the row blocks that can hold rows."""
+    if CONFIG_OVERRIDE is not None:
+        return CONFIG_OVERRIDE
+    few = num_blocks * cdiv(I, 64) < 256
+    warps = 8 if BM >= 128 else 4
+    bn2 = 128 if num_blocks * cdiv(H, 128) >= 256 else 64
+    return Config(Tiles(32 if few else 64, 128, warps, 3), Tiles(bn2, 128, warps, 3))
+
+
 def _prec(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
@@ -239,9 +250,12 @@ def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, al: Alignment, w_
     """x [T, H] (unit column stride), weights [T, k] (contiguous), w_gate_up [E, 2I, H], w_down [E, H, I]
     (contiguous) -> [T, H] in x.dtype. ``scales``: the FP8 experts' block scales (gate_up, down), float32,
     contiguous. Any E and top_k (the alignment's rows index pairs token * top_k + j)."""
-    T = x.shape[0]
+    T, H = x.shape
     N = T * top_k
-    cfg = config(N, al.BM)
+    if scales is None:
+        cfg = config(N, al.BM)
+    else:
+        cfg = fp8_config(min(al.rows.numel() // al.BM, N), al.BM, H, w_down.shape[2])
     s_gu, s_dn = scales if scales is not None else (None, None)
     inter = gate_up(x, al, w_gate_up, top_k, cfg.gate_up, s_gu)
     return combine(down(inter, al, w_down, weights.reshape(-1), N, cfg.down, s_dn), T, top_k, cfg.sum_block)
