@@ -104,7 +104,8 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / "moe_h200"
-    meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "ceilings": ceil,
+    meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+            "ceilings": ceil,
             "shape": {"hidden": H, "moe_intermediate": I, "top_k": K, "dtype": "bfloat16"}}
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = [f"# Routed experts (H={H}, I={I}, top-{K}, bf16) — {meta['device']}", "",

@@ -4,8 +4,9 @@ For every (E, T) it times, per row block BM worth trying, each candidate tile se
 down kernel and the k-sum (``torch``: the ``view(T, k, H).sum(1)`` it replaced), checks every variant's MoE
 output against a float64 reference on sampled tokens (the variant in place of the default for that kernel);
 then end to end: ``before`` (BM and tiles of commit ff7685e), ``default`` (``moe_experts_triton``'s own
-choice) and ``best`` (the best kernels assembled, per BM). GPU µs: CUDA-graph replay of back-to-back launches rotating over several routings (so that a decode
-call does not find its experts' weights in L2), median [P10–P90]. TFLOP/s = T k 6 H I / time (the GEMMs),
+choice) and ``best`` (the best kernels assembled, per BM). GPU µs: CUDA-graph replay of back-to-back launches
+rotating over several routings (so that a decode call does not find its experts' weights in L2), median
+[P10–P90]. TFLOP/s = T k 6 H I / time (the GEMMs),
 TB/s = weight bytes of the experts hit / time. The compiles run first in parallel worker processes (Triton's
 disk cache), so the sweep is mostly timing.
 
@@ -292,16 +293,14 @@ def sweep(sh: Shapes, log: Callable[[str], None], ceil: dict) -> list[dict]:
                 if "gate_up" in best and "down" in best and "sum" in best:
                     assembled.append((BM, Config(best["gate_up"][1], best["down"][1], best["sum"][1])))
             # end to end: the shape-chosen default (BM from block_rows) against the best assembled config
-            e2e = {}
-            for label, BM, cfg in [("before", *old_config(T, K, E, H, I)), ("default", gt.block_rows(T * K, E), None)] + [
-                    ("best", bm, c) for bm, c in assembled]:
+            runs = [("before", *old_config(T, K, E, H, I)), ("default", gt.block_rows(T * K, E), None)]
+            for label, BM, cfg in runs + [("best", bm, c) for bm, c in assembled]:
                 sets = [prepare(x, w, idx, E, BM, gu, dn, K) for x, w, idx in routings]
                 err = rel_rms(moe_call(sets[0], gu, dn, K, cfg)[s_idx], ref)
                 us = pct(gpu_us([(lambda s=s: moe_call(s, gu, dn, K, cfg)) for s in sets]))
                 rec = {"E": E, "T": T, "BM": BM, "kernel": "e2e " + label, "config": cfg, "gpu_us": us,
                        "rel_rms": err, "TFLOPs": flops / us["p50"] / 1e6, "TBps": wbytes / us["p50"] / 1e6}
                 rows.append(rec)
-                e2e[label] = us["p50"]
                 log(f"E={E:3d} T={T:5d} BM={BM:3d} e2e {label:12s} {us['p50']:8.1f} us [{us['p10']:.1f}-"
                     f"{us['p90']:.1f}] {rec['TFLOPs']:6.1f} TFLOP/s ({rec['TFLOPs'] / ceil['bf16']:.0%} of "
                     f"{ceil['bf16']:.0f}) {rec['TBps']:.2f} TB/s ({rec['TBps'] / ceil['copy']:.0%} of "

@@ -38,8 +38,9 @@ from gdnserve.ops.tl_compat import cast, mma
 
 @triton.jit
 def _tile(n_out, NUM_N, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_FAST: tl.constexpr):
-    """This program's row block and N tile, the block's padded rows and the N / K offsets of its tile. N_FAST: consecutive programs walk the N tiles of one row block (the block's
-    rows stay in L2) instead of the row blocks of one N tile (one expert's weight tile stays in L2)."""
+    """This program's row block and N tile, its row and N / K offsets (1-D grid). N_FAST: consecutive programs
+    walk the N tiles of one row block (its rows and its expert's weights stay in L2) instead of the row blocks of
+    one N tile."""
     if N_FAST:
         pid_m = tl.program_id(0) // NUM_N
         pid_n = tl.program_id(0) % NUM_N
