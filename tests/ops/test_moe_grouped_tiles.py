@@ -1,0 +1,87 @@
+"""The grouped GEMM's shape-chosen paths against the float64 reference at small odd sizes: every row block
+(BM 16..128), both program orders, gate and up as one MMA or two, K steps and N tiles that do not divide H / I,
+the k-sum with H not a multiple of its block, any top_k (the shared expert folded in as one more pair per
+token); and the shape rules (block_rows, config) themselves."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gdnserve.ops.moe import grouped_triton as gt
+from gdnserve.ops.moe.align import align_pairs
+from gdnserve.ops.moe.grouped_triton import Config, Tiles
+from gdnserve.ops.moe.naive import naive_moe_experts
+from gdnserve.ops.numerics import rel_rms
+
+pytestmark = pytest.mark.usefixtures("seed")
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1.5e-2}
+H, I = 72, 40                       # neither a multiple of the K steps / N tiles below
+
+
+def case(T, E, k, dtype, device):
+    x = torch.randn(T, H, device=device).to(dtype)
+    gu = (torch.randn(E, 2 * I, H, device=device) / H ** 0.5).to(dtype)
+    dn = (torch.randn(E, H, I, device=device) / I ** 0.5).to(dtype)
+    w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=device), -1), k, dim=-1)
+    return x, (w / w.sum(-1, keepdim=True)).to(dtype).contiguous(), idx, gu, dn
+
+
+def run(cfg, BM, x, w, idx, gu, dn, monkeypatch):
+    monkeypatch.setattr(gt, "CONFIG_OVERRIDE", cfg)
+    return gt.moe_experts_triton(x, w, align_pairs(idx, gu.shape[0], BM), gu, dn, idx.shape[1])
+
+
+@pytest.mark.parametrize("T,BM,cfg,dtype", [
+    (65, 128, Config(Tiles(32, 32, 4, 3), Tiles(64, 32, 4, 3), 64), torch.bfloat16),
+    (65, 64, Config(Tiles(32, 32, 4, 3, True), Tiles(32, 16, 4, 2, True), 32), torch.float32),
+    (65, 128, Config(Tiles(16, 32, 4, 3, True, True), Tiles(32, 32, 4, 3), 1024), torch.bfloat16),
+    (3, 16, Config(Tiles(32, 64, 4, 2, False, True), Tiles(16, 64, 4, 2), 512), torch.float32),
+    (1, 16, None, torch.bfloat16),
+    (3, 32, None, torch.float32),
+])
+def test_tiles_against_float64(T, BM, cfg, dtype, monkeypatch, device):
+    x, w, idx, gu, dn = case(T, 6, 3, dtype, device)
+    out = run(cfg, BM, x, w, idx, gu, dn, monkeypatch)
+    assert out.dtype == dtype and out.shape == (T, H)
+    assert rel_rms(out, naive_moe_experts(x, w, idx, gu, dn)) < TOL[dtype]
+
+
+def test_shared_expert_pair(monkeypatch, device):
+    """top_k + 1 pairs per token over E + 1 experts, the last one every token's (the shared expert folded in)."""
+    T, E, k = 5, 7, 3
+    x, w, idx, gu, dn = case(T, E, k, torch.float32, device)
+    idx = torch.cat([idx, torch.full((T, 1), E, dtype=idx.dtype, device=device)], 1)
+    w = torch.cat([w, torch.rand(T, 1, device=device)], 1).contiguous()
+    gu = torch.cat([gu, torch.randn(1, 2 * I, H, device=device) / H ** 0.5])
+    dn = torch.cat([dn, torch.randn(1, H, I, device=device) / I ** 0.5])
+    out = run(None, 16, x, w, idx, gu, dn, monkeypatch)
+    assert rel_rms(out, naive_moe_experts(x, w, idx, gu, dn)) < TOL[torch.float32]
+
+
+def test_shape_rules():
+    assert [gt.block_rows(n, 256) for n in (8, 4096, 6144, 8192, 32768, 65536)] == [16, 16, 32, 64, 64, 128]
+    assert gt.block_rows(8 * 4096, 64) == 128 and gt.block_rows(8 * 1024, 64) == 64
+    for T in (1, 4, 16, 64, 256, 1024, 4096, 8192):
+        for E in (64, 256):
+            cfg = gt.config(8 * T, gt.block_rows(8 * T, E))
+            assert all(t.BK > 0 and t.BN > 0 and t.warps in (1, 2, 4, 8) for t in cfg[:2]) and cfg.sum_block > 0
+
+
+def test_fp8_row_block_128_matches_16(device):
+    """The FP8 path (its own tiles, ``fp8_config``) at BM = 128, 8 warps, gives what it gives at BM = 16."""
+    from gdnserve.ops.quant import quantize_weight
+    T, E, k, H8, I8 = 65, 2, 1, 256, 128
+    gu = torch.randn(E, 2 * I8, H8, device=device) / H8 ** 0.5
+    dn = torch.randn(E, H8, I8, device=device) / I8 ** 0.5
+    halves = [(quantize_weight(g[:I8]), quantize_weight(g[I8:])) for g in gu]      # gate rows, then up rows
+    q_gu = torch.stack([torch.cat([a[0], b[0]]) for a, b in halves])
+    s_gu = torch.stack([torch.cat([a[1], b[1]]) for a, b in halves]).contiguous()
+    q_dn, s_dn = quantize_weight(dn)
+    scales = (s_gu, s_dn.contiguous())
+    x = torch.randn(T, H8, device=device).bfloat16()
+    w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=device), -1), k, dim=-1)
+    w = w.bfloat16().contiguous()
+    assert gt.fp8_config(2, 128, H8, I8).gate_up.warps == 8
+    outs = [gt.moe_experts_triton(x, w, align_pairs(idx, E, BM), q_gu, q_dn, k, scales)
+            for BM in (16, 128)]
+    assert rel_rms(outs[1], outs[0].float()) < 1e-2
