@@ -9,7 +9,7 @@ interpreter (3.6, 3.9) converts to float8e4nv with the wrong rounding in ~2% of 
 reference by 1.2% (benchmarks/results/gpu_tests_fp8_h200.log). A tile already on the grid converts
 exactly under any rounding, so the standalone quantization kernel stores it as e4m3 safely.
 
-``fp8_dot(q, b, NATIVE)``: ``NATIVE`` — both operands e4m3 (``to_fp8_operand`` / loaded from memory), the
+``fp8_dot(q, b, NATIVE)``: ``NATIVE`` — both operands e4m3 (``to_fp8`` of grid values / loaded from memory), the
 fp8 tensor-core dot with float32 accumulation (large tiles: Hopper wgmma, the structure of the usual
 block-FP8 GEMMs); otherwise both operands upcast to bf16 (exact: e4m3 ⊂ bf16) and a bf16 dot with float32
 accumulation (small decode tiles, the MoE kernels) — the same products, summed in float32 either way. Under
@@ -49,6 +49,27 @@ def quant_tile(a):
     v = tl.math.div_rn(a, tl.broadcast_to(s[:, None], a.shape))
     v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
     return _rne_e4m3(v), s
+
+
+@triton.jit
+def quant_cols(a):
+    """``quant_tile`` along the other axis: a [BK, BN] float32 (a group of BK = 128 rows per column, masked
+    entries 0; the swapped tiles' token columns) -> (q [BK, BN] float32 on the e4m3 grid, s [BN])."""
+    amax = tl.max(tl.abs(a), axis=0)
+    s = tl.math.div_rn(tl.maximum(amax, ACT_EPS), tl.full(amax.shape, FP8_MAX, tl.float32))
+    v = tl.math.div_rn(a, tl.broadcast_to(s[None, :], a.shape))
+    v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
+    return _rne_e4m3(v), s
+
+
+@triton.jit
+def to_fp8(q):
+    """A float32 tile already on the e4m3 grid (``quant_tile`` / ``quant_cols``) as the NATIVE dot's e4m3
+    operand: the conversion is exact under any rounding mode (float32 under the interpreter)."""
+    if INTERPRET:
+        return q
+    else:
+        return q.to(tl.float8e4nv)
 
 
 @triton.jit
