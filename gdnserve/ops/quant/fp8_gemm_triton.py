@@ -46,8 +46,7 @@ def _quant_kernel(x, q, s, M, K, stride_xm, SK, BM: tl.constexpr, BK: tl.constex
 
 @triton.jit
 def _gemm_kernel(xq, xs, w, ws, y, part, M, N, K, stride_ym, SK, KB_PER,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_N: tl.constexpr,
-                 SPLIT: tl.constexpr):
+                 NSPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_N: tl.constexpr):
     """Program (tile, split): acc [BN weight rows, BM tokens] over K blocks [split·KB_PER, +KB_PER)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -79,7 +78,7 @@ def _gemm_kernel(xq, xs, w, ws, y, part, M, N, K, stride_ym, SK, KB_PER,
         sx = tl.load(xs_m + kb, mask=m_ok, other=0.0)
         acc += fp8_dot(a, b, True) * (sw[:, None] * sx[None, :])
     mask = n_ok[:, None] & m_ok[None, :]
-    if SPLIT == 1:
+    if NSPLIT == 1:                          # (Triton specialises an int argument equal to 1)
         dst = y + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
         tl.store(dst, cast(acc, y.dtype.element_ty), mask=mask)
     else:
@@ -148,8 +147,8 @@ def fp8_gemm_quantized(xq: torch.Tensor, xs: torch.Tensor, qw: torch.Tensor, sw:
     tiles = cdiv(M, BM) * cdiv(N, BN)
     split, per = split_k(tiles, SK, target)
     part = torch.empty(split, M, N, dtype=torch.float32, device=xq.device) if split > 1 else y
-    launch(_gemm_kernel, (tiles, split), (xq, xs, qw, sw, y, part, M, N, K, y.stride(0), SK, per, BM, BN, BLOCK,
-                                          group, split), num_warps=warps, num_stages=stages)
+    launch(_gemm_kernel, (tiles, split), (xq, xs, qw, sw, y, part, M, N, K, y.stride(0), SK, per, split, BM, BN,
+                                          BLOCK, group), num_warps=warps, num_stages=stages)
     if split > 1:
         launch(_reduce_kernel, (cdiv(M * N, 1024),), (part, y, M, N, y.stride(0), split, 1024), num_warps=4)
     return y
