@@ -181,21 +181,22 @@ def _old_fp8_experts(x, w, idx, q_gu, q_dn, scales):
 
 
 def sweep_rows(dev: torch.device, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The linear kernel's tile configs (BM, BN, warps, stages, GROUP_N, split-K programs target) at decode and
-    prefill M, and the FP8 experts' ((BNH, warps, stages), (BN, warps, stages)) at T = 1, 64, 4096."""
+    """The linear kernel's tile configs (BM, BN, warps, stages, GROUP_N, split-K programs target, SWAP) at
+    decode and prefill M, and the FP8 experts' ((BNH, warps, stages, split-K target), (BN, warps, stages)) at
+    T = 1, 16, 64, 4096."""
     from gdnserve.ops.moe import grouped_fp8_triton as gm
     from gdnserve.ops.moe import moe_experts
     from gdnserve.ops.quant import fp8_gemm_triton as g
     rows: list[dict[str, Any]] = []
-    small = lambda bm: [(bm, bn, 4, st, 1, tgt) for bn in (64, 128) for st in (3, 5)    # noqa: E731
-                        for tgt in (0, 528, 1056)]
-    plan = {"gdn.in_proj": ((1, small(16)), (64, small(64)[::2]),
-                            (256, [(bm, bn, w, st, 8, 0) for bm, bn, w, st in ((64, 128, 4, 4), (128, 128, 8, 3),
-                                                                               (128, 128, 4, 3), (64, 256, 8, 3))]),
-                            (PREFILL_M, [(bm, bn, w, st, gr, 0) for bm, bn, w, st, gr in (
-                                (128, 128, 8, 3, 8), (128, 128, 4, 3, 8), (128, 128, 8, 4, 8), (64, 128, 4, 4, 8),
-                                (128, 256, 8, 3, 8), (256, 128, 8, 3, 8))])),
-            "gdn.out_proj": ((1, small(16)),)}
+    small = [(16, bn, 4, st, 1, tgt, True) for bn in (64, 128) for st in (4, 6) for tgt in (528, 1056)]
+    small.append((16, 64, 4, 5, 1, 0, True))
+    big = [(bm, bn, w, st, 8, 0, False) for bm, bn, w, st in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4),
+                                                            (128, 256, 8, 3), (256, 128, 8, 3))]
+    plan = {"gdn.in_proj": ((1, small), (16, [(16, 64, 4, 5, 1, t, True) for t in (528, 1056)]),
+                            (64, [(64, bn, 4, 4, 1, t, True) for bn in (64, 128) for t in (0, 528)]),
+                            (256, big[:4] + [(64, 128, 4, 4, 8, 0, True)]),
+                            (PREFILL_M, big + [(64, 128, 4, 4, 8, 0, True)])),
+            "gdn.out_proj": ((1, small), (PREFILL_M, big[:3]))}
     for shape, cases in plan.items():
         N, K, _ = LINEARS[shape]
         q, s = quantize_weight(torch.randn(N, K, device=dev) * 0.02)
@@ -211,12 +212,11 @@ def sweep_rows(dev: torch.device, log: Callable[[str], None]) -> list[dict[str, 
     gu = torch.randn(E, 2 * I, H, device=dev) / H ** 0.5
     (qg, sg), (qu, su), (qd, sd) = (quantize_weight(t) for t in (gu[:, :I], gu[:, I:], torch.randn(E, H, I, device=dev)))
     q_gu, s_gu = torch.cat([qg, qu], 1).contiguous(), torch.cat([sg, su], 1).contiguous()
-    moe_cfgs = {1: [((bnh, 4, 4), (bn, 4, st2)) for bnh in (32, 64) for bn, st2 in ((64, 4), (128, 3))]
-                + [((32, 4, 6), (64, 4, 6))],
-                64: [((32, 4, 4), (64, 4, 4)), ((64, 4, 4), (128, 4, 3)), ((128, 8, 3), (128, 4, 3)),
-                     ((64, 4, 3), (64, 4, 4))],
-                PREFILL_M: [((128, 8, 3), (128, 4, 3)), ((128, 8, 4), (128, 8, 3)), ((64, 4, 4), (128, 4, 3)),
-                            ((128, 8, 3), (64, 4, 4))]}
+    moe_cfgs = {1: [((bnh, 4, 5, t), (bn, 4, st)) for bnh, t in ((32, 528), (32, 1056), (32, 0), (64, 528))
+                    for bn, st in ((64, 4), (128, 3))],
+                16: [((32, 4, 5, t), (64, 4, 4)) for t in (0, 528)] + [((64, 4, 4, 0), (128, 4, 3))],
+                64: [((32, 4, 5, 528), (64, 4, 4)), ((64, 4, 4, 0), (128, 4, 3)), ((128, 8, 3, 0), (128, 4, 3))],
+                PREFILL_M: [((128, 8, 3, 0), (128, 4, 3)), ((128, 8, 4, 0), (128, 8, 3)), ((128, 4, 3, 0), (128, 4, 4))]}
     for T, cfgs in moe_cfgs.items():
         sets = [_routing(T, H, E, k, dev) for _ in range(1 if T >= 256 else 8)]
         for c in cfgs:
@@ -333,7 +333,7 @@ def markdown(rep: dict[str, Any]) -> str:
                        f"{r['prefill_tok_s']:,.0f} | — | — |")
     if rep.get("sweep"):
         out += ["", "## Tile sweep (best first; linear: BM tokens, BN weight rows, warps, stages, GROUP_N, split-K "
-                "programs target; moe: (BNH, warps, stages) gate_up, (BN, warps, stages) down)", "",
+                "programs target, swapped; moe: (BNH, warps, stages, split-K target) gate_up, (BN, warps, stages) down)", "",
                 "| kernel | shape | M / T | config | µs [P10–P90] |", "|---|---|---|---|---|"]
         for r in rep["sweep"]:
             t = (f"{r['us']:.1f} [{r['p10_p90'][0]:.1f}–{r['p10_p90'][1]:.1f}]" if "us" in r else r.get("error"))

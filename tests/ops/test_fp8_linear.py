@@ -49,9 +49,11 @@ def test_against_float64(M, N, K, backend, device):
 
 @pytest.mark.parametrize("M,N,K,cfg", [
     (1, 72, 600, None),                          # decode config: split-K (3 splits, the last one K block)
-    (3, 200, 1000, (16, 64, 4, 4, 1, 64)),       # split-K, partial N tile and partial last K block
-    (65, 130, 520, (64, 64, 4, 3, 2, 32)),       # two token tiles, grouped weight tiles, split-K
-    (17, 256, 384, (32, 128, 4, 3, 1, 0)),       # no split: rounded in the GEMM
+    (3, 200, 1000, (16, 64, 4, 4, 1, 64, True)),     # split-K, partial N tile and partial last K block
+    (65, 130, 520, (64, 64, 4, 3, 2, 32, True)),     # two token tiles, grouped weight tiles, split-K
+    (17, 256, 384, (32, 128, 4, 3, 1, 0, True)),     # no split: rounded in the GEMM
+    (70, 200, 300, (64, 64, 4, 3, 2, 0, False)),     # the usual orientation (large M)
+    (5, 72, 600, (16, 64, 4, 3, 1, 64, False)),      # ... with split-K
 ])
 def test_tiles_and_split_k(M, N, K, cfg, device, monkeypatch):
     from gdnserve.ops.quant import fp8_gemm_triton as g

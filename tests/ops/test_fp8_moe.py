@@ -68,9 +68,10 @@ def test_fp8_experts_against_float64(T, H, I, backend, device):
 
 
 @pytest.mark.parametrize("T,H,I,cfg", [
-    (3, 300, 200, ((128, 8, 3), (128, 4, 3))),   # intermediate quantized in the gate_up epilogue
-    (65, 256, 136, ((128, 8, 3), (64, 4, 3))),   # 32-row blocks, a partial last group, the epilogue path
-    (5, 200, 264, ((64, 4, 3), (128, 4, 4))),    # quantized in the down kernel, partial K and N tiles
+    (3, 300, 200, ((128, 8, 3, 0), (128, 4, 3))),     # intermediate quantized in the gate_up epilogue
+    (65, 256, 136, ((128, 8, 3, 0), (64, 4, 3))),     # 32-row blocks, a partial last group, the epilogue path
+    (5, 200, 264, ((64, 4, 3, 0), (128, 4, 4))),      # quantized in the down kernel, partial K and N tiles
+    (2, 600, 72, ((32, 4, 3, 64), (64, 4, 3))),       # gate_up split over K (3 splits, the last one block)
 ])
 def test_fp8_triton_tile_configs(T, H, I, cfg, device, monkeypatch):
     from gdnserve.ops.moe import grouped_fp8_triton as g

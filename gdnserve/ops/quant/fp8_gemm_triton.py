@@ -46,8 +46,10 @@ def _quant_kernel(x, q, s, M, K, stride_xm, SK, BM: tl.constexpr, BK: tl.constex
 
 @triton.jit
 def _gemm_kernel(xq, xs, w, ws, y, part, M, N, K, stride_ym, SK, KB_PER,
-                 NSPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_N: tl.constexpr):
-    """Program (tile, split): acc [BN weight rows, BM tokens] over K blocks [split·KB_PER, +KB_PER)."""
+                 NSPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_N: tl.constexpr,
+                 SWAP: tl.constexpr, NATIVE: tl.constexpr):
+    """Program (tile, split) over K blocks [split·KB_PER, +KB_PER). SWAP: acc [BN weight rows, BM tokens]
+    (weight rows on the MMA's M side: small M); else acc [BM, BN] (large M: the usual orientation)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_m = tl.cdiv(M, BM)
@@ -62,28 +64,42 @@ def _gemm_kernel(xq, xs, w, ws, y, part, M, N, K, stride_ym, SK, KB_PER,
     n_ok = offs_n < N
     m_ok = offs_m < M
     offs_k = tl.arange(0, BK)
-    w_rows = w + offs_n[:, None].to(tl.int64) * K            # [BN, 1]: K contiguous (the A operand)
-    x_cols = xq + offs_m[None, :].to(tl.int64) * K           # [1, BM]: K contiguous (the B operand, K-major)
     ws_n = ws + (offs_n // BK) * SK
     xs_m = xs + offs_m * SK
     kb0 = split * KB_PER
     kb1 = tl.minimum(kb0 + KB_PER, SK)
-    acc = tl.zeros((BN, BM), dtype=tl.float32)
-    for kb in range(kb0, kb1):
-        kk = kb * BK + offs_k
-        k_ok = kk < K
-        a = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        b = as_fp8_operand(tl.load(x_cols + kk[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0))
-        sw = tl.load(ws_n + kb, mask=n_ok, other=0.0)
-        sx = tl.load(xs_m + kb, mask=m_ok, other=0.0)
-        acc += fp8_dot(a, b, True) * (sw[:, None] * sx[None, :])
-    mask = n_ok[:, None] & m_ok[None, :]
-    if NSPLIT == 1:                          # (Triton specialises an int argument equal to 1)
-        dst = y + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
-        tl.store(dst, cast(acc, y.dtype.element_ty), mask=mask)
+    if SWAP:
+        w_rows = w + offs_n[:, None].to(tl.int64) * K            # [BN, 1]: the A operand, K contiguous
+        x_cols = xq + offs_m[None, :].to(tl.int64) * K           # [1, BM]: the B operand, K-major
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for kb in range(kb0, kb1):
+            kk = kb * BK + offs_k
+            k_ok = kk < K
+            a = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            b = as_fp8_operand(tl.load(x_cols + kk[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0))
+            sw = tl.load(ws_n + kb, mask=n_ok, other=0.0)
+            sx = tl.load(xs_m + kb, mask=m_ok, other=0.0)
+            acc += fp8_dot(a, b, NATIVE) * (sw[:, None] * sx[None, :])
+        out = tl.trans(acc)                                      # [BM, BN]
     else:
-        dst = part + (split * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None]
-        tl.store(dst, acc, mask=mask)
+        x_rows = xq + offs_m[:, None].to(tl.int64) * K
+        w_cols = w + offs_n[None, :].to(tl.int64) * K
+        out = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in range(kb0, kb1):
+            kk = kb * BK + offs_k
+            k_ok = kk < K
+            a = as_fp8_operand(tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0))
+            b = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            sw = tl.load(ws_n + kb, mask=n_ok, other=0.0)
+            sx = tl.load(xs_m + kb, mask=m_ok, other=0.0)
+            out += fp8_dot(a, b, NATIVE) * (sx[:, None] * sw[None, :])
+    mask = m_ok[:, None] & n_ok[None, :]
+    if NSPLIT == 1:                          # (Triton specialises an int argument equal to 1)
+        dst_y = y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(dst_y, cast(out, y.dtype.element_ty), mask=mask)
+    else:
+        dst_p = part + (split * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+        tl.store(dst_p, out, mask=mask)
 
 
 @triton.jit
@@ -98,22 +114,20 @@ def _reduce_kernel(part, y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK_E: tl.co
     tl.store(y + m.to(tl.int64) * stride_ym + (offs - m * N), cast(acc, y.dtype.element_ty), mask=ok)
 
 
-# (BM, BN, num_warps, num_stages, GROUP_N, programs target (0 = no split-K)); None = ``config``'s pick.
-CONFIG_OVERRIDE: tuple[int, int, int, int, int, int] | None = None
+# (BM, BN, num_warps, num_stages, GROUP_N, programs target (0 = no split-K), SWAP); None = ``config``'s pick.
+CONFIG_OVERRIDE: tuple[int, int, int, int, int, int, bool] | None = None
 
 
-def config(M: int, N: int, K: int) -> tuple[int, int, int, int, int, int]:
-    """(BM tokens, BN weight rows, warps, stages, GROUP_N, split-K programs target) from the shapes.
-    M <= 64: token tile = M rounded up to 16 / 32 / 64, 64-row weight tiles, the K loop split until
-    ~4 programs per SM stream the weight. Larger M: 128 x 128 tiles (64-token tiles up to 128 rows)."""
+def config(M: int, N: int, K: int) -> tuple[int, int, int, int, int, int, bool]:
+    """(BM tokens, BN weight rows, warps, stages, GROUP_N, split-K programs target, SWAP) from the shapes.
+    M <= 64: swapped tiles, token tile = M rounded up to 16 / 32 / 64, 64-row weight tiles, the K loop split
+    until ~4 programs per SM stream the weight. Larger M: the usual orientation, 128 x 128 tiles."""
     if CONFIG_OVERRIDE is not None:
         return CONFIG_OVERRIDE
     if M <= 64:
         bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-        return bm, 64, 4, 4, 1, 4 * SMS
-    if M <= 128:
-        return 64, 128, 4, 4, 8, 0
-    return 128, 128, 8, 3, 8, 0
+        return bm, 64, 4, 5, 1, 4 * SMS, True
+    return 128, 128, 8, 3, 8, 0, False
 
 
 def split_k(tiles: int, kb: int, target: int) -> tuple[int, int]:
@@ -143,12 +157,13 @@ def fp8_gemm_quantized(xq: torch.Tensor, xs: torch.Tensor, qw: torch.Tensor, sw:
     M, K = xq.shape
     N = qw.shape[0]
     SK = cdiv(K, BLOCK)
-    BM, BN, warps, stages, group, target = config(M, N, K)
+    BM, BN, warps, stages, group, target, swap = config(M, N, K)
     tiles = cdiv(M, BM) * cdiv(N, BN)
     split, per = split_k(tiles, SK, target)
     part = torch.empty(split, M, N, dtype=torch.float32, device=xq.device) if split > 1 else y
+    native = y.dtype != torch.float32        # float32 models: exact bf16 dots of the e4m3 values (tl_fp8)
     launch(_gemm_kernel, (tiles, split), (xq, xs, qw, sw, y, part, M, N, K, y.stride(0), SK, per, split, BM, BN,
-                                          BLOCK, group), num_warps=warps, num_stages=stages)
+                                          BLOCK, group, swap, native), num_warps=warps, num_stages=stages)
     if split > 1:
         launch(_reduce_kernel, (cdiv(M * N, 1024),), (part, y, M, N, y.stride(0), split, 1024), num_warps=4)
     return y
