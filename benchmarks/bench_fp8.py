@@ -182,8 +182,8 @@ def _old_fp8_experts(x, w, idx, q_gu, q_dn, scales):
 
 def sweep_rows(dev: torch.device, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """The linear kernel's tile configs (BM, BN, warps, stages, GROUP_N, split-K programs target, SWAP) at
-    decode and prefill M, and the FP8 experts' ((BNH, warps, stages, split-K target), (BN, warps, stages)) at
-    T = 1, 16, 64, 4096."""
+    decode and prefill M, and the FP8 experts' ((BNH, warps, stages), (BN, warps, stages)) at T = 1, 16, 64,
+    4096."""
     from gdnserve.ops.moe import grouped_fp8_triton as gm
     from gdnserve.ops.moe import moe_experts
     from gdnserve.ops.quant import fp8_gemm_triton as g
@@ -212,11 +212,10 @@ def sweep_rows(dev: torch.device, log: Callable[[str], None]) -> list[dict[str, 
     gu = torch.randn(E, 2 * I, H, device=dev) / H ** 0.5
     (qg, sg), (qu, su), (qd, sd) = (quantize_weight(t) for t in (gu[:, :I], gu[:, I:], torch.randn(E, H, I, device=dev)))
     q_gu, s_gu = torch.cat([qg, qu], 1).contiguous(), torch.cat([sg, su], 1).contiguous()
-    moe_cfgs = {1: [((bnh, 4, 5, t), (bn, 4, st)) for bnh, t in ((32, 528), (32, 1056), (32, 0), (64, 528))
-                    for bn, st in ((64, 4), (128, 3))],
-                16: [((32, 4, 5, t), (64, 4, 4)) for t in (0, 528)] + [((64, 4, 4, 0), (128, 4, 3))],
-                64: [((32, 4, 5, 528), (64, 4, 4)), ((64, 4, 4, 0), (128, 4, 3)), ((128, 8, 3, 0), (128, 4, 3))],
-                PREFILL_M: [((128, 8, 3, 0), (128, 4, 3)), ((128, 8, 4, 0), (128, 8, 3)), ((128, 4, 3, 0), (128, 4, 4))]}
+    moe_cfgs = {1: [((bnh, 4, st), (bn, 4, 3)) for bnh, st in ((32, 5), (64, 4)) for bn in (64, 128)],
+                16: [((32, 4, 5), (128, 4, 3)), ((64, 4, 4), (128, 4, 3))],
+                64: [((64, 4, 4), (128, 4, 3)), ((128, 8, 3), (128, 4, 3))],
+                PREFILL_M: [((128, 8, 3), (128, 4, 3)), ((128, 8, 4), (128, 8, 3)), ((128, 4, 3), (128, 4, 4))]}
     for T, cfgs in moe_cfgs.items():
         sets = [_routing(T, H, E, k, dev) for _ in range(1 if T >= 256 else 8)]
         for c in cfgs:
@@ -333,7 +332,8 @@ def markdown(rep: dict[str, Any]) -> str:
                        f"{r['prefill_tok_s']:,.0f} | — | — |")
     if rep.get("sweep"):
         out += ["", "## Tile sweep (best first; linear: BM tokens, BN weight rows, warps, stages, GROUP_N, split-K "
-                "programs target, swapped; moe: (BNH, warps, stages, split-K target) gate_up, (BN, warps, stages) down)", "",
+                "programs target, swapped; moe: (BNH, warps, stages) gate_up (+ a split-K target in the run of 9ab2e33), "
+                "(BN, warps, stages) down)", "",
                 "| kernel | shape | M / T | config | µs [P10–P90] |", "|---|---|---|---|---|"]
         for r in rep["sweep"]:
             t = (f"{r['us']:.1f} [{r['p10_p90'][0]:.1f}–{r['p10_p90'][1]:.1f}]" if "us" in r else r.get("error"))

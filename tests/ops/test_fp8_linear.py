@@ -1,6 +1,6 @@
 """Block-FP8 linear (ops/quant): the 128x128 weight quantization round-trips within e4m3's resolution; the
-Triton GEMM (swapped tiles, split-K at small M; Triton's CPU interpreter in CI — its fp8 cast and dot are made exact by ops/quant/tl_fp8.py —
-and the GPU on the device) and the dequantizing PyTorch path against a float64 reference of the same
+Triton GEMM (each orientation, split-K; Triton's CPU interpreter in CI — its fp8 cast and dot are made
+exact by ops/quant/tl_fp8.py — and the GPU on the device) and the dequantizing PyTorch path against a float64 reference of the same
 quantized math, at odd M, N multiple and not multiple of 128, K with a partial last block; activation
 quantization identical in both paths; a dense tail; bad weights refused."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """FP8 routed experts (ops/moe with block scales): the FP8 grouped Triton kernels (grouped_fp8_triton: each tile
-config, the intermediate quantized in the gate_up epilogue or in the down kernel) (Triton's CPU
+config, the intermediate quantized in the gate_up epilogue or by its own launch) (Triton's CPU
 interpreter in CI, the GPU on the device) and the dequantizing PyTorch path against a float64 reference of
 the same quantized math, with an intermediate size that is not a multiple of 128 (partial scale blocks) and
 one that is; scales of the wrong shape refused.
@@ -68,10 +68,10 @@ def test_fp8_experts_against_float64(T, H, I, backend, device):
 
 
 @pytest.mark.parametrize("T,H,I,cfg", [
-    (3, 300, 200, ((128, 8, 3, 0), (128, 4, 3))),     # intermediate quantized in the gate_up epilogue
-    (65, 256, 136, ((128, 8, 3, 0), (64, 4, 3))),     # 32-row blocks, a partial last group, the epilogue path
-    (5, 200, 264, ((64, 4, 3, 0), (128, 4, 4))),      # quantized in the down kernel, partial K and N tiles
-    (2, 600, 72, ((32, 4, 3, 64), (64, 4, 3))),       # gate_up split over K (3 splits, the last one block)
+    (3, 300, 200, ((128, 8, 3), (128, 4, 3))),     # intermediate quantized in the gate_up epilogue
+    (65, 256, 136, ((128, 8, 3), (64, 4, 3))),     # 32-row blocks, a partial last group, the epilogue path
+    (5, 200, 264, ((64, 4, 3), (128, 4, 4))),      # quantized by its own launch, partial K and N tiles
+    (2, 600, 72, ((32, 4, 3), (64, 4, 3))),        # 32 + 32-row gate/up tiles, a partial one
 ])
 def test_fp8_triton_tile_configs(T, H, I, cfg, device, monkeypatch):
     from gdnserve.ops.moe import grouped_fp8_triton as g

@@ -11,14 +11,16 @@ scheme, the same numbers as the dequantizing reference ``fp8_torch``):
 2. ``_gate_up_kernel``: one program = a row block x ``BNH`` intermediate columns; its MMA tile stacks the
    ``BNH`` gate rows on the ``BNH`` up rows of the expert (``acc [2·BNH, BM] = W-tile · x-tileᵀ``: weight rows
    on the MMA's M side, so 16-row token blocks still run Hopper wgmma), one 128-wide K block per step adding
-   ``dot · sw · sx``. Epilogue ``h = silu(g) · u`` rounded to x's dtype, then either stored (decode-sized
-   calls: narrow tiles, many programs) or — ``BNH = 128``, one whole quantization group per program —
-   quantized right there and stored as e4m3 + scales (``QUANT_OUT``, the larger calls).
-3. ``_down_kernel``: ``pair_out[pair, n] = w(pair) · (h · Wd[e, n])``, h read as e4m3 (``QUANT_OUT``) or
-   quantized per K step in registers from the stored intermediate (the e4m3 grid by arithmetic,
-   ``tl_fp8.quant_cols``, then an exact conversion). Written per pair (no atomics); the k pair outputs of a
-   token are summed afterwards in float32 and rounded once.
+   ``dot · sw · sx``. Epilogue ``h = silu(g) · u`` rounded to x's dtype, then either — ``BNH = 128``, one
+   whole quantization group per program (the larger calls) — quantized right there and stored as e4m3 +
+   scales, or (decode-sized calls: narrow tiles, enough programs to stream the weights) stored and quantized
+   by one ``quantize_act_triton`` launch. (Quantizing in the down kernel's registers instead measured 17 µs
+   for that kernel alone at T = 1 on the H200: the e4m3 operand then cannot be copied asynchronously.)
+3. ``_down_kernel``: ``pair_out[pair, n] = w(pair) · (h_q · Wd[e, n])`` on the same swapped tiles, written per
+   pair (no atomics); the k pair outputs of a token are summed afterwards in float32 and rounded once.
 
+Float32 activations (reference models) multiply the e4m3 values as bf16 (exact) with fp32 accumulation:
+Hopper's fp8 MMA accumulates with less than fp32 precision (~1e-4 relative; fine for bf16 outputs).
 Deterministic (no atomics, no split-K). No host reads: the grid is fixed by shapes (CUDA-graph safe).
 Tile configs: ``config`` (H200: benchmarks/bench_fp8.py --sweep).
 """
@@ -31,7 +33,7 @@ import triton.language as tl
 from gdnserve.ops.launch import cdiv, launch
 from gdnserve.ops.moe.align import Alignment
 from gdnserve.ops.quant.fp8_gemm_triton import quantize_act_triton
-from gdnserve.ops.quant.tl_fp8 import as_fp8_operand, fp8_dot, quant_cols, to_fp8
+from gdnserve.ops.quant.tl_fp8 import as_fp8_operand, fp8_dot, quant_cols
 from gdnserve.ops.tl_compat import cast
 
 BK: tl.constexpr = tl.constexpr(128)      # one scale block per K step
@@ -46,12 +48,11 @@ def _rows(rows, pid_m, N, BM: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(xq, xs, w, ws, rows, block_expert, inter, iq, isc, part, N, H, I, SG, SKH, SKI, KB_PER, NSPLIT,
+def _gate_up_kernel(xq, xs, w, ws, rows, block_expert, inter, iq, isc, N, H, I, SG, SKH, SKI,
                     TOP_K: tl.constexpr, BM: tl.constexpr, BNH: tl.constexpr, QUANT_OUT: tl.constexpr,
                     NATIVE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    split = tl.program_id(2)
     e = tl.load(block_expert + pid_m).to(tl.int64)
     if e >= 0:
         offs_m, r, valid = _rows(rows, pid_m, N, BM)
@@ -66,7 +67,7 @@ def _gate_up_kernel(xq, xs, w, ws, rows, block_expert, inter, iq, isc, part, N, 
         xs_m = xs + tok * SKH
         offs_k = tl.arange(0, BK)
         acc = tl.zeros((2 * BNH, BM), dtype=tl.float32)
-        for kb in range(split * KB_PER, tl.minimum(split * KB_PER + KB_PER, SKH)):
+        for kb in range(0, SKH):
             kk = kb * BK + offs_k
             k_ok = kk < H
             a = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
@@ -74,43 +75,21 @@ def _gate_up_kernel(xq, xs, w, ws, rows, block_expert, inter, iq, isc, part, N, 
             sw = tl.load(s_rows + kb, mask=n_ok, other=0.0)
             sx = tl.load(xs_m + kb, mask=valid, other=0.0)
             acc += fp8_dot(a, b, NATIVE) * (sw[:, None] * sx[None, :])
-        if NSPLIT > 1:      # decode-sized: float32 partial sums [split, row, gate I | up I], ``_act_kernel`` ends it
-            col = n + up.to(tl.int32) * I
-            dst_p = part + (split * tl.num_programs(0) * BM + offs_m[None, :]).to(tl.int64) * (2 * I) + col[:, None]
-            tl.store(dst_p, acc, mask=n_ok[:, None] & valid[None, :])
-        else:
-            g, u = tl.split(tl.permute(tl.reshape(acc, (2, BNH, BM)), (1, 2, 0)))      # [BNH, BM] each
-            h = cast(g * tl.sigmoid(g) * u, inter.dtype.element_ty)                 # rounded as the reference
-            offs_n = pid_n * BNH + tl.arange(0, BNH)
+        g, u = tl.split(tl.permute(tl.reshape(acc, (2, BNH, BM)), (1, 2, 0)))      # [BNH, BM] each
+        h = cast(g * tl.sigmoid(g) * u, inter.dtype.element_ty)                 # rounded as the reference
+        offs_n = pid_n * BNH + tl.arange(0, BNH)
+        if QUANT_OUT:       # BNH == 128: this program holds the whole 128-column group of its rows
             mask = (offs_n < I)[:, None] & valid[None, :]
-            if QUANT_OUT:       # BNH == 128: this program holds the whole 128-column group of its rows
-                hq, hs = quant_cols(h.to(tl.float32))
-                tl.store(iq + offs_m[None, :].to(tl.int64) * I + offs_n[:, None], hq.to(iq.dtype.element_ty),
-                         mask=mask)
-                tl.store(isc + offs_m * SKI + pid_n, hs, mask=valid)
-            else:
-                tl.store(inter + offs_m[None, :].to(tl.int64) * I + offs_n[:, None], h, mask=mask)
+            hq, hs = quant_cols(h.to(tl.float32))
+            tl.store(iq + offs_m[None, :].to(tl.int64) * I + offs_n[:, None], hq.to(iq.dtype.element_ty), mask=mask)
+            tl.store(isc + offs_m * SKI + pid_n, hs, mask=valid)
+        else:               # every row of the block (padding rows: 0), quantized by ``quantize_act_triton``
+            tl.store(inter + offs_m[None, :].to(tl.int64) * I + offs_n[:, None], h, mask=(offs_n < I)[:, None])
 
 
 @triton.jit
-def _act_kernel(part, rows, inter, N, P, I, NSPLIT: tl.constexpr, BLOCK_E: tl.constexpr):
-    """inter[r, n] = silu(g) · u rounded, g / u the split-K partial sums added in split order (valid rows)."""
-    offs = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    r = offs // I
-    n = offs - r * I
-    ok = (offs < P * I) & (tl.load(rows + r, mask=offs < P * I, other=N) < N)
-    g = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    u = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    for s in range(NSPLIT):
-        src = part + (s * P + r).to(tl.int64) * (2 * I) + n
-        g += tl.load(src, mask=ok, other=0.0)
-        u += tl.load(src + I, mask=ok, other=0.0)
-    tl.store(inter + r.to(tl.int64) * I + n, cast(g * tl.sigmoid(g) * u, inter.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _down_kernel(inter, iq, isc, w, ws, rows, block_expert, pair_w, out, N, H, I, SKI,
-                 BM: tl.constexpr, BN: tl.constexpr, X_FP8: tl.constexpr, NATIVE: tl.constexpr):
+def _down_kernel(iq, isc, w, ws, rows, block_expert, pair_w, out, N, H, I, SKI,
+                 BM: tl.constexpr, BN: tl.constexpr, NATIVE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(block_expert + pid_m).to(tl.int64)
@@ -127,15 +106,8 @@ def _down_kernel(inter, iq, isc, w, ws, rows, block_expert, pair_w, out, N, H, I
             kk = kb * BK + offs_k
             k_ok = kk < I
             bmask = k_ok[:, None] & valid[None, :]
-            if X_FP8:
-                b = as_fp8_operand(tl.load(iq + h_cols + kk[:, None], mask=bmask, other=0.0))
-                sx = tl.load(isc + offs_m * SKI + kb, mask=valid, other=0.0)
-            else:
-                q, sx = quant_cols(tl.load(inter + h_cols + kk[:, None], mask=bmask, other=0.0).to(tl.float32))
-                if NATIVE:
-                    b = to_fp8(q)
-                else:
-                    b = q
+            b = as_fp8_operand(tl.load(iq + h_cols + kk[:, None], mask=bmask, other=0.0))
+            sx = tl.load(isc + offs_m * SKI + kb, mask=valid, other=0.0)
             a = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             sw = tl.load(s_rows + kb, mask=n_ok, other=0.0)
             acc += fp8_dot(a, b, NATIVE) * (sw[:, None] * sx[None, :])
@@ -144,28 +116,22 @@ def _down_kernel(inter, iq, isc, w, ws, rows, block_expert, pair_w, out, N, H, I
         tl.store(dst, cast(acc * pw[None, :], out.dtype.element_ty), mask=n_ok[:, None] & valid[None, :])
 
 
-# ((BNH, warps, stages, split-K programs target) gate_up, (BN, warps, stages) down); None = ``config``'s pick.
-CONFIG_OVERRIDE: tuple[tuple[int, int, int, int], tuple[int, int, int]] | None = None
+# ((BNH, warps, stages) gate_up, (BN, warps, stages) down); None = ``config``'s pick. The benchmark sweeps it.
+CONFIG_OVERRIDE: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None
 
 
-def config(live_blocks: int, H: int, I: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int]]:
-    """From the shapes: with few live row blocks (decode) 32 + 32-row gate/up tiles, the K loop split until
-    ~4 programs per SM stream the weights, and 64-row down tiles (the intermediate quantized by the down
-    kernel); else 128 + 128 gate/up rows (the intermediate quantized in the gate_up epilogue), 128-row down
-    tiles."""
+def config(live_blocks: int, H: int, I: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """From the shapes (H200 sweep, benchmarks/results/fp8_h200.md): a handful of live row blocks (T = 1)
+    32 + 32-row gate/up tiles, up to ~4 blocks per SM 64 + 64 (both with the intermediate quantized by its own
+    launch), beyond 128 + 128 (quantized in the gate_up epilogue); 128-row down tiles."""
     if CONFIG_OVERRIDE is not None:
         return CONFIG_OVERRIDE
-    if live_blocks * cdiv(I, 128) < 4 * SMS:
-        return (32, 4, 5, 4 * SMS), (64, 4, 4)
-    return (128, 8, 3, 0), (128, 4, 3)
-
-
-def _split(programs: int, kb: int, target: int) -> tuple[int, int]:
-    """(NSPLIT, KB_PER) so that programs · NSPLIT reaches ``target``, >= 2 K blocks per program."""
-    if target <= programs or kb < 4:
-        return 1, kb
-    per = max(2, cdiv(kb * programs, target))
-    return cdiv(kb, per), per
+    work = live_blocks * cdiv(I, 128)
+    if work < 64:
+        return (32, 4, 5), (128, 4, 3)
+    if work < 4 * SMS:
+        return (64, 4, 4), (128, 4, 3)
+    return (128, 8, 3), (128, 4, 3)
 
 
 def moe_experts_fp8_triton(x: torch.Tensor, weights: torch.Tensor, al: Alignment, w_gate_up: torch.Tensor,
@@ -178,14 +144,11 @@ def moe_experts_fp8_triton(x: torch.Tensor, weights: torch.Tensor, al: Alignment
     N, P, BM = T * top_k, al.rows.numel(), al.BM
     if BM < 16 or BM & (BM - 1):
         raise ValueError(f"moe_experts_fp8_triton: the row block must be a power of two >= 16, got {BM}")
-    live = min(P // BM, N)
-    (BNH, w1, st1, target), (BN2, w2, st2) = config(live, H, I)
+    (BNH, w1, st1), (BN2, w2, st2) = config(min(P // BM, N), H, I)
+    quant_out = BNH == 128
     SG, SKH, SKI = cdiv(I, 128), cdiv(H, 128), cdiv(I, 128)
-    split, per = _split(live * cdiv(I, BNH), SKH, target)
-    quant_out = BNH == 128 and split == 1
     native = x.dtype != torch.float32        # float32 models: exact bf16 dots of the e4m3 values (tl_fp8)
     xq, xs = quantize_act_triton(x)
-    part = torch.empty(split, P, 2 * I, dtype=torch.float32, device=x.device) if split > 1 else xs
     if quant_out:
         iq = torch.empty(P, I, dtype=torch.float8_e4m3fn, device=x.device)
         isc = torch.empty(P, SKI, dtype=torch.float32, device=x.device)
@@ -193,13 +156,13 @@ def moe_experts_fp8_triton(x: torch.Tensor, weights: torch.Tensor, al: Alignment
     else:
         inter = torch.empty(P, I, dtype=x.dtype, device=x.device)
         iq, isc = inter, xs                          # unused pointers
-    launch(_gate_up_kernel, (P // BM, cdiv(I, BNH), split),
-           (xq, xs, w_gate_up, s_gate_up, al.rows, al.block_expert, inter, iq, isc, part, N, H, I, SG, SKH, SKI,
-            per, split, top_k, BM, BNH, quant_out, native), num_warps=w1, num_stages=st1)
-    if split > 1:
-        launch(_act_kernel, (cdiv(P * I, 1024),), (part, al.rows, inter, N, P, I, split, 1024), num_warps=4)
+    launch(_gate_up_kernel, (P // BM, cdiv(I, BNH)),
+           (xq, xs, w_gate_up, s_gate_up, al.rows, al.block_expert, inter, iq, isc, N, H, I, SG, SKH, SKI,
+            top_k, BM, BNH, quant_out, native), num_warps=w1, num_stages=st1)
+    if not quant_out:       # rows of unused blocks hold garbage: quantized too, never read (the down kernel masks)
+        iq, isc = quantize_act_triton(inter)
     pair_out = torch.empty(N, H, dtype=x.dtype, device=x.device)
     launch(_down_kernel, (P // BM, cdiv(H, BN2)),
-           (inter, iq, isc, w_down, s_down, al.rows, al.block_expert, weights.reshape(-1), pair_out, N, H, I, SKI,
-            BM, BN2, quant_out, native), num_warps=w2, num_stages=st2)
+           (iq, isc, w_down, s_down, al.rows, al.block_expert, weights.reshape(-1), pair_out, N, H, I, SKI,
+            BM, BN2, native), num_warps=w2, num_stages=st2)
     return pair_out.view(T, top_k, H).sum(dim=1)

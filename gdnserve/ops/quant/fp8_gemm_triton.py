@@ -6,12 +6,17 @@ Two kernels per call (three with split-K), all launched from shapes alone (no ho
 1. ``_quant_kernel`` quantizes x once per call, per token and group of 128 columns (``quant_tile``: the
    e4m3 grid by arithmetic, stored as e4m3 — exact), scales ``[M, ceil(K/128)]`` float32.
 2. ``_gemm_kernel`` multiplies e4m3 by e4m3 on the fp8 tensor cores (fp32 accumulation), one 128-wide K
-   block per step, adding ``dot · sw[n-block] · sx[m]``. The tile is **swapped** (``acc [BN, BM] = W-tile ·
-   x-tileᵀ``): the weight rows are the MMA's M side (64 / 128: Hopper wgmma) and the tokens its N side
-   (16 ... 128), so decode-sized M runs native fp8 dots without 16-row MMA tiles.
-3. Small M (decode, M <= 64): the weight read is the whole cost, so the K loop is **split** over ``SPLIT``
-   programs per tile (enough programs to cover the 132 SMs several times); each writes a float32 partial
-   ``[SPLIT, M, N]`` and ``_reduce_kernel`` sums them in a fixed order and rounds once (deterministic).
+   block per step, adding ``dot · sw[n-block] · sx[m]``. For M <= 64 the tile is **swapped**
+   (``acc [BN, BM] = W-tile · x-tileᵀ``): the weight rows are the MMA's M side (64 / 128: Hopper wgmma)
+   and the tokens its N side (16 ... 64), so decode-sized M runs native fp8 dots without 16-row MMA tiles.
+   Large M uses the usual orientation (``acc [BM, BN]``: measured faster there).
+3. Small M (decode, M <= 64) with few weight tiles: the weight read is the whole cost, so the K loop is
+   **split** over ``SPLIT`` programs per tile (enough programs to cover the 132 SMs several times); each
+   writes a float32 partial ``[SPLIT, M, N]`` and ``_reduce_kernel`` sums them in a fixed order and rounds
+   once (deterministic).
+
+Float32 activations (reference models) multiply the e4m3 values as bf16 (exact) with fp32 accumulation:
+Hopper's fp8 MMA accumulates with less than fp32 precision (~1e-4 relative; fine for bf16 outputs).
 
 Output rounded once to x's dtype, written with its own row stride (so a fused projection's dense tail can
 share the buffer). Tile configs: ``config`` (H200 sweep: benchmarks/bench_fp8.py --sweep).
@@ -108,7 +113,7 @@ def _reduce_kernel(part, y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK_E: tl.co
     offs = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     ok = offs < M * N
     acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
-    for s in range(SPLIT):
+    for s in tl.static_range(SPLIT):                      # unrolled: the SPLIT loads are in flight together
         acc += tl.load(part + s * M * N + offs, mask=ok, other=0.0)
     m = offs // N
     tl.store(y + m.to(tl.int64) * stride_ym + (offs - m * N), cast(acc, y.dtype.element_ty), mask=ok)
@@ -119,15 +124,19 @@ CONFIG_OVERRIDE: tuple[int, int, int, int, int, int, bool] | None = None
 
 
 def config(M: int, N: int, K: int) -> tuple[int, int, int, int, int, int, bool]:
-    """(BM tokens, BN weight rows, warps, stages, GROUP_N, split-K programs target, SWAP) from the shapes.
-    M <= 64: swapped tiles, token tile = M rounded up to 16 / 32 / 64, 64-row weight tiles, the K loop split
-    until ~4 programs per SM stream the weight. Larger M: the usual orientation, 128 x 128 tiles."""
+    """(BM tokens, BN weight rows, warps, stages, GROUP_N, split-K programs target, SWAP) from the shapes
+    (H200 sweep, benchmarks/results/fp8_h200.md). M <= 64: swapped tiles, token tile = M rounded up to
+    16 / 32 / 64, 64 weight rows; the K loop is split (~4 programs per SM) only when the weight tiles alone
+    do not cover the SMs (fewer than 132 tiles of 64 rows: out_proj, o_proj, the shared expert; splitting
+    in_proj's 192 tiles measured slower: the extra launch costs more than the occupancy gains). Larger M: the usual orientation, 64 x 128
+    tiles, 4 warps, 4 stages (faster than 128 x 128 at M = 256 and 4096)."""
     if CONFIG_OVERRIDE is not None:
         return CONFIG_OVERRIDE
     if M <= 64:
         bm = 16 if M <= 16 else (32 if M <= 32 else 64)
-        return bm, 64, 4, 5, 1, 4 * SMS, True
-    return 128, 128, 8, 3, 8, 0, False
+        tiles = cdiv(N, 64)
+        return bm, 64, 4, 5 if bm == 16 else 4, 1, 0 if tiles >= SMS else 4 * SMS, True
+    return 64, 128, 4, 4, 8, 0, False
 
 
 def split_k(tiles: int, kb: int, target: int) -> tuple[int, int]:

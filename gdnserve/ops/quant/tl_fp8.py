@@ -9,7 +9,7 @@ interpreter (3.6, 3.9) converts to float8e4nv with the wrong rounding in ~2% of 
 reference by 1.2% (benchmarks/results/gpu_tests_fp8_h200.log). A tile already on the grid converts
 exactly under any rounding, so the standalone quantization kernel stores it as e4m3 safely.
 
-``fp8_dot(q, b, NATIVE)``: ``NATIVE`` — both operands e4m3 (``to_fp8`` of grid values / loaded from memory), the
+``fp8_dot(q, b, NATIVE)``: ``NATIVE`` — both operands e4m3 (loaded from an e4m3 tensor), the
 fp8 tensor-core dot with float32 accumulation (large tiles: Hopper wgmma, the structure of the usual
 block-FP8 GEMMs); otherwise both operands upcast to bf16 (exact: e4m3 ⊂ bf16) and a bf16 dot with float32
 accumulation (small decode tiles, the MoE kernels) — the same products, summed in float32 either way. Under
@@ -60,16 +60,6 @@ def quant_cols(a):
     v = tl.math.div_rn(a, tl.broadcast_to(s[None, :], a.shape))
     v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
     return _rne_e4m3(v), s
-
-
-@triton.jit
-def to_fp8(q):
-    """A float32 tile already on the e4m3 grid (``quant_tile`` / ``quant_cols``) as the NATIVE dot's e4m3
-    operand: the conversion is exact under any rounding mode (float32 under the interpreter)."""
-    if INTERPRET:
-        return q
-    else:
-        return q.to(tl.float8e4nv)
 
 
 @triton.jit
