@@ -332,7 +332,7 @@ def markdown(rep: dict[str, Any]) -> str:
                        f"{r['prefill_tok_s']:,.0f} | — | — |")
     if rep.get("sweep"):
         out += ["", "## Tile sweep (best first; linear: BM tokens, BN weight rows, warps, stages, GROUP_N, split-K "
-                "programs target, swapped; moe: (BNH, warps, stages) gate_up (+ a split-K target in the run of 9ab2e33), "
+                "programs target, swapped; moe: (BNH, warps, stages) gate_up (+ a split-K target in the run of 75ec567), "
                 "(BN, warps, stages) down)", "",
                 "| kernel | shape | M / T | config | µs [P10–P90] |", "|---|---|---|---|---|"]
         for r in rep["sweep"]:
