@@ -1,7 +1,7 @@
 """Block-FP8 GEMMs against bf16 at the Qwen3.5-35B-A3B shapes, and the random-weight bench model in FP8 next
 to bf16.
 
-    python -m benchmarks.bench_fp8 [--device auto|cpu|cuda[:N]] [--quick] [--out DIR] [--sweep] [--no-model]
+    python -m benchmarks.bench_fp8 [--device auto|cpu|cuda[:N]] [--quick] [--out DIR] [--sweep] [--no-model] [--full]
 
 Sections (each row also checks the FP8 result against the dequantizing float32 reference of the same math):
 
@@ -11,11 +11,14 @@ Sections (each row also checks the FP8 result against the dequantizing float32 r
   GDN in_proj 12288 FP8 rows (+64 dense b/a rows), out_proj; attention qkv 9216, o_proj; shared expert).
   µs = CUDA-graph replay time per call (benchmarks/timing.py); TB/s = bytes the call must move (weights,
   scales, x, y) / time; the weights rotate over enough copies to exceed L2.
-* **moe**: the routed experts (256 experts, top-8, 2048 x 512) FP8 vs bf16, T = 1 ... 4096 tokens.
-* **model**: the bench model (8 layers, 64 experts, vocab 248320; ``random_model.build_random_model``), one
-  decode step at B = 1 (CUDA graph) and one 1 x 4096 prefill, bf16 and quantized in place to FP8
-  (``models.loader.quantize_model_fp8_``: the release's layout), with the decode byte floor of each.
-* ``--sweep``: the linear kernel's tile configs at M = 1 and 4096 on the in_proj shape (best first).
+* **moe**: the routed experts (256 experts, top-8, 2048 x 512) FP8 (``grouped_fp8_triton``; and the old FP8
+  branch of ``grouped_triton``) vs bf16, T = 1 ... 4096 tokens, several random routings rotated per call.
+* **model**: the bench model (8 layers, 64 experts, vocab 248320; ``random_model.build_random_model``; ``--full``:
+  the full-size 40-layer, 256-expert model), decode steps (CUDA graphs) at B = 1 (``--full``: 1, 16, 64, 256)
+  and a 1 x 4096 prefill, bf16 and then quantized in place to FP8 (``models.loader.quantize_model_fp8_``: the
+  release's layout), with the decode byte floor of each (bench_model's methodology).
+* ``--sweep``: the linear kernel's tile configs (in_proj M = 1, 64, 256, 4096; out_proj M = 1) and the FP8
+  experts' (T = 1, 64, 4096), best first.
 
 On CPU (``--quick``: seconds) the shapes are tiny and FP8 runs the dequantizing PyTorch path: a smoke run of
 the script, not a measurement. Writes ``fp8_<device>.json`` and ``.md`` under ``--out`` (default
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -64,9 +68,22 @@ def _act(dev: torch.device) -> torch.dtype:
 
 
 def _us(fn: Callable[..., Any], rotate: list, dev: torch.device, quick: bool) -> float:
+    return _pct(fn, rotate, dev, quick)["p50"]
+
+
+def _pct(fn: Callable[..., Any], rotate: list, dev: torch.device, quick: bool) -> dict[str, float]:
+    """{p10, p50, p90} µs of one call (CUDA-graph replays on CUDA)."""
     cpu = dev.type != "cuda"
     r = time_call(fn, iters=2 if cpu else (5 if quick else 20), warmup=1 if cpu else 2, rotate=rotate, device=dev)
-    return r["gpu_us"]["p50"]
+    return r["gpu_us"]
+
+
+def _timed(row: dict[str, Any], key: str, fn: Callable[..., Any], rotate: list, dev: torch.device, quick: bool
+           ) -> None:
+    """row[key] = p50 µs, row[key + "_p10_p90"] = [p10, p90]."""
+    t = _pct(fn, rotate, dev, quick)
+    row[key] = t["p50"]
+    row[key + "_p10_p90"] = [t["p10"], t["p90"]]
 
 
 def _copies(nbytes: int, dev: torch.device) -> int:
@@ -92,10 +109,10 @@ def linear_rows(dev: torch.device, quick: bool, log: Callable[[str], None]) -> l
                 if tail_rows:
                     ref = torch.cat([ref, x.float() @ w[N:].T], 1)
                 row["rel_err"] = rel_rms(y, ref)
-                row["fp8_us"] = _us(lambda t: fp8_linear(x, t[0], t[1], tail=t[2]), sets_fp8, dev, quick)
+                _timed(row, "fp8_us", lambda t: fp8_linear(x, t[0], t[1], tail=t[2]), sets_fp8, dev, quick)
             except Exception as e:               # noqa: BLE001 — a failed case is reported, not fatal
                 row["fp8_error"] = f"{type(e).__name__}: {e}"[:300]
-            row["bf16_us"] = _us(lambda wt: F.linear(x, wt), sets_bf16, dev, quick)
+            _timed(row, "bf16_us", lambda wt: F.linear(x, wt), sets_bf16, dev, quick)
             io = M * K * 2 + M * (N + tail_rows) * 2
             fp8_bytes = N * K + s.numel() * 4 + tail_rows * K * 2 + io
             bf16_bytes = (N + tail_rows) * K * 2 + io
@@ -120,130 +137,207 @@ def moe_rows(dev: torch.device, quick: bool, log: Callable[[str], None]) -> list
     gu16, dn16 = gu.to(_act(dev)), dn.to(_act(dev))
     rows = []
     for T in ((1, 16, 64, 256, 4096) if dev.type == "cuda" else (3,)):
-        x = torch.randn(T, Hm, device=dev).to(_act(dev))
-        w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=dev), -1), k, dim=-1)
-        w = (w / w.sum(-1, keepdim=True)).to(_act(dev))
+        sets = [_routing(T, Hm, E, k, dev) for _ in range(1 if T >= 256 or dev.type != "cuda" else 8)]
+        x, w, idx = sets[0]
         row: dict[str, Any] = {"T": T, "E": E, "top_k": k, "H": Hm, "I": I}
         try:
             y = moe_experts(x, w, idx, q_gu, q_dn, scales=(s_gu, s_dn))
             ref = moe_experts(x, w, idx, q_gu, q_dn, scales=(s_gu, s_dn), backend="torch")   # same roundings
             row["rel_err"] = rel_rms(y, ref)
-            row["fp8_us"] = _us(lambda _: moe_experts(x, w, idx, q_gu, q_dn, scales=(s_gu, s_dn)), [0], dev, quick)
+            _timed(row, "fp8_us", lambda r: moe_experts(*r, q_gu, q_dn, scales=(s_gu, s_dn)), sets, dev, quick)
+            if dev.type == "cuda":
+                _timed(row, "fp8_old_us", lambda r: _old_fp8_experts(*r, q_gu, q_dn, (s_gu, s_dn)), sets, dev, quick)
         except Exception as e:                   # noqa: BLE001
             row["fp8_error"] = f"{type(e).__name__}: {e}"[:300]
-        row["bf16_us"] = _us(lambda _: moe_experts(x, w, idx, gu16, dn16), [0], dev, quick)
+        _timed(row, "bf16_us", lambda r: moe_experts(*r, gu16, dn16), sets, dev, quick)
+        touched = sum(len(torch.unique(r[2])) for r in sets) / len(sets)       # experts a call reads
+        fp8_bytes = touched * (3 * I * Hm + (s_gu[0].numel() + s_dn[0].numel()) * 4)
+        row["bf16_TBps"] = touched * 3 * I * Hm * 2 / row["bf16_us"] / 1e6
         if "fp8_us" in row:
             row["speedup"] = row["bf16_us"] / row["fp8_us"]
+            row["fp8_TBps"] = fp8_bytes / row["fp8_us"] / 1e6
         log(json.dumps(row))
         rows.append(row)
     return rows
 
 
+def _routing(T: int, Hm: int, E: int, k: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, weights, experts) of T tokens routed top-k at random (fresh expert sets: the weights they touch
+    rotate out of L2 between calls)."""
+    x = torch.randn(T, Hm, device=dev).to(_act(dev))
+    w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=dev), -1), k, dim=-1)
+    return x, (w / w.sum(-1, keepdim=True)).to(_act(dev)), idx
+
+
+def _old_fp8_experts(x, w, idx, q_gu, q_dn, scales):
+    """The FP8 branch of grouped_triton (bf16 dots of the upcast e4m3 weights), for comparison."""
+    from gdnserve.ops.moe.align import align_pairs
+    from gdnserve.ops.moe.align_triton import MAX_PAIRS, align_pairs_triton
+    from gdnserve.ops.moe.grouped_triton import block_rows, moe_experts_triton
+    T, k = idx.shape
+    E = q_gu.shape[0]
+    al = (align_pairs_triton if T * k <= MAX_PAIRS else align_pairs)(idx, E, block_rows(T * k, E))
+    return moe_experts_triton(x, w, al, q_gu, q_dn, k, scales)
+
+
 def sweep_rows(dev: torch.device, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The linear kernel's tile configs (BM, BN, warps, stages, GROUP_N, split-K programs target, SWAP) at
+    decode and prefill M, and the FP8 experts' ((BNH, warps, stages), (BN, warps, stages)) at T = 1, 16, 64,
+    4096."""
+    from gdnserve.ops.moe import grouped_fp8_triton as gm
+    from gdnserve.ops.moe import moe_experts
     from gdnserve.ops.quant import fp8_gemm_triton as g
-    N, K, _ = LINEARS["gdn.in_proj"]
-    q, s = quantize_weight(torch.randn(N, K, device=dev) * 0.02)
-    sets = [(q.clone(), s.clone()) for _ in range(_copies(N * K, dev))]
-    rows = []
-    for M, cfgs in ((1, [(16, bn, w, st, 1) for bn in (16, 32, 64, 128) for w, st in ((4, 4), (2, 6))]),
-                    (PREFILL_M, [(bm, bn, w, 3, 8) for bm, bn in ((64, 128), (128, 128)) for w in (4, 8)])):
-        x = torch.randn(M, K, device=dev).bfloat16()
+    rows: list[dict[str, Any]] = []
+    small = [(16, bn, 4, st, 1, tgt, True) for bn in (64, 128) for st in (4, 6) for tgt in (528, 1056)]
+    small.append((16, 64, 4, 5, 1, 0, True))
+    big = [(bm, bn, w, st, 8, 0, False) for bm, bn, w, st in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4),
+                                                            (128, 256, 8, 3), (256, 128, 8, 3))]
+    plan = {"gdn.in_proj": ((1, small), (16, [(16, 64, 4, 5, 1, t, True) for t in (528, 1056)]),
+                            (64, [(64, bn, 4, 4, 1, t, True) for bn in (64, 128) for t in (0, 528)]),
+                            (256, big[:4] + [(64, 128, 4, 4, 8, 0, True)]),
+                            (PREFILL_M, big + [(64, 128, 4, 4, 8, 0, True)])),
+            "gdn.out_proj": ((1, small), (PREFILL_M, big[:3]))}
+    for shape, cases in plan.items():
+        N, K, _ = LINEARS[shape]
+        q, s = quantize_weight(torch.randn(N, K, device=dev) * 0.02)
+        sets = [(q.clone(), s.clone()) for _ in range(_copies(N * K, dev))]
+        for M, cfgs in cases:
+            x = torch.randn(M, K, device=dev).bfloat16()
+            for c in cfgs:
+                g.CONFIG_OVERRIDE = c
+                rows.append(_sweep_one({"kernel": "linear", "shape": shape, "M": M, "config": list(c)},
+                                       lambda t: fp8_linear(x, t[0], t[1]), sets, dev))
+            g.CONFIG_OVERRIDE = None
+    E, I, k = 256, 512, 8
+    gu = torch.randn(E, 2 * I, H, device=dev) / H ** 0.5
+    (qg, sg), (qu, su), (qd, sd) = (quantize_weight(t) for t in (gu[:, :I], gu[:, I:], torch.randn(E, H, I, device=dev)))
+    q_gu, s_gu = torch.cat([qg, qu], 1).contiguous(), torch.cat([sg, su], 1).contiguous()
+    moe_cfgs = {1: [((bnh, 4, st), (bn, 4, 3)) for bnh, st in ((32, 5), (64, 4)) for bn in (64, 128)],
+                16: [((32, 4, 5), (128, 4, 3)), ((64, 4, 4), (128, 4, 3))],
+                64: [((64, 4, 4), (128, 4, 3)), ((128, 8, 3), (128, 4, 3))],
+                PREFILL_M: [((128, 8, 3), (128, 4, 3)), ((128, 8, 4), (128, 8, 3)), ((128, 4, 3), (128, 4, 4))]}
+    for T, cfgs in moe_cfgs.items():
+        sets = [_routing(T, H, E, k, dev) for _ in range(1 if T >= 256 else 8)]
         for c in cfgs:
-            g.CONFIG_OVERRIDE = c
-            try:
-                us = _us(lambda t: fp8_linear(x, t[0], t[1]), sets, dev, quick=True)
-                rows.append({"M": M, "config": list(c), "us": us})
-            except Exception as e:               # noqa: BLE001
-                rows.append({"M": M, "config": list(c), "error": f"{type(e).__name__}: {e}"[:200]})
-        g.CONFIG_OVERRIDE = None
-    rows.sort(key=lambda r: (r["M"], r.get("us", math.inf)))
+            gm.CONFIG_OVERRIDE = c
+            rows.append(_sweep_one({"kernel": "moe", "shape": f"E={E} k={k}", "M": T, "config": [list(t) for t in c]},
+                                   lambda r: moe_experts(*r, q_gu, qd.contiguous(), scales=(s_gu, sd.contiguous())),
+                                   sets, dev))
+        gm.CONFIG_OVERRIDE = None
+    rows.sort(key=lambda r: (r["kernel"], r["shape"], r["M"], r.get("us", math.inf)))
     for r in rows:
         log(json.dumps(r))
     return rows
 
 
-def model_rows(dev: torch.device, quick: bool, layers: int, experts: int, log: Callable[[str], None]
-               ) -> list[dict[str, Any]]:
+def _sweep_one(row: dict[str, Any], fn: Callable[..., Any], sets: list, dev: torch.device) -> dict[str, Any]:
+    try:
+        t = _pct(fn, sets, dev, quick=True)
+        row["us"], row["p10_p90"] = t["p50"], [t["p10"], t["p90"]]
+    except Exception as e:                       # noqa: BLE001 — a config that fails is reported
+        row["error"] = f"{type(e).__name__}: {e}"[:200]
+    return row
+
+
+def model_rows(dev: torch.device, quick: bool, layers: int | None, experts: int | None, log: Callable[[str], None],
+               full: bool = False) -> list[dict[str, Any]]:
+    """The random-weight model in bf16, then (the bf16 copy freed) quantized in place to FP8: decode steps at
+    each batch (B = 1; ``full``: 1, 16, 64, 256 at context 128) and a 1 x L prefill, timed as bench_model times
+    them (perf_counter around a step, device synchronised; median and P10-P90), with the decode byte floor
+    (bench_model.decode_bytes: FP8 weights count one byte) at the measured copy rate."""
+    from benchmarks.bench_model import Plan, decode_bytes, ours_decode, ours_prefill
     from benchmarks.random_model import build_random_model, config_for
-    from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
+    from benchmarks.timing import measure_ceilings, percentiles
+    from gdnserve.engine.model_runner import ModelRunner, RunnerConfig
     from gdnserve.models.loader import quantize_model_fp8_
-    cfg = config_for(dev, layers, experts)
-    L = 4096 if dev.type == "cuda" else 32
+    cuda = dev.type == "cuda"
+    cfg = config_for(dev, layers, experts, full=full)
+    L = 4096 if cuda else 32
+    batches = (1, 16, 64, 256) if full else (1,)
+    plan = Plan(((1, L),), batches, 128 if cuda else 16, 2 if cuda else 0, (5 if quick else 10) if cuda else 1, 0.0)
+    copy_tbps = measure_ceilings(dev, quick=True)["copy_TBps"] if cuda else None
     rows = []
     for fmt in ("bf16", "fp8"):
-        model = build_random_model(cfg, dev, torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        torch.manual_seed(0)
+        model = build_random_model(cfg, dev, torch.bfloat16 if cuda else torch.float32)
         fp8_layers = quantize_model_fp8_(model) if fmt == "fp8" else []
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        runner = ModelRunner(model, RunnerConfig(num_slots=4, page_size=16, num_pages=2 * (L // 16) + 32,
-                                                 graph_max_batch=1, max_model_len=2 * L))
-        ids = torch.randint(0, cfg["vocab_size"], (L,)).tolist()
-
-        def prefill() -> None:
-            seq = runner.new_seq()
-            runner.step([PrefillItem(seq, ids)], [])
-            runner.free_seq(seq)
-        seq = runner.new_seq()
-        tok = [int(runner.step([PrefillItem(seq, ids[:32])], []).argmax(-1)[0])]
-
-        def decode() -> None:
-            tok[0] = int(runner.step([], [(seq, tok[0])]).argmax(-1)[0])
+        runner = ModelRunner(model, RunnerConfig(num_slots=max(batches) + 2, page_size=16, num_pages=4096,
+                                                 graph_max_tokens=L, max_model_len=2 * L))
         row: dict[str, Any] = {"format": fmt, "layers": cfg["num_hidden_layers"], "experts": cfg["num_experts"],
-                               "weight_GB": weight_bytes / 1e9, "fp8_layers": len(fp8_layers)}
-        cpu = dev.type != "cuda"
-        row["decode_B1_ms"] = _wall(decode, dev, 0 if cpu else 5, 1 if cpu else (5 if quick else 20))
-        row["prefill_ms"] = _wall(prefill, dev, 0 if cpu else 1, 1 if cpu else (2 if quick else 5))
-        row["prefill_tok_s"] = L / row["prefill_ms"] * 1e3
+                               "weight_GB": weight_bytes / 1e9, "fp8_layers": len(fp8_layers), "decode": {}}
+        for B in batches:
+            t = percentiles([v * 1e3 for v in ours_decode(runner, B, plan, dev)["times"]])
+            floor = decode_bytes(model, B, plan.context) / (copy_tbps * 1e12) * 1e3 if copy_tbps else None
+            row["decode"][str(B)] = {"ms": t, "floor_ms": floor, "tok_s": B / t["p50"] * 1e3}
+        row["decode_B1_ms"] = row["decode"]["1"]["ms"]["p50"]
+        t = percentiles([v * 1e3 for v in ours_prefill(runner, torch.randint(0, cfg["vocab_size"], (1, L)), plan,
+                                                       dev)["times"]])
+        row["prefill_ms"], row["prefill_p10_p90"] = t["p50"], [t["p10"], t["p90"]]
+        row["prefill_tok_s"], row["prefill_len"] = L / row["prefill_ms"] * 1e3, L
         log(json.dumps(row))
         rows.append(row)
         runner = model = None       # free before the next format is built
-        if dev.type == "cuda":
+        if cuda:
             torch.cuda.empty_cache()
     return rows
 
 
-def _wall(fn: Callable[[], None], dev: torch.device, warmup: int, iters: int) -> float:
-    """Median wall ms of one call, the device synchronised around each (what a step costs end to end)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        t = time.perf_counter()
-        fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        times.append((time.perf_counter() - t) * 1e3)
-    return sorted(times)[len(times) // 2]
+def _p(r: dict[str, Any], key: str, fmt: str = ".1f") -> str:
+    """'p50 [p10–p90]' of a timed row entry, or '—'."""
+    if key not in r:
+        return "—"
+    lo, hi = r.get(key + "_p10_p90", [float("nan")] * 2)
+    return f"{r[key]:{fmt}} [{lo:{fmt}}–{hi:{fmt}}]"
 
 
 def markdown(rep: dict[str, Any]) -> str:
+    copy = rep.get("ceilings", {}).get("copy_TBps")
     out = [f"# Block-FP8 vs bf16 ({rep['device']})", "", f"`{rep['command']}` — torch {rep['torch']}, "
-           f"triton {rep['triton']}. µs: CUDA-graph replay per call (p50); TB/s: bytes moved / time; rel_err: "
-           "FP8 result vs the float32 dequantizing reference of the same quantized math.", ""]
+           f"triton {rep['triton']}" + (f", git {rep['git']}" if rep.get("git") else "") + ". µs: CUDA-graph replay "
+           "per call, median [P10–P90]; TB/s: bytes the call must move (weights, scales, x, y) / median time"
+           + (f" (measured copy ceiling {copy:.2f} TB/s)" if copy else "") + "; rel_err: FP8 result vs the float32 "
+           "dequantizing reference of the same quantized math. bf16: cuBLAS `F.linear` / the bf16 grouped Triton "
+           "GEMM; fp8: `ops/quant/fp8_gemm_triton.py` / `ops/moe/grouped_fp8_triton.py`; fp8 old: the FP8 branch of "
+           "`grouped_triton.py` (bf16 dots of upcast weights).", ""]
     out += ["## Linear (Qwen3.5-35B-A3B projections)", "",
-            "| shape | N | K | M | bf16 µs | fp8 µs | speedup | bf16 TB/s | fp8 TB/s | rel_err |", "|---" * 10 + "|"]
+            "| shape | N | K | M | bf16 µs | fp8 µs | fp8 / bf16 time | bf16 TB/s | fp8 TB/s | rel_err |",
+            "|---" * 10 + "|"]
     for r in rep["linear"]:
-        fp8 = (f"{r['fp8_us']:.1f} | {r['speedup']:.2f}x" if "fp8_us" in r else f"error: {r.get('fp8_error')} | -")
-        out.append(f"| {r['shape']} | {r['N']} | {r['K']} | {r['M']} | {r['bf16_us']:.1f} | {fp8} | "
-                   f"{r['bf16_TBps']:.2f} | {r.get('fp8_TBps', float('nan')):.2f} | {r.get('rel_err', float('nan')):.1e} |")
-    out += ["", "## Routed experts (grouped GEMM)", "", "| T | E | top-k | bf16 µs | fp8 µs | speedup | rel_err |",
-            "|---" * 7 + "|"]
-    for r in rep["moe"]:
-        fp8 = f"{r['fp8_us']:.1f} | {r['speedup']:.2f}x" if "fp8_us" in r else f"error: {r.get('fp8_error')} | -"
-        out.append(f"| {r['T']} | {r['E']} | {r['top_k']} | {r['bf16_us']:.1f} | {fp8} | "
+        ratio = f"{1 / r['speedup']:.2f}" if "speedup" in r else f"error: {r.get('fp8_error')}"
+        out.append(f"| {r['shape']} | {r['N']} | {r['K']} | {r['M']} | {_p(r, 'bf16_us')} | {_p(r, 'fp8_us')} | "
+                   f"{ratio} | {r['bf16_TBps']:.2f} | {r.get('fp8_TBps', float('nan')):.2f} | "
                    f"{r.get('rel_err', float('nan')):.1e} |")
+    out += ["", "## Routed experts (grouped GEMM; T random routings rotated: the touched experts leave L2)", "",
+            "| T | E | top-k | bf16 µs | fp8 µs | fp8 old µs | fp8 / bf16 time | bf16 TB/s | fp8 TB/s | rel_err |",
+            "|---" * 10 + "|"]
+    for r in rep["moe"]:
+        ratio = f"{1 / r['speedup']:.2f}" if "speedup" in r else f"error: {r.get('fp8_error')}"
+        out.append(f"| {r['T']} | {r['E']} | {r['top_k']} | {_p(r, 'bf16_us')} | {_p(r, 'fp8_us')} | "
+                   f"{_p(r, 'fp8_old_us')} | {ratio} | {r.get('bf16_TBps', float('nan')):.2f} | "
+                   f"{r.get('fp8_TBps', float('nan')):.2f} | {r.get('rel_err', float('nan')):.1e} |")
     if rep.get("model"):
-        out += ["", "## Bench model (random weights)", "",
-                "| format | layers | experts | weights GB | FP8 layers | decode B=1 ms | prefill 1x4096 ms | prefill tok/s |",
-                "|---" * 8 + "|"]
+        out += ["", "## Model (random weights; ms: median [P10–P90] per step; floor: decode bytes / copy rate)", "",
+                "| format | layers | experts | weights GB | FP8 layers | case | ms | tokens/s | floor ms | % floor |",
+                "|---" * 10 + "|"]
         for r in rep["model"]:
-            out.append(f"| {r['format']} | {r['layers']} | {r['experts']} | {r['weight_GB']:.2f} | {r['fp8_layers']} | "
-                       f"{r['decode_B1_ms']:.2f} | {r['prefill_ms']:.1f} | {r['prefill_tok_s']:.0f} |")
+            head = f"| {r['format']} | {r['layers']} | {r['experts']} | {r['weight_GB']:.2f} | {r['fp8_layers']} |"
+            for B, d in r["decode"].items():
+                t, fl = d["ms"], d["floor_ms"]
+                floor = "— | —" if fl is None else f"{fl:.2f} | {100 * fl / t['p50']:.0f} %"
+                out.append(f"{head} decode B={B} | {t['p50']:.2f} [{t['p10']:.2f}–{t['p90']:.2f}] | "
+                           f"{d['tok_s']:,.0f} | {floor} |")
+            lo, hi = r["prefill_p10_p90"]
+            out.append(f"{head} prefill 1x{r['prefill_len']} | {r['prefill_ms']:.1f} [{lo:.1f}–{hi:.1f}] | "
+                       f"{r['prefill_tok_s']:,.0f} | — | — |")
     if rep.get("sweep"):
-        out += ["", "## Linear tile sweep (gdn.in_proj; BM, BN, warps, stages, GROUP_M)", "", "| M | config | µs |",
-                "|---|---|---|"]
-        out += [f"| {r['M']} | {r['config']} | {r.get('us', r.get('error'))} |" for r in rep["sweep"]]
+        out += ["", "## Tile sweep (best first; linear: BM tokens, BN weight rows, warps, stages, GROUP_N, split-K "
+                "programs target, swapped; moe: (BNH, warps, stages) gate_up (+ a split-K target in the run of 75ec567), "
+                "(BN, warps, stages) down)", "",
+                "| kernel | shape | M / T | config | µs [P10–P90] |", "|---|---|---|---|---|"]
+        for r in rep["sweep"]:
+            t = (f"{r['us']:.1f} [{r['p10_p90'][0]:.1f}–{r['p10_p90'][1]:.1f}]" if "us" in r else r.get("error"))
+            out.append(f"| {r['kernel']} | {r['shape']} | {r['M']} | {r['config']} | {t} |")
     for note in rep.get("notes", []):
         out += ["", note]
     return "\n".join(out) + "\n"
@@ -255,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer timing iterations (CPU: a smoke run in seconds)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--sweep", action="store_true", help="also sweep the linear kernel's tile configs (CUDA)")
-    ap.add_argument("--no-model", action="store_true", help="skip the bench-model section")
+    ap.add_argument("--no-model", action="store_true", help="skip the model section")
+    ap.add_argument("--full", action="store_true", help="model section: the full-size 40-layer model, decode "
+                    "B = 1, 16, 64, 256 (CUDA; default: the 8-layer cut, B = 1)")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--experts", type=int, default=None)
     ap.add_argument("--time-budget", type=float, default=math.inf, help="seconds; later sections are skipped")
@@ -267,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rep: dict[str, Any] = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                            "command": "python -m benchmarks.bench_fp8 " + " ".join(argv if argv is not None else sys.argv[1:]),
-                           "torch": torch.__version__, "triton": triton.__version__, "notes": []}
+                           "torch": torch.__version__, "triton": triton.__version__, "notes": [],
+                           "git": os.environ.get("GDNSERVE_GIT")}
     log = lambda s: print(s, flush=True)        # noqa: E731
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -275,13 +372,17 @@ def main(argv: list[str] | None = None) -> int:
     def save() -> None:
         (out / f"fp8_{_tag(dev)}.json").write_text(json.dumps(rep, indent=1))
         (out / f"fp8_{_tag(dev)}.md").write_text(markdown(rep))
+    if dev.type == "cuda":
+        from benchmarks.timing import measure_ceilings
+        rep["ceilings"] = measure_ceilings(dev, quick=True)
     with torch.no_grad():
         rep["linear"] = linear_rows(dev, args.quick, log)
         rep["moe"] = moe_rows(dev, args.quick, log)
         save()
         if not args.no_model:
             if time.perf_counter() - t0 < args.time_budget:
-                rep["model"] = model_rows(dev, args.quick, args.layers, args.experts, log)
+                rep["model"] = model_rows(dev, args.quick, args.layers, args.experts, log,
+                                          full=args.full and dev.type == "cuda")
                 save()
             else:
                 rep["notes"].append("model section skipped: --time-budget spent")

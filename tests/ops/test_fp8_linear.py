@@ -1,6 +1,6 @@
 """Block-FP8 linear (ops/quant): the 128x128 weight quantization round-trips within e4m3's resolution; the
-Triton GEMM (Triton's CPU interpreter in CI — its fp8 cast and dot are made exact by ops/quant/tl_fp8.py —
-and the GPU on the device) and the dequantizing PyTorch path against a float64 reference of the same
+Triton GEMM (each orientation, split-K; Triton's CPU interpreter in CI — its fp8 cast and dot are made
+exact by ops/quant/tl_fp8.py — and the GPU on the device) and the dequantizing PyTorch path against a float64 reference of the same
 quantized math, at odd M, N multiple and not multiple of 128, K with a partial last block; activation
 quantization identical in both paths; a dense tail; bad weights refused."""
 from __future__ import annotations
@@ -45,6 +45,31 @@ def test_against_float64(M, N, K, backend, device):
     y = fp8_linear(x, q, s, backend=backend)
     assert y.dtype == dtype and y.shape == (M, N)
     assert rel_rms(y, fp8_linear_float64(x, q, s)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("M,N,K,cfg", [
+    (1, 72, 600, None),                          # decode config: split-K (3 splits, the last one K block)
+    (3, 200, 1000, (16, 64, 4, 4, 1, 64, True)),     # split-K, partial N tile and partial last K block
+    (65, 130, 520, (64, 64, 4, 3, 2, 32, True)),     # two token tiles, grouped weight tiles, split-K
+    (17, 256, 384, (32, 128, 4, 3, 1, 0, True)),     # no split: rounded in the GEMM
+    (70, 200, 300, (64, 64, 4, 3, 2, 0, False)),     # the usual orientation (large M)
+    (5, 72, 600, (16, 64, 4, 3, 1, 64, False)),      # ... with split-K
+])
+def test_tiles_and_split_k(M, N, K, cfg, device, monkeypatch):
+    from gdnserve.ops.quant import fp8_gemm_triton as g
+    monkeypatch.setattr(g, "CONFIG_OVERRIDE", cfg)
+    x = torch.randn(M, K, device=device).bfloat16()
+    _, q, s = weights(N, K, device)
+    y = fp8_linear(x, q, s, backend="triton")
+    assert rel_rms(y, fp8_linear_float64(x, q, s)) < TOL[torch.bfloat16]
+    assert torch.equal(y, fp8_linear(x, q, s, backend="triton"))        # fixed reduction order
+
+
+def test_split_k_plan():
+    from gdnserve.ops.quant.fp8_gemm_triton import split_k
+    assert split_k(192, 16, 528) == (3, 6)       # in_proj at decode: 576 programs
+    assert split_k(32, 32, 528) == (16, 2)       # out_proj: 512 programs of 2 K blocks
+    assert split_k(600, 16, 528) == (1, 16) and split_k(10, 3, 528) == (1, 3)
 
 
 def test_float32_out_is_the_reference_math(device):

@@ -1,4 +1,5 @@
-"""FP8 routed experts (ops/moe with block scales): the grouped Triton kernels' FP8 path (Triton's CPU
+"""FP8 routed experts (ops/moe with block scales): the FP8 grouped Triton kernels (grouped_fp8_triton: each tile
+config, the intermediate quantized in the gate_up epilogue or by its own launch) (Triton's CPU
 interpreter in CI, the GPU on the device) and the dequantizing PyTorch path against a float64 reference of
 the same quantized math, with an intermediate size that is not a multiple of 128 (partial scale blocks) and
 one that is; scales of the wrong shape refused.
@@ -64,6 +65,26 @@ def test_fp8_experts_against_float64(T, H, I, backend, device):
     ref = float64_ref(x, w, idx, q_gu, s_gu, q_dn, s_dn)
     tok = (out.double() - ref).norm(dim=1) / ref.norm(dim=1)
     assert tok.max() < FLIP and (T == 1 or tok.median() < TOL[dtype])
+
+
+@pytest.mark.parametrize("T,H,I,cfg", [
+    (3, 300, 200, ((128, 8, 3), (128, 4, 3))),     # intermediate quantized in the gate_up epilogue
+    (65, 256, 136, ((128, 8, 3), (64, 4, 3))),     # 32-row blocks, a partial last group, the epilogue path
+    (5, 200, 264, ((64, 4, 3), (128, 4, 4))),      # quantized by its own launch, partial K and N tiles
+    (2, 600, 72, ((32, 4, 3), (64, 4, 3))),        # 32 + 32-row gate/up tiles, a partial one
+])
+def test_fp8_triton_tile_configs(T, H, I, cfg, device, monkeypatch):
+    from gdnserve.ops.moe import grouped_fp8_triton as g
+    monkeypatch.setattr(g, "CONFIG_OVERRIDE", cfg)
+    E, k = 5, 2
+    q_gu, s_gu, q_dn, s_dn = fp8_experts(E, H, I, device)
+    x = torch.randn(T, H, device=device).bfloat16()
+    w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=device), -1), k, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).bfloat16()
+    out = moe_experts(x, w, idx, q_gu, q_dn, backend="triton", scales=(s_gu, s_dn))
+    ref = float64_ref(x, w, idx, q_gu, s_gu, q_dn, s_dn)
+    tok = (out.double() - ref).norm(dim=1) / ref.norm(dim=1)
+    assert tok.max() < FLIP and tok.median() < TOL[torch.bfloat16]
 
 
 def test_fp8_scales_checked(device):

@@ -8,6 +8,7 @@ from gdnserve.ops.launch import cdiv
 from gdnserve.ops.moe.align import Alignment, align_pairs
 from gdnserve.ops.moe.align_triton import MAX_PAIRS, align_pairs_triton
 from gdnserve.ops.moe.fp8_torch import moe_experts_fp8_torch
+from gdnserve.ops.moe.grouped_fp8_triton import moe_experts_fp8_triton
 from gdnserve.ops.moe.grouped_triton import block_rows, moe_experts_triton
 from gdnserve.ops.moe.torch_path import moe_experts_torch
 from gdnserve.ops.quant.fp8_linear import use_triton
@@ -25,8 +26,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
 
     FP8 experts: w_gate_up / w_down float8_e4m3fn and ``scales`` = (gate_up scales [E, 2·ceil(I/128),
     ceil(H/128)], down scales [E, ceil(H/128), ceil(I/128)]) float32; activations are quantized per
-    token-group of 128 on the fly (the Triton kernels' FP8 path on CUDA devices with fp8 tensor cores, else
-    the dequantizing ``fp8_torch`` path).
+    token-group of 128 on the fly (``grouped_fp8_triton``: native fp8 dots, on CUDA devices with fp8 tensor
+    cores or Triton's interpreter, else the dequantizing ``fp8_torch`` path).
     ``alignment``: the Triton path's grouping of ``experts`` when the caller has it already (the fused router,
     ``router.route``); None = aligned here."""
     if x.dim() != 2 or weights.shape != experts.shape or weights.shape[0] != x.shape[0]:
@@ -59,7 +60,9 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     al = alignment
     if al is None:
         al = align_pairs_triton(experts, E, BM) if T * k <= MAX_PAIRS else align_pairs(experts, E, BM)
-    return moe_experts_triton(x, weights.contiguous(), al, w_gate_up, w_down, k, scales)
+    if scales is not None:
+        return moe_experts_fp8_triton(x, weights.contiguous(), al, w_gate_up, w_down, k, *scales)
+    return moe_experts_triton(x, weights.contiguous(), al, w_gate_up, w_down, k)
 
 
 def _check_scales(scales: tuple[torch.Tensor, torch.Tensor], E: int, H: int, I: int) -> None:

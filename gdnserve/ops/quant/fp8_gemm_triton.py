@@ -1,17 +1,25 @@
 """Block-scaled FP8 GEMM in Triton: ``y [M, N] = x [M, K] · Wᵀ`` with W stored as e4m3 ``[N, K]`` plus
 ``weight_scale_inv [ceil(N/128), ceil(K/128)]``.
 
-The K loop steps by 128 (the block) and adds ``dot · sx[m] · sw[n // 128]`` to a float32 accumulator. Two
-forms, the same numbers (``tl_fp8``):
+Two kernels per call (three with split-K), all launched from shapes alone (no host read: CUDA-graph safe):
 
-* M <= 32 (decode): each step quantizes the x tile per row in registers (``quant_tile``: the token-group
-  scale of this 128-column group) and multiplies it with the e4m3 weight tile upcast to bf16 (exact) on the
-  bf16 tensor cores: one launch, the weights read as e4m3 bytes (the traffic that decode is bound by).
-* M > 32: x is quantized once by ``_quant_kernel`` (stored as e4m3) and the GEMM multiplies e4m3 tiles on
-  the fp8 tensor cores (64+-row tiles: Hopper wgmma), the structure of the usual block-FP8 GEMMs.
+1. ``_quant_kernel`` quantizes x once per call, per token and group of 128 columns (``quant_tile``: the
+   e4m3 grid by arithmetic, stored as e4m3 — exact), scales ``[M, ceil(K/128)]`` float32.
+2. ``_gemm_kernel`` multiplies e4m3 by e4m3 on the fp8 tensor cores (fp32 accumulation), one 128-wide K
+   block per step, adding ``dot · sw[n-block] · sx[m]``. For M <= 64 the tile is **swapped**
+   (``acc [BN, BM] = W-tile · x-tileᵀ``): the weight rows are the MMA's M side (64 / 128: Hopper wgmma)
+   and the tokens its N side (16 ... 64), so decode-sized M runs native fp8 dots without 16-row MMA tiles.
+   Large M uses the usual orientation (``acc [BM, BN]``: measured faster there).
+3. Small M (decode, M <= 64) with few weight tiles: the weight read is the whole cost, so the K loop is
+   **split** over ``SPLIT`` programs per tile (enough programs to cover the 132 SMs several times); each
+   writes a float32 partial ``[SPLIT, M, N]`` and ``_reduce_kernel`` sums them in a fixed order and rounds
+   once (deterministic).
+
+Float32 activations (reference models) multiply the e4m3 values as bf16 (exact) with fp32 accumulation:
+Hopper's fp8 MMA accumulates with less than fp32 precision (~1e-4 relative; fine for bf16 outputs).
 
 Output rounded once to x's dtype, written with its own row stride (so a fused projection's dense tail can
-share the buffer). Deterministic: no split-K, no atomics. Tile configs: ``config``.
+share the buffer). Tile configs: ``config`` (H200 sweep: benchmarks/bench_fp8.py --sweep).
 """
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ from gdnserve.ops.quant.tl_fp8 import as_fp8_operand, fp8_dot, quant_tile
 from gdnserve.ops.tl_compat import cast
 
 BLOCK = 128
-PREQUANT_M = 33           # from this many rows x is quantized once by its own kernel (native fp8 dot)
+SMS = 132                 # H200 / H100 SXM multiprocessors: the split-K target is a few programs per SM
 
 
 @triton.jit
@@ -42,57 +50,102 @@ def _quant_kernel(x, q, s, M, K, stride_xm, SK, BM: tl.constexpr, BK: tl.constex
 
 
 @triton.jit
-def _gemm_kernel(x, xs, w, ws, y, M, N, K, stride_xm, stride_ym, SK, X_FP8: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+def _gemm_kernel(xq, xs, w, ws, y, part, M, N, K, stride_ym, SK, KB_PER,
+                 NSPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_N: tl.constexpr,
+                 SWAP: tl.constexpr, NATIVE: tl.constexpr):
+    """Program (tile, split) over K blocks [split·KB_PER, +KB_PER). SWAP: acc [BN weight rows, BM tokens]
+    (weight rows on the MMA's M side: small M); else acc [BM, BN] (large M: the usual orientation)."""
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     num_m = tl.cdiv(M, BM)
     num_n = tl.cdiv(N, BN)
-    width = GROUP_M * num_n
-    first_m = (pid // width) * GROUP_M
-    gsize = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % gsize
-    pid_n = (pid % width) // gsize
-    offs_m = pid_m * BM + tl.arange(0, BM)
+    width = GROUP_N * num_m                  # GROUP_N weight tiles share the x tiles while they are in L2
+    first_n = (pid // width) * GROUP_N
+    gsize = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % width) % gsize
+    pid_m = (pid % width) // gsize
     offs_n = pid_n * BN + tl.arange(0, BN)
-    m_ok = offs_m < M
+    offs_m = pid_m * BM + tl.arange(0, BM)
     n_ok = offs_n < N
+    m_ok = offs_m < M
     offs_k = tl.arange(0, BK)
-    x_rows = x + offs_m[:, None].to(tl.int64) * stride_xm
-    w_cols = w + offs_n[None, :].to(tl.int64) * K
     ws_n = ws + (offs_n // BK) * SK
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + offs_k
-        k_ok = kk < K
-        b = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        sw = tl.load(ws_n + k0 // BK, mask=n_ok, other=0.0)
-        if X_FP8:
-            q = as_fp8_operand(tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0))
-            sx = tl.load(xs + offs_m * SK + k0 // BK, mask=m_ok, other=0.0)
-        else:
-            a = tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            q, sx = quant_tile(a)
-        acc += fp8_dot(q, b, X_FP8) * (sx[:, None] * sw[None, :])
-    dst = y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
-    tl.store(dst, cast(acc, y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    xs_m = xs + offs_m * SK
+    kb0 = split * KB_PER
+    kb1 = tl.minimum(kb0 + KB_PER, SK)
+    if SWAP:
+        w_rows = w + offs_n[:, None].to(tl.int64) * K            # [BN, 1]: the A operand, K contiguous
+        x_cols = xq + offs_m[None, :].to(tl.int64) * K           # [1, BM]: the B operand, K-major
+        acc = tl.zeros((BN, BM), dtype=tl.float32)
+        for kb in range(kb0, kb1):
+            kk = kb * BK + offs_k
+            k_ok = kk < K
+            a = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            b = as_fp8_operand(tl.load(x_cols + kk[:, None], mask=k_ok[:, None] & m_ok[None, :], other=0.0))
+            sw = tl.load(ws_n + kb, mask=n_ok, other=0.0)
+            sx = tl.load(xs_m + kb, mask=m_ok, other=0.0)
+            acc += fp8_dot(a, b, NATIVE) * (sw[:, None] * sx[None, :])
+        out = tl.trans(acc)                                      # [BM, BN]
+    else:
+        x_rows = xq + offs_m[:, None].to(tl.int64) * K
+        w_cols = w + offs_n[None, :].to(tl.int64) * K
+        out = tl.zeros((BM, BN), dtype=tl.float32)
+        for kb in range(kb0, kb1):
+            kk = kb * BK + offs_k
+            k_ok = kk < K
+            a = as_fp8_operand(tl.load(x_rows + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0))
+            b = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            sw = tl.load(ws_n + kb, mask=n_ok, other=0.0)
+            sx = tl.load(xs_m + kb, mask=m_ok, other=0.0)
+            out += fp8_dot(a, b, NATIVE) * (sx[:, None] * sw[None, :])
+    mask = m_ok[:, None] & n_ok[None, :]
+    if NSPLIT == 1:                          # (Triton specialises an int argument equal to 1)
+        dst_y = y + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+        tl.store(dst_y, cast(out, y.dtype.element_ty), mask=mask)
+    else:
+        dst_p = part + (split * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+        tl.store(dst_p, out, mask=mask)
 
 
-# (BM, BN, num_warps, num_stages, GROUP_M); None = ``config``'s pick. The benchmark sweeps this.
-CONFIG_OVERRIDE: tuple[int, int, int, int, int] | None = None
+@triton.jit
+def _reduce_kernel(part, y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK_E: tl.constexpr):
+    """y[m, n] = round(Σ_s part[s, m, n]) in split order."""
+    offs = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    ok = offs < M * N
+    acc = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT):                      # unrolled: the SPLIT loads are in flight together
+        acc += tl.load(part + s * M * N + offs, mask=ok, other=0.0)
+    m = offs // N
+    tl.store(y + m.to(tl.int64) * stride_ym + (offs - m * N), cast(acc, y.dtype.element_ty), mask=ok)
 
 
-def config(M: int, N: int) -> tuple[int, int, int, int, int]:
-    """Decode-sized M: 16/32-row tiles and N tiles narrow enough for ~2 programs per SM (the weights are
-    the traffic); M > 32 (native fp8 dot): 64-row tiles, 128-row from 256. Guesses from the usual block-FP8
-    configs, to be tuned on the H200 (benchmarks/bench_fp8.py --sweep)."""
+# (BM, BN, num_warps, num_stages, GROUP_N, programs target (0 = no split-K), SWAP); None = ``config``'s pick.
+CONFIG_OVERRIDE: tuple[int, int, int, int, int, int, bool] | None = None
+
+
+def config(M: int, N: int, K: int) -> tuple[int, int, int, int, int, int, bool]:
+    """(BM tokens, BN weight rows, warps, stages, GROUP_N, split-K programs target, SWAP) from the shapes
+    (H200 sweep, benchmarks/results/fp8_h200.md). M <= 64: swapped tiles, token tile = M rounded up to
+    16 / 32 / 64, 64 weight rows; the K loop is split (~4 programs per SM) only when the weight tiles alone
+    do not cover the SMs (fewer than 132 tiles of 64 rows: out_proj, o_proj, the shared expert; splitting
+    in_proj's 192 tiles measured slower: the extra launch costs more than the occupancy gains). Larger M: the usual orientation, 64 x 128
+    tiles, 4 warps, 4 stages (faster than 128 x 128 at M = 256 and 4096)."""
     if CONFIG_OVERRIDE is not None:
         return CONFIG_OVERRIDE
-    if M < PREQUANT_M:
-        bn = 64 if cdiv(N, 64) >= 256 else 32
-        return (16 if M <= 16 else 32), bn, 4, 4, 1
-    if M < 256:
-        return 64, 64 if M <= 64 else 128, 4, 3, 8
-    return 128, 128, 8, 3, 8
+    if M <= 64:
+        bm = 16 if M <= 16 else (32 if M <= 32 else 64)
+        tiles = cdiv(N, 64)
+        return bm, 64, 4, 5 if bm == 16 else 4, 1, 0 if tiles >= SMS else 4 * SMS, True
+    return 64, 128, 4, 4, 8, 0, False
+
+
+def split_k(tiles: int, kb: int, target: int) -> tuple[int, int]:
+    """(SPLIT, KB_PER): K blocks per program so that tiles·SPLIT reaches ``target`` programs, >= 2 K blocks
+    each (a program must amortise its pipeline prologue)."""
+    if target <= tiles or kb < 4:
+        return 1, kb
+    per = max(2, cdiv(kb * tiles, target))
+    return cdiv(kb, per), per
 
 
 def quantize_act_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,9 +154,28 @@ def quantize_act_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     SK = cdiv(K, BLOCK)
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty(M, SK, dtype=torch.float32, device=x.device)
-    BM = 32
-    launch(_quant_kernel, (cdiv(M, BM), SK), (x, q, s, M, K, x.stride(0), SK, BM, BLOCK), num_warps=4)
+    if M:
+        BM = 16 if M <= 16 else 32
+        launch(_quant_kernel, (cdiv(M, BM), SK), (x, q, s, M, K, x.stride(0), SK, BM, BLOCK), num_warps=4)
     return q, s
+
+
+def fp8_gemm_quantized(xq: torch.Tensor, xs: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, y: torch.Tensor
+                       ) -> torch.Tensor:
+    """Quantized x (``quantize_act_triton``) · dequant(qw [N, K], sw)ᵀ into y [M, N] (unit column stride)."""
+    M, K = xq.shape
+    N = qw.shape[0]
+    SK = cdiv(K, BLOCK)
+    BM, BN, warps, stages, group, target, swap = config(M, N, K)
+    tiles = cdiv(M, BM) * cdiv(N, BN)
+    split, per = split_k(tiles, SK, target)
+    part = torch.empty(split, M, N, dtype=torch.float32, device=xq.device) if split > 1 else y
+    native = y.dtype != torch.float32        # float32 models: exact bf16 dots of the e4m3 values (tl_fp8)
+    launch(_gemm_kernel, (tiles, split), (xq, xs, qw, sw, y, part, M, N, K, y.stride(0), SK, per, split, BM, BN,
+                                          BLOCK, group, swap, native), num_warps=warps, num_stages=stages)
+    if split > 1:
+        launch(_reduce_kernel, (cdiv(M * N, 1024),), (part, y, M, N, y.stride(0), split, 1024), num_warps=4)
+    return y
 
 
 def fp8_gemm_triton(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, out: torch.Tensor | None = None
@@ -111,15 +183,8 @@ def fp8_gemm_triton(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, out: to
     """x [M, K] (unit column stride) · dequant(qw [N, K], sw)ᵀ -> [M, N] in x.dtype (into ``out`` [M, N],
     unit column stride, when given)."""
     M, K = x.shape
-    N = qw.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
+    y = torch.empty(M, qw.shape[0], dtype=x.dtype, device=x.device) if out is None else out
     if M == 0:
         return y
-    SK = cdiv(K, BLOCK)
-    BM, BN, warps, stages, group = config(M, N)
-    pre = M >= PREQUANT_M if CONFIG_OVERRIDE is None else BM >= 64
-    xq, xs = quantize_act_triton(x) if pre else (x, sw)        # xs unused when x is quantized in the GEMM
-    grid = (cdiv(M, BM) * cdiv(N, BN),)
-    launch(_gemm_kernel, grid, (xq, xs, qw, sw, y, M, N, K, xq.stride(0), y.stride(0), SK, pre, BM, BN, BLOCK,
-                                group), num_warps=warps, num_stages=stages)
-    return y
+    xq, xs = quantize_act_triton(x)
+    return fp8_gemm_quantized(xq, xs, qw, sw, y)

@@ -1,18 +1,20 @@
 """Triton building blocks of the FP8 kernels: quantize an activation tile per row (token) and group of 128
 columns, and the dot of a quantized tile with an e4m3 weight tile — the same numbers on the GPU and under
-Triton's CPU interpreter.
+Triton's CPU interpreter. ``quant_cols`` is ``quant_tile`` along the other axis (the swapped tiles' token
+columns: the experts' gate_up epilogue).
 
 ``quant_tile`` rounds to the e4m3 grid by arithmetic (round to nearest even, subnormals included, the
 result kept in float32 — every e4m3 value is a float32), never by a float8 conversion in registers: Triton's
 interpreter (3.6, 3.9) converts to float8e4nv with the wrong rounding in ~2% of values, and on the H200
 (Triton 3.6) a GEMM that converted in registers and fed a native fp8 dot at 16-row tiles missed its
-reference by 1.2% (benchmarks/results/gpu_tests_fp8_h200.log). A tile already on the grid converts
-exactly under any rounding, so the standalone quantization kernel stores it as e4m3 safely.
+reference by 1.2% (the first FP8 device run, docs/models.md). A tile already on the grid converts
+exactly under any rounding, so the quantization kernels store it as e4m3 safely.
 
-``fp8_dot(q, b, NATIVE)``: ``NATIVE`` — both operands e4m3 (``to_fp8_operand`` / loaded from memory), the
-fp8 tensor-core dot with float32 accumulation (large tiles: Hopper wgmma, the structure of the usual
-block-FP8 GEMMs); otherwise both operands upcast to bf16 (exact: e4m3 ⊂ bf16) and a bf16 dot with float32
-accumulation (small decode tiles, the MoE kernels) — the same products, summed in float32 either way. Under
+``fp8_dot(q, b, NATIVE)``: ``NATIVE`` — both operands e4m3 (loaded from an e4m3 tensor), the
+fp8 tensor-core dot (Hopper wgmma; its accumulation inside one dot is below fp32 precision, ~1e-4 relative
+at K = 128-256 on the H200); otherwise both operands upcast to bf16 (exact: e4m3 ⊂ bf16) and a bf16 dot with
+float32 accumulation (float32 outputs, where the reference is held to ~1e-6; the old FP8 branch of
+``moe/grouped_triton.py``) — the same products either way. Under
 the interpreter (whose fp8 and bf16 dots read raw bits) both are float32 IEEE dots of the exact values.
 Divisions are ``div_rn`` so the scale and the quotient match PyTorch's float32 ``/``.
 """
@@ -47,6 +49,17 @@ def quant_tile(a):
     amax = tl.max(tl.abs(a), axis=1)
     s = tl.math.div_rn(tl.maximum(amax, ACT_EPS), tl.full(amax.shape, FP8_MAX, tl.float32))
     v = tl.math.div_rn(a, tl.broadcast_to(s[:, None], a.shape))
+    v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
+    return _rne_e4m3(v), s
+
+
+@triton.jit
+def quant_cols(a):
+    """``quant_tile`` along the other axis: a [BK, BN] float32 (a group of BK = 128 rows per column, masked
+    entries 0; the swapped tiles' token columns) -> (q [BK, BN] float32 on the e4m3 grid, s [BN])."""
+    amax = tl.max(tl.abs(a), axis=0)
+    s = tl.math.div_rn(tl.maximum(amax, ACT_EPS), tl.full(amax.shape, FP8_MAX, tl.float32))
+    v = tl.math.div_rn(a, tl.broadcast_to(s[None, :], a.shape))
     v = tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX)
     return _rne_e4m3(v), s
 
