@@ -140,7 +140,7 @@ def _rows(cu_q, kv_lens, i_b, i_n, G: tl.constexpr, GP: tl.constexpr, BM: tl.con
 
 @triton.jit
 def flash_attention_kernel(q, k_cache, v_cache, o, o_part, m_part, l_part, cu_q, kv_lens, page_table, qk_scale,
-                           s_qt, s_qh, s_ot, s_oh, s_pt, T,
+                           s_qt, s_qh, s_ot, s_oh, s_pt, T, split,
                            G: tl.constexpr, GP: tl.constexpr, QH: tl.constexpr, KVH: tl.constexpr,
                            Dh: tl.constexpr, BD: tl.constexpr, PS: tl.constexpr, BM: tl.constexpr,
                            BN: tl.constexpr, KV_START: tl.constexpr, SPLIT: tl.constexpr):
@@ -152,12 +152,12 @@ def flash_attention_kernel(q, k_cache, v_cache, o, o_part, m_part, l_part, cu_q,
     q0, Lq, L, qi, g, valid = _rows(cu_q, kv_lens, i_b, i_n, G, GP, BM)
     first = L - Lq + i_b * BQ                          # the block's first query position
     end = tl.minimum(L, first + BQ)                    # its last query sees positions < end
-    lo = i_s * SPLIT
+    lo = i_s * split                                   # split: positions per piece (0 without SPLIT)
     if (i_b * BQ >= Lq) | (L == 0) | (lo >= end):      # no rows, padding, or a piece past the keys
         return
     hi = end
-    if SPLIT > 0:
-        hi = tl.minimum(end, lo + SPLIT)
+    if SPLIT:
+        hi = tl.minimum(end, lo + split)
     mid = tl.maximum(tl.minimum((first + 1) // BN * BN, hi), lo)   # below mid: every row sees every key
     pos = L - Lq + qi
     o_d = tl.arange(0, BD)
@@ -176,8 +176,8 @@ def flash_attention_kernel(q, k_cache, v_cache, o, o_part, m_part, l_part, cu_q,
         acc, m_i, l_i = _kv_block(acc, m_i, l_i, b_q, k_cache, v_cache, pt_row, j0, hi, pos, kvh, qk_scale,
                                   KVH, Dh, BD, PS, BN, KV_START, True)
     direct = True                                      # the only piece: the output itself
-    if SPLIT > 0:
-        direct = end <= SPLIT
+    if SPLIT:
+        direct = end <= split
     if direct:
         out = acc / l_i[:, None]
         tl.store(o + rows[:, None] * s_ot + h[:, None] * s_oh + o_d[None, :], cast(out, o.dtype.element_ty),
@@ -190,9 +190,9 @@ def flash_attention_kernel(q, k_cache, v_cache, o, o_part, m_part, l_part, cu_q,
 
 
 @triton.jit
-def combine_kernel(o, o_part, m_part, l_part, cu_q, kv_lens, s_ot, s_oh, T,
+def combine_kernel(o, o_part, m_part, l_part, cu_q, kv_lens, s_ot, s_oh, T, split,
                    G: tl.constexpr, GP: tl.constexpr, QH: tl.constexpr, KVH: tl.constexpr, Dh: tl.constexpr,
-                   BD: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr):
+                   BD: tl.constexpr, BM: tl.constexpr):
     """Merge the flash-decoding pieces of one (query block, sequence, kv head) tile: the pieces that start
     below the block's causal end (each wrote every valid row), weights exp2(m_s - max) in fp32. A tile whose keys
     fit in piece 0 was written by that piece directly."""
@@ -202,7 +202,7 @@ def combine_kernel(o, o_part, m_part, l_part, cu_q, kv_lens, s_ot, s_oh, T,
     if (i_b * BQ >= Lq) | (L == 0):
         return
     end = tl.minimum(L, L - Lq + i_b * BQ + BQ)
-    n_act = (end + SPLIT - 1) // SPLIT
+    n_act = (end + split - 1) // split
     if n_act <= 1:                                     # piece 0 wrote the output itself
         return
     o_d = tl.arange(0, BD)
@@ -256,9 +256,9 @@ def flash_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_tabl
         o_part = m_part = l_part = out
     launch(flash_attention_kernel, (nqb, N, KVH * (cfg.n_split if split else 1)), (
         q, k_cache, v_cache, out, o_part, m_part, l_part, cu_seqlens_q, kv_lens, page_table, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), page_table.stride(0), T,
-        G, GP, QH, KVH, Dh, BD, PS, cfg.BM, cfg.BN, kv_start, split), cfg.num_warps, cfg.num_stages)
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), page_table.stride(0), T, split,
+        G, GP, QH, KVH, Dh, BD, PS, cfg.BM, cfg.BN, kv_start, split > 0), cfg.num_warps, cfg.num_stages)
     if split:
         launch(combine_kernel, (nqb, N, KVH), (
-            out, o_part, m_part, l_part, cu_seqlens_q, kv_lens, out.stride(0), out.stride(1), T,
-            G, GP, QH, KVH, Dh, BD, cfg.BM, split), 4)
+            out, o_part, m_part, l_part, cu_seqlens_q, kv_lens, out.stride(0), out.stride(1), T, split,
+            G, GP, QH, KVH, Dh, BD, cfg.BM), 4)
