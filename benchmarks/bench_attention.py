@@ -141,8 +141,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--warm", default=None, help="k/N: only compile (one call each) every N-th variant from the "
+                    "k-th, to fill Triton's cache from N processes in parallel before the timed run")
     a = ap.parse_args()
     dev = torch.device("cuda")
+    if a.warm:
+        warm(dev, *map(int, a.warm.split("/")))
+        return
     ceil = measure_ceilings(dev, quick=True)
     print("ceilings", ceil, flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -158,9 +163,7 @@ def main() -> None:
         n_sets = max(1, min(8, math.ceil(120e6 / (kv_bytes + base["q"].numel() * 4))))
         sets = [base] + [build_case(dev, n, lq, ctx, shared, seed=s, width=width) for s in range(1, n_sets)]
         auto = choose_config(lq, QH // KVH, DH, 2, base["table"].shape[1] * PS, n, KVH, sm_count(dev))
-        variants = ["old", "new"]
-        if not a.no_variants:
-            variants += PREFILL_VARIANTS if lq > 1 else DECODE_VARIANTS
+        variants = variants_for(lq, a.no_variants)
         for var in variants:
             if isinstance(var, Config) and (var.BM, var.BN, var.num_warps, var.num_stages) == (
                     auto.BM, auto.BN, auto.num_warps, auto.num_stages):
@@ -190,6 +193,26 @@ def main() -> None:
         torch.cuda.empty_cache()
         (a.out / "attention_h200.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
         (a.out / "attention_h200.md").write_text(markdown(meta, rows))   # after every case: partial runs count
+
+
+def variants_for(lq: int, no_variants: bool = False) -> list:
+    return ["old", "new"] + ([] if no_variants else (PREFILL_VARIANTS if lq > 1 else DECODE_VARIANTS))
+
+
+def warm(dev, k: int, n_proc: int) -> None:
+    for name, n, lq, ctx, shared in CASES:
+        c = build_case(dev, n, lq, ctx, shared, width=4096 // PS if lq == 1 else 0)
+        auto = choose_config(lq, QH // KVH, DH, 2, c["table"].shape[1] * PS, n, KVH, sm_count(dev))
+        for i, var in enumerate(variants_for(lq)):
+            if i % n_proc != k:
+                continue
+            if isinstance(var, Config) and auto.n_split > 1:
+                var = Config(var.BM, var.BN, var.num_warps, var.num_stages, auto.split, auto.n_split)
+            try:
+                runner(c, var)[0]()
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - the timed run reports it
+                print("warm", name, var, type(e).__name__, flush=True)
 
 
 def markdown(meta, rows) -> str:

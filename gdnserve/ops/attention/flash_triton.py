@@ -32,7 +32,7 @@ from gdnserve.ops.launch import cdiv, launch, pow2
 from gdnserve.ops.tl_compat import cast, mma
 
 LOG2E = 1.4426950408889634
-NEG = -1.0e30            # finite "minus infinity" for running maxima: exp2(NEG - NEG) = 1, never NaN
+NEG: tl.constexpr = tl.constexpr(-1.0e30)   # finite "minus infinity" for running maxima: exp2(NEG - NEG) = 1
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def sm_count(device: torch.device) -> int:
         return 8                                     # the interpreter: small, so CPU tests see splits
     i = device.index if device.index is not None else torch.cuda.current_device()
     if i not in _SM_COUNT:
-        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multiprocessor_count
+        _SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
     return _SM_COUNT[i]
 
 
