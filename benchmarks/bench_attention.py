@@ -132,8 +132,7 @@ CASES = [  # name, n_seq, lq, ctx, shared prefix
     ("prefill 1x512", 1, 512, 0, False), ("consumers 64x32 over 600", 64, 32, 600, True),
     *[(f"decode B={b} ctx {L}", b, 1, L - 1, False) for L in (128, 2048) for b in (1, 16, 64, 256)],
 ]
-PREFILL_VARIANTS = [Config(128, 64, 8, 2), Config(128, 64, 8, 3), Config(128, 32, 8, 3), Config(64, 64, 4, 2),
-                    Config(64, 64, 4, 3)]
+PREFILL_VARIANTS = [Config(128, 64, 8, 2), Config(128, 64, 8, 3), Config(128, 32, 8, 3), Config(64, 64, 4, 2)]
 DECODE_VARIANTS = [Config(16, 64, 4, 2), Config(16, 32, 4, 3), Config(16, 128, 4, 2)]
 
 
