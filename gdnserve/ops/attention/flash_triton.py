@@ -66,7 +66,7 @@ def choose_config(max_q: int, G: int, Dh: int, elem_bytes: int, kv_cap: int, N: 
     if BM >= 128:                                     # prefill: a full tensor-core tile
         if N * KVH * cdiv(max_q, BM // GP) < n_sm:    # a short prefill: smaller blocks fill more SMs
             BM = max(64, GP)
-        cfg = Config(BM, 64, 8 if BM >= 128 else 4, 2)
+        cfg = Config(BM, 64, 8, 3) if BM >= 128 else Config(BM, 64, 4, 2)
     elif BM == 64:
         cfg = Config(64, 64, 4, 2)
     else:                                             # decode / verify rows
