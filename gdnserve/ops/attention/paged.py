@@ -214,8 +214,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out: [T, QH, Dh] q.dtype, last dim stride 1; or None (fresh, uninitialised)
     kv_start: positions below it are never read (query i attends kv_start .. kv_lens[n] - Lq + i; each
         query must see at least one position). The MTP layer's cache uses 1: its position 0 holds nothing.
-    max_q_len: a host int >= every sequence's Lq (None = T); sizes the Triton grid's query-block axis, so
-        decode (1) and verify (k + 1) steps do not launch T/16 blocks per sequence. Must be a true bound.
+    max_q_len: a host int >= every sequence's Lq (None = T); sizes the Triton grid's query-block axis and picks
+        its tiles (decode / verify tiles, flash-decoding splits), so decode (1) and verify (k + 1) steps do not
+        launch prefill blocks. Must be a true bound.
     returns o: [T, QH, Dh] in q.dtype. Sequences with kv_lens[n] == 0 or Lq == 0 are padding: skipped, and
         rows not covered by a live sequence are not written.
     """
