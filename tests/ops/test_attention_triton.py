@@ -55,8 +55,9 @@ def test_triton_paged_attention_matches_reference(page_size, g, dtype, device):
 
 
 def test_max_q_len_bounds_the_grid_not_the_result(device):
-    """Decode / verify rows with max_q_len = their Lq: the same output as the default grid (T / 16 query
-    blocks per sequence); max_q_len is validated at the boundary."""
+    """Decode / verify rows with max_q_len = their Lq: the same output as the default grid (max_q_len = T) up to
+    fp32 summation order (the tile config, and on the GPU the flash-decoding split, follow max_q_len); max_q_len
+    is validated at the boundary."""
     KVH, Dh, P, L = 2, 16, 4, 3
     lens = [5, 9, 3, 12, 4, 7, 20]                         # T = 21 > 16: the default grid has 2 query blocks
     width = max(-(-n // P) for n in lens)
@@ -68,7 +69,7 @@ def test_max_q_len_bounds_the_grid_not_the_result(device):
     q = torch.randn(len(lens) * L, 2 * KVH, Dh, device=device)
     want = paged_attention(q, k_cache, v_cache, cu, kv, table, scale=0.25, backend="triton")
     got = paged_attention(q, k_cache, v_cache, cu, kv, table, scale=0.25, max_q_len=L, backend="triton")
-    assert torch.equal(got, want)
+    assert rel_rms(got, want) < 1e-6
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="max_q_len"):
             paged_attention(q, k_cache, v_cache, cu, kv, table, scale=0.25, max_q_len=bad)

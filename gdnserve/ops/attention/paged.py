@@ -7,15 +7,16 @@ in page ``page_table[n, p // page_size]`` at offset ``p % page_size``.
 
 File order: PyTorch path (any device) -> public functions, which validate once (shapes, dtypes, devices;
 never contents) and dispatch through ``_IMPLS``. The PyTorch path reads the small index vectors on the
-host and checks their contents there (a device sync on CUDA: it is the CPU / reference path). A Triton
-path goes above the public functions as ``*_kernel`` + launcher and registers itself in ``_IMPLS``; until
-then ``backend="auto"`` runs the PyTorch path on every device and ``backend="triton"`` is refused.
+host and checks their contents there (a device sync on CUDA: it is the CPU / reference path). The Triton paths
+(``paged_triton.py``: store_kv, copy_pages; ``flash_triton.py``: attention) register in ``_IMPLS``;
+``backend="auto"`` runs them on CUDA tensors.
 """
 from __future__ import annotations
 
 import torch
 
-from gdnserve.ops.attention.paged_triton import copy_pages_triton, paged_attention_triton, store_kv_triton
+from gdnserve.ops.attention.flash_triton import flash_attention_triton
+from gdnserve.ops.attention.paged_triton import copy_pages_triton, store_kv_triton
 from gdnserve.ops.backend import Backend, resolve
 from gdnserve.ops.checks import ACT_DTYPES, check_contiguous, check_index, check_tensor
 
@@ -126,7 +127,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 _IMPLS = {
     "store_kv": {"torch": store_kv_torch, "triton": store_kv_triton},
     "copy_pages": {"torch": copy_pages_torch, "triton": copy_pages_triton},
-    "paged_attention": {"torch": paged_attention_torch, "triton": paged_attention_triton},
+    "paged_attention": {"torch": paged_attention_torch, "triton": flash_attention_triton},
 }
 
 
@@ -213,8 +214,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out: [T, QH, Dh] q.dtype, last dim stride 1; or None (fresh, uninitialised)
     kv_start: positions below it are never read (query i attends kv_start .. kv_lens[n] - Lq + i; each
         query must see at least one position). The MTP layer's cache uses 1: its position 0 holds nothing.
-    max_q_len: a host int >= every sequence's Lq (None = T); sizes the Triton grid's query-block axis, so
-        decode (1) and verify (k + 1) steps do not launch T/16 blocks per sequence. Must be a true bound.
+    max_q_len: a host int >= every sequence's Lq (None = T); sizes the Triton grid's query-block axis and picks
+        its tiles (decode / verify tiles, flash-decoding splits), so decode (1) and verify (k + 1) steps do not
+        launch prefill blocks. Must be a true bound.
     returns o: [T, QH, Dh] in q.dtype. Sequences with kv_lens[n] == 0 or Lq == 0 are padding: skipped, and
         rows not covered by a live sequence are not written.
     """

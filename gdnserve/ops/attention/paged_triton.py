@@ -1,9 +1,10 @@
 """Triton paths of the paged-KV ops (CUDA; CPU tests under TRITON_INTERPRET=1). Same contracts as the
 public functions in ``paged.py``; no host reads, so they can be captured in CUDA graphs.
 
-``paged_attention_kernel``: one program per (sequence, block of BM queries, query head); flash-style online
-softmax in fp32 over the sequence's kv positions in blocks of BN, each position's slot looked up through the
-page table (so any page size works), causal by absolute position; positions below ``KV_START`` are masked.
+``paged_attention_kernel``: the first attention kernel, kept as the benchmark's baseline and a second opinion in
+the tests (``paged_attention`` runs ``flash_triton.py``'s kernel): one program per (sequence, block of 16
+queries, query head); online softmax in fp32 over the sequence's kv positions in blocks of 32, each position's
+slot looked up through the page table, causal by absolute position; positions below ``KV_START`` are masked.
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def copy_pages_triton(k_cache, v_cache, src_pages, dst_pages) -> None:
         c.index_copy_(0, dst_pages, c.index_select(0, src_pages))
 
 
-def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table, scale, out,
+def paged_attention_rowwise_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table, scale, out,
                            max_q_len: int | None = None, kv_start: int = 0) -> None:
     T, QH, Dh = q.shape
     N = kv_lens.shape[0]
