@@ -17,6 +17,7 @@ import argparse
 import json
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,7 +27,7 @@ from benchmarks.prefill_ops_legacy import gated_rms_norm_per_row, rms_norm_rope_
 from benchmarks.timing import measure_ceilings, time_call
 from gdnserve.ops.attention.rope import rms_norm_rope
 from gdnserve.ops.attention.rope_triton import rms_norm_rope_triton, rope_tile
-from gdnserve.ops.conv.prefill import conv_prefill, conv_prefill_torch, conv_tile, use_kernel
+from gdnserve.ops.conv.prefill import conv_kernel, conv_prefill, conv_prefill_torch, conv_tile, use_kernel
 from gdnserve.ops.norm.gated import gated_rms_norm_torch
 from gdnserve.ops.norm.gated_triton import gated_rms_norm_triton, norm_tile
 from gdnserve.ops.norm.naive import naive_gated_rms_norm
@@ -35,7 +36,7 @@ from gdnserve.ops.varlen import VarlenMeta
 
 D, W, COLS, HV, V, QH, KH, DH, ROT = 8192, 4, 12352, 32, 128, 16, 2, 256, 64
 L2_BYTES = 60 << 20
-CONV_TILES = [(256, 1, 8), (128, 1, 8), (512, 2, 8), (256, 2, 8)]
+CONV_TILES = [(128, 1, 8), (256, 1, 8), (512, 2, 8), (256, 2, 8)]
 NORM_TILES = [(16, 4), (8, 4), (32, 8)]
 ROPE_TILES = [(8, 4), (4, 4), (16, 8)]
 
@@ -74,7 +75,7 @@ def conv_case(lens: list[int], dev, ceil: float) -> list[dict[str, Any]]:
     pool64 = pool.double().clone()
     y64 = torch.empty(T, D, dtype=torch.float64, device=dev)
     conv_prefill_torch(x.double(), w.double(), pool64, y64, meta, src, dst, None, True)
-    variants: list[tuple[str, str, Any]] = [("tile (ff7685e)", "tile", None)]
+    variants: list[tuple[str, str, Any]] = [("tile (ff7685e)", "tile", conv_tile("tile", meta.num_chunk_rows, D))]
     variants += [(f"rows BD={t[0]} warps={t[1]} U={t[2]}", "rows", t) for t in CONV_TILES]
     out, y_tile = [], None
     for name, kernel, tile in variants:
@@ -92,7 +93,7 @@ def conv_case(lens: list[int], dev, ceil: float) -> list[dict[str, Any]]:
             with use_kernel(kernel):
                 conv_prefill(s[0], w, s[1], s[2], meta, src, dst, None, True, tile=tile)
         row = {"op": "conv_prefill", "case": f"{N}x{T // N}" if N > 1 else f"T={T}", "variant": name,
-               "default": tile == conv_tile("rows", meta.num_chunk_rows, D) if kernel == "rows" else False,
+               "default": kernel == conv_kernel(meta.num_chunk_rows) and tile == conv_tile(kernel, meta.num_chunk_rows, D),
                "bytes": nbytes, "max_abs_err_vs_f64": err, "pool_bit_exact": pool_ok, "bitwise_equal_tile": same}
         row.update(timed(call, sets, nbytes, ceil))
         out.append(row)
@@ -210,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                                            text=True).stdout.strip() or "unknown"
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     meta = {"device": name, "torch": torch.__version__, "python": platform.python_version(), "commit": commit,
-            "command": "python -m benchmarks.bench_prefill_ops " + " ".join(argv or []), "ceilings": ceil}
+            "command": "python -m benchmarks.bench_prefill_ops " + " ".join(sys.argv[1:] if argv is None else argv), "ceilings": ceil}
     head = [f"# Prefill ops, old (ff7685e) vs new ({name})", "",
             f"torch {torch.__version__}; commit {commit}; command `{meta['command'].strip()}`; copy ceiling "
             f"{copy:.2f} TB/s (benchmarks/timing.py measure_ceilings). Times: µs per call, CUDA-graph replays "

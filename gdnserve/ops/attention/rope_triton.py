@@ -63,9 +63,11 @@ def _rms_norm_rope_kernel(x, w, positions, inv_freq, out, R, G, N, sx_t, sx_g, e
 
 
 def rope_tile(N: int, R: int) -> tuple[int, int]:
-    """(BR rows per program, num_warps): ~2048 elements of the [BR, Dh] tile per program on 4 warps."""
+    """(BR rows per program, num_warps) on 4 warps: ~1024 elements of the [BR, Dh] tile per program below 65536
+    rows, 2048 from there (the H200's best of 1024 / 2048 / 4096 per size: benchmarks/results/prefill_ops_h200.md)."""
     block = max(pow2(N), 16)
-    return max(1, min(2048 // block, pow2(R))), 4 if block <= 1024 else 8
+    per = 2048 if R >= 65536 else 1024
+    return max(1, min(per // block, pow2(R))), 4 if block <= 1024 else 8
 
 
 def rms_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,

@@ -191,11 +191,20 @@ KERNELS = ("rows", "tile")
 _kernel_override: list[str | None] = [None]
 
 
-def conv_kernel() -> str:
-    """"rows" on the GPU; "tile" under the CPU interpreter, which runs it ~8x faster (a few tile ops per
-    program instead of a dozen per row), so the layer and engine tests stay cheap. Same results (bit for bit:
-    the same fp32 operations per output); tests run both (``use_kernel``)."""
-    return _kernel_override[0] or ("tile" if interpreting() else "rows")
+ROWS_MIN_CHUNK_ROWS = 64
+
+
+def conv_kernel(num_chunk_rows: int) -> str:
+    """"rows" on the GPU from 64 chunk rows (4096 tokens) up, "tile" below and under the CPU interpreter.
+    H200 (benchmarks/results/prefill_ops_h200.md): rows 55.7 vs tile 81.4 µs at 1x4096, 106.8 vs 160.2 at
+    8x1024; but each rows program walks its 64 rows in sequence, a latency the short grids cannot hide: 35.0 vs
+    13.3 µs at 512 tokens, 17.7 vs 4.3 at 64 (sizes between 512 and 4096 were not measured). The interpreter
+    runs "tile" ~8x faster (a few tile ops per program instead of a dozen per row), so the layer and engine
+    tests stay cheap. Same results bit for bit (the same fp32 operations per output, checked on the H200
+    too); the tests run both (``use_kernel``)."""
+    if _kernel_override[0] is not None:
+        return _kernel_override[0]
+    return "tile" if interpreting() or num_chunk_rows < ROWS_MIN_CHUNK_ROWS else "rows"
 
 
 @contextlib.contextmanager
@@ -212,13 +221,12 @@ def use_kernel(kernel: str):
 
 
 def conv_tile(kernel: str, num_chunk_rows: int, D: int) -> ConvTile:
-    """rows: 256 channels on one warp (one 16-byte load per thread and row), 128 when the grid would leave SMs
-    idle (short prefills); tile: the [64, 128] tiles of the first kernel."""
+    """rows: 128 channels on one warp, groups of 8 rows (the H200's best of BD 128 / 256 / 512 and 1 / 2 warps
+    at 4096 and 8192 tokens); tile: the [64, 128] tiles of the first kernel."""
     if kernel == "tile":
         bd = min(128, max(16, pow2(D)))
         return bd, 8 if CHUNK * bd >= 8192 else 4, 1
-    bd = 256 if num_chunk_rows * cdiv(D, 256) >= 1024 else 128
-    return min(bd, max(16, pow2(D))), 1, 8
+    return min(128, max(16, pow2(D))), 1, 8
 
 
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, y: torch.Tensor,
@@ -226,7 +234,7 @@ def conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor,
                  parents: torch.Tensor | None, silu: bool, tile: ConvTile | None = None) -> None:
     T, D = x.shape
     W = weight.shape[1]
-    kernel = conv_kernel()
+    kernel = conv_kernel(meta.num_chunk_rows)
     BD, warps, U = tile or conv_tile(kernel, meta.num_chunk_rows, D)
     # A zero-token call still copies histories; substitute a live buffer for empty x/y (never read).
     xa, ya = (x, y) if T > 0 else (conv_pool, conv_pool)

@@ -41,9 +41,10 @@ _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl
 
 
 def norm_tile(N: int, R: int) -> tuple[int, int]:
-    """(BR rows per program, num_warps): ~2048 elements per program on 4 warps (16 per thread)."""
+    """(BR rows per program, num_warps): ~1024 elements per program (8 rows of 128 on 4 warps), the H200's best
+    of 1024 / 2048 / 4096 at every size measured (1 to 8192 tokens: benchmarks/results/prefill_ops_h200.md)."""
     block = max(pow2(N), 16)
-    return max(1, min(2048 // block, pow2(R))), warps_for(block)
+    return max(1, min(1024 // block, pow2(R))), warps_for(block)
 
 
 def gated_rms_norm_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
