@@ -1,4 +1,5 @@
-"""q/k RMSNorm + partial rotary in one launch: one program per (token, head) row of Dh dims.
+"""q/k RMSNorm + partial rotary in one launch: one program per block of BR (token, head) rows of Dh dims (a [BR, Dh]
+tile for the mean square and the unrotated dims, [BR, R/2] tiles for the two rotated halves: no gather).
 
     y_j  = round(x_j * rsqrt(mean(x²) + eps) * (1 + w_j))               the zero-centred norm (rms_norm)
     a_j  = position * inv_freq[j mod R/2],  c_j = round(cos a_j),  s_j = round(sin a_j)     for j < R
@@ -14,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gdnserve.ops.launch import launch, pow2
+from gdnserve.ops.launch import cdiv, launch, pow2
 from gdnserve.ops.tl_compat import cast
 
 
@@ -27,39 +28,57 @@ def _reduce_2pi(a):
 
 
 @triton.jit
-def _rms_norm_rope_kernel(x, w, positions, inv_freq, out, G, N, sx_t, sx_g, eps,
-                          HALF: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    t, g = row // G, row % G
+def _rms_norm_rope_kernel(x, w, positions, inv_freq, out, R, G, N, sx_t, sx_g, eps,
+                          HALF: tl.constexpr, BLOCK: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m_r = rows < R
+    t, g = rows // G, rows % G
     DT = out.dtype.element_ty
+    p_x = x + t * sx_t + g * sx_g                                       # [BR] row starts
+    p_o = out + rows * N
     j = tl.arange(0, BLOCK)
-    m = j < N
-    p_x = x + t * sx_t + g * sx_g
-    v = tl.load(p_x + j, mask=m, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(v * v, axis=0) / N + eps)
-    y = cast((v * rstd) * (1.0 + tl.load(w + j, mask=m, other=0.0).to(tl.float32)), DT).to(tl.float32)
-    rot = j < 2 * HALF
-    lo = j < HALF
-    pj = tl.where(lo, j + HALF, tl.where(rot, j - HALF, j))
-    vp = tl.load(p_x + pj, mask=m, other=0.0).to(tl.float32)
-    yp = cast((vp * rstd) * (1.0 + tl.load(w + pj, mask=m, other=0.0).to(tl.float32)), DT).to(tl.float32)
-    pos = tl.load(positions + t).to(tl.float32)
-    a = _reduce_2pi(pos * tl.load(inv_freq + tl.where(lo, j, j - HALF), mask=rot, other=0.0))
+    m_j = j < N
+    v = tl.load(p_x[:, None] + j[None, :], mask=m_r[:, None] & m_j[None, :], other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(v * v, axis=1) / N + eps)
+    y = cast((v * rstd[:, None]) * (1.0 + tl.load(w + j, mask=m_j, other=0.0).to(tl.float32))[None, :], DT)
+    tl.store(p_o[:, None] + j[None, :], y, mask=m_r[:, None] & (m_j & (j >= 2 * HALF))[None, :])
+    # the rotated dims: the two halves [0, HALF) and [HALF, 2 HALF) as their own tiles (L1 hits)
+    h = tl.arange(0, BH)
+    m_h = h < HALF
+    m = m_r[:, None] & m_h[None, :]
+    v_lo = tl.load(p_x[:, None] + h[None, :], mask=m, other=0.0).to(tl.float32)
+    v_hi = tl.load(p_x[:, None] + (h + HALF)[None, :], mask=m, other=0.0).to(tl.float32)
+    w_lo = 1.0 + tl.load(w + h, mask=m_h, other=0.0).to(tl.float32)
+    w_hi = 1.0 + tl.load(w + h + HALF, mask=m_h, other=0.0).to(tl.float32)
+    y_lo = cast((v_lo * rstd[:, None]) * w_lo[None, :], DT).to(tl.float32)
+    y_hi = cast((v_hi * rstd[:, None]) * w_hi[None, :], DT).to(tl.float32)
+    pos = tl.load(positions + t, mask=m_r, other=0).to(tl.float32)
+    a = _reduce_2pi(pos[:, None] * tl.load(inv_freq + h, mask=m_h, other=0.0).to(tl.float32)[None, :])
     c = cast(tl.cos(a), DT).to(tl.float32)
     s = cast(tl.sin(a), DT).to(tl.float32)
-    yc = cast(y * c, DT).to(tl.float32)
-    ys = cast(tl.where(lo, -yp, yp) * s, DT).to(tl.float32)
-    res = tl.where(rot, cast(yc + ys, DT), cast(y, DT))
-    tl.store(out + row * N + j, res, mask=m)
+    o_lo = cast(y_lo * c, DT).to(tl.float32) + cast(-y_hi * s, DT).to(tl.float32)
+    o_hi = cast(y_hi * c, DT).to(tl.float32) + cast(y_lo * s, DT).to(tl.float32)
+    tl.store(p_o[:, None] + h[None, :], cast(o_lo, DT), mask=m)
+    tl.store(p_o[:, None] + (h + HALF)[None, :], cast(o_hi, DT), mask=m)
+
+
+def rope_tile(N: int, R: int) -> tuple[int, int]:
+    """(BR rows per program, num_warps) on 4 warps: ~1024 elements of the [BR, Dh] tile per program below 65536
+    rows, 2048 from there (the H200's best of 1024 / 2048 / 4096 per size: benchmarks/results/prefill_ops_h200.md)."""
+    block = max(pow2(N), 16)
+    per = 2048 if R >= 65536 else 1024
+    return max(1, min(per // block, pow2(R))), 4 if block <= 1024 else 8
 
 
 def rms_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, positions: torch.Tensor,
-                         inv_freq: torch.Tensor) -> torch.Tensor:
+                         inv_freq: torch.Tensor, tile: tuple[int, int] | None = None) -> torch.Tensor:
     T, G, N = x.shape
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if T * G:
-        block = max(pow2(N), 16)
-        launch(_rms_norm_rope_kernel, (T * G,), (x, weight, positions, inv_freq, out, G, N, x.stride(0), x.stride(1),
-                                                 float(eps), inv_freq.shape[0], block),
-               num_warps=4 if block <= 1024 else 8)
+    R = T * G
+    if R:
+        half = inv_freq.shape[0]
+        br, warps = tile or rope_tile(N, R)
+        launch(_rms_norm_rope_kernel, (cdiv(R, br),), (x, weight, positions, inv_freq, out, R, G, N, x.stride(0),
+                                                       x.stride(1), float(eps), half, max(pow2(N), 16),
+                                                       max(pow2(half), 1), br), num_warps=warps)
     return out

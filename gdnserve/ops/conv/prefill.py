@@ -8,11 +8,13 @@ offsets into ``x`` (§2.5 step 1) lets producer and consumers share one launch w
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
-from gdnserve.ops.backend import Backend, resolve
+from gdnserve.ops.backend import Backend, interpreting, resolve
 from gdnserve.ops.checks import ACT_DTYPES, check_contiguous, check_index, check_tensor
 from gdnserve.ops.launch import cdiv, launch, pow2
 from gdnserve.ops.tl_compat import cast
@@ -39,9 +41,22 @@ def conv_load_ext(x, conv_pool, pos, bos, L, hx_end, hlen, hsrc, o_d, mask_d, st
 
 
 @triton.jit
-def conv_prefill_kernel(x, weight, conv_pool, y, cu_seqlens, chunk_indices, src_slots, dst_slots, parents,
+def conv_load_row(x, conv_pool, pos, bos, hx_end, hlen, hsrc, o_d, mask_d, stride_x, D: tl.constexpr,
+                  W: tl.constexpr):
+    """Row `pos` (a scalar, >= -(W-1)) of ext = history ++ x_seq as fp32 [BD]: ``conv_load_ext`` for one row."""
+    in_x = pos >= -hlen
+    row = tl.where(pos >= 0, bos + pos, hx_end + pos)
+    p_x = x + row.to(tl.int64) * stride_x + o_d
+    p_h = conv_pool + (hsrc.to(tl.int64) * (W - 1) + (W - 1 + hlen + pos)) * D + o_d
+    return tl.load(tl.where(in_x, p_x, p_h), mask=(mask_d & (in_x | (hsrc >= 0))) != 0, other=0.).to(tl.float32)
+
+
+@triton.jit
+def conv_prefill_tile_kernel(x, weight, conv_pool, y, cu_seqlens, chunk_indices, src_slots, dst_slots, parents,
                         stride_x, stride_w, stride_y, D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
                         BD: tl.constexpr, BH: tl.constexpr, HAS_PARENTS: tl.constexpr, SILU: tl.constexpr):
+    """One program per (chunk row, BD channels): the W shifted [BT, BD] tiles of ext loaded one by one (each
+    input read W times, mostly from cache). Cheap to interpret: what the CPU interpreter runs by default."""
     i_r, i_d = tl.program_id(0), tl.program_id(1)
     i_n = tl.load(chunk_indices + i_r * 2)
     i_c = tl.load(chunk_indices + i_r * 2 + 1)
@@ -89,19 +104,146 @@ def conv_prefill_kernel(x, weight, conv_pool, y, cu_seqlens, chunk_indices, src_
             tl.store(p_s, b_s, mask=(o_h < W - 1)[:, None] & mask_d[None, :])
 
 
+@triton.jit
+def conv_prefill_rows_kernel(x, weight, conv_pool, y, cu_seqlens, chunk_indices, src_slots, dst_slots, parents,
+                        stride_x, stride_w, stride_y, D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
+                        BD: tl.constexpr, BH: tl.constexpr, HAS_PARENTS: tl.constexpr, SILU: tl.constexpr,
+                        U: tl.constexpr):
+    """One program per (chunk row, BD channels): walks the chunk's rows in groups of U, each input row loaded
+    once (the W-1 previous inputs kept in registers), so x is read once instead of W times."""
+    i_r, i_d = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices + i_r * 2)
+    i_c = tl.load(chunk_indices + i_r * 2 + 1)
+    if i_n < 0:  # sentinel row of a padded grid
+        return
+    bos = tl.load(cu_seqlens + i_n)
+    L = tl.load(cu_seqlens + i_n + 1) - bos
+    # Resolve the history source once per program (branch-free; parents are one level deep).
+    hsrc = tl.load(src_slots + i_n)
+    hlen = bos * 0
+    hx_end = bos
+    if HAS_PARENTS:
+        i_p = tl.load(parents + i_n)
+        i_pc = tl.maximum(i_p, 0)
+        p_bos = tl.load(cu_seqlens + i_pc)
+        p_eos = tl.load(cu_seqlens + i_pc + 1)
+        hsrc = tl.where(i_p >= 0, tl.load(src_slots + i_pc), hsrc)
+        hlen = tl.where(i_p >= 0, tl.minimum(p_eos - p_bos, W - 1), hlen)
+        hx_end = tl.where(i_p >= 0, p_eos, hx_end)
+
+    o_d = i_d * BD + tl.arange(0, BD)
+    mask_d = o_d < D
+    # weights by lag: w_j multiplies the input j rows back (weight[:, W-1-j]); unused lags stay 0
+    w0 = tl.load(weight + o_d * stride_w + (W - 1), mask=mask_d, other=0.).to(tl.float32)
+    w1 = tl.load(weight + o_d * stride_w + (W - 2), mask=mask_d, other=0.).to(tl.float32)
+    w2 = tl.zeros([BD], dtype=tl.float32)
+    w3 = tl.zeros([BD], dtype=tl.float32)
+    if W >= 3:
+        w2 = tl.load(weight + o_d * stride_w + (W - 3), mask=mask_d, other=0.).to(tl.float32)
+    if W >= 4:
+        w3 = tl.load(weight + o_d * stride_w + (W - 4), mask=mask_d, other=0.).to(tl.float32)
+    t0 = i_c * BT
+    # the W-1 inputs before the chunk (history rows for chunk 0, x rows otherwise)
+    p1 = conv_load_row(x, conv_pool, t0 - 1, bos, hx_end, hlen, hsrc, o_d, mask_d, stride_x, D, W)
+    p2 = tl.zeros([BD], dtype=tl.float32)
+    p3 = tl.zeros([BD], dtype=tl.float32)
+    if W >= 3:
+        p2 = conv_load_row(x, conv_pool, t0 - 2, bos, hx_end, hlen, hsrc, o_d, mask_d, stride_x, D, W)
+    if W >= 4:
+        p3 = conv_load_row(x, conv_pool, t0 - 3, bos, hx_end, hlen, hsrc, o_d, mask_d, stride_x, D, W)
+    n = tl.minimum(L - t0, BT)
+    p_x = x + (bos + t0).to(tl.int64) * stride_x + o_d
+    p_y = y + (bos + t0).to(tl.int64) * stride_y + o_d
+    for g in range(0, n, U):
+        for u in tl.static_range(U):
+            m_t = (mask_d & (g + u < n)) != 0   # `!= 0`: see conv_load_ext
+            b_x = tl.load(p_x + (g + u) * stride_x, mask=m_t, other=0.).to(tl.float32)
+            # the same accumulation order as the PyTorch path: oldest input first
+            b_acc = tl.zeros([BD], dtype=tl.float32)
+            if W >= 4:
+                b_acc += p3 * w3
+            if W >= 3:
+                b_acc += p2 * w2
+            b_acc += p1 * w1
+            b_acc += b_x * w0
+            if SILU:
+                b_acc = b_acc * (1 / (1 + tl.exp(-b_acc)))   # tl.sigmoid inlined (no jit call per row)
+            tl.store(p_y + (g + u) * stride_y, cast(b_acc, y.dtype.element_ty), mask=m_t)
+            p3 = p2
+            p2 = p1
+            p1 = b_x
+
+    # Only the chunk-0 program writes the new history, so a zero-length sequence still copies src -> dst.
+    if i_c == 0:
+        i_dst = tl.load(dst_slots + i_n)
+        if i_dst >= 0:
+            o_h = tl.arange(0, BH)
+            b_s = conv_load_ext(x, conv_pool, L - (W - 1) + o_h, bos, L, hx_end, hlen, hsrc, o_d, mask_d,
+                                stride_x, D, W)
+            # src == dst: every thread must have read the old history before any thread overwrites it.
+            tl.debug_barrier()
+            p_s = conv_pool + (i_dst.to(tl.int64) * (W - 1) + o_h)[:, None] * D + o_d[None, :]
+            tl.store(p_s, b_s, mask=(o_h < W - 1)[:, None] & mask_d[None, :])
+
+
+ConvTile = tuple[int, int, int]   # (BD channels per program, num_warps, U rows per unrolled group)
+KERNELS = ("rows", "tile")
+_kernel_override: list[str | None] = [None]
+
+
+ROWS_MIN_CHUNK_ROWS = 64
+
+
+def conv_kernel(num_chunk_rows: int) -> str:
+    """"rows" on the GPU from 64 chunk rows (4096 tokens) up, "tile" below and under the CPU interpreter.
+    H200 (benchmarks/results/prefill_ops_h200.md): rows 55.7 vs tile 81.4 µs at 1x4096, 106.8 vs 160.2 at
+    8x1024; but each rows program walks its 64 rows in sequence, a latency the short grids cannot hide: 35.0 vs
+    13.3 µs at 512 tokens, 17.7 vs 4.3 at 64 (sizes between 512 and 4096 were not measured). The interpreter
+    runs "tile" ~8x faster (a few tile ops per program instead of a dozen per row), so the layer and engine
+    tests stay cheap. Same results bit for bit (the same fp32 operations per output, checked on the H200
+    too); the tests run both (``use_kernel``)."""
+    if _kernel_override[0] is not None:
+        return _kernel_override[0]
+    return "tile" if interpreting() or num_chunk_rows < ROWS_MIN_CHUNK_ROWS else "rows"
+
+
+@contextlib.contextmanager
+def use_kernel(kernel: str):
+    """Force one prefill kernel inside the block (tests, benchmarks)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    old = _kernel_override[0]
+    _kernel_override[0] = kernel
+    try:
+        yield
+    finally:
+        _kernel_override[0] = old
+
+
+def conv_tile(kernel: str, num_chunk_rows: int, D: int) -> ConvTile:
+    """rows: 128 channels on one warp, groups of 8 rows (the H200's best of BD 128 / 256 / 512 and 1 / 2 warps
+    at 4096 and 8192 tokens); tile: the [64, 128] tiles of the first kernel."""
+    if kernel == "tile":
+        bd = min(128, max(16, pow2(D)))
+        return bd, 8 if CHUNK * bd >= 8192 else 4, 1
+    return min(128, max(16, pow2(D))), 1, 8
+
 
 def conv_prefill(x: torch.Tensor, weight: torch.Tensor, conv_pool: torch.Tensor, y: torch.Tensor,
                  meta: VarlenMeta, src_slots: torch.Tensor, dst_slots: torch.Tensor,
-                 parents: torch.Tensor | None, silu: bool) -> None:
+                 parents: torch.Tensor | None, silu: bool, tile: ConvTile | None = None) -> None:
     T, D = x.shape
     W = weight.shape[1]
-    BD = min(128, max(16, pow2(D)))
+    kernel = conv_kernel(meta.num_chunk_rows)
+    BD, warps, U = tile or conv_tile(kernel, meta.num_chunk_rows, D)
     # A zero-token call still copies histories; substitute a live buffer for empty x/y (never read).
     xa, ya = (x, y) if T > 0 else (conv_pool, conv_pool)
-    launch(conv_prefill_kernel, (meta.num_chunk_rows, cdiv(D, BD)), (
-        xa, weight, conv_pool, ya, meta.cu_seqlens, meta.chunk_indices, src_slots, dst_slots, parents,
-        x.stride(0), weight.stride(0), y.stride(0), D, W, CHUNK, BD, pow2(W - 1), parents is not None, silu),
-        8 if CHUNK * BD >= 8192 else 4)
+    args = (xa, weight, conv_pool, ya, meta.cu_seqlens, meta.chunk_indices, src_slots, dst_slots, parents,
+            x.stride(0), weight.stride(0), y.stride(0), D, W, CHUNK, BD, pow2(W - 1), parents is not None, silu)
+    if kernel == "rows":
+        launch(conv_prefill_rows_kernel, (meta.num_chunk_rows, cdiv(D, BD)), args + (U,), warps)
+    else:
+        launch(conv_prefill_tile_kernel, (meta.num_chunk_rows, cdiv(D, BD)), args, warps)
 
 
 def silu_fp32(v: torch.Tensor) -> torch.Tensor:
