@@ -82,6 +82,8 @@ class Plan:
     max_step_tokens: int
     max_num_seqs: int
     num_pages: int
+    tp_passes: int = 3            # timed throughput passes (distinct prompts, same shape): the row is the median
+    tp_warmups: int = 2           # throughput-shaped warm-up passes before them
 
 
 def make_plan(cuda: bool, quick: bool, groups: int | None) -> Plan:
@@ -95,7 +97,7 @@ def make_plan(cuda: bool, quick: bool, groups: int | None) -> Plan:
         plan = Plan(wl, 1024, 64, 2048)
     if quick:
         wl = tuple(replace(w, groups=max(1, w.groups // 2), latency_groups=1) for w in plan.workloads)
-        plan = replace(plan, workloads=wl)
+        plan = replace(plan, workloads=wl, tp_passes=1, tp_warmups=1)
     if groups:
         plan = replace(plan, workloads=tuple(replace(w, groups=groups) for w in plan.workloads))
     return plan
@@ -197,9 +199,6 @@ def _row(wl: Workload, mode: str, pass_: str, groups: list[Group], r: dict[str, 
             "warmup_graphs": None if warm is None else warm.get("graphs")}
 
 
-TP_PASSES = 3    # timed throughput passes (distinct prompts, same shape); the row reports the median one
-
-
 def median_pass(passes: list[dict[str, Any]]) -> dict[str, Any]:
     """The pass of median wall time, with every pass's wall time in ``pass_walls_s``. Its ``first`` tokens are
     the first pass's: every mode runs the same prompt sets in the same order, so the agreement column compares
@@ -228,7 +227,7 @@ def graph_cell(g: dict[str, int] | None) -> str:
 def table(res: dict[str, Any]) -> list[str]:
     L = [res.get("model_summary", ""), "", f"Engine: {res.get('engine')}.", "",
          "QPS = requests per second over the pass's wall time (groups/s beside it; the throughput pass: the median of "
-         f"{TP_PASSES} passes on distinct prompts of the same shape, [slowest–fastest] beside it); TTFT ms: median and P90 "
+         f"{res.get('tp_passes', 1)} passes on distinct prompts of the same shape, [slowest–fastest] beside it); TTFT ms: median and P90 "
          "from submission to the step returning the first token. latency = one group at a time on an idle engine; "
          "throughput = all groups submitted at once. ×none: QPS over the `none` row of the same workload and pass. "
          "hits: requests started from the prefix state; agree: first tokens equal to `none`'s. warm-up s: wall time "
@@ -266,11 +265,11 @@ def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype
         rng = random.Random(wl.prefix)
         warm = wl.make_groups(1, vocab, rng)                 # the latency pass's warm-up (one group)
         lat_groups = wl.make_groups(wl.latency_groups, vocab, rng)
-        tp_sets = [wl.make_groups(wl.groups, vocab, rng) for _ in range(TP_PASSES)]
+        tp_sets = [wl.make_groups(wl.groups, vocab, rng) for _ in range(plan.tp_passes)]
         tp_groups = tp_sets[0]
         # the throughput pass's warm-up: the same shape, twice (the second pass of a fresh engine still ran
         # ~1.5x slower on the H200 — allocator growth, cuBLAS heuristics — and made a single timed pass noisy)
-        warm_tps = [wl.make_groups(wl.groups, vocab, rng) for _ in range(2)]
+        warm_tps = [wl.make_groups(wl.groups, vocab, rng) for _ in range(plan.tp_warmups)]
         warm_tp = warm_tps[0]
         ref: dict[str, dict[str, int]] = {}
         for mode in MODES:
@@ -321,9 +320,10 @@ def run(device: torch.device, quick: bool, out_dir: Path, layers: int | None, ex
                  engine=f"max_step_tokens {plan.max_step_tokens}, max_num_seqs {plan.max_num_seqs}, "
                         f"{plan.num_pages} KV pages of 16, greedy, max_tokens {max_tokens}, CUDA graphs "
                         + ("on (decode / verify and prefill / mixed steps)" if cuda else "off (CPU)"),
-                 workloads=[w.__dict__ for w in plan.workloads],
+                 workloads=[w.__dict__ for w in plan.workloads], tp_passes=plan.tp_passes,
                  warmup="before every timed pass, on the same engine, an untimed pass of the same shape on other "
-                        "prompts (1 group before the latency pass, all groups at once twice before the throughput passes); "
+                        f"prompts (1 group before the latency pass, all groups at once {plan.tp_warmups}x before the "
+                        "throughput passes); "
                         "rows: warmup_wall_s, warmup_steps, warmup_groups")
     try:
         _measure(rep, plan, hf_cfg, dtype, device, max_tokens)

@@ -44,7 +44,10 @@ def test_quick_cpu_run_writes_json_and_markdown(tmp_path):
                 r = rows[(w["name"], mode, p)]
                 assert r["warmup_wall_s"] > 0 and r["warmup_groups"] == (1 if p == "latency" else r["groups"])
                 if mode != "score":
-                    assert r["warmup_steps"] == (r["steps"] if p == "throughput" else r["steps"] // r["groups"])
+                    if p == "throughput":   # other prompts of the same shape: their token counts may need a step more
+                        assert abs(r["warmup_steps"] - r["steps"]) <= 1 and len(r["qps_range"]) == 2
+                    else:
+                        assert r["warmup_steps"] == r["steps"] // r["groups"]
     assert res["target"]["result"].startswith("n/a")
     assert "| workload | mode | pass |" in md[0].read_text() and "| warm-up s |" in md[0].read_text()
 
