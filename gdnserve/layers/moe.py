@@ -52,7 +52,8 @@ from gdnserve.ops.moe.router import route, route_torch
 
 FP8_BLOCK = 128
 # Steps of at most this many tokens run the folded block (module docstring). Measured on the H200 (E = 256,
-# bf16): folded faster at T = 1, slower at T = 16, 64, 256, 4096; T = 2..15 not measured.
+# bf16, grouped GEMM tiles before the 7667476 sweep): folded faster at T = 1, slower at T = 16, 64, 256, 4096;
+# T = 2..15 not measured.
 FOLD_MAX_TOKENS = 1
 
 
