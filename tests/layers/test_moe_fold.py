@@ -84,7 +84,9 @@ def test_folded_triton_equals_unfolded(T, dtype, renorm, device):
     moe = random_block(dtype, device, renorm)
     moe.backend = "torch"
     x = torch.randn(T, H, device=device).to(dtype)
+    f64 = copy.deepcopy(moe).double()       # the float64 reference of the same (unfolded) block, PyTorch ops
     with torch.no_grad():
+        ref = f64(x.double())
         unfolded_torch = moe(x)
         moe.backend = "triton"
         unfolded = moe(x)
@@ -94,7 +96,11 @@ def test_folded_triton_equals_unfolded(T, dtype, renorm, device):
         split = moe(x)
     assert folded.dtype == dtype and folded.shape == (T, H)
     assert torch.equal(split, unfolded)
-    assert rel_rms(folded, unfolded) < TOL[dtype] and rel_rms(folded, unfolded_torch) < TOL[dtype]
+    if dtype == torch.float32:
+        assert rel_rms(folded, unfolded) < TOL[dtype] and rel_rms(folded, unfolded_torch) < TOL[dtype]
+    else:   # two bf16 paths differ by a few roundings each (~1e-2 apart): each is held to the float64 reference
+        for out in (folded, unfolded, unfolded_torch):
+            assert rel_rms(out.double(), ref) < TOL[dtype]
 
 
 def test_default_folds_only_small_steps(monkeypatch, device):
