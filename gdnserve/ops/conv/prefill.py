@@ -52,19 +52,12 @@ def conv_load_row(x, conv_pool, pos, bos, hx_end, hlen, hsrc, o_d, mask_d, strid
 
 
 @triton.jit
-def conv_prefill_tile_kernel(x, weight, conv_pool, y, cu_seqlens, chunk_indices, src_slots, dst_slots, parents,
-                        stride_x, stride_w, stride_y, D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
-                        BD: tl.constexpr, BH: tl.constexpr, HAS_PARENTS: tl.constexpr, SILU: tl.constexpr):
-    """One program per (chunk row, BD channels): the W shifted [BT, BD] tiles of ext loaded one by one (each
-    input read W times, mostly from cache). Cheap to interpret: what the CPU interpreter runs by default."""
-    i_r, i_d = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(chunk_indices + i_r * 2)
-    i_c = tl.load(chunk_indices + i_r * 2 + 1)
-    if i_n < 0:  # sentinel row of a padded grid
-        return
+def _sequence_history(cu_seqlens, src_slots, parents, i_n, W: tl.constexpr, HAS_PARENTS: tl.constexpr):
+    """Sequence i_n's start and length, and where its W-1 history inputs come from, resolved once per program
+    (branch-free; parents are one level deep): (bos, L, history slot, history rows taken from the parent's
+    inputs of this call, the end of those rows in x)."""
     bos = tl.load(cu_seqlens + i_n)
     L = tl.load(cu_seqlens + i_n + 1) - bos
-    # Resolve the history source once per program (branch-free; parents are one level deep).
     hsrc = tl.load(src_slots + i_n)
     hlen = bos * 0
     hx_end = bos
@@ -76,6 +69,21 @@ def conv_prefill_tile_kernel(x, weight, conv_pool, y, cu_seqlens, chunk_indices,
         hsrc = tl.where(i_p >= 0, tl.load(src_slots + i_pc), hsrc)
         hlen = tl.where(i_p >= 0, tl.minimum(p_eos - p_bos, W - 1), hlen)
         hx_end = tl.where(i_p >= 0, p_eos, hx_end)
+    return bos, L, hsrc, hlen, hx_end
+
+
+@triton.jit
+def conv_prefill_tile_kernel(x, weight, conv_pool, y, cu_seqlens, chunk_indices, src_slots, dst_slots, parents,
+                        stride_x, stride_w, stride_y, D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
+                        BD: tl.constexpr, BH: tl.constexpr, HAS_PARENTS: tl.constexpr, SILU: tl.constexpr):
+    """One program per (chunk row, BD channels): the W shifted [BT, BD] tiles of ext loaded one by one (each
+    input read W times, mostly from cache). Cheap to interpret: what the CPU interpreter runs by default."""
+    i_r, i_d = tl.program_id(0), tl.program_id(1)
+    i_n = tl.load(chunk_indices + i_r * 2)
+    i_c = tl.load(chunk_indices + i_r * 2 + 1)
+    if i_n < 0:  # sentinel row of a padded grid
+        return
+    bos, L, hsrc, hlen, hx_end = _sequence_history(cu_seqlens, src_slots, parents, i_n, W, HAS_PARENTS)
 
     o_t = i_c * BT + tl.arange(0, BT)
     o_d = i_d * BD + tl.arange(0, BD)
@@ -116,20 +124,7 @@ def conv_prefill_rows_kernel(x, weight, conv_pool, y, cu_seqlens, chunk_indices,
     i_c = tl.load(chunk_indices + i_r * 2 + 1)
     if i_n < 0:  # sentinel row of a padded grid
         return
-    bos = tl.load(cu_seqlens + i_n)
-    L = tl.load(cu_seqlens + i_n + 1) - bos
-    # Resolve the history source once per program (branch-free; parents are one level deep).
-    hsrc = tl.load(src_slots + i_n)
-    hlen = bos * 0
-    hx_end = bos
-    if HAS_PARENTS:
-        i_p = tl.load(parents + i_n)
-        i_pc = tl.maximum(i_p, 0)
-        p_bos = tl.load(cu_seqlens + i_pc)
-        p_eos = tl.load(cu_seqlens + i_pc + 1)
-        hsrc = tl.where(i_p >= 0, tl.load(src_slots + i_pc), hsrc)
-        hlen = tl.where(i_p >= 0, tl.minimum(p_eos - p_bos, W - 1), hlen)
-        hx_end = tl.where(i_p >= 0, p_eos, hx_end)
+    bos, L, hsrc, hlen, hx_end = _sequence_history(cu_seqlens, src_slots, parents, i_n, W, HAS_PARENTS)
 
     o_d = i_d * BD + tl.arange(0, BD)
     mask_d = o_d < D
