@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gdnserve.layers.parallel import all_reduce, resolve
+from gdnserve.ops.gemv import skinny_config, skinny_linear
 from gdnserve.ops.quant import BLOCK, fp8_linear
 
 FP8 = torch.float8_e4m3fn
@@ -34,6 +35,16 @@ FP8 = torch.float8_e4m3fn
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)``; on CUDA, decode-sized x [M <= 16, K] takes the one-launch skinny GEMM of
+    ``ops.gemv`` where its table says it beats cuBLAS at this (N, K, M)."""
+    if x.is_cuda and x.dim() == 2 and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16):
+        cfg = skinny_config(x.shape[0], w.shape[0], w.shape[1])
+        if cfg is not None and x.stride(1) == 1 and w.stride(1) == 1:
+            return skinny_linear(x, w, cfg)
+    return F.linear(x, w)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,13 +145,13 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is None:
-            return F.linear(x, self.weight)
+            return dense_linear(x, self.weight)
         return fp8_linear(x, self.qweight, self.weight_scale_inv, tail=self.weight if self.weight.shape[0] else None)
 
     def forward_rows(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x · W[start:]ᵀ: only this rank's output rows from ``start`` on (attention's k/v-only pass)."""
         if self.qweight is None:
-            return F.linear(x, self.weight[start:])
+            return dense_linear(x, self.weight[start:])
         n_fp8 = self.qweight.shape[0]
         if start % BLOCK == 0 and start < n_fp8:
             tail = self.weight if self.weight.shape[0] else None
@@ -199,7 +210,7 @@ class RowParallelLinear(nn.Module):
                           "weight_scale_inv": Shard(1, (_cdiv(self.in_features, BLOCK),))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight) if self.qweight is None else fp8_linear(x, self.qweight, self.weight_scale_inv)
+        y = dense_linear(x, self.weight) if self.qweight is None else fp8_linear(x, self.qweight, self.weight_scale_inv)
         return all_reduce(y, self.tp_size) if self.reduce_results else y
 
 

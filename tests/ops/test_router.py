@@ -16,9 +16,11 @@ pytestmark = pytest.mark.usefixtures("seed")
 W_TOL = {torch.float32: 4e-6, torch.bfloat16: 2.0 ** -8}     # weights vs the PyTorch path (relative; GPU exp approx)
 
 
-@pytest.fixture(params=["one_launch", "row_blocks"])
+@pytest.fixture(params=["small", "one_launch", "row_blocks"])
 def launch_shape(request, monkeypatch):
-    """Force the single-program fused kernel or the row-parallel kernel + alignment launch."""
+    """Force the one-program in-register alignment (where the rows fit one row block), the single-program
+    fused kernel, or the row-parallel kernel + alignment launch."""
+    monkeypatch.setattr(router_triton, "SMALL_PAIRS", 1 << 20 if request.param == "small" else 0)
     monkeypatch.setattr(router_triton, "FUSED_MAX_TOKENS", 1 << 20 if request.param == "one_launch" else 0)
     return request.param
 
@@ -107,4 +109,22 @@ def test_shared_column_becomes_pair_k(T, E, k, renorm, dtype, launch_shape, devi
     assert idx.shape == (T, k + 1) and (idx[:, k] == E).all() and torch.equal(w[:, k], torch.sigmoid(logits[:, E]))
     if dtype == torch.float32:
         assert torch.equal(got.experts.long(), idx)
+    check_alignment(got, E + 1)
+
+
+@pytest.mark.parametrize("T,dtype", [(1, torch.bfloat16), (2, torch.float16), (7, torch.bfloat16), (5, torch.float32)])
+def test_decode_shape_small_path(T, dtype, device):
+    """The model's decode router (256 experts top-8 + the shared column) takes the one-program in-register
+    alignment by default; ids by (logit desc, id asc), weights to rounding, alignment = align_pairs'. Logits
+    all <= 0 but one, with exact zeros of both signs: +0 and -0 tie (the lower id first)."""
+    E, k = 256, 8
+    assert T * 16 <= router_triton.SMALL_PAIRS
+    logits = (-torch.randn(T, E + 1, device=device).abs() * 0.05).to(dtype)
+    logits[:, 5:40:3] = 0.0
+    logits[:, 6:40:3] = -0.0
+    logits[:, 100] = 3.0                      # one clear winner, then ties at +-0
+    got = route(logits, k, True, backend="triton", shared=True)
+    ref_w, ref_idx = naive_route(logits[:, :E], k, True)
+    assert torch.equal(got.experts[:, :k].long(), ref_idx) and (got.experts[:, k] == E).all()
+    assert rel_rms(got.weights[:, :k], ref_w) < (2e-6 if dtype == torch.float32 else 4e-3)
     check_alignment(got, E + 1)

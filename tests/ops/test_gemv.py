@@ -1,0 +1,74 @@
+"""The one-launch skinny GEMM (ops/gemv; CPU interpreter in CI): against the float64 product and F.linear,
+deterministic, K not a multiple of the K step, the table lookup, and ``layers.linear.dense_linear``'s choice."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gdnserve.layers.linear import dense_linear
+from gdnserve.ops import gemv
+from gdnserve.ops.gemv import SkinnyConfig, skinny_config, skinny_linear
+from gdnserve.ops.gemv import skinny_triton
+from gdnserve.ops.numerics import rel_rms
+
+pytestmark = pytest.mark.usefixtures("seed")
+
+
+@pytest.mark.parametrize("M,N,K,cfg", [(1, 40, 192, SkinnyConfig(16, 64, 4, 3)),
+                                       (3, 33, 200, SkinnyConfig(16, 64, 4, 2)),
+                                       (16, 50, 96, SkinnyConfig(32, 32, 2, 3))])
+def test_matches_float64(M, N, K, cfg, device):
+    x = torch.randn(M, K, device=device).to(torch.bfloat16)
+    w = (torch.randn(N, K, device=device) * 0.05).to(torch.bfloat16)
+    y = skinny_linear(x, w, cfg)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    ref = x.double() @ w.double().T
+    assert rel_rms(y, ref) < 4e-3
+    assert rel_rms(y, F.linear(x, w)) < 4e-3
+    assert torch.equal(y, skinny_linear(x, w, cfg))          # fixed reduction order
+
+
+def test_strided_rows_and_errors(device):
+    base = torch.randn(4, 80, device=device).to(torch.bfloat16)
+    x = base[:, 8:72]                                      # row stride 80
+    w = torch.randn(24, 64, device=device).to(torch.bfloat16)
+    cfg = SkinnyConfig(16, 32, 2, 2)
+    assert torch.equal(skinny_linear(x, w, cfg), skinny_linear(x.contiguous(), w, cfg))
+    with pytest.raises(ValueError, match="rows"):
+        skinny_linear(torch.zeros(17, 64, dtype=torch.bfloat16, device=device), w, cfg)
+    with pytest.raises(ValueError, match="skinny_linear: w"):
+        skinny_linear(x, w[:, :32], cfg)
+    with pytest.raises(ValueError, match="skinny_linear: x"):
+        skinny_linear(x.float(), w, cfg)
+
+
+def test_table_lookup(monkeypatch):
+    cfg = SkinnyConfig(16, 256, 4, 4)
+    monkeypatch.setattr(skinny_triton, "TABLE", {(2048, 4096): (8, cfg)})
+    assert skinny_config(1, 2048, 4096) == cfg and skinny_config(8, 2048, 4096) == cfg
+    assert skinny_config(9, 2048, 4096) is None and skinny_config(0, 2048, 4096) is None
+    assert skinny_config(1, 2048, 2048) is None
+    assert gemv.skinny_config is skinny_config
+
+
+def test_dense_linear_keeps_f_linear_off_cuda(monkeypatch):
+    """On the CPU (and for shapes outside the table) ``dense_linear`` is F.linear, bit for bit."""
+    monkeypatch.setattr(skinny_triton, "TABLE", {(24, 64): (16, SkinnyConfig(16, 32, 2, 2))})
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    w = torch.randn(24, 64).to(torch.bfloat16)
+    assert torch.equal(dense_linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("N,K", [(2048, 4096), (12352, 2048), (9216, 2048)])
+def test_model_shapes_on_gpu(M, N, K, device):
+    """The model's decode projections: every table config against cuBLAS's product to bf16 rounding."""
+    x = torch.randn(M, K, device=device).to(torch.bfloat16)
+    w = (torch.randn(N, K, device=device) * 0.02).to(torch.bfloat16)
+    ref = x.double() @ w.double().T
+    for cfg in {c for _, c in skinny_triton.TABLE.values()} | {SkinnyConfig(16, 256, 4, 4)}:
+        y = skinny_linear(x, w, cfg)
+        assert rel_rms(y, ref) < 4e-3 and rel_rms(y, F.linear(x, w)) < 4e-3
+        assert torch.equal(y, skinny_linear(x, w, cfg))
