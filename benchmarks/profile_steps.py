@@ -27,7 +27,7 @@ PARTS = (
     ("GDN kernels", r"gdn_|chunk_|conv_|recurrent|kkt|solve|wy_"),
     ("attention kernels", r"attention|store_kv|flash|fmha|rope"),
     ("norms", r"rms_norm|_norm_"),
-    ("GEMM (cuBLAS)", r"nvjet|gemm|sm90|cutlass|splitK|gemv|dot_kernel|reduce_1Block"),
+    ("GEMM (cuBLAS)", r"nvjet|gemm|sm90|cutlass|splitK|gemv|skinny|dot_kernel|reduce_1Block"),
     ("reductions", r"reduce_kernel"),
     ("copies", r"copy|Memcpy|Memset|CatArray|fill"),
     ("elementwise", r"elementwise"),

@@ -28,6 +28,7 @@ from torch import nn
 
 from gdnserve.layers.parallel import all_reduce, resolve
 from gdnserve.ops.gemv import skinny_config, skinny_linear
+from gdnserve.ops.gemv.skinny_triton import gate_fits
 from gdnserve.ops.quant import BLOCK, fp8_linear
 
 FP8 = torch.float8_e4m3fn
@@ -212,6 +213,17 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = dense_linear(x, self.weight) if self.qweight is None else fp8_linear(x, self.qweight, self.weight_scale_inv)
         return all_reduce(y, self.tp_size) if self.reduce_results else y
+
+    def forward_gated(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``self(x * torch.sigmoid(gate.reshape(x.shape)))`` for a gate [T, G, GD] (any strides but a unit last
+        one; attention's per-head output gate): on CUDA at decode sizes the skinny GEMM applies the gate as it
+        loads x (no copy, sigmoid or multiply launches), elsewhere the torch ops."""
+        if self.qweight is None and x.is_cuda and x.dim() == 2 and x.dtype == self.weight.dtype:
+            cfg = skinny_config(x.shape[0], self.weight.shape[0], self.weight.shape[1])
+            if cfg is not None and x.stride(1) == 1 and gate_fits(cfg, x, gate):
+                y = skinny_linear(x, self.weight, cfg, gate=gate)
+                return all_reduce(y, self.tp_size) if self.reduce_results else y
+        return self.forward(x * torch.sigmoid(gate.reshape(x.shape)))
 
 
 def load_shard(root: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gdnserve.layers.linear import dense_linear
+from gdnserve.layers.linear import RowParallelLinear, dense_linear
 from gdnserve.ops import gemv
 from gdnserve.ops.gemv import SkinnyConfig, skinny_config, skinny_linear
 from gdnserve.ops.gemv import skinny_triton
@@ -17,7 +17,9 @@ pytestmark = pytest.mark.usefixtures("seed")
 
 @pytest.mark.parametrize("M,N,K,cfg", [(1, 40, 192, SkinnyConfig(16, 64, 4, 3)),
                                        (3, 33, 200, SkinnyConfig(16, 64, 4, 2)),
-                                       (16, 50, 96, SkinnyConfig(32, 32, 2, 3))])
+                                       (16, 50, 96, SkinnyConfig(32, 32, 2, 3)),
+                                       (1, 37, 200, SkinnyConfig(4, 64, 4, 2, False)),
+                                       (1, 32, 256, SkinnyConfig(8, 128, 4, 1, False))])
 def test_matches_float64(M, N, K, cfg, device):
     x = torch.randn(M, K, device=device).to(torch.bfloat16)
     w = (torch.randn(N, K, device=device) * 0.05).to(torch.bfloat16)
@@ -27,6 +29,24 @@ def test_matches_float64(M, N, K, cfg, device):
     assert rel_rms(y, ref) < 4e-3
     assert rel_rms(y, F.linear(x, w)) < 4e-3
     assert torch.equal(y, skinny_linear(x, w, cfg))          # fixed reduction order
+
+
+@pytest.mark.parametrize("M,cfg", [(2, SkinnyConfig(16, 32, 4, 2)), (1, SkinnyConfig(8, 64, 4, 1, False)),
+                                   (3, SkinnyConfig(16, 128, 4, 2))])
+def test_gate_folded_into_x(M, cfg, device):
+    """``gate`` [M, G, GD] (a strided view, as attention's per-head gate): the product of x * sigmoid(gate) as
+    torch rounds it (sigmoid to bf16, then the product), K steps shorter and longer than GD."""
+    G, GD, N = 3, 64, 24
+    qg = torch.randn(M, G, 2 * GD, device=device).to(torch.bfloat16)
+    gate = qg[..., GD:]
+    x = torch.randn(M, G * GD, device=device).to(torch.bfloat16)
+    w = (torch.randn(N, G * GD, device=device) * 0.05).to(torch.bfloat16)
+    y = skinny_linear(x, w, cfg, gate=gate)
+    xg = x * torch.sigmoid(gate.reshape(M, G * GD))
+    assert rel_rms(y, xg.double() @ w.double().T) < 4e-3
+    assert torch.equal(y, skinny_linear(x, w, cfg, gate=gate))
+    with pytest.raises(ValueError, match="gate"):
+        skinny_linear(x, w, cfg, gate=gate[:, :2])
 
 
 def test_strided_rows_and_errors(device):
@@ -41,12 +61,15 @@ def test_strided_rows_and_errors(device):
         skinny_linear(x, w[:, :32], cfg)
     with pytest.raises(ValueError, match="skinny_linear: x"):
         skinny_linear(x.float(), w, cfg)
+    with pytest.raises(ValueError, match="rows"):
+        skinny_linear(x, w, SkinnyConfig(4, 64, 4, 1, False))       # the FMA variant: M = 1 only
 
 
 def test_table_lookup(monkeypatch):
-    cfg = SkinnyConfig(16, 256, 4, 4)
-    monkeypatch.setattr(skinny_triton, "TABLE", {(2048, 4096): (8, cfg)})
-    assert skinny_config(1, 2048, 4096) == cfg and skinny_config(8, 2048, 4096) == cfg
+    cfg, one = SkinnyConfig(16, 256, 4, 4), SkinnyConfig(4, 512, 4, 1, False)
+    monkeypatch.setattr(skinny_triton, "TABLE", {(2048, 4096): ((1, one), (8, cfg))})
+    assert skinny_config(1, 2048, 4096) == one and skinny_config(2, 2048, 4096) == cfg
+    assert skinny_config(8, 2048, 4096) == cfg
     assert skinny_config(9, 2048, 4096) is None and skinny_config(0, 2048, 4096) is None
     assert skinny_config(1, 2048, 2048) is None
     assert gemv.skinny_config is skinny_config
@@ -54,10 +77,13 @@ def test_table_lookup(monkeypatch):
 
 def test_dense_linear_keeps_f_linear_off_cuda(monkeypatch):
     """On the CPU (and for shapes outside the table) ``dense_linear`` is F.linear, bit for bit."""
-    monkeypatch.setattr(skinny_triton, "TABLE", {(24, 64): (16, SkinnyConfig(16, 32, 2, 2))})
+    monkeypatch.setattr(skinny_triton, "TABLE", {(24, 64): ((16, SkinnyConfig(16, 32, 2, 2)),)})
     x = torch.randn(2, 64).to(torch.bfloat16)
     w = torch.randn(24, 64).to(torch.bfloat16)
     assert torch.equal(dense_linear(x, w), F.linear(x, w))
+    lin = RowParallelLinear(64, 24, tp_rank=0, tp_size=1).to(torch.bfloat16)
+    gate = torch.randn(2, 4, 16).to(torch.bfloat16)
+    assert torch.equal(lin.forward_gated(x, gate), lin(x * torch.sigmoid(gate.reshape(2, 64))))
 
 
 @pytest.mark.gpu
@@ -68,7 +94,10 @@ def test_model_shapes_on_gpu(M, N, K, device):
     x = torch.randn(M, K, device=device).to(torch.bfloat16)
     w = (torch.randn(N, K, device=device) * 0.02).to(torch.bfloat16)
     ref = x.double() @ w.double().T
-    for cfg in {c for _, c in skinny_triton.TABLE.values()} | {SkinnyConfig(16, 256, 4, 4)}:
+    cfgs = {c for entries in skinny_triton.TABLE.values() for _, c in entries} | {SkinnyConfig(16, 256, 4, 4)}
+    for cfg in cfgs:
+        if not cfg.dot and M > 1:
+            continue
         y = skinny_linear(x, w, cfg)
         assert rel_rms(y, ref) < 4e-3 and rel_rms(y, F.linear(x, w)) < 4e-3
         assert torch.equal(y, skinny_linear(x, w, cfg))

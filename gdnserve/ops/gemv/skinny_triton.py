@@ -7,9 +7,10 @@ software pipeline and multiplies it with the (zero-padded) ``16 x BK`` tiles of 
 accumulation, one bf16 rounding at the end. The reduction order is fixed by the config (K in BK steps, in
 order): deterministic, the same bits eager or replayed in a CUDA graph.
 
-``skinny_config`` picks the config from ``TABLE`` (measured on the H200 against cuBLAS,
-``benchmarks/bench_decode_b1.py``): (N, K) -> the largest M where the kernel beat cuBLAS and its config.
-Shapes not in the table return None (the caller keeps ``F.linear``).
+At M = 1 a CUDA-core variant (``dot=False``: BN rows of W times x per program, fp32 products summed per K
+step) runs more, smaller programs. ``skinny_config`` picks the config from ``TABLE`` (measured on the H200
+against cuBLAS, ``benchmarks/bench_decode_b1.py``): per (N, K), M-ranges where the kernel beat cuBLAS with
+their config. Shapes and M outside the table return None (the caller keeps ``F.linear``).
 """
 from __future__ import annotations
 
@@ -31,15 +32,18 @@ class SkinnyConfig(NamedTuple):
     BK: int            # K step
     warps: int
     stages: int
+    dot: bool = True   # tensor cores on 16-row tiles of x; False: CUDA-core FMAs, M = 1 only
 
 
-# (N, K) -> (largest M the kernel serves, config); filled from the H200 sweep (see the module docstring)
-TABLE: dict[tuple[int, int], tuple[int, SkinnyConfig]] = {}
+# (N, K) -> ((largest M, config), ...) ascending in M: M takes the first entry whose bound holds; M past the
+# last bound keeps cuBLAS. Filled from the H200 sweep (see the module docstring).
+TABLE: dict[tuple[int, int], tuple[tuple[int, SkinnyConfig], ...]] = {}
 
 
 @triton.jit(do_not_specialize=["M"])         # one binary for every M
-def _skinny_kernel(x, w, y, M, N, K, stride_x, stride_w, stride_y,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
+def _skinny_kernel(x, w, y, g, M, N, K, stride_x, stride_w, stride_y, stride_gt, stride_gh,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                   GATED: tl.constexpr, GD: tl.constexpr):
     rn = tl.program_id(0) * BN + tl.arange(0, BN)
     rm = tl.arange(0, BM)
     rk = tl.arange(0, BK)
@@ -55,30 +59,88 @@ def _skinny_kernel(x, w, y, M, N, K, stride_x, stride_w, stride_y,
             km = (k0 + rk) < K
             a = tl.load(xp, mask=mm[:, None] & km[None, :], other=0.0)
             b = tl.load(wp, mask=nm[:, None] & km[None, :], other=0.0)
+        if GATED:
+            kg = k0 + rk
+            gv = tl.load(g + rm[:, None] * stride_gt + ((kg // GD) * stride_gh + kg % GD)[None, :],
+                         mask=mm[:, None] & (kg < K)[None, :], other=0.0)
+            a = _gate(a, gv)
         acc += mma(a, tl.trans(b), "ieee")
         xp += BK
         wp += BK
     tl.store(y + rm[:, None] * stride_y + rn[None, :], cast(acc, y.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
 
+@triton.jit
+def _gate(a, gv):
+    """a * sigmoid(gv) rounded as torch rounds ``a * torch.sigmoid(gv)``: the sigmoid, then the product."""
+    s = cast(tl.sigmoid(gv.to(tl.float32)), a.dtype)
+    return cast(a.to(tl.float32) * s.to(tl.float32), a.dtype)
+
+
+@triton.jit
+def _gemv_kernel(x, w, y, g, N, K, stride_w, stride_gh, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                 GATED: tl.constexpr, GD: tl.constexpr):
+    """M = 1 on the CUDA cores: each program's BN rows of W times x, fp32 products summed per K step."""
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    nm = rn < N
+    wp = w + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        if EVEN_K:
+            a = tl.load(x + k0 + rk)
+            b = tl.load(wp, mask=nm[:, None], other=0.0)
+        else:
+            km = (k0 + rk) < K
+            a = tl.load(x + k0 + rk, mask=km, other=0.0)
+            b = tl.load(wp, mask=nm[:, None] & km[None, :], other=0.0)
+        if GATED:
+            kg = k0 + rk
+            a = _gate(a, tl.load(g + (kg // GD) * stride_gh + kg % GD, mask=kg < K, other=0.0))
+        acc += tl.sum(b.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
+        wp += BK
+    tl.store(y + rn, cast(acc, y.dtype.element_ty), mask=nm)
+
+
 def skinny_config(M: int, N: int, K: int) -> SkinnyConfig | None:
     """The config for an [M, K] x [N, K]ᵀ product, or None where cuBLAS is the faster (or unmeasured) choice."""
-    hit = TABLE.get((N, K))
-    if hit is None or not 1 <= M <= min(hit[0], MAX_M):
+    if not 1 <= M <= MAX_M:
         return None
-    return hit[1]
+    for bound, cfg in TABLE.get((N, K), ()):
+        if M <= bound:
+            return cfg
+    return None
 
 
-def skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig) -> torch.Tensor:
-    """x [M, K] (M <= 16, unit last stride) · w [N, K]ᵀ (unit last stride, same dtype) -> [M, N] in x's dtype."""
+def gate_fits(cfg: SkinnyConfig, x: torch.Tensor, gate: torch.Tensor) -> bool:
+    """Whether ``skinny_linear(x, w, cfg, gate)`` takes this gate: [M, G, GD] with G * GD = K, unit last stride,
+    x's dtype."""
+    return (gate.dim() == 3 and gate.shape[0] == x.shape[0] and gate.shape[1] * gate.shape[2] == x.shape[1]
+            and gate.dtype == x.dtype and gate.stride(2) == 1)
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig,
+                  gate: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 16, unit last stride) · w [N, K]ᵀ (unit last stride, same dtype) -> [M, N] in x's dtype.
+    ``gate`` [M, G, GD] (G * GD = K, see ``gate_fits``): the product of ``x * sigmoid(gate.reshape(M, K))``,
+    the gate applied as x's K tiles load (attention's output gate before o_proj, no elementwise launches)."""
     check_tensor("skinny_linear: x", x, (None, None), (torch.bfloat16, torch.float16))
     check_tensor("skinny_linear: w", w, (None, x.shape[1]), (x.dtype,))
+    if gate is not None and not gate_fits(cfg, x, gate):
+        raise ValueError(f"skinny_linear: gate of shape {list(gate.shape)} / strides {gate.stride()} does not fit x "
+                         f"{list(x.shape)}")
     M, K = x.shape
     N = w.shape[0]
-    if not 1 <= M <= MAX_M:
-        raise ValueError(f"skinny_linear: x has {M} rows, must be in [1, {MAX_M}]")
+    gp, sgt, sgh, GD = (gate, gate.stride(0), gate.stride(1), gate.shape[2]) if gate is not None else (x, 0, 0, 1)
+    if not 1 <= M <= (MAX_M if cfg.dot else 1):
+        raise ValueError(f"skinny_linear: x has {M} rows, must be in [1, {MAX_M if cfg.dot else 1}] for {cfg}")
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    launch(_skinny_kernel, (cdiv(N, cfg.BN),), (x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),
-                                                MAX_M, cfg.BN, cfg.BK, K % cfg.BK == 0),
+    if not cfg.dot:
+        launch(_gemv_kernel, (cdiv(N, cfg.BN),), (x, w, y, gp, N, K, w.stride(0), sgh, cfg.BN, cfg.BK,
+                                                 K % cfg.BK == 0, gate is not None, GD),
+               num_warps=cfg.warps, num_stages=cfg.stages)
+        return y
+    launch(_skinny_kernel, (cdiv(N, cfg.BN),), (x, w, y, gp, M, N, K, x.stride(0), w.stride(0), y.stride(0), sgt,
+                                                sgh, MAX_M, cfg.BN, cfg.BK, K % cfg.BK == 0, gate is not None, GD),
            num_warps=cfg.warps, num_stages=cfg.stages)
     return y
