@@ -31,13 +31,16 @@ from gdnserve.ops.moe import router_triton
 from gdnserve.ops.numerics import rel_rms
 
 SHAPES = ((2048, 4096, "GDN out_proj / attention o_proj"), (12352, 2048, "GDN in_proj"),
-          (9216, 2048, "attention qkv_proj"))
+          (9216, 2048, "attention qkv_proj"), (257, 2048, "router gate (+ the shared expert's row)"))
 MS = (1, 2, 4, 8, 16)
 DOT = [SkinnyConfig(16, 256, 4, 4), SkinnyConfig(16, 512, 4, 3), SkinnyConfig(16, 512, 4, 4),
        SkinnyConfig(16, 128, 4, 6), SkinnyConfig(32, 256, 4, 4), SkinnyConfig(32, 512, 4, 3),
        SkinnyConfig(64, 256, 4, 4), SkinnyConfig(16, 256, 2, 4)]
 FMA = [SkinnyConfig(4, 512, 4, 1, False), SkinnyConfig(4, 1024, 4, 1, False), SkinnyConfig(8, 512, 4, 2, False),
-       SkinnyConfig(2, 1024, 4, 1, False), SkinnyConfig(8, 1024, 8, 1, False), SkinnyConfig(4, 512, 4, 3, False)]
+       SkinnyConfig(2, 1024, 4, 1, False), SkinnyConfig(8, 1024, 8, 1, False), SkinnyConfig(4, 512, 4, 3, False),
+       SkinnyConfig(2, 4096, 4, 1, False), SkinnyConfig(4, 4096, 8, 1, False), SkinnyConfig(1, 4096, 4, 1, False),
+       SkinnyConfig(2, 2048, 4, 1, False), SkinnyConfig(4, 2048, 4, 1, False), SkinnyConfig(8, 2048, 8, 1, False),
+       SkinnyConfig(4, 2048, 8, 1, False)]
 WIN = 0.97                                    # the kernel must beat cuBLAS by 3 % to take a shape
 
 
@@ -74,7 +77,7 @@ def part_router(base, log) -> dict:
     E, k, H = 256, 8, 2048
     w = (torch.randn(E + 1, H, device=dev) * 0.02).to(torch.bfloat16)
     out, warps0 = {}, router_triton.SMALL_WARPS
-    for T in (1, 2, 4, 8, 16):
+    for T in (1, 2, 4, 8):
         x = torch.randn(T, H, device=dev).to(torch.bfloat16)
         logits = F.linear(x, w)
         new = router_triton.route_triton(logits, k, True, True)
@@ -87,8 +90,8 @@ def part_router(base, log) -> dict:
             row["alignment equal"] = bool(torch.equal(old.alignment.rows, new.alignment.rows)
                                           and torch.equal(old.alignment.block_expert, new.alignment.block_expert))
             row["base us"] = graph_us(lambda i: base.route_triton(logits, k, True, True))
-        for nw in (1, 2, 4, 8):
-            router_triton.SMALL_WARPS = nw
+        for nw in ((1, 2, 4, 8) if T == 1 else (warps0[1],)):
+            router_triton.SMALL_WARPS = (nw, nw)
             row[f"new us (small path {nw} warps)"] = graph_us(lambda i: router_triton.route_triton(logits, k, True, True))
         router_triton.SMALL_WARPS = warps0
         out[f"T={T}"] = row
@@ -96,19 +99,20 @@ def part_router(base, log) -> dict:
     return out
 
 
-def part_gemv(log) -> tuple[dict, dict]:
+def part_gemv(log, shapes=SHAPES, ms=MS, fma_only: bool = False) -> tuple[dict, dict]:
     dev = torch.device("cuda")
     res, table = {}, {}
-    for N, K, what in SHAPES:
+    for N, K, what in shapes:
         copies = max(2, -(-(256 << 20) // (N * K * 2)))
         ws = [(torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16) for _ in range(copies)]
         entries, rows, wins = [], {}, []
-        for M in MS:
+        for M in ms:
             x = torch.randn(M, K, device=dev).to(torch.bfloat16)
             ref = F.linear(x, ws[0])
             r = {"cublas us": graph_us(lambda i: F.linear(x, ws[i % copies]))}
             best = None
-            for cfg in DOT + (FMA if M == 1 else []):
+            cands = ([] if fma_only and M == 1 else DOT) + (FMA if M == 1 else [])
+            for cfg in [c for c in cands if c.BK <= K]:
                 y = skinny_linear(x, ws[0], cfg)
                 err = rel_rms(y, ref)
                 det = bool(torch.equal(y, skinny_linear(x, ws[0], cfg)))
@@ -126,7 +130,7 @@ def part_gemv(log) -> tuple[dict, dict]:
             rows[f"M={M}"] = r
             log(f"gemv {N}x{K} M={M}: cublas {r['cublas us']:.2f} us, best {r['best']}")
             wins.append(best[1] if best[0] < WIN * r["cublas us"] else None)
-        for M, cfg in zip(MS, wins):          # M-ranges from 1 up, until cuBLAS wins
+        for M, cfg in zip(ms, wins):          # M-ranges from 1 up, until cuBLAS wins
             if cfg is None:
                 break
             if entries and entries[-1][1] == cfg:
@@ -187,7 +191,16 @@ def part_gate(table: dict, log) -> dict:
     return out
 
 
-def part_step(base, table: dict, log, steps: int = 60) -> dict:
+def merge_table(old: dict, new: dict, ms) -> dict:
+    """``old`` with each swept shape's ranges up to max(ms) replaced by the sweep's (a shape the sweep gave no
+    win keeps its old entries)."""
+    out = dict(old)
+    for key, entries in new.items():
+        out[key] = tuple(entries) + tuple((b, c) for b, c in old.get(key, ()) if b > max(ms))
+    return out
+
+
+def part_step(base, table: dict, log, steps: int = 60, gate_fold: bool = True) -> dict:
     from benchmarks.profile_steps import markdown, profile_steps
     from benchmarks.random_model import build_random_model, config_for
     from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
@@ -204,6 +217,8 @@ def part_step(base, table: dict, log, steps: int = 60) -> dict:
     plain_forward = GatedAttention.forward
     variants = {"base": ({}, base.route_triton if base is not None else new_route, plain_forward),
                 "new": (table, new_route, plain_forward), "new + gate fold": (table, new_route, gate_folded_forward)}
+    if not gate_fold:
+        del variants["new + gate fold"]
     prompt = torch.randint(0, hf_cfg["vocab_size"], (128,), generator=torch.Generator().manual_seed(0)).tolist()
     runners, out, md = {}, {}, []
     for name, (tab, route, fwd) in variants.items():
@@ -245,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--base-root", default=None, help="a checkout whose router kernel is the baseline")
     ap.add_argument("--parts", default="router,gemv,step")
+    ap.add_argument("--shapes", default=None, help="gemv shapes NxK,... (default: all of SHAPES)")
+    ap.add_argument("--ms", default=None, help="gemv M values, comma-separated (default 1,2,4,8,16); the sweep's "
+                                               "winners then replace the committed TABLE's ranges up to max(M)")
+    ap.add_argument("--no-gate-fold", action="store_true", help="step: skip the gate-fold runner")
+    ap.add_argument("--fma-only", action="store_true", help="gemv: at M = 1 sweep only the CUDA-core configs")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -271,15 +291,21 @@ def main(argv: list[str] | None = None) -> int:
             res[f"{name} error"] = traceback.format_exc()
         save()
 
+    shapes = SHAPES if a.shapes is None else tuple(
+        (n, k, w) for n, k, w in SHAPES if f"{n}x{k}" in a.shapes.split(","))
+    ms = MS if a.ms is None else tuple(int(m) for m in a.ms.split(","))
+
     def gemv() -> None:
         nonlocal table
-        res["gemv"], table = part_gemv(log)
+        res["gemv"], swept = part_gemv(log, shapes, ms, a.fma_only)
+        table = swept if a.ms is None and a.shapes is None else merge_table(table, swept, ms)
         res["table"] = {f"{n}x{k}": [(m, tuple(c)) for m, c in v] for (n, k), v in table.items()}
         log(f"TABLE = {table!r}")
-        res["gate fold"] = part_gate(table, log)
+        if not a.no_gate_fold:
+            res["gate fold"] = part_gate(table, log)
 
     def step() -> None:
-        res["step"] = part_step(base, table, log)
+        res["step"] = part_step(base, table, log, gate_fold=not a.no_gate_fold)
         (out / "step_profile.md").write_text(res["step"].pop("markdown") + "\n")
     if "router" in parts:
         guarded("router", lambda: res.__setitem__("router", part_router(base, log)))

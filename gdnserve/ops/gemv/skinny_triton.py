@@ -37,7 +37,14 @@ class SkinnyConfig(NamedTuple):
 
 # (N, K) -> ((largest M, config), ...) ascending in M: M takes the first entry whose bound holds; M past the
 # last bound keeps cuBLAS. Filled from the H200 sweep (see the module docstring).
-TABLE: dict[tuple[int, int], tuple[tuple[int, SkinnyConfig], ...]] = {}
+_FMA_8x1024 = SkinnyConfig(8, 1024, 8, 1, False)
+TABLE: dict[tuple[int, int], tuple[tuple[int, SkinnyConfig], ...]] = {
+    (2048, 4096): ((1, _FMA_8x1024),),                          # GDN out_proj / attention o_proj
+    (12352, 2048): ((1, SkinnyConfig(4, 512, 4, 1, False)), (4, SkinnyConfig(32, 256, 4, 4))),   # GDN in_proj
+    (9216, 2048): ((1, SkinnyConfig(8, 512, 4, 2, False)),),    # attention qkv_proj
+    (257, 2048): ((1, _FMA_8x1024), (2, SkinnyConfig(16, 512, 4, 3)), (4, SkinnyConfig(16, 128, 4, 6)),
+                  (16, SkinnyConfig(16, 512, 4, 3))),           # router gate + the shared expert's row
+}
 
 
 @triton.jit(do_not_specialize=["M"])         # one binary for every M

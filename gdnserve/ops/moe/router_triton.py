@@ -31,7 +31,8 @@ from gdnserve.ops.tl_compat import cast
 
 FUSED_MAX_TOKENS = 64
 SMALL_PAIRS = 128                # key slots (BT * BK) of the one-program in-register alignment
-SMALL_WARPS = 2                  # its warps (H200 sweep in benchmarks/bench_decode_b1.py)
+SMALL_WARPS = (1, 2)             # its warps up to 16 key slots (T = 1 at top-8 + shared) / past 16; H200, T = 1:
+                                 # 2.3 µs at 1 warp, 2.8 at 2, 3.1 at 8 (benchmarks/bench_decode_b1.py)
 TILE = 4096                      # logits per row-block tile (BT * BE)
 
 
@@ -187,7 +188,7 @@ def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, shared: bo
         launch(_router_small_kernel, (1,), (logits, weights, ids, rows, block_expert, T, logits.stride(0), N, P,
                                             P // BM, top_k, renormalize, BT, BE, BK, shared, wide, EA, BM,
                                             min(pow2(P), 1024), min(pow2(P // BM), 256)),
-               num_warps=SMALL_WARPS)
+               num_warps=SMALL_WARPS[0] if BT * BK <= 16 else SMALL_WARPS[1])
         return Routing(weights, ids, Alignment(rows, block_expert, BM))
     if T <= FUSED_MAX_TOKENS and N <= MAX_PAIRS:
         P = padded_rows(N, EA, BM)
