@@ -12,6 +12,12 @@
           output gate folded into o_proj (``gate_folded_forward``, a proposed change of layers/attention.py).
 
     python -m benchmarks.bench_decode_b1 --out DIR [--base-root PATH] [--parts router,gemv,step]
+        [--shapes 2048x4096,...] [--ms 1,2] [--fma-only] [--no-gate-fold]
+
+The step part's A/B swaps, per runner and only while its graphs are captured, ``ops.gemv``'s TABLE (the
+override point of the skinny GEMM's dispatch; ``{}`` = cuBLAS everywhere), the router entry point
+(``router_triton.route_triton`` <- the base checkout's) and, for the third runner, ``GatedAttention.forward``
+(a proposal, not the library's code); the replays then run what was captured.
 """
 from __future__ import annotations
 
@@ -76,7 +82,7 @@ def part_router(base, log) -> dict:
     dev = torch.device("cuda")
     E, k, H = 256, 8, 2048
     w = (torch.randn(E + 1, H, device=dev) * 0.02).to(torch.bfloat16)
-    out, warps0 = {}, router_triton.SMALL_WARPS
+    out = {}
     for T in (1, 2, 4, 8):
         x = torch.randn(T, H, device=dev).to(torch.bfloat16)
         logits = F.linear(x, w)
@@ -90,10 +96,9 @@ def part_router(base, log) -> dict:
             row["alignment equal"] = bool(torch.equal(old.alignment.rows, new.alignment.rows)
                                           and torch.equal(old.alignment.block_expert, new.alignment.block_expert))
             row["base us"] = graph_us(lambda i: base.route_triton(logits, k, True, True))
-        for nw in ((1, 2, 4, 8) if T == 1 else (warps0[1],)):
-            router_triton.SMALL_WARPS = (nw, nw)
-            row[f"new us (small path {nw} warps)"] = graph_us(lambda i: router_triton.route_triton(logits, k, True, True))
-        router_triton.SMALL_WARPS = warps0
+        for nw in ((1, 2, 4, 8) if T == 1 else (router_triton.SMALL_WARPS[1],)):
+            row[f"new us (small path {nw} warps)"] = graph_us(
+                lambda i: router_triton.route_triton(logits, k, True, True, small_warps=nw))
         out[f"T={T}"] = row
         log(f"router T={T}: {row}")
     return out

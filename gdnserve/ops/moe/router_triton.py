@@ -165,8 +165,10 @@ def _router_small_kernel(logits, weights, ids, rows, block_expert, T, stride_l, 
     tl.store(block_expert + dest // BM, e, mask=v)     # every used block holds a pair: its expert
 
 
-def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, shared: bool = False) -> Routing:
-    """``router.route`` on the Triton path; ``shared``: the logits' last column is the shared expert's gate."""
+def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, shared: bool = False,
+                 small_warps: int | None = None) -> Routing:
+    """``router.route`` on the Triton path; ``shared``: the logits' last column is the shared expert's gate.
+    ``small_warps``: the one-program in-register path's warps (default ``SMALL_WARPS``; benchmarks' sweep)."""
     T, EL = logits.shape
     dev = logits.device
     E, KO = EL - shared, top_k + shared          # routed experts; pairs per token
@@ -188,7 +190,7 @@ def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, shared: bo
         launch(_router_small_kernel, (1,), (logits, weights, ids, rows, block_expert, T, logits.stride(0), N, P,
                                             P // BM, top_k, renormalize, BT, BE, BK, shared, wide, EA, BM,
                                             min(pow2(P), 1024), min(pow2(P // BM), 256)),
-               num_warps=SMALL_WARPS[0] if BT * BK <= 16 else SMALL_WARPS[1])
+               num_warps=small_warps or (SMALL_WARPS[0] if BT * BK <= 16 else SMALL_WARPS[1]))
         return Routing(weights, ids, Alignment(rows, block_expert, BM))
     if T <= FUSED_MAX_TOKENS and N <= MAX_PAIRS:
         P = padded_rows(N, EA, BM)
