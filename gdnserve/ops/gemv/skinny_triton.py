@@ -36,10 +36,11 @@ class SkinnyConfig(NamedTuple):
 
 
 # (N, K) -> ((largest M, config), ...) ascending in M: M takes the first entry whose bound holds; M past the
-# last bound keeps cuBLAS. Filled from the H200 sweep (see the module docstring).
+# last bound keeps cuBLAS. The H200 sweeps' winners (benchmarks/results/decode_b1_h200.json, all M; M = 1 re-swept
+# with whole-K steps in decode_b1_m1_h200.json); benchmarks swap the dict to compare against cuBLAS.
 _FMA_8x1024 = SkinnyConfig(8, 1024, 8, 1, False)
 TABLE: dict[tuple[int, int], tuple[tuple[int, SkinnyConfig], ...]] = {
-    (2048, 4096): ((1, _FMA_8x1024),),                          # GDN out_proj / attention o_proj
+    (2048, 4096): ((1, SkinnyConfig(2, 4096, 4, 1, False)),),   # GDN out_proj / attention o_proj
     (12352, 2048): ((1, SkinnyConfig(4, 512, 4, 1, False)), (4, SkinnyConfig(32, 256, 4, 4))),   # GDN in_proj
     (9216, 2048): ((1, SkinnyConfig(8, 512, 4, 2, False)),),    # attention qkv_proj
     (257, 2048): ((1, _FMA_8x1024), (2, SkinnyConfig(16, 512, 4, 3)), (4, SkinnyConfig(16, 128, 4, 6)),
