@@ -82,6 +82,8 @@ def test_dense_linear_keeps_f_linear_off_cuda(monkeypatch):
     w = torch.randn(24, 64).to(torch.bfloat16)
     assert torch.equal(dense_linear(x, w), F.linear(x, w))
     lin = RowParallelLinear(64, 24, tp_rank=0, tp_size=1).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(w)                                # torch.empty: NaNs would fail torch.equal
     gate = torch.randn(2, 4, 16).to(torch.bfloat16)
     assert torch.equal(lin.forward_gated(x, gate), lin(x * torch.sigmoid(gate.reshape(2, 64))))
 
