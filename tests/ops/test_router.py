@@ -25,6 +25,12 @@ def launch_shape(request, monkeypatch):
     return request.param
 
 
+def skip_unless_small_applies(launch_shape: str, T: int) -> None:
+    """The in-register path serves one row block only; past it "small" would rerun the one_launch case."""
+    if launch_shape == "small" and T > 8:
+        pytest.skip("more rows than one row block of the in-register path")
+
+
 def check_alignment(r, E: int) -> None:
     want = align_pairs(r.experts, E, block_rows(r.experts.numel(), E))
     assert r.alignment.BM == want.BM
@@ -35,6 +41,7 @@ def check_alignment(r, E: int) -> None:
                                           (65, 64, 2, False)])
 def test_fp32_logits_equal_torch(T, E, k, renorm, launch_shape, device):
     """fp32 logits (no ties): the same ids in the same order as torch.topk; weights to fp32 rounding."""
+    skip_unless_small_applies(launch_shape, T)
     logits = torch.randn(T, E, device=device) * 2
     got = route(logits, k, renorm, backend="triton")
     w, idx = route(logits, k, renorm, backend="torch")[:2]
@@ -50,6 +57,7 @@ def test_fp32_logits_equal_torch(T, E, k, renorm, launch_shape, device):
 def test_bf16_logits_with_ties(T, E, k, launch_shape, device):
     """bf16 logits of a narrow spread (many equal values): ids by (logit desc, id asc) as the reference; the
     weights torch returns (its tie order is unspecified on the CPU) are the same multiset; alignment exact."""
+    skip_unless_small_applies(launch_shape, T)
     logits = (torch.randn(T, E, device=device) * 0.05).to(torch.bfloat16)
     got = route(logits, k, True, backend="triton")
     assert got.weights.dtype == torch.bfloat16
