@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from gdnserve.layers.parallel import all_reduce, resolve
-from gdnserve.ops.gemv import skinny_config, skinny_linear
-from gdnserve.ops.gemv.skinny_triton import gate_fits
+from gdnserve.ops.gemv import skinny_config
+from gdnserve.ops.gemv.skinny_triton import gate_fits, skinny_unchecked
 from gdnserve.ops.quant import BLOCK, fp8_linear
 
 FP8 = torch.float8_e4m3fn
@@ -43,8 +43,8 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     ``ops.gemv`` where its table says it beats cuBLAS at this (N, K, M)."""
     if x.is_cuda and x.dim() == 2 and x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float16):
         cfg = skinny_config(x.shape[0], w.shape[0], w.shape[1])
-        if cfg is not None and x.stride(1) == 1 and w.stride(1) == 1:
-            return skinny_linear(x, w, cfg)
+        if cfg is not None and x.shape[1] == w.shape[1] and x.stride(1) == 1 and w.stride(1) == 1:
+            return skinny_unchecked(x, w, cfg)
     return F.linear(x, w)
 
 
@@ -218,10 +218,13 @@ class RowParallelLinear(nn.Module):
         """``self(x * torch.sigmoid(gate.reshape(x.shape)))`` for a gate [T, G, GD] (any strides but a unit last
         one; attention's per-head output gate): on CUDA at decode sizes the skinny GEMM applies the gate as it
         loads x (no copy, sigmoid or multiply launches), elsewhere the torch ops."""
-        if self.qweight is None and x.is_cuda and x.dim() == 2 and x.dtype == self.weight.dtype:
-            cfg = skinny_config(x.shape[0], self.weight.shape[0], self.weight.shape[1])
-            if cfg is not None and x.stride(1) == 1 and gate_fits(cfg, x, gate):
-                y = skinny_linear(x, self.weight, cfg, gate=gate)
+        w = self.weight
+        if (self.qweight is None and x.is_cuda and x.dim() == 2 and x.dtype == w.dtype
+                and x.dtype in (torch.bfloat16, torch.float16)):
+            cfg = skinny_config(x.shape[0], w.shape[0], w.shape[1])
+            if cfg is not None and x.shape[1] == w.shape[1] and x.stride(1) == 1 and w.stride(1) == 1 \
+                    and gate_fits(cfg, x, gate):
+                y = skinny_unchecked(x, w, cfg, gate)
                 return all_reduce(y, self.tp_size) if self.reduce_results else y
         return self.forward(x * torch.sigmoid(gate.reshape(x.shape)))
 

@@ -72,6 +72,8 @@ def test_table_lookup(monkeypatch):
     assert skinny_config(8, 2048, 4096) == cfg
     assert skinny_config(9, 2048, 4096) is None and skinny_config(0, 2048, 4096) is None
     assert skinny_config(1, 2048, 2048) is None
+    monkeypatch.setattr(skinny_triton, "TABLE", {(64, 64): ((4, one),)})       # a bad table: FMA past M = 1
+    assert skinny_config(1, 64, 64) == one and skinny_config(2, 64, 64) is None
     assert gemv.skinny_config is skinny_config
 
 

@@ -116,7 +116,7 @@ def skinny_config(M: int, N: int, K: int) -> SkinnyConfig | None:
         return None
     for bound, cfg in TABLE.get((N, K), ()):
         if M <= bound:
-            return cfg
+            return cfg if cfg.dot or M == 1 else None      # the CUDA-core variant serves M = 1 only
     return None
 
 
@@ -137,11 +137,18 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig,
     if gate is not None and not gate_fits(cfg, x, gate):
         raise ValueError(f"skinny_linear: gate of shape {list(gate.shape)} / strides {gate.stride()} does not fit x "
                          f"{list(x.shape)}")
+    if not 1 <= x.shape[0] <= (MAX_M if cfg.dot else 1):
+        raise ValueError(f"skinny_linear: x has {x.shape[0]} rows, must be in [1, {MAX_M if cfg.dot else 1}] for {cfg}")
+    return skinny_unchecked(x, w, cfg, gate)
+
+
+def skinny_unchecked(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig,
+                     gate: torch.Tensor | None = None) -> torch.Tensor:
+    """``skinny_linear`` without its checks (host time per decode projection): for callers that hold x, w, the
+    gate and a config from ``skinny_config`` to the same conditions (``layers.linear.dense_linear``)."""
     M, K = x.shape
     N = w.shape[0]
     gp, sgt, sgh, GD = (gate, gate.stride(0), gate.stride(1), gate.shape[2]) if gate is not None else (x, 0, 0, 1)
-    if not 1 <= M <= (MAX_M if cfg.dot else 1):
-        raise ValueError(f"skinny_linear: x has {M} rows, must be in [1, {MAX_M if cfg.dot else 1}] for {cfg}")
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if not cfg.dot:
         launch(_gemv_kernel, (cdiv(N, cfg.BN),), (x, w, y, gp, N, K, w.stride(0), sgh, cfg.BN, cfg.BK,
