@@ -9,7 +9,7 @@ fp32, cast like the others) after the renormalisation, and the alignment counts 
 
 Three launch shapes, all without a host read:
   - one row block with at most ``SMALL_PAIRS`` key slots (decode, T <= 8 at top-8): ONE program routes the
-    rows and aligns the pairs from registers (``_align_small``: ranks and padded offsets by [F, F]
+    rows and aligns the pairs from registers (``_router_small_kernel``: ranks and padded offsets by [F, F]
     comparisons instead of a sort and a histogram over all experts);
   - T <= FUSED_MAX_TOKENS: ONE program routes all rows block by block, then (after a barrier: the ids it
     stored are what it reads back) runs the alignment of ``align_triton.align_body`` on them;
