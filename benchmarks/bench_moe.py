@@ -1,6 +1,9 @@
-"""Routed-experts benchmark: our Triton grouped GEMM (``ops.moe``, device-side offsets) against
-``torch._grouped_mm`` driven the same way (what HF transformers' ``grouped_mm`` experts do) and against the
-per-expert PyTorch loop (our CPU path: a host read of the counts, ~4 launches per expert).
+"""Routed-experts benchmark: our Triton grouped GEMM (``ops.moe``, device-side offsets) with the router's alignment
+given (the model's path), old (``main``: the row block and tiles of commit 3743c21, before the TMA kernels) and
+new side by side, aligning inside (``inside``), against ``torch._grouped_mm`` driven the same way (what HF
+transformers' ``grouped_mm`` experts do) and the per-expert PyTorch loop (our CPU path: a host read of the counts,
+~4 launches per expert). ``--impls`` picks the rows; ``--tiles F`` runs the new rows with ``sweep_moe --best F``'s
+row block and tiles where F has the shape (through ``grouped_triton.CONFIG_OVERRIDE``).
 
 Shape: the Qwen3.5-35B-A3B MoE block (hidden 2048, moe_intermediate 512, top-8) with E in {64, 256}
 experts, bf16, T in {1, 16, 64, 256, 1024, 4096, 8192} tokens, router probabilities from random logits (8
@@ -10,6 +13,7 @@ achieved weight TB/s (distinct experts hit x 3 H I x 2 bytes, the bytes a decode
 TFLOP/s (T k 6 H I), and rel-RMS against a float64 reference on the first 8 tokens.
 
     python -m benchmarks.bench_moe --out benchmarks/results      (CUDA; the tile sweep: benchmarks/sweep_moe.py)
+    python -m benchmarks.bench_moe --experts 256 --impls main,new [--tiles best.json]
 """
 from __future__ import annotations
 

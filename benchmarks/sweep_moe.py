@@ -8,9 +8,12 @@ choice) and ``best`` (the best kernels assembled, per BM). GPU µs: CUDA-graph r
 rotating over several routings (so that a decode call does not find its experts' weights in L2), median
 [P10–P90]. TFLOP/s = T k 6 H I / time (the GEMMs),
 TB/s = weight bytes of the experts hit / time. The compiles run first in parallel worker processes (Triton's
-disk cache), so the sweep is mostly timing.
+disk cache), so the sweep is mostly timing (``--compile only``: just them; ``--compile no``: the cache has them).
+Row blocks of 64 and more also time the TMA-descriptor kernels (``GU_TMA`` / ``DN_TMA``, ``grouped_tma_triton``).
+``--best F`` writes the fastest end-to-end config per (E, T) for ``bench_moe --tiles F``.
 
     python -m benchmarks.sweep_moe --out benchmarks/results/moe_sweep_h200.log     (CUDA)
+    python -m benchmarks.sweep_moe --experts 256 --tokens 4096,8192 --best best.json       (the prefill sizes)
     python -m benchmarks.sweep_moe --smoke                                        (CPU interpreter, tiny shapes)
 """
 from __future__ import annotations

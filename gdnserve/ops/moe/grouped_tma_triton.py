@@ -27,7 +27,7 @@ import triton.language as tl
 
 from gdnserve.ops.launch import cdiv, launch
 from gdnserve.ops.moe.tile_triton import _tile
-from gdnserve.ops.tl_compat import cast, mma
+from gdnserve.ops.tl_compat import INTERPRET, cast, mma
 
 
 @triton.jit
@@ -98,6 +98,8 @@ def _down_kernel_tma(inter, w, rows, block_expert, pair_w, out, N, H, I, P, NW,
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, I, BK):
             a = ad.load([pid_m * BM, k0])
+            if INTERPRET:   # padding rows are unwritten memory (never stored): keep numpy's overflow warnings out
+                a = tl.where(valid[:, None], a, 0.0)
             b = wd.load([row_w, k0])
             acc += mma(a, b.T, PREC)
         pw = tl.load(pair_w + r, mask=valid, other=0.0).to(tl.float32)

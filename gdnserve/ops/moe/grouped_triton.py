@@ -166,14 +166,17 @@ _DECODE = Config(Tiles(32, 256, 4, 3), Tiles(64, 128, 4, 3, True))
 _ROWS32 = Config(Tiles(64, 64, 4, 4, True, True), Tiles(128, 64, 4, 3, True))
 _ROWS64_FEW = Config(Tiles(64, 64, 4, 4, True, True), Tiles(128, 64, 4, 3, True))
 _ROWS64 = Config(Tiles(64, 64, 4, 3, True), Tiles(128, 64, 4, 3, True))
-_ROWS128 = Config(Tiles(128, 64, 8, 3, True, True), Tiles(128, 64, 8, 3, True))
+# BM 128 gate_up by TMA, one MMA (sweep at commit b22c4a7, E 256, T 8192: 578 µs alone against 662 for the pointer
+# kernel of the same tiles; end to end within the run-to-run spread, docs/benchmarks.md)
+_ROWS128 = Config(Tiles(128, 64, 8, 3, True, True, True), Tiles(128, 64, 8, 3, True))
 
 
 def config(num_pairs: int, BM: int) -> Config:
     """Tiles from the shapes only (H200 sweep, H 2048, I 512: ``benchmarks/results/moe_sweep_h200.log``).
     BM 16 (decode-sized: few rows per expert, the weights streamed once) takes narrow N tiles and K steps of
     256 for gate_up; the larger row blocks wider tiles on the tensor cores, N-tile-major program order (a row
-    block's N tiles run together), gate and up as one MMA up to 8192 pairs."""
+    block's N tiles run together), gate and up as one MMA up to 8192 pairs; BM 128 reads gate_up's weight tiles
+    by TMA descriptor (``grouped_tma_triton``)."""
     if CONFIG_OVERRIDE is not None:
         return CONFIG_OVERRIDE
     if BM <= 16:
