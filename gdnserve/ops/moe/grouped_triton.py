@@ -166,7 +166,7 @@ _DECODE = Config(Tiles(32, 256, 4, 3), Tiles(64, 128, 4, 3, True))
 _ROWS32 = Config(Tiles(64, 64, 4, 4, True, True), Tiles(128, 64, 4, 3, True))
 _ROWS64_FEW = Config(Tiles(64, 64, 4, 4, True, True), Tiles(128, 64, 4, 3, True))
 _ROWS64 = Config(Tiles(64, 64, 4, 3, True), Tiles(128, 64, 4, 3, True))
-# BM 128 gate_up by TMA, one MMA (sweep at commit b22c4a7, E 256, T 8192: 578 µs alone against 662 for the pointer
+# BM 128 gate_up by TMA, one MMA (sweep at commit 14fdb0b, E 256, T 8192: 578 µs alone against 662 for the pointer
 # kernel of the same tiles; end to end within the run-to-run spread, docs/benchmarks.md)
 _ROWS128 = Config(Tiles(128, 64, 8, 3, True, True, True), Tiles(128, 64, 8, 3, True))
 
