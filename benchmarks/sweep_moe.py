@@ -8,9 +8,12 @@ choice) and ``best`` (the best kernels assembled, per BM). GPU µs: CUDA-graph r
 rotating over several routings (so that a decode call does not find its experts' weights in L2), median
 [P10–P90]. TFLOP/s = T k 6 H I / time (the GEMMs),
 TB/s = weight bytes of the experts hit / time. The compiles run first in parallel worker processes (Triton's
-disk cache), so the sweep is mostly timing.
+disk cache), so the sweep is mostly timing (``--compile only``: just them; ``--compile no``: the cache has them).
+Row blocks of 64 and more also time the TMA-descriptor kernels (``GU_TMA`` / ``DN_TMA``, ``grouped_tma_triton``).
+``--best F`` writes the fastest end-to-end config per (E, T) for ``bench_moe --tiles F``.
 
     python -m benchmarks.sweep_moe --out benchmarks/results/moe_sweep_h200.log     (CUDA)
+    python -m benchmarks.sweep_moe --experts 256 --tokens 4096,8192 --best best.json       (the prefill sizes)
     python -m benchmarks.sweep_moe --smoke                                        (CPU interpreter, tiny shapes)
 """
 from __future__ import annotations
@@ -47,6 +50,15 @@ GU_PREFILL = [T_(64, 64, 4, 3), T_(64, 64, 4, 3, Y), T_(128, 64, 8, 4), T_(128, 
 DN_PREFILL = [T_(128, 64, 4, 3), T_(128, 64, 8, 3, Y), T_(256, 64, 8, 3, Y), T_(256, 64, 8, 4), T_(256, 64, 8, 4, Y),
               T_(128, 64, 8, 4, Y), T_(128, 128, 8, 3, Y), T_(256, 128, 8, 2, Y), T_(128, 64, 4, 3, Y),
               T_(64, 64, 4, 3, Y), T_(128, 128, 4, 3, Y), T_(128, 64, 4, 4, Y)]
+# TMA weight tiles (grouped_tma_triton): (BN, BK, warps, stages, n_fast, one_dot, tma)
+GU_TMA = [T_(128, 64, 8, 3, Y, F, Y), T_(128, 64, 8, 4, Y, F, Y), T_(128, 64, 4, 3, Y, F, Y), T_(64, 64, 4, 4, Y, F, Y),
+          T_(64, 64, 4, 3, Y, F, Y), T_(128, 64, 8, 3, F, F, Y), T_(64, 128, 4, 3, Y, F, Y), T_(128, 128, 8, 2, Y, F, Y),
+          T_(64, 64, 8, 4, Y, F, Y), T_(256, 64, 8, 2, Y, F, Y),
+          T_(64, 64, 4, 3, Y, Y, Y), T_(64, 64, 4, 4, Y, Y, Y), T_(128, 64, 8, 3, Y, Y, Y), T_(128, 64, 8, 4, Y, Y, Y),
+          T_(64, 64, 8, 3, Y, Y, Y), T_(64, 64, 8, 4, Y, Y, Y)]
+DN_TMA = [T_(128, 64, 4, 3, Y, F, Y), T_(128, 64, 8, 3, Y, F, Y), T_(128, 64, 4, 4, Y, F, Y), T_(256, 64, 8, 3, Y, F, Y),
+          T_(128, 128, 8, 3, Y, F, Y), T_(64, 128, 4, 3, Y, F, Y), T_(128, 64, 8, 4, F, F, Y), T_(256, 64, 8, 4, Y, F, Y),
+          T_(128, 128, 4, 3, Y, F, Y), T_(64, 64, 4, 4, Y, F, Y)]
 SUM_BLOCKS: list[int | str] = ["torch", 512, 1024, 2048]     # "torch": pair_out.view(T, k, H).sum(1), as before
 
 
@@ -72,7 +84,7 @@ def candidates(T: int, BM: int) -> dict[str, list[Tiles]]:
         return {"gate_up": GU_DECODE, "down": DN_DECODE}
     if BM == 32:
         return {"gate_up": GU_DECODE[:6] + GU_PREFILL[:8], "down": DN_DECODE[:6] + DN_PREFILL[:6]}
-    return {"gate_up": GU_PREFILL, "down": DN_PREFILL}
+    return {"gate_up": GU_PREFILL + GU_TMA, "down": DN_PREFILL + DN_TMA}
 
 
 def row_blocks(T: int, E: int, k: int) -> list[int]:
@@ -246,6 +258,20 @@ def prepare(x, w, idx, E: int, BM: int, gu, dn, k: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- sweep
+def best_configs(rows: list[dict], K: int) -> dict[str, list]:
+    """The fastest end-to-end config per (E, T) among ``default`` and the assembled ``best`` (bench_moe --tiles):
+    {"E,T": [BM, gate_up tiles, down tiles, sum_block]}."""
+    out: dict[str, tuple[float, list]] = {}
+    for r in rows:
+        if r["kernel"] not in ("e2e default", "e2e best") or r["rel_rms"] >= 1.5e-2:
+            continue
+        cfg = r["config"] or gt.config(r["T"] * K, r["BM"])
+        key = f"{r['E']},{r['T']}"
+        if key not in out or r["gpu_us"]["p50"] < out[key][0]:
+            out[key] = (r["gpu_us"]["p50"], [r["BM"], list(cfg.gate_up), list(cfg.down), cfg.sum_block])
+    return {k: v[1] for k, v in out.items()}
+
+
 def sweep(sh: Shapes, log: Callable[[str], None], ceil: dict) -> list[dict]:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows: list[dict] = []
@@ -318,6 +344,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter: the script runs")
     ap.add_argument("--tokens", default=None)
     ap.add_argument("--experts", default=None)
+    ap.add_argument("--best", default=None, help="write the fastest config per (E, T) here (bench_moe --tiles)")
+    ap.add_argument("--compile", choices=["yes", "no", "only"], default="yes",
+                    help="the parallel precompile first (yes), skip it (no: the disk cache has it), or only it")
     ap.add_argument("--procs", type=int, default=min(16, os.cpu_count() or 1))
     a = ap.parse_args()
     sh = Shapes(a.smoke)
@@ -339,14 +368,20 @@ def main() -> None:
         log(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; ceilings: copy {ceil['copy']:.2f} TB/s, "
             f"bf16 matmul {ceil['bf16']:.0f} TFLOP/s; H={sh.H} I={sh.I} top-{sh.K}")
         t0 = time.time()
-        precompile(sh, a.procs)
-        log(f"# precompile {time.time() - t0:.0f} s")
+        if a.compile != "no":
+            precompile(sh, a.procs)
+            log(f"# precompile {time.time() - t0:.0f} s")
+        if a.compile == "only":
+            return
     t0 = time.time()
     rows = sweep(sh, log, ceil)
     log(f"# sweep {time.time() - t0:.0f} s")
     if a.out:
         with open(a.out, "w") as f:
             f.write("\n".join(lines) + "\n")
+    if a.best:
+        with open(a.best, "w") as f:
+            json.dump(best_configs(rows, sh.K), f, indent=1)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, default=lambda o: list(o) if isinstance(o, tuple) else str(o))

@@ -1,6 +1,6 @@
 """The grouped GEMM's shape-chosen paths against the float64 reference at small odd sizes: every row block
-(BM 16..128), both program orders, gate and up as one MMA or two, K steps and N tiles that do not divide H / I,
-the k-sum with H not a multiple of its block, any top_k (the shared expert folded in as one more pair per
+(BM 16..128), both program orders, gate and up as one MMA or two, weight tiles by pointer or TMA descriptor,
+K steps and N tiles that do not divide H / I, the k-sum with H not a multiple of its block, any top_k (the shared expert folded in as one more pair per
 token); and the shape rules (block_rows, config) themselves."""
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ def run(cfg, BM, x, w, idx, gu, dn, monkeypatch):
     (65, 64, Config(Tiles(32, 32, 4, 3, True), Tiles(32, 16, 4, 2, True), 32), torch.float32),
     (65, 128, Config(Tiles(16, 32, 4, 3, True, True), Tiles(32, 32, 4, 3), 1024), torch.bfloat16),
     (3, 16, Config(Tiles(32, 64, 4, 2, False, True), Tiles(16, 64, 4, 2), 512), torch.float32),
+    (33, 64, Config(Tiles(32, 32, 4, 3, True, False, True), Tiles(32, 32, 4, 3, False, False, True), 64),
+     torch.bfloat16),                                             # TMA descriptors (grouped_tma_triton)
+    (21, 32, Config(Tiles(16, 32, 4, 3, False, True, True), Tiles(64, 16, 4, 2, True, False, True), 32),
+     torch.float32),                                              # one_dot + tma: the TMA kernel (two MMAs)
     (1, 16, None, torch.bfloat16),
     (3, 32, None, torch.float32),
 ])
@@ -85,3 +89,27 @@ def test_fp8_row_block_128_matches_16(device):
     outs = [gt.moe_experts_triton(x, w, align_pairs(idx, E, BM), q_gu, q_dn, k, scales)
             for BM in (16, 128)]
     assert rel_rms(outs[1], outs[0].float()) < 1e-2
+
+
+def test_tma_alignment_rule(device):
+    """TMA descriptors only where bases and row strides are 16-byte aligned (else the pointer kernels run)."""
+    from gdnserve.ops.moe.grouped_tma_triton import usable
+    w = torch.empty(2, 16, 40, dtype=torch.bfloat16, device=device)
+    assert usable(w) and usable(w, torch.empty(8, 24, device=device))
+    assert not usable(torch.empty(2, 16, 36, dtype=torch.bfloat16, device=device))     # 72-byte rows
+    assert not usable(torch.empty(2 * 16 * 40 + 4, dtype=torch.bfloat16, device=device)[4:].view(2, 16, 40))  # base
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("BM", [64, 128])
+def test_prefill_tiles_at_model_widths(BM, monkeypatch, device):
+    """The tiles of prefill-sized steps (``config`` at 65536 pairs: TMA kernels where chosen) at the model's H, I,
+    against float64 on sampled tokens (GPU only: the interpreter would take minutes at these widths)."""
+    T, E, k, H2, I2 = 300, 8, 4, 2048, 512
+    x = torch.randn(T, H2, device=device).bfloat16()
+    gu = (torch.randn(E, 2 * I2, H2, device=device) / H2 ** 0.5).bfloat16()
+    dn = (torch.randn(E, H2, I2, device=device) / I2 ** 0.5).bfloat16()
+    w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=device), -1), k, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).bfloat16().contiguous()
+    out = run(gt.config(65536, BM), BM, x, w, idx, gu, dn, monkeypatch)
+    assert rel_rms(out[:16], naive_moe_experts(x[:16], w[:16], idx[:16], gu, dn)) < TOL[torch.bfloat16]

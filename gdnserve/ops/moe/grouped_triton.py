@@ -30,26 +30,12 @@ import triton
 import triton.language as tl
 
 from gdnserve.ops.launch import cdiv, launch
+from gdnserve.ops.moe import grouped_tma_triton as tma
 from gdnserve.ops.moe.align import Alignment
 from gdnserve.ops.moe.combine_triton import combine
+from gdnserve.ops.moe.tile_triton import _tile
 from gdnserve.ops.quant.tl_fp8 import fp8_dot, quant_tile
 from gdnserve.ops.tl_compat import cast, mma
-
-
-@triton.jit
-def _tile(n_out, NUM_N, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, N_FAST: tl.constexpr):
-    """This program's row block and N tile, its row and N / K offsets (1-D grid). N_FAST: consecutive programs
-    walk the N tiles of one row block (its rows and its expert's weights stay in L2) instead of the row blocks of
-    one N tile."""
-    if N_FAST:
-        pid_m = tl.program_id(0) // NUM_N
-        pid_n = tl.program_id(0) % NUM_N
-    else:
-        pid_m = tl.program_id(0) % (tl.num_programs(0) // NUM_N)
-        pid_n = tl.program_id(0) // (tl.num_programs(0) // NUM_N)
-    offs_m = pid_m * BM + tl.arange(0, BM)
-    offs_n = pid_n * BN + tl.arange(0, BN)
-    return pid_m, pid_n, offs_m, offs_n, offs_n < n_out, tl.arange(0, BK)
 
 
 @triton.jit
@@ -148,13 +134,16 @@ def _down_kernel(inter, w, ws, rows, block_expert, pair_w, out, N, H, I, SK,
 
 class Tiles(NamedTuple):
     """One kernel's tiles: N width, K step, warps, pipeline stages, the program order (``_tile``), and for gate_up
-    whether gate and up take one MMA of twice the width (``_gate_up_one_dot_kernel``; not FP8)."""
+    whether gate and up take one MMA of twice the width (``_gate_up_one_dot_kernel``; not FP8), and whether the
+    weight tiles come by TMA descriptor (``grouped_tma_triton``; not FP8; where its alignment rules hold, else
+    the pointer kernel of the same tiles)."""
     BN: int
     BK: int
     warps: int
     stages: int
     n_fast: bool = False
     one_dot: bool = False
+    tma: bool = False
 
 
 class Config(NamedTuple):
@@ -177,14 +166,17 @@ _DECODE = Config(Tiles(32, 256, 4, 3), Tiles(64, 128, 4, 3, True))
 _ROWS32 = Config(Tiles(64, 64, 4, 4, True, True), Tiles(128, 64, 4, 3, True))
 _ROWS64_FEW = Config(Tiles(64, 64, 4, 4, True, True), Tiles(128, 64, 4, 3, True))
 _ROWS64 = Config(Tiles(64, 64, 4, 3, True), Tiles(128, 64, 4, 3, True))
-_ROWS128 = Config(Tiles(128, 64, 8, 3, True, True), Tiles(128, 64, 8, 3, True))
+# BM 128 gate_up by TMA, one MMA (sweep at commit 14fdb0b, E 256, T 8192: 578 µs alone against 662 for the pointer
+# kernel of the same tiles; end to end within the run-to-run spread, docs/benchmarks.md)
+_ROWS128 = Config(Tiles(128, 64, 8, 3, True, True, True), Tiles(128, 64, 8, 3, True))
 
 
 def config(num_pairs: int, BM: int) -> Config:
     """Tiles from the shapes only (H200 sweep, H 2048, I 512: ``benchmarks/results/moe_sweep_h200.log``).
     BM 16 (decode-sized: few rows per expert, the weights streamed once) takes narrow N tiles and K steps of
     256 for gate_up; the larger row blocks wider tiles on the tensor cores, N-tile-major program order (a row
-    block's N tiles run together), gate and up as one MMA up to 8192 pairs."""
+    block's N tiles run together), gate and up as one MMA up to 8192 pairs; BM 128 reads gate_up's weight tiles
+    by TMA descriptor (``grouped_tma_triton``)."""
     if CONFIG_OVERRIDE is not None:
         return CONFIG_OVERRIDE
     if BM <= 16:
@@ -218,6 +210,8 @@ def gate_up(x: torch.Tensor, al: Alignment, w_gate_up: torch.Tensor, top_k: int,
     I = w_gate_up.shape[1] // 2
     N, P, BM = x.shape[0] * top_k, al.rows.numel(), al.BM
     fp8 = scales is not None
+    if t.tma and not fp8 and tma.usable(w_gate_up):
+        return tma.gate_up_tma(x, al, w_gate_up, top_k, t, _prec(x))
     inter = torch.empty(P, I, dtype=x.dtype, device=x.device)
     grid = ((P // BM) * cdiv(I, t.BN),)
     if t.one_dot and not fp8:
@@ -238,6 +232,8 @@ def down(inter: torch.Tensor, al: Alignment, w_down: torch.Tensor, pair_w: torch
     H, I = w_down.shape[1], w_down.shape[2]
     P, BM = al.rows.numel(), al.BM
     fp8 = scales is not None
+    if t.tma and not fp8 and tma.usable(inter, w_down):
+        return tma.down_tma(inter, al, w_down, pair_w, N, t, _prec(inter))
     out = torch.empty(N, H, dtype=inter.dtype, device=inter.device)
     launch(_down_kernel, ((P // BM) * cdiv(H, t.BN),),
            (inter, w_down, scales if fp8 else w_down, al.rows, al.block_expert, pair_w, out, N, H, I, cdiv(I, 128),
