@@ -417,6 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type == "cuda":
         from benchmarks.timing import measure_ceilings
         rep["ceilings"] = measure_ceilings(dev, quick=True)
+        from gdnserve.ops.quant import fp8_scaled_mm as sm
+        ok = sm.available(dev)
+        rep["scaled_mm"] = {"available": ok, "probe": sm.PROBE_RESULT.get(dev.index or 0)}
+        rep["notes"].append(f"cuBLAS block-scaled `torch._scaled_mm` on this torch: {'available' if ok else 'not used'} "
+                            f"(probe: {rep['scaled_mm']['probe']}).")
     with torch.no_grad():
         rep["linear"] = linear_rows(dev, args.quick, log)
         rep["moe"] = moe_rows(dev, args.quick, log)

@@ -87,11 +87,12 @@ def test_op_dispatch_small_m_matches_torch_path(device, monkeypatch):
 def test_scaled_mm_not_used_on_cpu():
     from gdnserve.ops.quant.fp8_scaled_mm import shape_ok, use_scaled_mm
     assert not use_scaled_mm(torch.zeros(512, 256, dtype=torch.bfloat16), 256)
-    assert shape_ok(512, 256, 384) and not shape_ok(510, 256, 384) and not shape_ok(512, 200, 384)
+    assert shape_ok(512, 256, 512) and not shape_ok(510, 256, 512) and not shape_ok(512, 200, 512)
+    assert not shape_ok(512, 256, 384)                   # 3 K blocks: not a multiple of 4
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M,N,K,N2", [(512, 384, 256, 0), (1024, 256, 640, 8), (516, 128, 128, 0)])
+@pytest.mark.parametrize("M,N,K,N2", [(512, 384, 512, 0), (1024, 256, 1024, 8), (516, 128, 512, 0)])
 def test_scaled_mm_against_float64(M, N, K, N2, device):
     from gdnserve.ops.quant import fp8_scaled_mm as sm
     if not sm.available(device):

@@ -9,8 +9,9 @@ the quantization kernel writes them transposed), the weight scales ``sw.t()`` (`
 
 ``available(device)`` probes it once per device (a small call held to the float32 reference of the same
 math); the probe never runs during CUDA-graph capture (it syncs): until a probe has run there, callers take
-the Triton GEMM. Used for ``M >= MIN_M`` when ``ENABLED`` (see ``fp8_linear``); M must be a multiple of 4
-(the scale rows' 16-byte alignment) and K, N multiples of 128 — other shapes take the Triton GEMM.
+the Triton GEMM. Used for ``M >= MIN_M`` when ``ENABLED`` (see ``fp8_linear``); M and the K-block count must
+be multiples of 4 (the scale vectors' 16-byte alignment), N a multiple of 128 — other shapes take the Triton
+GEMM.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ _probed: dict[int, bool] = {}
 
 
 def shape_ok(M: int, N: int, K: int) -> bool:
-    return M % 4 == 0 and N % BLOCK == 0 and K % BLOCK == 0
+    return M % 4 == 0 and N % BLOCK == 0 and K % (4 * BLOCK) == 0
 
 
 def scaled_mm_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, out: torch.Tensor | None = None
@@ -38,21 +39,25 @@ def scaled_mm_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, out: t
     return torch._scaled_mm(xq, qw.t(), xs_t.t(), sw.t(), out_dtype=x.dtype, **kw)
 
 
-def _probe(dev: torch.device) -> bool:
+def _probe(dev: torch.device) -> tuple[bool, str]:
     if not hasattr(torch, "_scaled_mm") or torch.cuda.get_device_capability(dev) < (9, 0):
-        return False
+        return False, "no torch._scaled_mm or not Hopper"
     from gdnserve.ops.quant.fp8_ref import fp8_linear_torch, quantize_weight
     try:
         g = torch.Generator(device=dev).manual_seed(0)
-        x = torch.randn(260, 384, device=dev, generator=g).bfloat16()
-        q, s = quantize_weight(torch.randn(256, 384, device=dev, generator=g))
+        x = torch.randn(260, 512, device=dev, generator=g).bfloat16()
+        q, s = quantize_weight(torch.randn(256, 512, device=dev, generator=g))
         out = torch.empty(260, 256 + 8, dtype=torch.bfloat16, device=dev)[:, :256]    # a strided output too
         y = scaled_mm_linear(x, q, s, out=out)
         ref = fp8_linear_torch(x.float(), q, s)
         err = ((y.float() - ref).norm() / ref.norm()).item()
-        return err < 1e-2 and y.data_ptr() == out.data_ptr()
-    except Exception:                            # noqa: BLE001 — an older torch / CUDA: not available
-        return False
+        same = y.data_ptr() == out.data_ptr() and torch.equal(y, out)
+        return err < 1e-2 and same, f"rel_err {err:.1e}, wrote into the strided out: {same}"
+    except Exception as e:                       # noqa: BLE001 — an older torch / CUDA: not available
+        return False, f"{type(e).__name__}: {e}"[:300]
+
+
+PROBE_RESULT: dict[int, str] = {}
 
 
 def available(dev: torch.device) -> bool:
@@ -63,7 +68,8 @@ def available(dev: torch.device) -> bool:
     if ok is None:
         if torch.cuda.is_current_stream_capturing():
             return False
-        ok = _probed[idx] = _probe(torch.device("cuda", idx))
+        ok, PROBE_RESULT[idx] = _probe(torch.device("cuda", idx))
+        _probed[idx] = ok
     return ok
 
 
