@@ -308,6 +308,7 @@ def model_rows(dev: torch.device, quick: bool, layers: int | None, experts: int 
             t = percentiles([v * 1e3 for v in ours_decode(runner, B, plan, dev)["times"]])
             floor = decode_bytes(model, B, plan.context) / (copy_tbps * 1e12) * 1e3 if copy_tbps else None
             row["decode"][str(B)] = {"ms": t, "floor_ms": floor, "tok_s": B / t["p50"] * 1e3}
+            log(json.dumps({"format": fmt, "case": f"decode B={B}", **row["decode"][str(B)]}))    # (partial runs)
         row["decode_B1_ms"] = row["decode"]["1"]["ms"]["p50"]
         t = percentiles([v * 1e3 for v in ours_prefill(runner, torch.randint(0, cfg["vocab_size"], (1, L)), plan,
                                                        dev)["times"]])
