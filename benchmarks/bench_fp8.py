@@ -20,9 +20,9 @@ Sections (each row also checks the FP8 result against the dequantizing float32 r
   release's layout), with the decode byte floor of each (bench_model's methodology).
 * ``--sweep``: the decode linear kernel's configs (``fp8_skinny_triton``: in_proj and out_proj at M = 1, 16),
   best first; ``--sweep-moe`` adds the FP8 experts' (T = 1, 16, 64, 4096).
-* Linear rows also time the path the op does not take by default ("alt"): at M <= 16 the skinny kernel's
-  other activation mode (weight-only) and the old two launches (quantization kernel + GEMM, no tail); at
-  M >= 512 the Triton GEMM next to cuBLAS's block-scaled ``torch._scaled_mm`` (``ops/quant/fp8_scaled_mm``).
+* Linear rows also time paths the op does not take by default ("alt"): at M <= 16 the one-launch skinny
+  kernel (``ops/quant/fp8_skinny_triton``) with x quantized in registers and weight-only; at M >= 512 the
+  Triton GEMM next to cuBLAS's block-scaled ``torch._scaled_mm`` (``ops/quant/fp8_scaled_mm``).
 * ``--formats``: the model section's formats (default ``bf16,fp8``).
 
 On CPU (``--quick``: seconds) the shapes are tiny and FP8 runs the dequantizing PyTorch path: a smoke run of
@@ -135,20 +135,20 @@ def linear_rows(dev: torch.device, quick: bool, log: Callable[[str], None]) -> l
 
 def _alt_row(row: dict[str, Any], x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, sets: list,
              dev: torch.device, quick: bool) -> None:
-    """The path fp8_linear does not take by default, timed on the same inputs: M <= 16 the other activation
-    mode of the skinny kernel (weight-only when the default quantizes x) and the old two-launch path
-    (quantization kernel + GEMM); M >= 512 the Triton GEMM when cuBLAS's block-scaled ``_scaled_mm`` is the
-    default (or the reverse)."""
-    op = importlib.import_module("gdnserve.ops.quant.fp8_linear")      # (the package exports the function)
+    """Paths fp8_linear does not take by default, timed on the same inputs ("alt", "alt2"): M <= 16 the
+    one-launch skinny kernel (``fp8_skinny_triton``, dense tail fused) with x quantized in registers and
+    weight-only; M >= 512 the Triton GEMM when cuBLAS's block-scaled ``_scaled_mm`` is the default (or the
+    reverse)."""
     from gdnserve.ops.quant import fp8_scaled_mm as sm
-    from gdnserve.ops.quant.fp8_gemm_triton import fp8_gemm_triton
+    from gdnserve.ops.quant.fp8_skinny_triton import MAX_M, fp8_skinny
     M = x.shape[0]
-    if M <= op.SKINNY_MAX_M:
-        qa = not op.DECODE_QUANT_ACT
-        row["alt"] = "weight-only" if not qa else "x quantized"
-        row["alt_rel_err"] = rel_rms(fp8_linear(x, q, s, quant_act=qa), fp8_linear_torch(x.float(), q, s, quant_act=qa))
-        _timed(row, "alt_us", lambda t: fp8_linear(x, t[0], t[1], tail=t[2], quant_act=qa), sets, dev, quick)
-        _timed(row, "old_us", lambda t: fp8_gemm_triton(x, t[0], t[1]), sets, dev, quick)
+    if M <= MAX_M:
+        def skinny(t, qa):
+            y = torch.empty(M, row["N"], dtype=x.dtype, device=x.device)
+            return fp8_skinny(x, t[0], t[1], y, tail=t[2], quant_act=qa)
+        for key, qa, label in (("alt", True, "skinny, x quantized"), ("alt2", False, "skinny, weight-only")):
+            row[key] = label
+            _timed(row, key + "_us", lambda t, qa=qa: skinny(t, qa), sets, dev, quick)
     elif M >= sm.MIN_M:
         on = sm.use_scaled_mm(x, q.shape[0])
         row["alt"] = "triton GEMM" if on else "cuBLAS _scaled_mm"
@@ -337,18 +337,19 @@ def markdown(rep: dict[str, Any]) -> str:
            "per call, median [P10–P90]; TB/s: bytes the call must move (weights, scales, x, y) / median time"
            + (f" (measured copy ceiling {copy:.2f} TB/s)" if copy else "") + "; rel_err: FP8 result vs the float32 "
            "dequantizing reference of the same quantized math. bf16: cuBLAS `F.linear` / the bf16 grouped Triton "
-           "GEMM; fp8: `ops/quant/fp8_gemm_triton.py` / `ops/moe/grouped_fp8_triton.py`; fp8 old: the FP8 branch of "
-           "`grouped_triton.py` (bf16 dots of upcast weights).", ""]
+           "GEMM; fp8: what `ops.quant.fp8_linear` runs by default (M >= 512: cuBLAS block-scaled `torch._scaled_mm` "
+           "where available, else and below: `ops/quant/fp8_gemm_triton.py`) / `ops/moe/grouped_fp8_triton.py`; fp8 old: "
+           "the FP8 branch of `grouped_triton.py` (bf16 dots of upcast weights).", ""]
     out += ["## Linear (Qwen3.5-35B-A3B projections)", "",
             "| shape | N | K | M | bf16 µs | fp8 µs | fp8 / bf16 time | bf16 TB/s | fp8 TB/s | rel_err | "
-            "alt path | alt µs | old 2-launch µs |",
-            "|---" * 13 + "|"]
+            "alt path | alt µs | alt 2 path | alt 2 µs |",
+            "|---" * 14 + "|"]
     for r in rep["linear"]:
         ratio = f"{1 / r['speedup']:.2f}" if "speedup" in r else f"error: {r.get('fp8_error')}"
         out.append(f"| {r['shape']} | {r['N']} | {r['K']} | {r['M']} | {_p(r, 'bf16_us')} | {_p(r, 'fp8_us')} | "
                    f"{ratio} | {r['bf16_TBps']:.2f} | {r.get('fp8_TBps', float('nan')):.2f} | "
                    f"{r.get('rel_err', float('nan')):.1e} | {r.get('alt', '—')} | {_p(r, 'alt_us')} | "
-                   f"{_p(r, 'old_us')} |")
+                   f"{r.get('alt2', '—')} | {_p(r, 'alt2_us')} |")
     out += ["", "## Routed experts (grouped GEMM; T random routings rotated: the touched experts leave L2)", "",
             "| T | E | top-k | bf16 µs | fp8 µs | fp8 old µs | fp8 / bf16 time | bf16 TB/s | fp8 TB/s | rel_err |",
             "|---" * 10 + "|"]

@@ -3,11 +3,14 @@ cores, compute capability >= 8.9; or Triton's interpreter on CPU tensors with ba
 dequantizing PyTorch reference (``fp8_ref.fp8_linear_torch``: CPUs, older GPUs). Both quantize x per
 token-group of 128 the same way, so they differ only by accumulation order.
 
-Triton paths by token count M: M <= 16 (decode) ``fp8_skinny_triton`` — one launch, x quantized in the
-GEMV's registers, the dense tail in the same launch; M >= 512 ``fp8_scaled_mm`` (cuBLAS block-scaled
-``torch._scaled_mm``) where the device's torch has it and the shape fits; otherwise ``fp8_gemm_triton``
-(a quantization launch + the block-scaled GEMM). ``quant_act=False`` (or ``DECODE_QUANT_ACT = False`` for
-M <= 16) is the weight-only variant (x unquantized), on every backend alike.
+Triton paths by token count M: M >= 512 ``fp8_scaled_mm`` (cuBLAS block-scaled ``torch._scaled_mm``) where
+the device's torch has it and the shape fits (H200, torch 2.11: 0.72-0.96x bf16's time at M = 4096, 1.9x
+faster than the Triton GEMM); otherwise ``fp8_gemm_triton`` (a quantization launch + the block-scaled GEMM;
+a dense tail by ``F.linear``). ``fp8_skinny_triton`` (one launch: x quantized in the GEMV's registers or
+weight-only, the tail in the same launch) serves M <= ``SKINNY_MAX_M`` — 0 by default: on the H200 it
+measured 2.5-5x slower than the two-launch path (benchmarks/results/fp8_h200.md) — and every
+``quant_act=False`` call. ``quant_act=False`` (or ``DECODE_QUANT_ACT = False`` for M <= ``SKINNY_MAX_M``) is
+the weight-only variant (x unquantized), on every backend alike.
 
 ``tail``: an optional dense (unquantized) weight [N2, K] whose rows follow W's in the output — a fused
 projection whose last blocks the checkpoint keeps in bf16 (Qwen3.5's GDN ``in_proj_b`` / ``in_proj_a``).
@@ -44,7 +47,7 @@ def check_fp8_weight(qw: torch.Tensor, sw: torch.Tensor, K: int, owner: str = "f
 
 
 DECODE_QUANT_ACT = True        # M <= SKINNY_MAX_M: quantize x per token-group (False: weight-only)
-SKINNY_MAX_M = 16
+SKINNY_MAX_M = 0               # the skinny kernel for M <= this (16 to turn it on; see the docstring)
 
 
 def quant_act_default(M: int) -> bool:
