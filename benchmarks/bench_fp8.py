@@ -1,7 +1,8 @@
 """Block-FP8 GEMMs against bf16 at the Qwen3.5-35B-A3B shapes, and the random-weight bench model in FP8 next
 to bf16.
 
-    python -m benchmarks.bench_fp8 [--device auto|cpu|cuda[:N]] [--quick] [--out DIR] [--sweep] [--no-model] [--full]
+    python -m benchmarks.bench_fp8 [--device auto|cpu|cuda[:N]] [--quick] [--out DIR] [--sweep [--sweep-moe]] [--no-model]
+        [--full] [--formats bf16,fp8] [--time-budget S]
 
 Sections (each row also checks the FP8 result against the dequantizing float32 reference of the same math):
 
@@ -17,8 +18,12 @@ Sections (each row also checks the FP8 result against the dequantizing float32 r
   the full-size 40-layer, 256-expert model), decode steps (CUDA graphs) at B = 1 (``--full``: 1, 16, 64, 256)
   and a 1 x 4096 prefill, bf16 and then quantized in place to FP8 (``models.loader.quantize_model_fp8_``: the
   release's layout), with the decode byte floor of each (bench_model's methodology).
-* ``--sweep``: the linear kernel's tile configs (in_proj M = 1, 64, 256, 4096; out_proj M = 1) and the FP8
-  experts' (T = 1, 64, 4096), best first.
+* ``--sweep``: the decode linear kernel's configs (``fp8_skinny_triton``: in_proj and out_proj at M = 1, 16),
+  best first; ``--sweep-moe`` adds the FP8 experts' (T = 1, 16, 64, 4096).
+* Linear rows also time paths the op does not take by default ("alt"): at M <= 16 the one-launch skinny
+  kernel (``ops/quant/fp8_skinny_triton``) with x quantized in registers and weight-only; at M >= 512 the
+  Triton GEMM next to cuBLAS's block-scaled ``torch._scaled_mm`` (``ops/quant/fp8_scaled_mm``).
+* ``--formats``: the model section's formats (default ``bf16,fp8``).
 
 On CPU (``--quick``: seconds) the shapes are tiny and FP8 runs the dequantizing PyTorch path: a smoke run of
 the script, not a measurement. Writes ``fp8_<device>.json`` and ``.md`` under ``--out`` (default
@@ -27,6 +32,7 @@ benchmarks/results; ``<device>`` is ``h200`` on an H200, else the device type).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -110,6 +116,8 @@ def linear_rows(dev: torch.device, quick: bool, log: Callable[[str], None]) -> l
                     ref = torch.cat([ref, x.float() @ w[N:].T], 1)
                 row["rel_err"] = rel_rms(y, ref)
                 _timed(row, "fp8_us", lambda t: fp8_linear(x, t[0], t[1], tail=t[2]), sets_fp8, dev, quick)
+                if dev.type == "cuda":
+                    _alt_row(row, x, q, s, sets_fp8, dev, quick)
             except Exception as e:               # noqa: BLE001 — a failed case is reported, not fatal
                 row["fp8_error"] = f"{type(e).__name__}: {e}"[:300]
             _timed(row, "bf16_us", lambda wt: F.linear(x, wt), sets_bf16, dev, quick)
@@ -123,6 +131,33 @@ def linear_rows(dev: torch.device, quick: bool, log: Callable[[str], None]) -> l
             log(json.dumps(row))
             rows.append(row)
     return rows
+
+
+def _alt_row(row: dict[str, Any], x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, sets: list,
+             dev: torch.device, quick: bool) -> None:
+    """Paths fp8_linear does not take by default, timed on the same inputs ("alt", "alt2"): M <= 16 the
+    one-launch skinny kernel (``fp8_skinny_triton``, dense tail fused) with x quantized in registers and
+    weight-only; M >= 512 the Triton GEMM when cuBLAS's block-scaled ``_scaled_mm`` is the default (or the
+    reverse)."""
+    from gdnserve.ops.quant import fp8_scaled_mm as sm
+    from gdnserve.ops.quant.fp8_skinny_triton import MAX_M, fp8_skinny
+    M = x.shape[0]
+    if M <= MAX_M:
+        def skinny(t, qa):
+            y = torch.empty(M, row["N"], dtype=x.dtype, device=x.device)
+            return fp8_skinny(x, t[0], t[1], y, tail=t[2], quant_act=qa)
+        for key, qa, label in (("alt", True, "skinny, x quantized"), ("alt2", False, "skinny, weight-only")):
+            row[key] = label
+            _timed(row, key + "_us", lambda t, qa=qa: skinny(t, qa), sets, dev, quick)
+    elif M >= sm.MIN_M:
+        on = sm.use_scaled_mm(x, q.shape[0])
+        row["alt"] = "triton GEMM" if on else "cuBLAS _scaled_mm"
+        sm.ENABLED = not sm.ENABLED
+        try:
+            if sm.use_scaled_mm(x, q.shape[0]) or on:
+                _timed(row, "alt_us", lambda t: fp8_linear(x, t[0], t[1], tail=t[2]), sets, dev, quick)
+        finally:
+            sm.ENABLED = not sm.ENABLED
 
 
 def moe_rows(dev: torch.device, quick: bool, log: Callable[[str], None]) -> list[dict[str, Any]]:
@@ -180,23 +215,17 @@ def _old_fp8_experts(x, w, idx, q_gu, q_dn, scales):
     return moe_experts_triton(x, w, al, q_gu, q_dn, k, scales)
 
 
-def sweep_rows(dev: torch.device, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The linear kernel's tile configs (BM, BN, warps, stages, GROUP_N, split-K programs target, SWAP) at
-    decode and prefill M, and the FP8 experts' ((BNH, warps, stages), (BN, warps, stages)) at T = 1, 16, 64,
-    4096."""
-    from gdnserve.ops.moe import grouped_fp8_triton as gm
-    from gdnserve.ops.moe import moe_experts
-    from gdnserve.ops.quant import fp8_gemm_triton as g
+def sweep_rows(dev: torch.device, log: Callable[[str], None], moe: bool = False) -> list[dict[str, Any]]:
+    """The decode kernel's configs (``fp8_skinny_triton``: BN weight rows, KG K blocks per iteration, warps,
+    stages, DOT) at M = 1 and 16 on in_proj (no tail) and out_proj; ``moe``: the FP8 experts' ((BNH, warps,
+    stages), (BN, warps, stages)) at T = 1, 16, 64, 4096."""
+    from gdnserve.ops.quant import fp8_skinny_triton as g
     rows: list[dict[str, Any]] = []
-    small = [(16, bn, 4, st, 1, tgt, True) for bn in (64, 128) for st in (4, 6) for tgt in (528, 1056)]
-    small.append((16, 64, 4, 5, 1, 0, True))
-    big = [(bm, bn, w, st, 8, 0, False) for bm, bn, w, st in ((128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4),
-                                                            (128, 256, 8, 3), (256, 128, 8, 3))]
-    plan = {"gdn.in_proj": ((1, small), (16, [(16, 64, 4, 5, 1, t, True) for t in (528, 1056)]),
-                            (64, [(64, bn, 4, 4, 1, t, True) for bn in (64, 128) for t in (0, 528)]),
-                            (256, big[:4] + [(64, 128, 4, 4, 8, 0, True)]),
-                            (PREFILL_M, big + [(64, 128, 4, 4, 8, 0, True)])),
-            "gdn.out_proj": ((1, small), (PREFILL_M, big[:3]))}
+    plan = {"gdn.in_proj": ((1, [(64, 4, 4, 1, False), (32, 4, 4, 1, False), (128, 4, 8, 1, False),
+                                 (64, 8, 4, 1, False), (64, 4, 4, 2, True)]),
+                            (16, [(64, 4, 4, 2, True), (32, 4, 4, 2, True), (128, 4, 8, 2, True)])),
+            "gdn.out_proj": ((1, [(16, 4, 4, 1, False), (16, 8, 4, 1, False), (32, 4, 4, 1, False)]),
+                             (16, [(16, 4, 4, 2, True), (16, 8, 4, 2, True), (32, 4, 4, 2, True)]))}
     for shape, cases in plan.items():
         N, K, _ = LINEARS[shape]
         q, s = quantize_weight(torch.randn(N, K, device=dev) * 0.02)
@@ -208,6 +237,18 @@ def sweep_rows(dev: torch.device, log: Callable[[str], None]) -> list[dict[str, 
                 rows.append(_sweep_one({"kernel": "linear", "shape": shape, "M": M, "config": list(c)},
                                        lambda t: fp8_linear(x, t[0], t[1]), sets, dev))
             g.CONFIG_OVERRIDE = None
+    if moe:
+        rows += _moe_sweep(dev)
+    rows.sort(key=lambda r: (r["kernel"], r["shape"], r["M"], r.get("us", math.inf)))
+    for r in rows:
+        log(json.dumps(r))
+    return rows
+
+
+def _moe_sweep(dev: torch.device) -> list[dict[str, Any]]:
+    from gdnserve.ops.moe import grouped_fp8_triton as gm
+    from gdnserve.ops.moe import moe_experts
+    rows: list[dict[str, Any]] = []
     E, I, k = 256, 512, 8
     gu = torch.randn(E, 2 * I, H, device=dev) / H ** 0.5
     (qg, sg), (qu, su), (qd, sd) = (quantize_weight(t) for t in (gu[:, :I], gu[:, I:], torch.randn(E, H, I, device=dev)))
@@ -224,9 +265,6 @@ def sweep_rows(dev: torch.device, log: Callable[[str], None]) -> list[dict[str, 
                                    lambda r: moe_experts(*r, q_gu, qd.contiguous(), scales=(s_gu, sd.contiguous())),
                                    sets, dev))
         gm.CONFIG_OVERRIDE = None
-    rows.sort(key=lambda r: (r["kernel"], r["shape"], r["M"], r.get("us", math.inf)))
-    for r in rows:
-        log(json.dumps(r))
     return rows
 
 
@@ -240,7 +278,7 @@ def _sweep_one(row: dict[str, Any], fn: Callable[..., Any], sets: list, dev: tor
 
 
 def model_rows(dev: torch.device, quick: bool, layers: int | None, experts: int | None, log: Callable[[str], None],
-               full: bool = False) -> list[dict[str, Any]]:
+               full: bool = False, formats: tuple[str, ...] = ("bf16", "fp8")) -> list[dict[str, Any]]:
     """The random-weight model in bf16, then (the bf16 copy freed) quantized in place to FP8: decode steps at
     each batch (B = 1; ``full``: 1, 16, 64, 256 at context 128) and a 1 x L prefill, timed as bench_model times
     them (perf_counter around a step, device synchronised; median and P10-P90), with the decode byte floor
@@ -257,7 +295,7 @@ def model_rows(dev: torch.device, quick: bool, layers: int | None, experts: int 
     plan = Plan(((1, L),), batches, 128 if cuda else 16, 2 if cuda else 0, (5 if quick else 10) if cuda else 1, 0.0)
     copy_tbps = measure_ceilings(dev, quick=True)["copy_TBps"] if cuda else None
     rows = []
-    for fmt in ("bf16", "fp8"):
+    for fmt in formats:
         torch.manual_seed(0)
         model = build_random_model(cfg, dev, torch.bfloat16 if cuda else torch.float32)
         fp8_layers = quantize_model_fp8_(model) if fmt == "fp8" else []
@@ -270,6 +308,7 @@ def model_rows(dev: torch.device, quick: bool, layers: int | None, experts: int 
             t = percentiles([v * 1e3 for v in ours_decode(runner, B, plan, dev)["times"]])
             floor = decode_bytes(model, B, plan.context) / (copy_tbps * 1e12) * 1e3 if copy_tbps else None
             row["decode"][str(B)] = {"ms": t, "floor_ms": floor, "tok_s": B / t["p50"] * 1e3}
+            log(json.dumps({"format": fmt, "case": f"decode B={B}", **row["decode"][str(B)]}))    # (partial runs)
         row["decode_B1_ms"] = row["decode"]["1"]["ms"]["p50"]
         t = percentiles([v * 1e3 for v in ours_prefill(runner, torch.randint(0, cfg["vocab_size"], (1, L)), plan,
                                                        dev)["times"]])
@@ -298,16 +337,19 @@ def markdown(rep: dict[str, Any]) -> str:
            "per call, median [P10–P90]; TB/s: bytes the call must move (weights, scales, x, y) / median time"
            + (f" (measured copy ceiling {copy:.2f} TB/s)" if copy else "") + "; rel_err: FP8 result vs the float32 "
            "dequantizing reference of the same quantized math. bf16: cuBLAS `F.linear` / the bf16 grouped Triton "
-           "GEMM; fp8: `ops/quant/fp8_gemm_triton.py` / `ops/moe/grouped_fp8_triton.py`; fp8 old: the FP8 branch of "
-           "`grouped_triton.py` (bf16 dots of upcast weights).", ""]
+           "GEMM; fp8: what `ops.quant.fp8_linear` runs by default (M >= 512: cuBLAS block-scaled `torch._scaled_mm` "
+           "where available, else and below: `ops/quant/fp8_gemm_triton.py`) / `ops/moe/grouped_fp8_triton.py`; fp8 old: "
+           "the FP8 branch of `grouped_triton.py` (bf16 dots of upcast weights).", ""]
     out += ["## Linear (Qwen3.5-35B-A3B projections)", "",
-            "| shape | N | K | M | bf16 µs | fp8 µs | fp8 / bf16 time | bf16 TB/s | fp8 TB/s | rel_err |",
-            "|---" * 10 + "|"]
+            "| shape | N | K | M | bf16 µs | fp8 µs | fp8 / bf16 time | bf16 TB/s | fp8 TB/s | rel_err | "
+            "alt path | alt µs | alt 2 path | alt 2 µs |",
+            "|---" * 14 + "|"]
     for r in rep["linear"]:
         ratio = f"{1 / r['speedup']:.2f}" if "speedup" in r else f"error: {r.get('fp8_error')}"
         out.append(f"| {r['shape']} | {r['N']} | {r['K']} | {r['M']} | {_p(r, 'bf16_us')} | {_p(r, 'fp8_us')} | "
                    f"{ratio} | {r['bf16_TBps']:.2f} | {r.get('fp8_TBps', float('nan')):.2f} | "
-                   f"{r.get('rel_err', float('nan')):.1e} |")
+                   f"{r.get('rel_err', float('nan')):.1e} | {r.get('alt', '—')} | {_p(r, 'alt_us')} | "
+                   f"{r.get('alt2', '—')} | {_p(r, 'alt2_us')} |")
     out += ["", "## Routed experts (grouped GEMM; T random routings rotated: the touched experts leave L2)", "",
             "| T | E | top-k | bf16 µs | fp8 µs | fp8 old µs | fp8 / bf16 time | bf16 TB/s | fp8 TB/s | rel_err |",
             "|---" * 10 + "|"]
@@ -331,9 +373,9 @@ def markdown(rep: dict[str, Any]) -> str:
             out.append(f"{head} prefill 1x{r['prefill_len']} | {r['prefill_ms']:.1f} [{lo:.1f}–{hi:.1f}] | "
                        f"{r['prefill_tok_s']:,.0f} | — | — |")
     if rep.get("sweep"):
-        out += ["", "## Tile sweep (best first; linear: BM tokens, BN weight rows, warps, stages, GROUP_N, split-K "
-                "programs target, swapped; moe: (BNH, warps, stages) gate_up (+ a split-K target in the run of 75ec567), "
-                "(BN, warps, stages) down)", "",
+        out += ["", "## Decode-kernel sweep (best first; linear: `fp8_skinny_triton` (BN weight rows, KG K blocks per "
+                "iteration, warps, stages, tensor-core DOT), x quantized in registers, in_proj without its tail; moe: "
+                "(BNH, warps, stages) gate_up, (BN, warps, stages) down)", "",
                 "| kernel | shape | M / T | config | µs [P10–P90] |", "|---|---|---|---|---|"]
         for r in rep["sweep"]:
             t = (f"{r['us']:.1f} [{r['p10_p90'][0]:.1f}–{r['p10_p90'][1]:.1f}]" if "us" in r else r.get("error"))
@@ -348,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--quick", action="store_true", help="fewer timing iterations (CPU: a smoke run in seconds)")
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--sweep", action="store_true", help="also sweep the linear kernel's tile configs (CUDA)")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the decode linear kernel's configs (CUDA)")
+    ap.add_argument("--sweep-moe", action="store_true", help="with --sweep: also the FP8 experts' tile configs")
+    ap.add_argument("--formats", default="bf16,fp8", help="model section: the formats to build (comma-separated)")
     ap.add_argument("--no-model", action="store_true", help="skip the model section")
     ap.add_argument("--full", action="store_true", help="model section: the full-size 40-layer model, decode "
                     "B = 1, 16, 64, 256 (CUDA; default: the 8-layer cut, B = 1)")
@@ -375,22 +419,28 @@ def main(argv: list[str] | None = None) -> int:
     if dev.type == "cuda":
         from benchmarks.timing import measure_ceilings
         rep["ceilings"] = measure_ceilings(dev, quick=True)
+        from gdnserve.ops.quant import fp8_scaled_mm as sm
+        ok = sm.available(dev)
+        rep["scaled_mm"] = {"available": ok, "probe": sm.PROBE_RESULT.get(dev.index or 0)}
+        rep["notes"].append(f"cuBLAS block-scaled `torch._scaled_mm` on this torch: {'available' if ok else 'not used'} "
+                            f"(probe: {rep['scaled_mm']['probe']}).")
     with torch.no_grad():
         rep["linear"] = linear_rows(dev, args.quick, log)
         rep["moe"] = moe_rows(dev, args.quick, log)
         save()
+        if args.sweep and dev.type == "cuda":
+            if time.perf_counter() - t0 < args.time_budget:
+                rep["sweep"] = sweep_rows(dev, log, moe=args.sweep_moe)
+                save()
+            else:
+                rep["notes"].append("sweep skipped: --time-budget spent")
         if not args.no_model:
             if time.perf_counter() - t0 < args.time_budget:
                 rep["model"] = model_rows(dev, args.quick, args.layers, args.experts, log,
-                                          full=args.full and dev.type == "cuda")
-                save()
+                                          full=args.full and dev.type == "cuda",
+                                          formats=tuple(args.formats.split(",")))
             else:
                 rep["notes"].append("model section skipped: --time-budget spent")
-        if args.sweep and dev.type == "cuda":
-            if time.perf_counter() - t0 < args.time_budget:
-                rep["sweep"] = sweep_rows(dev, log)
-            else:
-                rep["notes"].append("sweep skipped: --time-budget spent")
     save()
     print(markdown(rep))
     return 0

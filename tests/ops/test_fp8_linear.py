@@ -1,5 +1,6 @@
 """Block-FP8 linear (ops/quant): the 128x128 weight quantization round-trips within e4m3's resolution; the
-Triton GEMM (each orientation, split-K; Triton's CPU interpreter in CI — its fp8 cast and dot are made
+Triton GEMM (each orientation, split-K — called directly: the op sends M <= 16 to the skinny kernel,
+tests/ops/test_fp8_skinny.py; Triton's CPU interpreter in CI — its fp8 cast and dot are made
 exact by ops/quant/tl_fp8.py — and the GPU on the device) and the dequantizing PyTorch path against a float64 reference of the same
 quantized math, at odd M, N multiple and not multiple of 128, K with a partial last block; activation
 quantization identical in both paths; a dense tail; bad weights refused."""
@@ -60,9 +61,9 @@ def test_tiles_and_split_k(M, N, K, cfg, device, monkeypatch):
     monkeypatch.setattr(g, "CONFIG_OVERRIDE", cfg)
     x = torch.randn(M, K, device=device).bfloat16()
     _, q, s = weights(N, K, device)
-    y = fp8_linear(x, q, s, backend="triton")
+    y = g.fp8_gemm_triton(x, q, s)              # (fp8_linear sends M <= 16 to the skinny kernel)
     assert rel_rms(y, fp8_linear_float64(x, q, s)) < TOL[torch.bfloat16]
-    assert torch.equal(y, fp8_linear(x, q, s, backend="triton"))        # fixed reduction order
+    assert torch.equal(y, g.fp8_gemm_triton(x, q, s))                  # fixed reduction order
 
 
 def test_split_k_plan():

@@ -36,7 +36,7 @@ SMS = 132                 # H200 / H100 SXM multiprocessors: the split-K target 
 
 
 @triton.jit
-def _quant_kernel(x, q, s, M, K, stride_xm, SK, BM: tl.constexpr, BK: tl.constexpr):
+def _quant_kernel(x, q, s, M, K, stride_xm, stride_sm, stride_sk, BM: tl.constexpr, BK: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BM + tl.arange(0, BM)
@@ -46,7 +46,7 @@ def _quant_kernel(x, q, s, M, K, stride_xm, SK, BM: tl.constexpr, BK: tl.constex
     a = tl.load(x + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :], mask=mask, other=0.0).to(tl.float32)
     qv, sv = quant_tile(a)
     tl.store(q + offs_m[:, None].to(tl.int64) * K + kk[None, :], qv.to(q.dtype.element_ty), mask=mask)
-    tl.store(s + offs_m * SK + pid_k, sv, mask=m_ok)
+    tl.store(s + offs_m * stride_sm + pid_k * stride_sk, sv, mask=m_ok)
 
 
 @triton.jit
@@ -148,15 +148,17 @@ def split_k(tiles: int, kb: int, target: int) -> tuple[int, int]:
     return cdiv(kb, per), per
 
 
-def quantize_act_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (unit column stride) -> (q [M, K] float8_e4m3fn, s [M, ceil(K/128)] float32)."""
+def quantize_act_triton(x: torch.Tensor, scales_transposed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (unit column stride) -> (q [M, K] float8_e4m3fn, s [M, ceil(K/128)] float32; with
+    ``scales_transposed`` s is returned as its transpose [ceil(K/128), M], contiguous: cuBLAS's layout)."""
     M, K = x.shape
     SK = cdiv(K, BLOCK)
     q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(M, SK, dtype=torch.float32, device=x.device)
+    s = torch.empty((SK, M) if scales_transposed else (M, SK), dtype=torch.float32, device=x.device)
     if M:
         BM = 16 if M <= 16 else 32
-        launch(_quant_kernel, (cdiv(M, BM), SK), (x, q, s, M, K, x.stride(0), SK, BM, BLOCK), num_warps=4)
+        st = (1, M) if scales_transposed else (SK, 1)
+        launch(_quant_kernel, (cdiv(M, BM), SK), (x, q, s, M, K, x.stride(0), *st, BM, BLOCK), num_warps=4)
     return q, s
 
 

@@ -1,7 +1,16 @@
-"""The FP8 linear op: ``y = x · Wᵀ`` for a block-quantized W, on the Triton GEMM (CUDA devices with fp8
-tensor cores, compute capability >= 8.9; or Triton's interpreter on CPU tensors with backend="triton") or
-the dequantizing PyTorch reference (``fp8_ref.fp8_linear_torch``: CPUs, older GPUs). Both quantize x per
+"""The FP8 linear op: ``y = x · Wᵀ`` for a block-quantized W, on Triton (CUDA devices with fp8 tensor
+cores, compute capability >= 8.9; or Triton's interpreter on CPU tensors with backend="triton") or the
+dequantizing PyTorch reference (``fp8_ref.fp8_linear_torch``: CPUs, older GPUs). Both quantize x per
 token-group of 128 the same way, so they differ only by accumulation order.
+
+Triton paths by token count M: M >= 512 ``fp8_scaled_mm`` (cuBLAS block-scaled ``torch._scaled_mm``) where
+the device's torch has it and the shape fits (H200, torch 2.11: 0.72-0.96x bf16's time at M = 4096, 1.9x
+faster than the Triton GEMM); otherwise ``fp8_gemm_triton`` (a quantization launch + the block-scaled GEMM;
+a dense tail by ``F.linear``). ``fp8_skinny_triton`` (one launch: x quantized in the GEMV's registers or
+weight-only, the tail in the same launch) serves M <= ``SKINNY_MAX_M`` — 0 by default: on the H200 it
+measured 2.5-5x slower than the two-launch path (benchmarks/results/fp8_h200.md) — and every
+``quant_act=False`` call. ``quant_act=False`` (or ``DECODE_QUANT_ACT = False`` for M <= ``SKINNY_MAX_M``) is
+the weight-only variant (x unquantized), on every backend alike.
 
 ``tail``: an optional dense (unquantized) weight [N2, K] whose rows follow W's in the output — a fused
 projection whose last blocks the checkpoint keeps in bf16 (Qwen3.5's GDN ``in_proj_b`` / ``in_proj_a``).
@@ -37,25 +46,43 @@ def check_fp8_weight(qw: torch.Tensor, sw: torch.Tensor, K: int, owner: str = "f
         raise ValueError(f"{owner}: weight_scale_inv must be float {want}, got {sw.dtype} {list(sw.shape)}")
 
 
+DECODE_QUANT_ACT = True        # M <= SKINNY_MAX_M: quantize x per token-group (False: weight-only)
+SKINNY_MAX_M = 0               # the skinny kernel for M <= this (16 to turn it on; see the docstring)
+
+
+def quant_act_default(M: int) -> bool:
+    return DECODE_QUANT_ACT or M > SKINNY_MAX_M
+
+
 def fp8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, tail: torch.Tensor | None = None,
-               backend: Backend = "auto") -> torch.Tensor:
+               backend: Backend = "auto", quant_act: bool | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N (+ N2)] in x.dtype. qw [N, K] float8_e4m3fn, sw [ceil(N/128), ceil(K/128)]
-    (float32 on the Triton path), tail [N2, K] in x.dtype or None."""
+    (float32 on the Triton path), tail [N2, K] in x.dtype or None. ``quant_act``: quantize x per
+    token-group of 128 (None: ``quant_act_default``)."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
-    N, N2 = qw.shape[0], 0 if tail is None else tail.shape[0]
+    M, N, N2 = x2.shape[0], qw.shape[0], 0 if tail is None else tail.shape[0]
+    qa = quant_act_default(M) if quant_act is None else quant_act
     if not use_triton(x, backend):
-        y = fp8_linear_torch(x2, qw, sw)
+        y = fp8_linear_torch(x2, qw, sw, quant_act=qa)
         if N2:
             y = torch.cat([y, F.linear(x2, tail)], dim=1)
         return y.view(*lead, N + N2)
-    from gdnserve.ops.quant.fp8_gemm_triton import fp8_gemm_triton
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     if sw.dtype != torch.float32:
         raise ValueError(f"fp8_linear: the Triton path needs float32 weight_scale_inv (convert at load), got {sw.dtype}")
-    y = torch.empty(x2.shape[0], N + N2, dtype=x.dtype, device=x.device)
-    fp8_gemm_triton(x2, qw, sw, out=y[:, :N])
+    y = torch.empty(M, N + N2, dtype=x.dtype, device=x.device)
+    if M <= SKINNY_MAX_M or not qa:
+        from gdnserve.ops.quant.fp8_skinny_triton import fp8_skinny
+        fp8_skinny(x2, qw, sw, y, tail=tail, quant_act=qa)
+        return y.view(*lead, N + N2)
+    from gdnserve.ops.quant.fp8_scaled_mm import scaled_mm_linear, use_scaled_mm
+    if use_scaled_mm(x2, N):
+        scaled_mm_linear(x2, qw, sw, out=y[:, :N])
+    else:
+        from gdnserve.ops.quant.fp8_gemm_triton import fp8_gemm_triton
+        fp8_gemm_triton(x2, qw, sw, out=y[:, :N])
     if N2:
         y[:, N:] = F.linear(x2, tail)
     return y.view(*lead, N + N2)
