@@ -24,7 +24,7 @@ from gdnserve.ops.moe.grouped_triton import block_rows
 
 
 def us(fn) -> float:
-    return time_call(fn, iters=20, warmup=3)["gpu_us"]["p50"]
+    return time_call(fn, iters=10, warmup=2)["gpu_us"]["p50"]
 
 
 def alignment_rows(tokens: list[int], dev: torch.device) -> list[str]:
@@ -55,8 +55,8 @@ def gating_rows(tokens: list[int], dev: torch.device) -> list[str]:
     bf = torch.bfloat16
     out = ["| tokens | op | PyTorch ops µs | Triton µs |", "| --- | --- | --- | --- |"]
 
-    def check(a, b):
-        assert ((a.float() - b.float()).abs() <= b.float().abs() * 2.0 ** -7 + 1e-6).all()
+    def check(a, b):          # within a bf16 rounding of the largest value (a sum may cancel)
+        assert (a.float() - b.float()).abs().max() <= b.float().abs().max() * 2.0 ** -7
     for T in tokens:
         h = torch.randn(T, 1024, device=dev, dtype=bf)
         x, o, g1 = (torch.randn(T, 2048, device=dev, dtype=bf), torch.randn(T, 2048, device=dev, dtype=bf),
@@ -80,10 +80,10 @@ def gating_rows(tokens: list[int], dev: torch.device) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_glue")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--quick", action="store_true", help="tokens 256, 4096, 8192 only")
+    ap.add_argument("--quick", action="store_true", help="tokens 256, 1024, 4096, 8192 only")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
-    tokens = [256, 4096, 8192] if a.quick else [1, 64, 256, 1024, 4096, 8192]
+    tokens = [256, 1024, 4096, 8192] if a.quick else [1, 64, 256, 1024, 4096, 8192]
     lines = [f"# Prefill glue ops, PyTorch vs Triton ({torch.cuda.get_device_name()})", "",
              f"torch {torch.__version__}; `python -m benchmarks.bench_glue {' '.join(argv or [])}`; GPU µs per call "
              "(median of CUDA-graph replays).", "", "## MoE expert alignment", ""]

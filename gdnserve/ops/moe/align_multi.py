@@ -32,7 +32,7 @@ MAX_SEGMENTS = 16     # S <= this: the scatter programs read an [S, E] count tab
 
 
 @triton.jit
-def _count_kernel(experts, counts, N, SEG, E, BLOCK: tl.constexpr):
+def _align_count_kernel(experts, counts, N, SEG, E, BLOCK: tl.constexpr):
     e = tl.program_id(0)
     s = tl.program_id(1)
     lo = s * SEG
@@ -46,7 +46,7 @@ def _count_kernel(experts, counts, N, SEG, E, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _scatter_kernel(experts, counts, rows, block_expert, N, P, NB, SEG, S, E, BM: tl.constexpr,
+def _align_scatter_kernel(experts, counts, rows, block_expert, N, P, NB, SEG, S, E, BM: tl.constexpr,
                     BLOCK: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr):
     e = tl.program_id(0)
     s = tl.program_id(1)
@@ -106,7 +106,7 @@ def align_pairs_multi(experts: torch.Tensor, num_experts: int, BM: int, block: i
         return Alignment(rows, block_expert, BM)
     SEG, S = segments(N, block)
     counts = torch.empty(S * E, dtype=torch.int32, device=dev)
-    launch(_count_kernel, (E, S), (flat, counts, N, SEG, E, block), num_warps=4)
-    launch(_scatter_kernel, (E + 1, S), (flat, counts, rows, block_expert, N, P, P // BM, SEG, S, E, BM, block,
+    launch(_align_count_kernel, (E, S), (flat, counts, N, SEG, E, block), num_warps=4)
+    launch(_align_scatter_kernel, (E + 1, S), (flat, counts, rows, block_expert, N, P, P // BM, SEG, S, E, BM, block,
                                          max(pow2(S), 2), max(pow2(E), 16), 1024), num_warps=4)
     return Alignment(rows, block_expert, BM)
