@@ -30,7 +30,7 @@ PARTS = (
     ("GEMM (cuBLAS)", r"nvjet|gemm|sm90|cutlass|splitK|gemv|skinny|dot_kernel|reduce_1Block"),
     ("reductions", r"reduce_kernel"),
     ("copies", r"copy|Memcpy|Memset|CatArray|fill"),
-    ("elementwise", r"elementwise"),
+    ("elementwise", r"elementwise|_silu_mul|_sigmoid_mul"),
 )
 
 

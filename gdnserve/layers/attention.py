@@ -1,6 +1,7 @@
 """Gated full attention of the hybrid decoder (Qwen3-Next / Qwen3.5): q_proj of twice the width
 gives per head ``[q | gate]``; zero-centred RMSNorm on q and k per head; partial rotary; paged KV
-cache; output multiplied by sigmoid(gate) before o_proj. One fused q/k/v projection.
+cache; output multiplied by sigmoid(gate) before o_proj (``ops.gating.sigmoid_mul``: on the Triton backend one
+launch reading the gate in place, else HF's copy, sigmoid and product). One fused q/k/v projection.
 
 Tensor parallel: a rank holds num_heads / tp query heads and num_kv_heads / tp KV heads (the fused
 projection's three blocks each split by heads; q_proj's per-head ``[q | gate]`` rows keep a head's q and
@@ -19,6 +20,7 @@ from gdnserve.layers.rotary import PartialRotary
 from gdnserve.ops.attention import paged_attention, store_kv
 from gdnserve.ops.attention.rope import rms_norm_rope
 from gdnserve.ops.backend import resolve as resolve_backend
+from gdnserve.ops.gating import sigmoid_mul
 
 
 class GatedAttention(nn.Module):
@@ -52,7 +54,7 @@ class GatedAttention(nn.Module):
         QH, KVH, Dh = self.QH, self.KVH, self.Dh
         qkv = self.qkv_proj(h)
         qg = qkv[:, :2 * QH * Dh].view(T, QH, 2 * Dh)
-        q, gate = qg[..., :Dh], qg[..., Dh:].reshape(T, QH * Dh)
+        q, gate = qg[..., :Dh], qg[..., Dh:]            # gate: [T, QH, Dh] view, read in place when fused
         k = qkv[:, 2 * QH * Dh:2 * QH * Dh + KVH * Dh].view(T, KVH, Dh)
         v = qkv[:, 2 * QH * Dh + KVH * Dh:].view(T, KVH, Dh)
         q, k = self._norm_rope(q, k, ctx.positions)
@@ -62,7 +64,8 @@ class GatedAttention(nn.Module):
                             scale=Dh ** -0.5, kv_start=m.kv_start, max_q_len=m.max_q_len,
                             out=torch.zeros(T, QH, Dh, dtype=q.dtype, device=q.device) if m.zero_out else None,
                             backend=self.backend)
-        return self.o_proj(o.reshape(T, QH * Dh) * torch.sigmoid(gate))
+        be = self.backend if self.fused else "torch"    # o * sigmoid(gate): one launch on the Triton backend
+        return self.o_proj(sigmoid_mul(o.reshape(T, QH * Dh), gate, backend=be))
 
     def _norm_rope(self, q: torch.Tensor, k: torch.Tensor,
                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

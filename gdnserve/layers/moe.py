@@ -47,6 +47,7 @@ from gdnserve.layers.linear import Shard, load_shard, local_blocks
 from gdnserve.layers.mlp import MLP
 from gdnserve.layers.parallel import all_reduce, resolve
 from gdnserve.ops.backend import resolve as resolve_backend
+from gdnserve.ops.gating import sigmoid_mul, silu_mul
 from gdnserve.ops.moe import moe_experts
 from gdnserve.ops.moe.router import route, route_torch
 
@@ -192,17 +193,21 @@ class SparseMoE(nn.Module):
             weights, experts = self.route(x)
         out = moe_experts(x, weights, experts, gu, dn, backend=self.backend, scales=self.experts_scales, alignment=al)
         if self.shared_folded or self.shared_expert is not None:
-            out = out + self.shared_output(x)
+            out = self.shared_output(x, out, "triton" if triton else "torch")
         return all_reduce(out, self.tp_size)
 
-    def shared_output(self, x: torch.Tensor) -> torch.Tensor:
-        """sigmoid(shared gate(x)) * shared_expert(x) with HF's ops (a folded block reads views of row E)."""
-        if not self.shared_folded:
-            return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        E, I = self.num_experts, self.local_intermediate
-        h = F.linear(x, self.experts_gate_up[E])
-        h = F.linear(F.silu(h[:, :I]) * h[:, I:], self.experts_down[E])
-        return torch.sigmoid(F.linear(x, self.gate.weight[E:])) * h
+    def shared_output(self, x: torch.Tensor, add: torch.Tensor | None = None,
+                      backend: str = "torch") -> torch.Tensor:
+        """[add +] sigmoid(shared gate(x)) * shared_expert(x) (a folded block reads views of row E): HF's ops
+        on the PyTorch backend; on the Triton one silu * up and the gate's sigmoid, product and sum one launch
+        each (``ops.gating``, the same roundings)."""
+        if not self.shared_folded:           # the MLP's ops, its silu * up through ops.gating
+            s = self.shared_expert
+            h = s.down_proj(silu_mul(s.gate_up_proj(x), backend=backend))
+            return sigmoid_mul(h, self.shared_expert_gate(x), add, backend=backend)
+        E = self.num_experts
+        h = F.linear(silu_mul(F.linear(x, self.experts_gate_up[E]), backend=backend), self.experts_down[E])
+        return sigmoid_mul(h, F.linear(x, self.gate.weight[E:]), add, backend=backend)
 
 
 def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix: str,

@@ -5,7 +5,8 @@ One program: the (expert, pair) keys sorted in registers (so within an expert th
 ``align_pairs``), per-expert counts by histogram, padded offsets by cumsum, each pair's padded row by gather,
 the padding rows filled first (a barrier orders the fill before the scatter), and each row block's expert as
 the number of experts whose padded run ends at or before the block. Same outputs as ``align_pairs``, bit for
-bit; used up to ``MAX_PAIRS`` pairs (the sort lives in one program's registers), ``align_pairs`` above that.
+bit; used up to ``MAX_PAIRS`` pairs (the sort lives in one program's registers); ``align_pairs_triton`` hands
+larger counts to the two multi-program launches of ``align_multi.py`` (same outputs, no sort).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import triton.language as tl
 
 from gdnserve.ops.launch import launch, pow2
 from gdnserve.ops.moe.align import Alignment, padded_rows
+from gdnserve.ops.moe.align_multi import align_pairs_multi
 
 MAX_PAIRS = 4096
 
@@ -56,10 +58,11 @@ def align_body(experts, rows, block_expert, N, P, NB,
 
 
 def align_pairs_triton(experts: torch.Tensor, num_experts: int, BM: int) -> Alignment:
-    """experts [T, k] int, T * k <= MAX_PAIRS -> the Alignment ``align.align_pairs`` returns."""
+    """experts [T, k] int -> the Alignment ``align.align_pairs`` returns: one program up to MAX_PAIRS pairs,
+    the multi-program count + scatter launches (``align_multi``) above."""
     N = experts.numel()
     if N > MAX_PAIRS:
-        raise ValueError(f"align_pairs_triton: {N} pairs > MAX_PAIRS={MAX_PAIRS} (use align.align_pairs)")
+        return align_pairs_multi(experts, num_experts, BM)
     P = padded_rows(N, num_experts, BM)
     rows = torch.empty(P, dtype=torch.int32, device=experts.device)
     block_expert = torch.empty(P // BM, dtype=torch.int32, device=experts.device)

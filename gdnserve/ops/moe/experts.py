@@ -5,8 +5,8 @@ import torch
 
 from gdnserve.ops.backend import Backend, resolve
 from gdnserve.ops.launch import cdiv
-from gdnserve.ops.moe.align import Alignment, align_pairs
-from gdnserve.ops.moe.align_triton import MAX_PAIRS, align_pairs_triton
+from gdnserve.ops.moe.align import Alignment
+from gdnserve.ops.moe.align_triton import align_pairs_triton
 from gdnserve.ops.moe.fp8_torch import moe_experts_fp8_torch
 from gdnserve.ops.moe.grouped_fp8_triton import moe_experts_fp8_triton
 from gdnserve.ops.moe.grouped_triton import block_rows, moe_experts_triton
@@ -59,7 +59,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
         raise ValueError(f"moe_experts: alignment row block {alignment.BM} != the grouped GEMM's {BM}")
     al = alignment
     if al is None:
-        al = align_pairs_triton(experts, E, BM) if T * k <= MAX_PAIRS else align_pairs(experts, E, BM)
+        al = align_pairs_triton(experts, E, BM)        # any size: one program, or multi-program above MAX_PAIRS
     if scales is not None:
         return moe_experts_fp8_triton(x, weights.contiguous(), al, w_gate_up, w_down, k, *scales)
     return moe_experts_triton(x, weights.contiguous(), al, w_gate_up, w_down, k)

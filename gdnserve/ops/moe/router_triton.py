@@ -13,8 +13,8 @@ Three launch shapes, all without a host read:
     comparisons instead of a sort and a histogram over all experts);
   - T <= FUSED_MAX_TOKENS: ONE program routes all rows block by block, then (after a barrier: the ids it
     stored are what it reads back) runs the alignment of ``align_triton.align_body`` on them;
-  - larger T: one program per row block, then the alignment's own launch (``align_pairs_triton``, or
-    ``align.align_pairs`` past its size limit), as ``ops.moe.moe_experts`` would have aligned.
+  - larger T: one program per row block, then the alignment's own launches (``align_pairs_triton``: one
+    program, or the multi-program count + scatter past its size limit), as ``ops.moe.moe_experts`` aligns.
 """
 from __future__ import annotations
 
@@ -203,5 +203,5 @@ def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool, shared: bo
         return Routing(weights, ids, Alignment(rows, block_expert, BM))
     launch(_router_kernel, (cdiv(T, BT),), (logits, weights, ids, T, E, logits.stride(0), top_k, renormalize,
                                             BT, BE, BK, shared, wide), num_warps=4)
-    al = align_pairs_triton(ids, EA, BM) if N <= MAX_PAIRS else align_pairs(ids, EA, BM)
+    al = align_pairs_triton(ids, EA, BM)
     return Routing(weights, ids, al)
