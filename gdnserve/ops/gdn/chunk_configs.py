@@ -24,11 +24,17 @@ class ChunkConfig:
                                     # by a batched product form, then the blockwise merge
     inv_bf16: bool = False          # bf16 operands in the product-form inverse
     prep_bf16: bool = True          # bf16 operands for K Kᵀ, 𝒲, Ũ (fp32 accumulation)
+    prep_stages: int | None = None  # num_stages of the prep (None: Triton's default)
+    prep_out: bool = True           # the prep also forms s·(M ⊙ QKᵀ)Ũ (into o) and Q' = s·[diag(Γ)Q − (M ⊙ QKᵀ)𝒲];
+                                    # the state pass adds Q'S₀ᵀ: no snapshots h, no U round trip, no output kernel
+    store_kn: bool = True           # the prep stores the normalised keys; the state pass loads them (no l2norm)
+    short_prep: int = 32            # a sequence of <= this many tokens takes a 32-row prep tile (0: off; 16 or 32)
     # state pass (and, fused, the output)
     state_bv: int = 32
     state_warps: int = 4
     state_f32: bool = False         # tf32 products on the fp32 state instead of bf16-rounded state
-    fused_out: bool = False         # the state pass writes the outputs itself (no snapshots h, no U round trip)
+    state_stages: int | None = None  # num_stages of the state pass (None: Triton's default)
+    fused_out: bool = False         # (prep_out off) the state pass writes the outputs itself from q, k and U
     # context parallelism: a sequence of >= cp_min_chunks chunks runs as segments of cp_seg_chunks chunks
     cp_min_chunks: int = 1 << 30    # off (see TABLE)
     cp_seg_chunks: int = 16
