@@ -1,9 +1,9 @@
 """Op benchmarks: gdnserve's conv + chunked prefill, decode and verify, against fla 0.6.0.
 
 Run ``gdnserve bench ops`` or ``python -m benchmarks.bench_ops`` (options: --device, --quick, --out,
---no-fla; ``python -m benchmarks.bench_ops`` also --only KIND[:SIZES] and --prefill-shapes NxL,...). Writes ``ops_<device>_<date>.json``
-and ``.md`` to --out (rewritten after every case, so a run cut short keeps what it measured; committed as
-``benchmarks/results/ops_<device>.*``, the newest only) and prints the table.
+--no-fla; ``python -m benchmarks.bench_ops`` also --only KIND[:SIZES] and --prefill-shapes NxL,...). Writes
+``ops_<device>_<date>.json`` and ``.md`` to --out (rewritten after every case, so a run cut short keeps what it
+measured; committed as ``benchmarks/results/ops_<device>.*``, the newest only) and prints the table.
 
 Workloads on CUDA: the GDN layer of Qwen3.5-35B-A3B (H=16, HV=32, K=V=128, W=4, D=8192), bf16
 activations, fp32 state pool ``[S, HV, V, K]``. q/k/v are column slices of the conv output; slots are

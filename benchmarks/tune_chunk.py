@@ -256,8 +256,9 @@ def stages(names: list[str] | None = None, shapes: dict | None = None) -> list[d
                 with override(**var):
                     cfg = chunk_config(torch.device(dev))
                     p = pool.clone()
-                    call = lambda: chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, p, meta, src, dst, pa,  # noqa: E731
-                                                          out=o, workspace=ws)
+                    def call():
+                        return chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, p, meta, src, dst, pa, out=o,
+                                                      workspace=ws)
                     call()
                     row["err_o"], row["err_state"] = rel_rms(o, ref_o), rel_rms(p[N:2 * N], ref_pool[N:2 * N])
                     row["us"] = events(call)

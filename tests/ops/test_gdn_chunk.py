@@ -231,3 +231,20 @@ def test_short_tile_close_to_full_tile(dtype, device):
     tol = 1e-5 if dtype == torch.float32 else 5e-3
     assert rel_rms(res[0][0], res[1][0]) < tol and rel_rms(res[0][1], res[1][1]) < tol
     assert torch.equal(res[0][0][-33:], res[1][0][-33:])      # the 33-token sequence: the 64-row tile in both
+
+
+def test_parent_phases_equal_ticketed_launch(device):
+    """Producers then consumers as two launches == one launch with tickets and flags, bit for bit."""
+    from gdnserve.ops.gdn.chunk_configs import override
+    H, HV, K, V = 1, 2, 16, 16
+    lens, parents = [70, 20, 33, 0, 65, 1], [-1, 0, 0, 0, -1, 4]
+    src, dst = [1, -1, 2, -1, 3, -1], [4, 5, 6, 7, 8, -1]
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(sum(lens), H, HV, K, V, torch.bfloat16, device)
+    pool = random_pool(9, HV, V, K, torch.float32, device)
+    res = []
+    for phases in (True, False):
+        p = pool.clone()
+        with override(parent_phases=phases):
+            res.append((run("triton", q, k, v, a, b, A_log, dt_bias, p, lens, src, dst, parents), p))
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+    assert torch.equal(res[0][1][[0, 1, 2, 3]], pool[[0, 1, 2, 3]])

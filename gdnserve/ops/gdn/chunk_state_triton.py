@@ -160,14 +160,16 @@ def _publish(p_flag):
 @triton.jit
 def _initial_state(pool, src_slots, dst_slots, parents, sync, i_n, i_hv, i_vt, o_s, m_s,
                    HV: tl.constexpr, NVT: tl.constexpr, SLOT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-                   HAS_PARENT: tl.constexpr):
-    """A sequence's initial tile: its parent's final state (waiting for the parent's program of this tile to
-    publish it in the parent's dst slot), else pool[src], else zeros."""
+                   HAS_PARENT: tl.constexpr, WAIT: tl.constexpr):
+    """A sequence's initial tile: its parent's final state (with WAIT, waiting for the parent's program of this
+    tile to publish it in the parent's dst slot; else the parent ran in an earlier launch), else pool[src], else
+    zeros."""
     i_p = -1
     if HAS_PARENT:
         i_p = tl.load(parents + i_n)
     if i_p >= 0:
-        _wait(sync + 1 + (i_p * HV + i_hv) * NVT + i_vt)
+        if WAIT:
+            _wait(sync + 1 + (i_p * HV + i_hv) * NVT + i_vt)
         s_pd = tl.load(dst_slots + i_p)
         b_S = tl.load(pool + s_pd.to(tl.int64) * SLOT + o_s, mask=m_s, other=0., cache_modifier=".cg").to(tl.float32)
     else:
@@ -185,9 +187,13 @@ def chunk_state_kernel(q, k, kn, qp, w, u, gcum, vnew, h, o, pool, seg_b, seg_p,
                        BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
                        CP_MIN: tl.constexpr, SEG: tl.constexpr, HAS_PARENT: tl.constexpr, TICKETS: tl.constexpr,
                        FUSED_OUT: tl.constexpr, DOT_PREC: tl.constexpr, COMB_PREC: tl.constexpr,
-                       STATE_F32: tl.constexpr, CB: tl.constexpr, KN: tl.constexpr, PREP_OUT: tl.constexpr):
+                       STATE_F32: tl.constexpr, CB: tl.constexpr, KN: tl.constexpr, PREP_OUT: tl.constexpr,
+                       PHASE: tl.constexpr):
     # CP (a constexpr: some sequence of the call is long enough to be cut) compiles the segment machinery;
-    # without it the kernel is the plain sequential walk, one program per (sequence, value head, V tile)
+    # without it the kernel is the plain sequential walk, one program per (sequence, value head, V tile).
+    # PHASE 0: every sequence in one launch (a consumer waits for its parent's flag); 1: only the sequences
+    # without a parent; 2: only those with one (launched after phase 1: the parents' final states are in their
+    # dst slots, no waiting, no tickets)
     NVT: tl.constexpr = (V + BV - 1) // BV
     if TICKETS:
         i_t = tl.atomic_add(sync, 1)
@@ -208,6 +214,12 @@ def chunk_state_kernel(q, k, kn, qp, w, u, gcum, vnew, h, o, pool, seg_b, seg_p,
         i_n, i_s = (i_r // HV) // MS, (i_r // HV) % MS
     else:
         i_n, i_s = i_r // HV, 0
+    if PHASE == 1:
+        if tl.load(parents + i_n) >= 0:
+            return
+    if PHASE == 2:
+        if tl.load(parents + i_n) < 0:
+            return
     bos = tl.load(cu_seqlens + i_n)
     L = tl.load(cu_seqlens + i_n + 1) - bos
     off = tl.load(chunk_offsets + i_n)
@@ -223,7 +235,7 @@ def chunk_state_kernel(q, k, kn, qp, w, u, gcum, vnew, h, o, pool, seg_b, seg_p,
             b_S = tl.load(seg_b + (i_x * HV).to(tl.int64) * V * K + o_s, mask=m_s, other=0., cache_modifier=".cg")
         else:
             b_S = _initial_state(pool, src_slots, dst_slots, parents, sync, i_n, i_hv, i_vt, o_s, m_s,
-                                 HV, NVT, SLOT, BV, BK, HAS_PARENT)
+                                 HV, NVT, SLOT, BV, BK, HAS_PARENT, PHASE == 0)
         if i_s < nseg - 1:
             # publish the next segment's start: S·P + B, written over B (only this tile reads it)
             # in column blocks of P ([BK, CB] operands: the whole fp32 P, split for tf32x3, does not fit in
@@ -243,7 +255,7 @@ def chunk_state_kernel(q, k, kn, qp, w, u, gcum, vnew, h, o, pool, seg_b, seg_p,
         is_last = i_s == nseg - 1
     else:
         b_S = _initial_state(pool, src_slots, dst_slots, parents, sync, i_n, i_hv, i_vt, o_s, m_s,
-                             HV, NVT, SLOT, BV, BK, HAS_PARENT)
+                             HV, NVT, SLOT, BV, BK, HAS_PARENT, PHASE == 0)
         c_beg = 0
         c_end = nc
         is_last = True
@@ -292,5 +304,5 @@ def chunk_state_kernel(q, k, kn, qp, w, u, gcum, vnew, h, o, pool, seg_b, seg_p,
         s_dst = tl.load(dst_slots + i_n)
         if s_dst >= 0:
             tl.store(pool + s_dst.to(tl.int64) * SLOT + o_s, cast(b_S, pool.dtype.element_ty), mask=m_s)
-        if HAS_PARENT:
+        if HAS_PARENT and PHASE == 0:
             _publish(sync + 1 + (i_n * HV + i_hv) * NVT + i_vt)

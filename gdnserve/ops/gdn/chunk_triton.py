@@ -1,20 +1,23 @@
 """Triton kernels of the chunked gated-delta-rule prefill (gdn_kernels.md §2), two launches (+1 for
-context-parallel sequences, +1 with ``fused_out`` off):
+context-parallel sequences, +1 for the consumers of same-call parents, +1 with ``prep_out`` and ``fused_out`` off):
 
-1. ``chunk_prep_kernel``   grid (chunk rows, H): per chunk and *key* head, l2-normalise k, form
-   K Kᵀ once, then per value head of the group: gates, chunk-local cumsum, the strictly lower
-   𝒜 = diag(β) (Γᵢ/Γₘ ⊙ K Kᵀ), 𝒯 = (I + 𝒜)⁻¹, 𝒲 = 𝒯 diag(βΓ) K, Ũ = 𝒯 diag(β) V.
-   No state is read: producers and consumers of one step run together here.
+1. ``chunk_prep_kernel``   grid (chunk rows, H·split): per chunk and key head, l2-normalise k (stored for the
+   state pass), form K Kᵀ, then per value head of the program: gates, chunk-local cumsum, the strictly lower
+   𝒜 = diag(β) (Γᵢ/Γₘ ⊙ K Kᵀ), 𝒯 = (I + 𝒜)⁻¹, 𝒲 = 𝒯 diag(βΓ) K, Ũ = 𝒯 diag(β) V and (``prep_out``) the output's
+   state-independent half s·M Ũ (into o) and Q' = s·[diag(Γ) Q − M 𝒲], M = causal ⊙ Γᵢ/Γⱼ ⊙ Q Kᵀ.
+   No state is read: producers and consumers of one step run together here. Sequences of <= 32 tokens take
+   a 32-row tile.
 2. the state pass (``chunk_state_triton.py``): segment transitions of long sequences, then one program per
    (sequence segment, value head, V tile) walking its chunks from pool[src], zeros, its parent's final state
-   or its predecessor segment's published start, writing the outputs (fused) and pool[dst].
-3. ``chunk_output_kernel`` grid (V tiles, chunk rows, HV), only with ``fused_out`` off:
+   or its predecessor segment's published start, adding Q' S₀ᵀ to the outputs and writing pool[dst].
+3. ``chunk_output_kernel`` grid (V tiles, chunk rows, HV), only with ``prep_out`` and ``fused_out`` off:
    O = s·[diag(Γ) Q S₀ᵀ + (M ⊙ Q Kᵀ) U] from the snapshots h and U.
 Launch configs: ``chunk_configs.py`` (one row per GPU model).
 
-𝒯 is built blockwise: the four 16×16 diagonal blocks of 𝒜 are inverted by forward substitution
-(batched as one [4, 16, 16] tensor), then with D = blockdiag(those inverses) and N = D·𝒜_offdiag
-(nilpotent, N⁴ = 0): 𝒯 = (I − N + N² − N³)·D — three 64×64 products, all on tensor cores.
+𝒯 by default by the product form ∏ (I + (−𝒜)^(2^j)) (5 factors of 64×64, 4 of 32×32 for the short tile), all on
+tensor cores; ``inv_mode`` 0 / 2 build it blockwise: the four 16×16 diagonal blocks of 𝒜 inverted (forward
+substitution / a batched product form), then with D = blockdiag(those inverses) and N = D·𝒜_offdiag
+(nilpotent, N⁴ = 0): 𝒯 = (I − N + N² − N³)·D.
 Exponentials are natural-base and always of non-positive arguments (selected before exp).
 """
 from __future__ import annotations
@@ -307,7 +310,8 @@ def launch_state(q, k, v, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, pare
             k, kn, ws.w, ws.u, ws.gcum, seg_b, seg_p, meta.cu_seqlens, meta.chunk_offsets, k.stride(0), k.stride(1),
             ms, R, HV, K, V, BK, gbv, CHUNK, cfg.cp_min_chunks, cfg.cp_seg_chunks, prec, cfg.state_f32, kn_on),
             cfg.seg_warps)
-    tickets = parents is not None or ms > 1
+    phases = parents is not None and ms == 1 and cfg.parent_phases   # producers, then consumers: two launches
+    tickets = (parents is not None and not phases) or ms > 1
     nflags = N * HV * nvt
     sync = src_slots
     if tickets:   # ticket counter + ready flags (final states, segment starts), zeroed per call
@@ -315,14 +319,15 @@ def launch_state(q, k, v, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, pare
         sync.zero_()
     fused = cfg.fused_out
     vnew, h = (ws.w, ws.w) if fused or pout else ws.snapshot_buffers()
-    launch(chunk_state_kernel, (nvt, N * ms * HV), (
-        q, k, kn, qp, ws.w, ws.u, ws.gcum, vnew, h, out, ssm_pool, seg_b, seg_p,
-        meta.cu_seqlens, meta.chunk_offsets, src_slots, dst_slots, parents if parents is not None else src_slots,
-        sync, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), ms, nflags,
-        R, HV, K, V, BK, sbv, CHUNK, ms > 1, cfg.cp_min_chunks, cfg.cp_seg_chunks, parents is not None, tickets,
-        fused,
-        prec, cfg.comb_prec if prec == "tf32" else "ieee", cfg.state_f32, min(cfg.comb_block, BK), kn_on, pout),
-        cfg.state_warps, cfg.state_stages)
+    for phase in ((1, 2) if phases else (0,)):
+        launch(chunk_state_kernel, (nvt, N * ms * HV), (
+            q, k, kn, qp, ws.w, ws.u, ws.gcum, vnew, h, out, ssm_pool, seg_b, seg_p,
+            meta.cu_seqlens, meta.chunk_offsets, src_slots, dst_slots, parents if parents is not None else src_slots,
+            sync, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), ms, nflags,
+            R, HV, K, V, BK, sbv, CHUNK, ms > 1, cfg.cp_min_chunks, cfg.cp_seg_chunks, parents is not None, tickets,
+            fused, prec, cfg.comb_prec if prec == "tf32" else "ieee", cfg.state_f32, min(cfg.comb_block, BK), kn_on,
+            pout, phase),
+            cfg.state_warps, cfg.state_stages)
 
 
 def launch_output(q, k, v, meta: VarlenMeta, scale: float, out, ws: ChunkWorkspace):
