@@ -36,7 +36,7 @@ class ChunkConfig:
     state_stages: int | None = None  # num_stages of the state pass (None: Triton's default)
     parent_phases: bool = True      # with parents (no CP): sequences without a parent, then those with one, as two
                                     # launches (one ticketed launch interleaves producers with their spinning
-                                    # consumers, so the producers ran nearly one after another)
+                                    # consumers; not yet timed on the H200)
     fused_out: bool = False         # (prep_out off) the state pass writes the outputs itself from q, k and U
     # context parallelism: a sequence of >= cp_min_chunks chunks runs as segments of cp_seg_chunks chunks
     cp_min_chunks: int = 1 << 30    # off (see TABLE)
