@@ -1,16 +1,16 @@
 """Op benchmarks: gdnserve's conv + chunked prefill, decode and verify, against fla 0.6.0.
 
 Run ``gdnserve bench ops`` or ``python -m benchmarks.bench_ops`` (options: --device, --quick, --out,
---no-fla; ``python -m benchmarks.bench_ops`` also --only KIND[:SIZES]). Writes ``ops_<device>_<date>.json``
-and ``.md`` to --out (rewritten after every case, so a run cut short keeps what it measured; committed as
-``benchmarks/results/ops_<device>.*``, the newest only) and prints the table.
+--no-fla; ``python -m benchmarks.bench_ops`` also --only KIND[:SIZES] and --prefill-shapes NxL,...). Writes
+``ops_<device>_<date>.json`` and ``.md`` to --out (rewritten after every case, so a run cut short keeps what it
+measured; committed as ``benchmarks/results/ops_<device>.*``, the newest only) and prints the table.
 
 Workloads on CUDA: the GDN layer of Qwen3.5-35B-A3B (H=16, HV=32, K=V=128, W=4, D=8192), bf16
 activations, fp32 state pool ``[S, HV, V, K]``. q/k/v are column slices of the conv output; slots are
 random and distinct, drawn from a pool larger than the batch; inputs are fresh random data (never
 zeros); A_log = log U(1, 16), dt_bias = U(0, 1).
 
-* prefill N x L in {1x8192, 1x32768, 8x4096, 64x256}: conv + chunked GDN, each sequence from pool
+* prefill N x L in {1x8192, 1x32768, 8x4096, 64x256} (or --prefill-shapes): conv + chunked GDN, each sequence from pool
   slot ``src`` to slot ``dst`` (``src != dst``, so repeated calls do the same work).
 * decode B in {1, 32, 256, 1024}, in place on the pool slots.
 * verify B in {1, 64, 256}, L = 4 tokens per request: ``intermediate`` (verify + commit of a random
@@ -101,6 +101,9 @@ class Plan:
 
 
 VERIFY_L = 4
+# the H200 ChunkConfig row at commit 3743c21: snapshots h, U and the separate output kernel
+OLD_CHUNK = dict(prep_out=False, store_kn=False, short_prep=0, inv_bf16=False, prep_warps=4, state_bv=32,
+                 state_warps=4, state_stages=None)
 NAIVE_BUDGET = 1 << 30   # tokens * HV * K * V of the float64 reference check (about 2k tokens at Qwen3.5)
 
 
@@ -147,6 +150,13 @@ def load_ours() -> SimpleNamespace:
         from gdnserve.ops.gdn.chunk_workspace import ChunkWorkspace
     except ImportError:
         ChunkWorkspace = None
+    try:  # optional: launch-config overrides of the chunk pass (the "ours old" prefill row)
+        from gdnserve.ops.gdn.chunk_configs import ChunkConfig, override as chunk_override
+        if not all(f in ChunkConfig.__dataclass_fields__ for f in OLD_CHUNK):
+            chunk_override = None
+    except ImportError:
+        chunk_override = None
+
     def prepared_plan(*args, **overrides):   # a config variant: the planner's overrides, launched prepared
         fn, grid, targs, nw, key = recurrent_plan(*args[:17], float(args[0].shape[-1] ** -0.5), args[17],
                                                   **overrides)
@@ -155,7 +165,7 @@ def load_ours() -> SimpleNamespace:
     return SimpleNamespace(conv=causal_conv1d_prefill, chunk=chunk_gated_delta_rule, decode=gdn_decode,
                            verify=gdn_verify, commit=gdn_commit_intermediate, Pending=GDNPending, Meta=VarlenMeta,
                            Workspace=ChunkWorkspace, prepare_decode=prepare_decode, prepare_verify=prepare_verify,
-                           prepared_plan=prepared_plan)
+                           prepared_plan=prepared_plan, chunk_override=chunk_override)
 
 
 class Fla:
@@ -349,6 +359,11 @@ def build_prefill(ctx: Ctx, N: int, L: int) -> Case:
             return chunk(s)
 
         case.impls.append(Impl("ours", ours_fn, {"conv_prefill": conv, "chunk": chunk}, True))
+        if ctx.cuda and ours.chunk_override is not None:
+            def old_fn(s):   # the chunk pass before prep_out: snapshots h, U and the separate output kernel
+                with ours.chunk_override(**OLD_CHUNK):
+                    return ours_fn(s)
+            case.impls.append(Impl("ours old (output kernel)", old_fn, {}, True))
 
     if fla is not None:
         cu, ci = fla.varlen(seqlens, dev)
@@ -928,6 +943,17 @@ def run_from_args(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"bench ops: {e}", file=sys.stderr)
         return 2
+    shapes = getattr(args, "prefill_shapes", None)
+    if shapes:
+        try:
+            prefill = tuple(tuple(int(x) for x in sh.split("x")) for sh in shapes.split(","))
+            assert all(len(sh) == 2 and min(sh) > 0 for sh in prefill)
+        except (ValueError, AssertionError):
+            print(f"bench ops: --prefill-shapes {shapes}: expected NxL[,NxL...]", file=sys.stderr)
+            return 2
+        global make_plan
+        base = make_plan
+        make_plan = lambda cuda, quick: replace(base(cuda, quick), prefill=prefill)  # noqa: E731
     res = run(device, quick=args.quick, out_dir=Path(args.out), use_fla=args.fla, only=only)
     return 1 if res["errors"] else 0
 
@@ -939,6 +965,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", default=None, metavar="KIND[:SIZES]",
                         help="run only these cases, e.g. --only decode:1,256 --only verify:256 (kinds prefill, "
                              "decode, verify; sizes: N for prefill N x L, B otherwise; repeatable)")
+    parser.add_argument("--prefill-shapes", default=None, metavar="NxL[,NxL...]",
+                        help="the prefill cases instead of the plan's, e.g. 1x4096,8x1024 (the model profile's)")
     return run_from_args(parser.parse_args(argv))
 
 

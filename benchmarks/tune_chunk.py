@@ -5,6 +5,7 @@ beside; then the final-state error against length and head size (bf16 activation
     python -m benchmarks.tune_chunk [--quick] [--out DIR]     # on the device; writes tune_chunk_<gpu>.json
     python -m benchmarks.tune_chunk --bench [--out DIR]       # + bench_ops' prefill rows with the chosen row
     python -m benchmarks.tune_chunk --accuracy [--out DIR]    # only the state error vs length (GPU, fla beside)
+    python -m benchmarks.tune_chunk --stages [--out DIR]      # per-stage times of STAGE_VARIANTS, old vs new
     TRITON_INTERPRET=1 python -m benchmarks.tune_chunk --cpu-accuracy   # state error vs length, small heads, CPU
 
 The row of ``chunk_configs.TABLE`` for a GPU is chosen from the "variants" table this prints.
@@ -184,6 +185,96 @@ def tune(quick: bool) -> list[dict]:
     return rows
 
 
+# the H200 row at commit 3743c21 (snapshots h, U and the separate output kernel), every field the variants touch
+OLD = dict(prep_out=False, store_kn=False, short_prep=0, inv_bf16=False, prep_warps=4, state_bv=32, state_warps=4,
+           state_stages=None)
+STAGE_VARIANTS = {   # name -> ChunkConfig overrides, timed per stage by --stages
+    "old (output kernel)": OLD,
+    "new": {},
+    "new prep split always": dict(prep_split_below=1 << 30),
+    "new state BV 64 8 warps": dict(state_bv=64, state_warps=8),
+    "new state BV 32 8 warps": dict(state_warps=8),
+    "new inv_bf16": dict(inv_bf16=True),
+    "new no short tile": dict(short_prep=0),
+}
+RFC_ONLY = ("new no short tile",)                      # variants timed only at the RFC shape
+RFC_VARIANTS = ("old (output kernel)", "new", "new no short tile")
+
+
+def best_variant(rows: list[dict], shapes=("1x4096", "8x1024")) -> str:
+    """The new variant of least summed whole-call time over ``shapes`` among those within §6.4's 5e-3."""
+    tot: dict[str, float] = {}
+    for r in rows:
+        if r["shape"] in shapes and "us" in r and r["variant"] != "old (output kernel)":
+            ok = r["err_o"] < 5e-3 and r["err_state"] < 5e-3
+            tot[r["variant"]] = tot.get(r["variant"], 0.) + (r["us"]["p50"] if ok else float("inf"))
+    return min(tot, key=tot.get) if tot else "new"
+
+
+def rfc_group_lens(groups: int = 16, consumers: int = 10, seed: int = 0) -> tuple[list[int], list[int]]:
+    """The RFC serve workload's grouped step: per group one 600-token producer and consumers of 16-32 tokens
+    continuing from it (parents)."""
+    g = torch.Generator().manual_seed(seed)
+    lens, par = [], []
+    for _ in range(groups):
+        p = len(lens)
+        lens.append(600)
+        par.append(-1)
+        for _ in range(consumers):
+            lens.append(int(torch.randint(16, 33, (1,), generator=g)))
+            par.append(p)
+    return lens, par
+
+
+def stages(names: list[str] | None = None, shapes: dict | None = None) -> list[dict]:
+    """Per-stage GPU time (events) of each STAGE_VARIANTS row at the profile's shapes (1x4096, 8x1024) and the RFC
+    grouped step, with the output / final-state rel-RMS against our fp32 PyTorch path."""
+    rows = []
+    if shapes is None:
+        rfc, rfc_par = rfc_group_lens()
+        shapes = {"1x4096": ([4096], None), "8x1024": ([1024] * 8, None), "rfc 16x(P600+10C16-32)": (rfc, rfc_par)}
+    for label, (lens, par) in shapes.items():
+        T, N = sum(lens), len(lens)
+        q, k, v, a, b, A_log, dt_bias = inputs(lens)
+        pool = torch.randn(2 * N + 2, HV, V, K, device=dev) * 0.1
+        meta = VarlenMeta.build(lens, dev)
+        src = torch.arange(N, dtype=torch.int32, device=dev)
+        dst = torch.arange(N, 2 * N, dtype=torch.int32, device=dev)
+        pa = None if par is None else torch.tensor(par, dtype=torch.int32, device=dev)
+        ws = ChunkWorkspace.empty(T, meta.num_chunk_rows, HV, K, V, torch.bfloat16, dev)
+        o = torch.empty(T, HV, V, device=dev, dtype=torch.bfloat16)
+        ref_pool = pool.clone()
+        ref_o = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ref_pool, meta, src, dst, pa, backend="torch")
+        scale = K ** -0.5
+        for name in names or list(STAGE_VARIANTS):
+            rfc = label.startswith("rfc")
+            if (rfc and name not in RFC_VARIANTS) or (not rfc and name in RFC_ONLY):
+                continue
+            var = STAGE_VARIANTS[name]
+            row = {"shape": label, "T": T, "variant": name, "overrides": var}
+            try:
+                with override(**var):
+                    cfg = chunk_config(torch.device(dev))
+                    p = pool.clone()
+                    def call():
+                        return chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, p, meta, src, dst, pa, out=o,
+                                                      workspace=ws)
+                    call()
+                    row["err_o"], row["err_state"] = rel_rms(o, ref_o), rel_rms(p[N:2 * N], ref_pool[N:2 * N])
+                    row["us"] = events(call)
+                    row["prep_us"] = events(lambda: ct.launch_prep(q, k, v, a, b, A_log, dt_bias, meta, ws, o, scale))
+                    row["state_us"] = events(lambda: ct.launch_state(q, k, v, p, meta, src, dst, pa, ws, scale, o))
+                    if not cfg.prep_out and not cfg.fused_out:
+                        row["output_us"] = events(lambda: ct.launch_output(q, k, v, meta, scale, o, ws))
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del ws, q, k, v, pool, ref_pool
+        torch.cuda.empty_cache()
+    return rows
+
+
 def accuracy(quick: bool) -> list[dict]:
     """Final-state rel-RMS vs length and head size against our fp32 PyTorch path (itself ~3e-7 from a float64
     recurrence, docs/kernels.md), one sequence from a random initial state, Qwen-like and slow decay."""
@@ -243,13 +334,14 @@ def cpu_accuracy(heads=(32, 64), lengths=(1, 64, 1024, 4096)) -> list[dict]:
     return rows
 
 
-def bench_prefill(out: Path) -> None:
-    """bench_ops' prefill rows only (conv + chunk, ours vs fla, same run), written as ops_prefill_<gpu>.*"""
+def bench_prefill(out: Path, shapes=((1, 8192), (1, 32768), (8, 4096), (64, 256)), cfg: dict | None = None) -> None:
+    """bench_ops' prefill rows only (conv + chunk, ours vs ours old vs fla, same run) with the ChunkConfig
+    overrides ``cfg`` on "ours", written as ops_prefill_<gpu>.*"""
     from benchmarks import bench_ops as bo
-    bo.make_plan = lambda cuda, quick: bo.Plan(bo.QWEN35_GDN, ((1, 8192), (1, 32768), (8, 4096), (64, 256)), (), (),
-                                               iters=30, warmup=3, host_iters=50)
+    bo.make_plan = lambda cuda, quick: bo.Plan(bo.QWEN35_GDN, tuple(shapes), (), (), iters=30, warmup=3, host_iters=50)
     sub = out / "ops_prefill"
-    res = bo.run(torch.device("cuda"), quick=False, out_dir=sub, use_fla=True)
+    with override(**(cfg or {})):
+        res = bo.run(torch.device("cuda"), quick=False, out_dir=sub, use_fla=True)
     for kind, p in res["paths"].items():
         Path(p).rename(out / f"ops_prefill_{res['device_slug']}.{kind}")
 
@@ -261,6 +353,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-tune", action="store_true")
     ap.add_argument("--accuracy", action="store_true", help="only the state-error sweep against length (GPU)")
     ap.add_argument("--cpu-accuracy", action="store_true", help="the small-head state-error sweep on the CPU")
+    ap.add_argument("--stages", action="store_true", help="only the per-stage times of STAGE_VARIANTS (GPU)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args(argv)
     if args.cpu_accuracy:
@@ -273,7 +366,16 @@ def main(argv=None) -> int:
     res = {"device": name, "config": repr(chunk_config(torch.device("cuda")))}
     slug = name.lower().replace("nvidia ", "").replace(" ", "_")
     with torch.inference_mode():
-        if args.accuracy:
+        if args.stages:
+            pick = os.environ.get("TUNE_VARIANTS")
+            res["stages"] = stages([list(STAGE_VARIANTS)[int(i)] for i in pick.split(",")] if pick else None)
+            res["best"] = best_variant(res["stages"])
+            print(f"best: {res['best']} {STAGE_VARIANTS[res['best']]}", flush=True)
+            (out / f"tune_chunk_stages_{slug}.json").write_text(json.dumps(res, indent=1) + "\n")
+            if args.bench:   # bench_ops' rows at the profile's shapes with the best variant as "ours"
+                bench_prefill(out, ((1, 4096), (8, 1024)), STAGE_VARIANTS[res["best"]])
+            return 0
+        elif args.accuracy:
             res["accuracy"] = accuracy(args.quick)
             (out / f"tune_chunk_accuracy_{slug}.json").write_text(json.dumps(res, indent=1) + "\n")
         elif not args.no_tune:

@@ -186,3 +186,65 @@ def test_inverse_variants_against_reference(dtype, cfg, device):
         o = run("triton", q, k, v, a, b, A_log, dt_bias, pool, lens, [0, 1, 2], [3, 4, 5])
     assert rel_rms(o, ref_o) < TOL[dtype]
     assert rel_rms(pool, ref_pool) < TOL[dtype]
+
+
+OLD = dict(prep_out=False, store_kn=False, short_prep=0)   # snapshots h, U and the separate output kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cfg", [OLD, dict(short_prep=0), dict(store_kn=False), dict(state_f32=True)],
+                         ids=["old", "no-short", "no-kn", "state-f32"])
+def test_config_variants_against_reference(dtype, cfg, device):
+    """The output paths (Q' from the prep, or snapshots + output kernel), the short-sequence tile and the stored
+    normalised keys, each on odd lengths from random non-zero states, with forks, in place and padded slots."""
+    from gdnserve.ops.gdn.chunk_configs import override
+    H, HV, K, V = 2, 4, 32, 16
+    lens = [1, 20, 32, 33, 63, 64, 65, 130]
+    n = len(lens)
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(sum(lens), H, HV, K, V, dtype, device, "mild")
+    pool = random_pool(2 * n + 2, HV, V, K, torch.float32, device)
+    src = [0, -1, 2, 3, 4, 5, 6, 7]
+    dst = [n, n + 1, 2, -1, n + 4, n + 5, n + 6, n + 7]        # fresh, in place, padded (-1), forks
+    ref_o, ref_pool = naive_prefill_pool(q, k, v, a, b, A_log, dt_bias, pool, lens, src, dst)
+    before = pool.clone()
+    with override(**cfg):
+        o = run("triton", q, k, v, a, b, A_log, dt_bias, pool, lens, src, dst)
+    assert rel_rms(o, ref_o) < TOL[dtype]
+    assert rel_rms(pool, ref_pool) < TOL[dtype]
+    untouched = [0, 1, 3, 4, 5, 6, 7, n + 2, n + 3, 2 * n, 2 * n + 1]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_short_tile_close_to_full_tile(dtype, device):
+    """Sequences of <= 32 tokens take a 32-row prep tile: the same math as the 64-row tile (rounding only)."""
+    from gdnserve.ops.gdn.chunk_configs import override
+    H, HV, K, V = 1, 2, 32, 32
+    lens = [1, 16, 31, 32, 33]
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(sum(lens), H, HV, K, V, dtype, device, "mild")
+    pool = random_pool(10, HV, V, K, torch.float32, device)
+    res = []
+    for short in (32, 0):
+        p = pool.clone()
+        with override(short_prep=short):
+            res.append((run("triton", q, k, v, a, b, A_log, dt_bias, p, lens, range(5), range(5, 10)), p))
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    assert rel_rms(res[0][0], res[1][0]) < tol and rel_rms(res[0][1], res[1][1]) < tol
+    assert torch.equal(res[0][0][-33:], res[1][0][-33:])      # the 33-token sequence: the 64-row tile in both
+
+
+def test_parent_phases_equal_ticketed_launch(device):
+    """Producers then consumers as two launches == one launch with tickets and flags, bit for bit."""
+    from gdnserve.ops.gdn.chunk_configs import override
+    H, HV, K, V = 1, 2, 16, 16
+    lens, parents = [70, 20, 33, 0, 65, 1], [-1, 0, 0, 0, -1, 4]
+    src, dst = [1, -1, 2, -1, 3, -1], [4, 5, 6, 7, 8, -1]
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(sum(lens), H, HV, K, V, torch.bfloat16, device)
+    pool = random_pool(9, HV, V, K, torch.float32, device)
+    res = []
+    for phases in (True, False):
+        p = pool.clone()
+        with override(parent_phases=phases):
+            res.append((run("triton", q, k, v, a, b, A_log, dt_bias, p, lens, src, dst, parents), p))
+    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
+    assert torch.equal(res[0][1][[0, 1, 2, 3]], pool[[0, 1, 2, 3]])

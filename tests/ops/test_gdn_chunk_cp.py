@@ -1,4 +1,4 @@
-"""Context-parallel state pass (segments + affine combine) and the fused output, Triton path, at small
+"""Context-parallel state pass (segments + affine combine) under each output mode, Triton path, at small
 shapes with a small segmentation so that CPU runs (interpreter) cover every branch."""
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from tests.ops.gdn_inputs import gdn_inputs, idx, random_pool
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 5e-3}
 CP = dict(cp_min_chunks=3, cp_seg_chunks=2)     # sequences of >= 3 chunks run as segments of 2 chunks
+OUT = {"prep": {},                                                    # the prep forms Q' (default)
+       "fused": dict(prep_out=False, fused_out=True),                 # the state pass forms O from q, k, U
+       "unfused": dict(prep_out=False, fused_out=False, store_kn=False)}   # snapshots + output kernel
 
 
 def run(q, k, v, a, b, A_log, dt_bias, pool, lens, src, dst, parents=None, **cfg):
@@ -25,8 +28,8 @@ def run(q, k, v, a, b, A_log, dt_bias, pool, lens, src, dst, parents=None, **cfg
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fused_out", [True, False])
-def test_cp_against_reference(dtype, fused_out, device):
+@pytest.mark.parametrize("mode", list(OUT))
+def test_cp_against_reference(dtype, mode, device):
     H, HV, K, V = 1, 2, 16, 32
     lens = [1000, 1, 63, 64, 65, 200]          # 16, 1, 1, 1, 2 (no CP), 4 chunks (2 segments)
     q, k, v, a, b, A_log, dt_bias = gdn_inputs(sum(lens), H, HV, K, V, dtype, device, "mild")
@@ -34,34 +37,35 @@ def test_cp_against_reference(dtype, fused_out, device):
     src, dst = [3, -1, 5, 6, 0, 7], [8, 9, 5, -1, 10, 11]    # fresh, zeros, in place, padded, forks
     ref_o, ref_pool = naive_prefill_pool(q, k, v, a, b, A_log, dt_bias, pool, lens, src, dst)
     before = pool.clone()
-    o = run(q, k, v, a, b, A_log, dt_bias, pool, lens, src, dst, fused_out=fused_out)
+    o = run(q, k, v, a, b, A_log, dt_bias, pool, lens, src, dst, **OUT[mode])
     assert rel_rms(o, ref_o) < TOL[dtype]
     assert rel_rms(pool, ref_pool) < TOL[dtype]
     untouched = [0, 1, 2, 3, 4, 6, 7]
     assert torch.equal(pool[untouched], before[untouched])      # padded dst -1 writes nothing
 
 
-@pytest.mark.parametrize("fused_out", [True, False])
-def test_cp_varlen_equals_per_sequence(fused_out, device):
+@pytest.mark.parametrize("mode", list(OUT))
+def test_cp_varlen_equals_per_sequence(mode, device):
     H, HV, K, V = 1, 2, 16, 16
     lens = [330, 1, 129, 64, 200]
     q, k, v, a, b, A_log, dt_bias = gdn_inputs(sum(lens), H, HV, K, V, torch.bfloat16, device, "slow")
     pool = random_pool(10, HV, V, K, torch.float32, device)
     p_batch, p_seq = pool.clone(), pool.clone()
     src, dst = [0, 1, -1, 3, 4], [5, 6, 7, 8, 9]
-    o_batch = run(q, k, v, a, b, A_log, dt_bias, p_batch, lens, src, dst, fused_out=fused_out)
+    o_batch = run(q, k, v, a, b, A_log, dt_bias, p_batch, lens, src, dst, **OUT[mode])
     start = 0
     for n, L in enumerate(lens):
         sl = slice(start, start + L)
         o_n = run(q[sl], k[sl], v[sl], a[sl], b[sl], A_log, dt_bias, p_seq, [L], [src[n]], [dst[n]],
-                  fused_out=fused_out)
+                  **OUT[mode])
         assert torch.equal(o_n, o_batch[sl]), f"sequence {n}"
         start += L
     assert torch.equal(p_batch, p_seq)
 
 
-@pytest.mark.parametrize("pool_dtype,fused_out", [(torch.float32, True), (torch.bfloat16, False)])
-def test_cp_parents_equal_serial(pool_dtype, fused_out, device):
+@pytest.mark.parametrize("pool_dtype,mode", [(torch.float32, "fused"), (torch.bfloat16, "unfused"),
+                                             (torch.float32, "prep")])
+def test_cp_parents_equal_serial(pool_dtype, mode, device):
     """A context-parallel producer with a long (context-parallel) and a short consumer in one call ==
     the producer first, then the consumers from its slot."""
     H, HV, K, V = 1, 2, 16, 16
@@ -71,11 +75,11 @@ def test_cp_parents_equal_serial(pool_dtype, fused_out, device):
     q, k, v, a, b, A_log, dt_bias = gdn_inputs(sum(lens), H, HV, K, V, torch.bfloat16, device, "mild")
     pool = random_pool(5, HV, V, K, pool_dtype, device)
     p_fused, p_serial = pool.clone(), pool.clone()
-    o_fused = run(q, k, v, a, b, A_log, dt_bias, p_fused, lens, src, dst, parents, fused_out=fused_out)
+    o_fused = run(q, k, v, a, b, A_log, dt_bias, p_fused, lens, src, dst, parents, **OUT[mode])
     P = lens[0]
-    o_p = run(q[:P], k[:P], v[:P], a[:P], b[:P], A_log, dt_bias, p_serial, [P], [4], [1], fused_out=fused_out)
+    o_p = run(q[:P], k[:P], v[:P], a[:P], b[:P], A_log, dt_bias, p_serial, [P], [4], [1], **OUT[mode])
     o_c = run(q[P:], k[P:], v[P:], a[P:], b[P:], A_log, dt_bias, p_serial, lens[1:], [1, 1], [2, 3],
-              fused_out=fused_out)
+              **OUT[mode])
     assert torch.equal(o_fused[:P], o_p)
     assert torch.equal(o_fused[P:], o_c)
     assert torch.equal(p_fused, p_serial)
@@ -91,7 +95,7 @@ def test_cp_close_to_sequential(device):
     q, k, v, a, b, A_log, dt_bias = gdn_inputs(sum(lens), H, HV, K, V, torch.float32, device, "slow")
     pool = random_pool(3, HV, V, K, torch.float32, device)
     p_cp, p_seq = pool.clone(), pool.clone()
-    o_cp = run(q, k, v, a, b, A_log, dt_bias, p_cp, lens, [0], [1], fused_out=True, comb_block=16)  # 2 blocks
+    o_cp = run(q, k, v, a, b, A_log, dt_bias, p_cp, lens, [0], [1], comb_block=16)  # 2 blocks
     o_seq = run(q, k, v, a, b, A_log, dt_bias, p_seq, lens, [0], [1], cp_min_chunks=1 << 20)
     assert rel_rms(o_cp, o_seq) < 1e-5 and rel_rms(p_cp[1], p_seq[1]) < 1e-5
     assert torch.equal(p_cp[0], pool[0]) and torch.equal(p_cp[2], pool[2])

@@ -24,11 +24,20 @@ class ChunkConfig:
                                     # by a batched product form, then the blockwise merge
     inv_bf16: bool = False          # bf16 operands in the product-form inverse
     prep_bf16: bool = True          # bf16 operands for K Kᵀ, 𝒲, Ũ (fp32 accumulation)
+    prep_stages: int | None = None  # num_stages of the prep (None: Triton's default)
+    prep_out: bool = True           # the prep also forms s·(M ⊙ QKᵀ)Ũ (into o) and Q' = s·[diag(Γ)Q − (M ⊙ QKᵀ)𝒲];
+                                    # the state pass adds Q'S₀ᵀ: no snapshots h, no U round trip, no output kernel
+    store_kn: bool = True           # the prep stores the normalised keys; the state pass loads them (no l2norm)
+    short_prep: int = 32            # a sequence of <= this many tokens takes a 32-row prep tile (0: off; 16 or 32)
     # state pass (and, fused, the output)
     state_bv: int = 32
     state_warps: int = 4
     state_f32: bool = False         # tf32 products on the fp32 state instead of bf16-rounded state
-    fused_out: bool = False         # the state pass writes the outputs itself (no snapshots h, no U round trip)
+    state_stages: int | None = None  # num_stages of the state pass (None: Triton's default)
+    parent_phases: bool = True      # with parents (no CP): sequences without a parent, then those with one, as two
+                                    # launches (one ticketed launch interleaves producers with their spinning
+                                    # consumers; not yet timed on the H200)
+    fused_out: bool = False         # (prep_out off) the state pass writes the outputs itself from q, k and U
     # context parallelism: a sequence of >= cp_min_chunks chunks runs as segments of cp_seg_chunks chunks
     cp_min_chunks: int = 1 << 30    # off (see TABLE)
     cp_seg_chunks: int = 16
@@ -45,12 +54,12 @@ class ChunkConfig:
 
 DEFAULT = ChunkConfig()
 # Rows chosen by benchmarks/tune_chunk.py (benchmarks/results/tune_chunk_h200*.{json,log}, docs/kernels.md).
-# H200, Triton 3.6: the sequential, unfused state pass stays: context parallelism and the fused output, both
-# exact on CPU, measured slower or wrong there so far — fused output at BV 32 gave wrong outputs (rel-RMS
-# 0.87; correct at BV 64), fused + CP at BV 32 took 4218 µs for the state pass at 1x32768 (sequential unfused
-# state + output: ~1.3 ms), BV 128 ran out of shared memory (262144 > 232448 B).
+# H200, Triton 3.6: the sequential state pass (context parallelism measured slower, the state-pass-formed output
+# wrong at BV 32: rel-RMS 0.87); prep_out with one prep program per value head (with the Q' work a program per
+# key head, two value heads, was 604 vs 404 µs at 8x1024) and bf16 operands in the inverse (prep 249 -> 198 µs at
+# 1x4096, same errors): whole call 444 -> 335 µs at 1x4096 (tune_chunk_stages_h200.json; events, host included).
 TABLE: dict[str, ChunkConfig] = {
-    "NVIDIA H200": ChunkConfig(),
+    "NVIDIA H200": ChunkConfig(prep_split_below=1 << 30, inv_bf16=True),
 }
 _OVERRIDES: dict[str, object] = {}
 

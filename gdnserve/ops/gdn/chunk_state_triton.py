@@ -10,7 +10,9 @@ P = ∏ M_c with M_c = Γ_C I − 𝒲_cᵀ diag(Γ_C/Γ) K_c, and B = the segme
 2. ``chunk_state_kernel`` grid (V tiles, N·MS·HV): a segment's program obtains its start state — the source
    slot, zeros or the parent's final state for segment 0, else the start its predecessor published — and at
    once publishes the next segment's start S·P + B (overwriting B in place), then walks its chunks: the output
-   rows O = s·[diag(Γ) Q Sᵀ + (M ⊙ QKᵀ) U] (``FUSED_OUT``; else the snapshots h and U for the output kernel)
+   rows: with ``PREP_OUT`` o += s·Q' S₀ᵀ on the prep's s·(M ⊙ QKᵀ) Ũ (Q' = diag(Γ) Q − (M ⊙ QKᵀ) 𝒲, formed by
+   the prep); else O = s·[diag(Γ) Q Sᵀ + (M ⊙ QKᵀ) U] (``FUSED_OUT``) or the snapshots h and U for the output
+   kernel
    and the state; a sequence's last segment stores the final state to ``pool[dst]``.
    Programs take tickets from an atomic counter, laid out (sequence, segment, head, tile): whoever a program
    waits for (its parent's tile, its predecessor segment's tile) holds a lower ticket and is already running,
@@ -59,23 +61,56 @@ def _advance(b_S, b_u, b_w, b_k, b_gc, g_last, m_rows, DT: tl.constexpr, DOT_PRE
 
 
 @triton.jit
-def _load_chunk(k, w, gcum, t0, n_valid, i_h, i_hv, s_kt, s_kh, o_c, o_k, m_k,
-                HV: tl.constexpr, K: tl.constexpr):
+def _load_kw(k, kn, w, t0, n_valid, i_h, i_hv, s_kt, s_kh, o_c, o_k, m_k,
+             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, KN: tl.constexpr):
+    """A chunk's rows: mask, token offsets, normalised keys (fp32, or with KN the prep's copy in the activation
+    dtype: the same values the 16-bit products see) and 𝒲."""
     m_rows = o_c < n_valid
     o_rows = t0 + o_c
-    b_k = _l2norm_rows(k + i_h * s_kh, o_rows, m_rows, s_kt, o_k, m_k)
+    if KN:
+        b_k = tl.load(kn + (o_rows[:, None].to(tl.int64) * H + i_h) * K + o_k[None, :],
+                      mask=m_rows[:, None] & m_k[None, :], other=0.)
+    else:
+        b_k = _l2norm_rows(k + i_h * s_kh, o_rows, m_rows, s_kt, o_k, m_k)
     b_w = tl.load(w + (o_rows[:, None].to(tl.int64) * HV + i_hv) * K + o_k[None, :],
                   mask=m_rows[:, None] & m_k[None, :], other=0.)
+    return m_rows, o_rows, b_k, b_w
+
+
+@triton.jit
+def _load_chunk(k, kn, w, gcum, t0, n_valid, i_h, i_hv, s_kt, s_kh, o_c, o_k, m_k,
+                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, KN: tl.constexpr):
+    """_load_kw, then the cumulative gates and the last one."""
+    m_rows, o_rows, b_k, b_w = _load_kw(k, kn, w, t0, n_valid, i_h, i_hv, s_kt, s_kh, o_c, o_k, m_k, H, HV, K, KN)
     b_gc = tl.load(gcum + o_rows * HV + i_hv, mask=m_rows, other=0.)
     g_last = tl.load(gcum + (t0 + n_valid - 1) * HV + i_hv)
     return m_rows, o_rows, b_k, b_w, b_gc, g_last
 
 
 @triton.jit
-def chunk_seg_kernel(k, w, u, gcum, seg_b, seg_p, cu_seqlens, chunk_offsets, s_kt, s_kh,
+def _load_small(u, o, gcum, t0, n_valid, i_hv, o_c, o_v, m_v, HV: tl.constexpr, V: tl.constexpr,
+                PREP_OUT: tl.constexpr):
+    """A chunk's Ũ tile, its o tile (the prep's part, with PREP_OUT; else zeros), both in their storage dtypes (half
+    the registers of fp32 while prefetched), cumulative gates and the last one; masked off for n_valid <= 0."""
+    m_rows = o_c < n_valid
+    o_rows = t0 + o_c
+    p_rv = (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :]
+    m_rv = m_rows[:, None] & m_v[None, :]
+    b_u = tl.load(u + p_rv, mask=m_rv, other=0.)
+    if PREP_OUT:
+        b_o = tl.load(o + p_rv, mask=m_rv, other=0.)
+    else:
+        b_o = tl.zeros_like(b_u)
+    b_gc = tl.load(gcum + o_rows * HV + i_hv, mask=m_rows, other=0.)
+    g_last = tl.load(gcum + (t0 + n_valid - 1) * HV + i_hv, mask=n_valid > 0, other=0.)
+    return b_u, b_o, b_gc, g_last
+
+
+@triton.jit
+def chunk_seg_kernel(k, kn, w, u, gcum, seg_b, seg_p, cu_seqlens, chunk_offsets, s_kt, s_kh,
                      MS, R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, CP_MIN: tl.constexpr, SEG: tl.constexpr,
-                     DOT_PREC: tl.constexpr, STATE_F32: tl.constexpr):
+                     DOT_PREC: tl.constexpr, STATE_F32: tl.constexpr, KN: tl.constexpr):
     i_t, i_ns, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_s = i_ns // MS, i_ns % MS
     bos = tl.load(cu_seqlens + i_n)
@@ -95,8 +130,8 @@ def chunk_seg_kernel(k, w, u, gcum, seg_b, seg_p, cu_seqlens, chunk_offsets, s_k
     m_u = (m_r & (i_t < NVT)) != 0
     for i_c in range(i_s * SEG, i_s * SEG + SEG):                    # full chunks: not the last segment
         t0 = bos + i_c * C
-        m_rows, o_rows, b_k, b_w, b_gc, g_last = _load_chunk(k, w, gcum, t0, C, i_h, i_hv, s_kt, s_kh,
-                                                             o_c, o_k, m_k, HV, K)
+        m_rows, o_rows, b_k, b_w, b_gc, g_last = _load_chunk(k, kn, w, gcum, t0, C, i_h, i_hv, s_kt, s_kh,
+                                                             o_c, o_k, m_k, HV // R, HV, K, KN)
         b_u = tl.load(u + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_r[None, :],
                       mask=m_rows[:, None] & m_u[None, :], other=0.).to(tl.float32)
         b_U, b_S = _advance(b_S, b_u, b_w, b_k, b_gc, g_last, m_rows, w.dtype.element_ty, DOT_PREC, STATE_F32)
@@ -125,14 +160,16 @@ def _publish(p_flag):
 @triton.jit
 def _initial_state(pool, src_slots, dst_slots, parents, sync, i_n, i_hv, i_vt, o_s, m_s,
                    HV: tl.constexpr, NVT: tl.constexpr, SLOT: tl.constexpr, BV: tl.constexpr, BK: tl.constexpr,
-                   HAS_PARENT: tl.constexpr):
-    """A sequence's initial tile: its parent's final state (waiting for the parent's program of this tile to
-    publish it in the parent's dst slot), else pool[src], else zeros."""
+                   HAS_PARENT: tl.constexpr, WAIT: tl.constexpr):
+    """A sequence's initial tile: its parent's final state (with WAIT, waiting for the parent's program of this
+    tile to publish it in the parent's dst slot; else the parent ran in an earlier launch), else pool[src], else
+    zeros."""
     i_p = -1
     if HAS_PARENT:
         i_p = tl.load(parents + i_n)
     if i_p >= 0:
-        _wait(sync + 1 + (i_p * HV + i_hv) * NVT + i_vt)
+        if WAIT:
+            _wait(sync + 1 + (i_p * HV + i_hv) * NVT + i_vt)
         s_pd = tl.load(dst_slots + i_p)
         b_S = tl.load(pool + s_pd.to(tl.int64) * SLOT + o_s, mask=m_s, other=0., cache_modifier=".cg").to(tl.float32)
     else:
@@ -144,15 +181,19 @@ def _initial_state(pool, src_slots, dst_slots, parents, sync, i_n, i_hv, i_vt, o
 
 
 @triton.jit
-def chunk_state_kernel(q, k, w, u, gcum, vnew, h, o, pool, seg_b, seg_p, cu_seqlens, chunk_offsets,
+def chunk_state_kernel(q, k, kn, qp, w, u, gcum, vnew, h, o, pool, seg_b, seg_p, cu_seqlens, chunk_offsets,
                        src_slots, dst_slots, parents, sync, scale, s_qt, s_qh, s_kt, s_kh, MS, NSEQ_FLAGS,
                        R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
                        CP_MIN: tl.constexpr, SEG: tl.constexpr, HAS_PARENT: tl.constexpr, TICKETS: tl.constexpr,
                        FUSED_OUT: tl.constexpr, DOT_PREC: tl.constexpr, COMB_PREC: tl.constexpr,
-                       STATE_F32: tl.constexpr, CB: tl.constexpr):
+                       STATE_F32: tl.constexpr, CB: tl.constexpr, KN: tl.constexpr, PREP_OUT: tl.constexpr,
+                       PHASE: tl.constexpr):
     # CP (a constexpr: some sequence of the call is long enough to be cut) compiles the segment machinery;
-    # without it the kernel is the plain sequential walk, one program per (sequence, value head, V tile)
+    # without it the kernel is the plain sequential walk, one program per (sequence, value head, V tile).
+    # PHASE 0: every sequence in one launch (a consumer waits for its parent's flag); 1: only the sequences
+    # without a parent; 2: only those with one (launched after phase 1: the parents' final states are in their
+    # dst slots, no waiting, no tickets)
     NVT: tl.constexpr = (V + BV - 1) // BV
     if TICKETS:
         i_t = tl.atomic_add(sync, 1)
@@ -173,6 +214,12 @@ def chunk_state_kernel(q, k, w, u, gcum, vnew, h, o, pool, seg_b, seg_p, cu_seql
         i_n, i_s = (i_r // HV) // MS, (i_r // HV) % MS
     else:
         i_n, i_s = i_r // HV, 0
+    if PHASE == 1:
+        if tl.load(parents + i_n) >= 0:
+            return
+    if PHASE == 2:
+        if tl.load(parents + i_n) < 0:
+            return
     bos = tl.load(cu_seqlens + i_n)
     L = tl.load(cu_seqlens + i_n + 1) - bos
     off = tl.load(chunk_offsets + i_n)
@@ -188,7 +235,7 @@ def chunk_state_kernel(q, k, w, u, gcum, vnew, h, o, pool, seg_b, seg_p, cu_seql
             b_S = tl.load(seg_b + (i_x * HV).to(tl.int64) * V * K + o_s, mask=m_s, other=0., cache_modifier=".cg")
         else:
             b_S = _initial_state(pool, src_slots, dst_slots, parents, sync, i_n, i_hv, i_vt, o_s, m_s,
-                                 HV, NVT, SLOT, BV, BK, HAS_PARENT)
+                                 HV, NVT, SLOT, BV, BK, HAS_PARENT, PHASE == 0)
         if i_s < nseg - 1:
             # publish the next segment's start: S·P + B, written over B (only this tile reads it)
             # in column blocks of P ([BK, CB] operands: the whole fp32 P, split for tf32x3, does not fit in
@@ -208,25 +255,39 @@ def chunk_state_kernel(q, k, w, u, gcum, vnew, h, o, pool, seg_b, seg_p, cu_seql
         is_last = i_s == nseg - 1
     else:
         b_S = _initial_state(pool, src_slots, dst_slots, parents, sync, i_n, i_hv, i_vt, o_s, m_s,
-                             HV, NVT, SLOT, BV, BK, HAS_PARENT)
+                             HV, NVT, SLOT, BV, BK, HAS_PARENT, PHASE == 0)
         c_beg = 0
         c_end = nc
         is_last = True
 
     DT: tl.constexpr = w.dtype.element_ty
+    # the small per-chunk operands (Ũ tile, o tile, gates) are loaded one chunk ahead, in registers; the large
+    # ones (𝒲, keys, Q') feed the products directly and are left to Triton's pipeliner
+    x_u, x_o, x_gc, x_gl = _load_small(u, o, gcum, bos + c_beg * C, tl.minimum(C, L - c_beg * C), i_hv, o_c, o_v, m_v,
+                                       HV, V, PREP_OUT)
     for i_c in range(c_beg, c_end):
         t0 = bos + i_c * C
         n_valid = tl.minimum(C, L - i_c * C)
-        m_rows, o_rows, b_k, b_w, b_gc, g_last = _load_chunk(k, w, gcum, t0, n_valid, i_h, i_hv, s_kt, s_kh,
-                                                             o_c, o_k, m_k, HV, K)
-        b_u = tl.load(u + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :],
-                      mask=m_rows[:, None] & m_v[None, :], other=0.).to(tl.float32)
-        if not FUSED_OUT:
-            tl.store(h + ((off + i_c).to(tl.int64) * SLOT) + o_s, cast(b_S, h.dtype.element_ty), mask=m_s)
-        b_U, b_S1 = _advance(b_S, b_u, b_w, b_k, b_gc, g_last, m_rows, DT, DOT_PREC, STATE_F32)
+        b_u, b_oi, b_gc, g_last = x_u.to(tl.float32), x_o.to(tl.float32), x_gc, x_gl
+        n_next = tl.where(i_c + 1 < c_end, tl.minimum(C, L - (i_c + 1) * C), 0)
+        x_u, x_o, x_gc, x_gl = _load_small(u, o, gcum, t0 + C, n_next, i_hv, o_c, o_v, m_v, HV, V, PREP_OUT)
+        m_rows, o_rows, b_k, b_w = _load_kw(k, kn, w, t0, n_valid, i_h, i_hv, s_kt, s_kh, o_c, o_k, m_k,
+                                            HV // R, HV, K, KN)
         p_rv = (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :]
         m_rv = m_rows[:, None] & m_v[None, :]
-        if FUSED_OUT:
+        if PREP_OUT:
+            # o holds the prep's s·(M ⊙ Q Kᵀ) Ũ; add s·Q' S₀ᵀ (Q' from the prep, scaled), S₀ as the U product sees it
+            b_qp = tl.load(qp + (o_rows[:, None].to(tl.int64) * HV + i_hv) * K + o_k[None, :],
+                           mask=m_rows[:, None] & m_k[None, :], other=0.)
+            if STATE_F32:
+                b_oi += mma(b_qp.to(tl.float32), tl.trans(b_S), DOT_PREC)
+            else:
+                b_oi += mma(b_qp, tl.trans(cast(b_S, DT)), DOT_PREC)
+            tl.store(o + p_rv, cast(b_oi, o.dtype.element_ty), mask=m_rv)
+        elif not FUSED_OUT:
+            tl.store(h + ((off + i_c).to(tl.int64) * SLOT) + o_s, cast(b_S, h.dtype.element_ty), mask=m_s)
+        b_U, b_S1 = _advance(b_S, b_u, b_w, b_k, b_gc, g_last, m_rows, DT, DOT_PREC, STATE_F32)
+        if FUSED_OUT and not PREP_OUT:
             # O = s·[diag(Γ) Q S₀ᵀ + (M ⊙ Q Kᵀ) U], S₀ and U rounded to the activation dtype as the
             # separate output kernel sees them (snapshot h and U stored in that dtype)
             b_q = cast(_l2norm_rows(q + i_h * s_qh, o_rows, m_rows, s_qt, o_k, m_k), DT)
@@ -236,12 +297,12 @@ def chunk_state_kernel(q, k, w, u, gcum, vnew, h, o, pool, seg_b, seg_p, cu_seql
             b_o = mma(b_q, tl.trans(cast(b_S, DT)), DOT_PREC) * tl.exp(b_gc)[:, None]
             b_o += mma(cast(b_qk, DT), cast(b_U, DT), DOT_PREC)
             tl.store(o + p_rv, cast(b_o * scale, o.dtype.element_ty), mask=m_rv)
-        else:
+        elif not PREP_OUT:
             tl.store(vnew + p_rv, cast(b_U, vnew.dtype.element_ty), mask=m_rv)
         b_S = b_S1
     if is_last:
         s_dst = tl.load(dst_slots + i_n)
         if s_dst >= 0:
             tl.store(pool + s_dst.to(tl.int64) * SLOT + o_s, cast(b_S, pool.dtype.element_ty), mask=m_s)
-        if HAS_PARENT:
+        if HAS_PARENT and PHASE == 0:
             _publish(sync + 1 + (i_n * HV + i_hv) * NVT + i_vt)

@@ -1,20 +1,23 @@
 """Triton kernels of the chunked gated-delta-rule prefill (gdn_kernels.md §2), two launches (+1 for
-context-parallel sequences, +1 with ``fused_out`` off):
+context-parallel sequences, +1 for the consumers of same-call parents, +1 with ``prep_out`` and ``fused_out`` off):
 
-1. ``chunk_prep_kernel``   grid (chunk rows, H): per chunk and *key* head, l2-normalise k, form
-   K Kᵀ once, then per value head of the group: gates, chunk-local cumsum, the strictly lower
-   𝒜 = diag(β) (Γᵢ/Γₘ ⊙ K Kᵀ), 𝒯 = (I + 𝒜)⁻¹, 𝒲 = 𝒯 diag(βΓ) K, Ũ = 𝒯 diag(β) V.
-   No state is read: producers and consumers of one step run together here.
+1. ``chunk_prep_kernel``   grid (chunk rows, H·split): per chunk and key head, l2-normalise k (stored for the
+   state pass), form K Kᵀ, then per value head of the program: gates, chunk-local cumsum, the strictly lower
+   𝒜 = diag(β) (Γᵢ/Γₘ ⊙ K Kᵀ), 𝒯 = (I + 𝒜)⁻¹, 𝒲 = 𝒯 diag(βΓ) K, Ũ = 𝒯 diag(β) V and (``prep_out``) the output's
+   state-independent half s·M Ũ (into o) and Q' = s·[diag(Γ) Q − M 𝒲], M = causal ⊙ Γᵢ/Γⱼ ⊙ Q Kᵀ.
+   No state is read: producers and consumers of one step run together here. Sequences of <= 32 tokens take
+   a 32-row tile.
 2. the state pass (``chunk_state_triton.py``): segment transitions of long sequences, then one program per
    (sequence segment, value head, V tile) walking its chunks from pool[src], zeros, its parent's final state
-   or its predecessor segment's published start, writing the outputs (fused) and pool[dst].
-3. ``chunk_output_kernel`` grid (V tiles, chunk rows, HV), only with ``fused_out`` off:
+   or its predecessor segment's published start, adding Q' S₀ᵀ to the outputs and writing pool[dst].
+3. ``chunk_output_kernel`` grid (V tiles, chunk rows, HV), only with ``prep_out`` and ``fused_out`` off:
    O = s·[diag(Γ) Q S₀ᵀ + (M ⊙ Q Kᵀ) U] from the snapshots h and U.
 Launch configs: ``chunk_configs.py`` (one row per GPU model).
 
-𝒯 is built blockwise: the four 16×16 diagonal blocks of 𝒜 are inverted by forward substitution
-(batched as one [4, 16, 16] tensor), then with D = blockdiag(those inverses) and N = D·𝒜_offdiag
-(nilpotent, N⁴ = 0): 𝒯 = (I − N + N² − N³)·D — three 64×64 products, all on tensor cores.
+𝒯 by default by the product form ∏ (I + (−𝒜)^(2^j)) (5 factors of 64×64, 4 of 32×32 for the short tile), all on
+tensor cores; ``inv_mode`` 0 / 2 build it blockwise: the four 16×16 diagonal blocks of 𝒜 inverted (forward
+substitution / a batched product form), then with D = blockdiag(those inverses) and N = D·𝒜_offdiag
+(nilpotent, N⁴ = 0): 𝒯 = (I − N + N² − N³)·D.
 Exponentials are natural-base and always of non-positive arguments (selected before exp).
 """
 from __future__ import annotations
@@ -52,35 +55,32 @@ def _chunk_rows(chunk_indices, cu_seqlens, i_row, C: tl.constexpr):
 
 
 @triton.jit
-def chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, gcum, w, u,
-                      s_kt, s_kh, s_vt, s_vh, s_at, s_ah, s_bt, s_bh,
-                      R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
-                      INV_MODE: tl.constexpr, PREP_BF16: tl.constexpr, SPLIT: tl.constexpr, INV_BF16: tl.constexpr):
-    # SPLIT programs per key head, each taking R // SPLIT of its value heads (more programs for small grids)
-    i_row, i_hs = tl.program_id(0), tl.program_id(1)
-    i_h, i_s = i_hs // SPLIT, i_hs % SPLIT
-    i_n, o_rows, m_rows = _chunk_rows(chunk_indices, cu_seqlens, i_row, C)
-    if i_n < 0:
-        return
+def _prep_tile(q, k, v, a, b, A_log, dt_bias, gcum, w, u, kn, qp, o, scale, t0, n_valid, i_h, i_s,
+               s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_at, s_ah, s_bt, s_bh,
+               R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+               BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
+               INV_MODE: tl.constexpr, PREP_BF16: tl.constexpr, SPLIT: tl.constexpr, INV_BF16: tl.constexpr,
+               NIT: tl.constexpr, PREP_OUT: tl.constexpr, STORE_KN: tl.constexpr):
+    """One key head's programs' share of a chunk tile of C rows (t0 .. t0 + n_valid valid)."""
+    DT: tl.constexpr = w.dtype.element_ty
     o_c = tl.arange(0, C)
+    m_rows = o_c < n_valid
+    o_rows = t0 + o_c
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = tl.arange(0, BV)
     m_v = o_v < V
 
     b_k = _l2norm_rows(k + i_h * s_kh, o_rows, m_rows, s_kt, o_k, m_k)          # [C, BK] fp32
+    if STORE_KN:
+        if i_s == 0:   # the normalised keys for the state pass (one copy per key head)
+            tl.store(kn + (o_rows[:, None].to(tl.int64) * (HV // R) + i_h) * K + o_k[None, :], cast(b_k, DT),
+                     mask=m_rows[:, None] & m_k[None, :])
     if PREP_BF16:
-        b_kd = cast(b_k, w.dtype.element_ty)
+        b_kd = cast(b_k, DT)
         b_kk = mma(b_kd, tl.trans(b_kd), DOT_PREC)                              # [C, C]
     else:
         b_kk = mma(b_k, tl.trans(b_k), DOT_PREC)
-
-    # block structure of a 64x64 matrix seen as [4, 16, 4, 16]
-    o_blk = tl.arange(0, 4)
-    o_16 = tl.arange(0, 16)
-    eye16 = (o_16[:, None] == o_16[None, :]).to(tl.float32)
-    same_blk = (o_blk[:, None, None, None] == o_blk[None, None, :, None])     # [4,1,4,1]
     strict = o_c[:, None] > o_c[None, :]
     eye = (o_c[:, None] == o_c[None, :]).to(tl.float32)
 
@@ -93,59 +93,118 @@ def chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, 
         tl.store(gcum + o_rows * HV + i_hv, b_gc, mask=m_rows)
         diff = tl.where(strict, b_gc[:, None] - b_gc[None, :], 0.)
         b_A = tl.where(strict, b_kk * b_beta[:, None] * tl.exp(diff), 0.)       # strictly lower [C, C]
-
-        # --- T = (I + A)^-1 ---
-        if INV_MODE != 1:
-            b_A4 = tl.reshape(b_A, (4, 16, 4, 16))
-            b_Ad = tl.sum(tl.where(same_blk, b_A4, 0.), 2)                     # diagonal blocks [4, 16, 16]
-            if INV_MODE == 0:   # forward substitution, batched over the four blocks
-                b_Ti = tl.broadcast_to(eye16[None, :, :], (4, 16, 16))
-                for i in tl.static_range(1, 16):
-                    sel = (o_16 == i)[None, :, None]
-                    row = tl.sum(tl.where(sel, b_Ad, 0.), 1)                    # [4, 16] = A[blk, i, :]
-                    upd = tl.sum(row[:, :, None] * b_Ti, 1)                     # [4, 16]
-                    b_Ti = tl.where(sel, b_Ti - upd[:, None, :], b_Ti)
-            else:               # product form on the blocks: 6 batched 16x16 products (A_d^16 = 0)
-                b_Pd = -b_Ad
-                b_Ti = eye16[None, :, :] + b_Pd
-                for _ in tl.static_range(3):
-                    b_Pd = mma(b_Pd, b_Pd, DOT_PREC)
-                    b_Ti = b_Ti + mma(b_Ti, b_Pd, DOT_PREC)
-            b_D = tl.reshape(tl.where(same_blk, tl.expand_dims(b_Ti, 2), 0.), (C, C))   # blockdiag
-            b_Ao = tl.reshape(tl.where(same_blk, 0., b_A4), (C, C))            # block-strictly-lower part
-            b_N = mma(b_D, b_Ao, DOT_PREC)
-            b_X = eye - b_N
-            b_X = eye - mma(b_N, b_X, DOT_PREC)
-            b_X = eye - mma(b_N, b_X, DOT_PREC)
-            b_T = mma(b_X, b_D, DOT_PREC)
-        else:
-            # product form: (I + A)^-1 = prod_j (I + (-A)^(2^j)), A nilpotent (A^64 = 0)
-            b_P = -b_A
-            b_T = eye + b_P
-            for _ in tl.static_range(5):
-                if INV_BF16:   # bf16 operands, fp32 accumulation (measured for cost and error only)
-                    b_P = mma(cast(b_P, w.dtype.element_ty), cast(b_P, w.dtype.element_ty), DOT_PREC)
-                    b_T = b_T + mma(cast(b_T, w.dtype.element_ty), cast(b_P, w.dtype.element_ty), DOT_PREC)
-                else:
-                    b_P = mma(b_P, b_P, DOT_PREC)
-                    b_T = b_T + mma(b_T, b_P, DOT_PREC)
+        b_T = _inverse(b_A, eye, C, DOT_PREC, INV_MODE, INV_BF16, NIT, DT)
 
         b_kb = b_k * (b_beta * tl.exp(b_gc))[:, None]
         if PREP_BF16:
-            b_Td = cast(b_T, w.dtype.element_ty)
-            b_w = mma(b_Td, cast(b_kb, w.dtype.element_ty), DOT_PREC)
+            b_Td = cast(b_T, DT)
+            b_w = cast(mma(b_Td, cast(b_kb, DT), DOT_PREC), DT)
         else:
-            b_w = mma(b_T, b_kb, DOT_PREC)
-        p_w = w + (o_rows[:, None].to(tl.int64) * HV + i_hv) * K + o_k[None, :]
-        tl.store(p_w, cast(b_w, w.dtype.element_ty), mask=m_rows[:, None] & m_k[None, :])
+            b_w = cast(mma(b_T, b_kb, DOT_PREC), DT)
+        m_rk = m_rows[:, None] & m_k[None, :]
+        p_w = (o_rows[:, None].to(tl.int64) * HV + i_hv) * K + o_k[None, :]
+        tl.store(w + p_w, b_w, mask=m_rk)
         b_v = tl.load(v + o_rows[:, None].to(tl.int64) * s_vt + i_hv * s_vh + o_v[None, :],
                       mask=m_rows[:, None] & m_v[None, :], other=0.).to(tl.float32)
         if PREP_BF16:
-            b_u = mma(b_Td, cast(b_v * b_beta[:, None], w.dtype.element_ty), DOT_PREC)
+            b_u = cast(mma(b_Td, cast(b_v * b_beta[:, None], DT), DOT_PREC), DT)
         else:
-            b_u = mma(b_T, b_v * b_beta[:, None], DOT_PREC)
-        p_u = u + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :]
-        tl.store(p_u, cast(b_u, u.dtype.element_ty), mask=m_rows[:, None] & m_v[None, :])
+            b_u = cast(mma(b_T, b_v * b_beta[:, None], DOT_PREC), DT)
+        p_u = (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :]
+        m_rv = m_rows[:, None] & m_v[None, :]
+        tl.store(u + p_u, b_u, mask=m_rv)
+        if PREP_OUT:
+            # O = s·[(M ⊙ Q Kᵀ) Ũ + Q' S₀ᵀ],  Q' = diag(Γ) Q − (M ⊙ Q Kᵀ) 𝒲  (M: causal, decayed)
+            # the state-independent halves here; the state pass adds Q' S₀ᵀ to o in place. Q Kᵀ is formed per
+            # value head, where it is used (short live ranges; one program per value head when split); with
+            # PREP_BF16 q and k rounded to the activation dtype, as fla's output stage does
+            b_q = _l2norm_rows(q + i_h * s_qh, o_rows, m_rows, s_qt, o_k, m_k)
+            if PREP_BF16:
+                b_q = cast(b_q, DT)
+                b_qk = mma(b_q, tl.trans(b_kd), DOT_PREC)
+            else:
+                b_qk = mma(b_q, tl.trans(b_k), DOT_PREC)
+            incl = (o_c[:, None] >= o_c[None, :]) & m_rows[:, None]
+            b_M = tl.where(incl, b_qk * tl.exp(tl.where(incl, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
+            b_Md = cast(b_M, DT)
+            b_oi = mma(b_Md, b_u, DOT_PREC)
+            tl.store(o + p_u, cast(b_oi * scale, o.dtype.element_ty), mask=m_rv)
+            b_qp = b_q.to(tl.float32) * tl.exp(b_gc)[:, None] - mma(b_Md, b_w, DOT_PREC)
+            tl.store(qp + p_w, cast(b_qp * scale, DT), mask=m_rk)
+
+
+@triton.jit
+def _inverse(b_A, eye, C: tl.constexpr, DOT_PREC: tl.constexpr, INV_MODE: tl.constexpr, INV_BF16: tl.constexpr,
+             NIT: tl.constexpr, DT: tl.constexpr):
+    """(I + A)⁻¹ of a strictly lower [C, C] A."""
+    if INV_MODE != 1:   # C = 64 only
+        o_blk = tl.arange(0, 4)
+        o_16 = tl.arange(0, 16)
+        eye16 = (o_16[:, None] == o_16[None, :]).to(tl.float32)
+        same_blk = (o_blk[:, None, None, None] == o_blk[None, None, :, None])     # [4,1,4,1]
+        b_A4 = tl.reshape(b_A, (4, 16, 4, 16))
+        b_Ad = tl.sum(tl.where(same_blk, b_A4, 0.), 2)                     # diagonal blocks [4, 16, 16]
+        if INV_MODE == 0:   # forward substitution, batched over the four blocks
+            b_Ti = tl.broadcast_to(eye16[None, :, :], (4, 16, 16))
+            for i in tl.static_range(1, 16):
+                sel = (o_16 == i)[None, :, None]
+                row = tl.sum(tl.where(sel, b_Ad, 0.), 1)                    # [4, 16] = A[blk, i, :]
+                upd = tl.sum(row[:, :, None] * b_Ti, 1)                     # [4, 16]
+                b_Ti = tl.where(sel, b_Ti - upd[:, None, :], b_Ti)
+        else:               # product form on the blocks: 6 batched 16x16 products (A_d^16 = 0)
+            b_Pd = -b_Ad
+            b_Ti = eye16[None, :, :] + b_Pd
+            for _ in tl.static_range(3):
+                b_Pd = mma(b_Pd, b_Pd, DOT_PREC)
+                b_Ti = b_Ti + mma(b_Ti, b_Pd, DOT_PREC)
+        b_D = tl.reshape(tl.where(same_blk, tl.expand_dims(b_Ti, 2), 0.), (C, C))   # blockdiag
+        b_Ao = tl.reshape(tl.where(same_blk, 0., b_A4), (C, C))            # block-strictly-lower part
+        b_N = mma(b_D, b_Ao, DOT_PREC)
+        b_X = eye - b_N
+        b_X = eye - mma(b_N, b_X, DOT_PREC)
+        b_X = eye - mma(b_N, b_X, DOT_PREC)
+        b_T = mma(b_X, b_D, DOT_PREC)
+    else:
+        # product form: (I + A)^-1 = prod_j (I + (-A)^(2^j)), A nilpotent (A^C = 0): NIT = log2(C) - 1 factors
+        b_P = -b_A
+        b_T = eye + b_P
+        for _ in tl.static_range(NIT):
+            if INV_BF16:   # bf16 operands, fp32 accumulation
+                b_P = mma(cast(b_P, DT), cast(b_P, DT), DOT_PREC)
+                b_T = b_T + mma(cast(b_T, DT), cast(b_P, DT), DOT_PREC)
+            else:
+                b_P = mma(b_P, b_P, DOT_PREC)
+                b_T = b_T + mma(b_T, b_P, DOT_PREC)
+    return b_T
+
+
+@triton.jit
+def chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, gcum, w, u, kn, qp, o, scale,
+                      s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_at, s_ah, s_bt, s_bh,
+                      R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
+                      INV_MODE: tl.constexpr, PREP_BF16: tl.constexpr, SPLIT: tl.constexpr, INV_BF16: tl.constexpr,
+                      PREP_OUT: tl.constexpr, STORE_KN: tl.constexpr, SHORT: tl.constexpr,
+                      SHORT_NIT: tl.constexpr):
+    # SPLIT programs per key head, each taking R // SPLIT of its value heads (more programs for small grids).
+    # A sequence of at most SHORT tokens (> 0) takes a SHORT-row tile (one chunk; the choice depends only on
+    # the sequence's own length, so varlen results equal per-sequence results bit for bit).
+    i_row, i_hs = tl.program_id(0), tl.program_id(1)
+    i_h, i_s = i_hs // SPLIT, i_hs % SPLIT
+    i_n = tl.load(chunk_indices + 2 * i_row)
+    if i_n < 0:
+        return
+    i_c = tl.load(chunk_indices + 2 * i_row + 1)
+    bos = tl.load(cu_seqlens + i_n)
+    L = tl.load(cu_seqlens + i_n + 1) - bos
+    if SHORT > 0 and L <= SHORT:
+        _prep_tile(q, k, v, a, b, A_log, dt_bias, gcum, w, u, kn, qp, o, scale, bos, L, i_h, i_s,
+                   s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_at, s_ah, s_bt, s_bh, R, HV, K, V, BK, BV, SHORT, DOT_PREC,
+                   1, PREP_BF16, SPLIT, INV_BF16, SHORT_NIT, PREP_OUT, STORE_KN)
+    else:
+        _prep_tile(q, k, v, a, b, A_log, dt_bias, gcum, w, u, kn, qp, o, scale, bos + i_c * C, L - i_c * C, i_h,
+                   i_s, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_at, s_ah, s_bt, s_bh, R, HV, K, V, BK, BV, C, DOT_PREC,
+                   INV_MODE, PREP_BF16, SPLIT, INV_BF16, 5, PREP_OUT, STORE_KN)
 
 
 @triton.jit
@@ -193,18 +252,35 @@ def _prec(v: torch.Tensor) -> str:
     return "ieee" if v.dtype == torch.float32 else "tf32"
 
 
-def launch_prep(q, k, v, a, b, A_log, dt_bias, meta: VarlenMeta, ws: ChunkWorkspace):
+def prep_out(v: torch.Tensor, cfg: ChunkConfig) -> bool:
+    """The prep forms the output's state-independent half and Q' (no snapshots, no output kernel)."""
+    return cfg.prep_out
+
+
+def use_kn(v: torch.Tensor, cfg: ChunkConfig) -> bool:
+    """The prep stores the normalised keys (in the activation dtype) for the state pass: exact unless the
+    state pass multiplies fp32 keys (``state_f32`` with 16-bit activations)."""
+    return cfg.store_kn and (v.dtype == torch.float32 or not cfg.state_f32)
+
+
+def launch_prep(q, k, v, a, b, A_log, dt_bias, meta: VarlenMeta, ws: ChunkWorkspace, out=None, scale: float = 1.0):
     cfg = chunk_config(q.device)
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     R = HV // H
     split = R if meta.num_chunk_rows * H < cfg.prep_split_below else 1
+    pout, kn_on = prep_out(v, cfg) and out is not None, use_kn(v, cfg)
+    kn, qp = ws.prep_buffers(H) if (pout or kn_on) else (ws.w, ws.w)
+    short = cfg.short_prep
     launch(chunk_prep_kernel, (meta.num_chunk_rows, H * split), (
-        q, k, v, a, b, A_log, dt_bias, meta.cu_seqlens, meta.chunk_indices, ws.gcum, ws.w, ws.u,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+        q, k, v, a, b, A_log, dt_bias, meta.cu_seqlens, meta.chunk_indices, ws.gcum, ws.w, ws.u, kn, qp,
+        out if pout else ws.u, scale,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1),
+        b.stride(0), b.stride(1),
         R, HV, K, V, max(pow2(K), cfg.prep_min_block), max(pow2(V), cfg.prep_min_block), CHUNK, _prec(v),
-        cfg.inv_mode, cfg.prep_bf16 and v.dtype != torch.float32, split, cfg.inv_bf16 and v.dtype != torch.float32),
-        cfg.prep_warps)
+        cfg.inv_mode, cfg.prep_bf16 and v.dtype != torch.float32, split, cfg.inv_bf16 and v.dtype != torch.float32,
+        pout, kn_on, short, max(short.bit_length() - 2, 0)),
+        cfg.prep_warps, cfg.prep_stages)
 
 
 def max_segments(meta: VarlenMeta, cfg: ChunkConfig) -> int:
@@ -225,28 +301,33 @@ def launch_state(q, k, v, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, pare
     ms = max_segments(meta, cfg)
     prec = _prec(v)
     seg_b = seg_p = ws.gcum
+    pout, kn_on = prep_out(v, cfg), use_kn(v, cfg)
+    kn, qp = ws.prep_buffers(H) if (pout or kn_on) else (ws.w, ws.w)
     if ms > 1:
         seg_b, seg_p = ws.seg_buffers(meta.num_chunk_rows // cfg.cp_seg_chunks + 1)
         gbv = min(cfg.seg_bv, pow2(max(K, V)))
         launch(chunk_seg_kernel, (cdiv(V, gbv) + cdiv(K, gbv), N * ms, HV), (
-            k, ws.w, ws.u, ws.gcum, seg_b, seg_p, meta.cu_seqlens, meta.chunk_offsets, k.stride(0), k.stride(1),
-            ms, R, HV, K, V, BK, gbv, CHUNK, cfg.cp_min_chunks, cfg.cp_seg_chunks, prec, cfg.state_f32),
+            k, kn, ws.w, ws.u, ws.gcum, seg_b, seg_p, meta.cu_seqlens, meta.chunk_offsets, k.stride(0), k.stride(1),
+            ms, R, HV, K, V, BK, gbv, CHUNK, cfg.cp_min_chunks, cfg.cp_seg_chunks, prec, cfg.state_f32, kn_on),
             cfg.seg_warps)
-    tickets = parents is not None or ms > 1
+    phases = parents is not None and ms == 1 and cfg.parent_phases   # producers, then consumers: two launches
+    tickets = (parents is not None and not phases) or ms > 1
     nflags = N * HV * nvt
     sync = src_slots
     if tickets:   # ticket counter + ready flags (final states, segment starts), zeroed per call
         sync = ws.sync_buffer(1 + nflags * (1 + ms))
         sync.zero_()
     fused = cfg.fused_out
-    vnew, h = (ws.w, ws.w) if fused else ws.snapshot_buffers()
-    launch(chunk_state_kernel, (nvt, N * ms * HV), (
-        q, k, ws.w, ws.u, ws.gcum, vnew, h, out, ssm_pool, seg_b, seg_p,
-        meta.cu_seqlens, meta.chunk_offsets, src_slots, dst_slots, parents if parents is not None else src_slots,
-        sync, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), ms, nflags,
-        R, HV, K, V, BK, sbv, CHUNK, ms > 1, cfg.cp_min_chunks, cfg.cp_seg_chunks, parents is not None, tickets,
-        fused,
-        prec, cfg.comb_prec if prec == "tf32" else "ieee", cfg.state_f32, min(cfg.comb_block, BK)), cfg.state_warps)
+    vnew, h = (ws.w, ws.w) if fused or pout else ws.snapshot_buffers()
+    for phase in ((1, 2) if phases else (0,)):
+        launch(chunk_state_kernel, (nvt, N * ms * HV), (
+            q, k, kn, qp, ws.w, ws.u, ws.gcum, vnew, h, out, ssm_pool, seg_b, seg_p,
+            meta.cu_seqlens, meta.chunk_offsets, src_slots, dst_slots, parents if parents is not None else src_slots,
+            sync, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), ms, nflags,
+            R, HV, K, V, BK, sbv, CHUNK, ms > 1, cfg.cp_min_chunks, cfg.cp_seg_chunks, parents is not None, tickets,
+            fused, prec, cfg.comb_prec if prec == "tf32" else "ieee", cfg.state_f32, min(cfg.comb_block, BK), kn_on,
+            pout, phase),
+            cfg.state_warps, cfg.state_stages)
 
 
 def launch_output(q, k, v, meta: VarlenMeta, scale: float, out, ws: ChunkWorkspace):
@@ -268,8 +349,9 @@ def chunk_gdn_triton(q, k, v, a, b, A_log, dt_bias, ssm_pool, meta: VarlenMeta, 
     ws = workspace
     if ws is None or not ws.fits(T, meta.num_chunk_rows, HV, K, V, v.dtype):
         ws = ChunkWorkspace.empty(T, meta.num_chunk_rows, HV, K, V, v.dtype, q.device)
-    launch_prep(q, k, v, a, b, A_log, dt_bias, meta, ws)
+    launch_prep(q, k, v, a, b, A_log, dt_bias, meta, ws, out, scale)
     launch_state(q, k, v, ssm_pool, meta, src_slots, dst_slots, parents, ws, scale, out)
-    if not chunk_config(q.device).fused_out:
+    cfg = chunk_config(q.device)
+    if not cfg.fused_out and not prep_out(v, cfg):
         launch_output(q, k, v, meta, scale, out, ws)
     return out

@@ -1,7 +1,8 @@
 """Scratch tensors of the chunked prefill, preallocated once for a (token, chunk-row) bucket so that
 steps reuse them (and CUDA graphs capture fixed addresses). Sizes: gdn_kernels.md Appendix A.
 
-The snapshots h and U (``vnew``) exist only for the unfused output kernel (``ChunkConfig.fused_out`` off);
+The normalised keys and Q' exist with ``ChunkConfig.store_kn`` / ``prep_out``; the snapshots h and U (``vnew``)
+only for the unfused output kernel (``prep_out`` and ``fused_out`` off);
 the segment buffers only for context-parallel sequences. Both, like the state pass's sync buffer, are
 allocated on first use (warm a bucket before capturing it)."""
 from __future__ import annotations
@@ -17,6 +18,8 @@ class ChunkWorkspace:
     w: torch.Tensor      # [T, HV, K]     T (beta Gamma K)   (activation dtype)
     u: torch.Tensor      # [T, HV, V]     T (beta V)
     max_chunk_rows: int
+    kn: torch.Tensor | None = None     # [T, H, K]       l2-normalised keys (prep -> state pass)
+    qp: torch.Tensor | None = None     # [T, HV, K]      Q' = s·[diag(Γ) Q − (M ⊙ Q Kᵀ) 𝒲] (``prep_out``)
     vnew: torch.Tensor | None = None   # [T, HV, V]      U = u - w S0, per chunk
     h: torch.Tensor | None = None      # [NT, HV, V, K]  state at each chunk start (activation dtype)
     sync: torch.Tensor | None = None   # int32 ticket counter + ready flags of the state pass
@@ -32,6 +35,14 @@ class ChunkWorkspace:
             u=torch.empty(max_tokens, HV, V, dtype=dtype, device=device),
             max_chunk_rows=max_chunk_rows,
         )
+
+    def prep_buffers(self, H: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kn, qp) for the state pass's normalised keys and the prep-formed output operand."""
+        if self.kn is None or self.kn.shape[1] != H:
+            T, HV, K = self.w.shape
+            self.kn = torch.empty(T, H, K, dtype=self.w.dtype, device=self.w.device)
+            self.qp = torch.empty_like(self.w)
+        return self.kn, self.qp
 
     def snapshot_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(vnew, h) for the unfused output kernel."""
