@@ -7,6 +7,10 @@ against an older checkout (PYTHONPATH=that tree) to compare commits side by side
 latency warm-up (1 group) and two throughput-shaped warm-ups (16 groups each), then one timed pass (per step
 wall time, device synchronised around every step) and one profiled pass (torch.profiler, CUDA kernels summed
 by name over the pass). Prints JSON lines and writes the whole result to --out.
+
+``--stub`` (CPU, no device): the host path alone — the CUDA plan's RFC workload (16 groups, 8,192-token steps)
+through the prefill / mixed graph path run graph-shaped with the model's forward replaced by zeros, so what is
+timed and cProfiled is only the engine's host work per step (scheduling, layout, the fill, sampling, outputs).
 """
 from __future__ import annotations
 
@@ -84,6 +88,95 @@ def kernel_table(engine, groups, mode: str, params, tag: str, top: int) -> list[
     return [("TOTAL", sum(r[1] for r in rows), round(sum(r[2] for r in rows), 1))] + rows[:top]
 
 
+def stub_engine(mode: str, plan):
+    """An engine on the CPU whose graph-shaped forward returns zeros (no model time): the host path alone."""
+    from gdnserve.engine.llm_engine import LLMEngine
+    from gdnserve.engine.mixed_inputs import MixedKey
+    from gdnserve.engine.model_runner import RunnerConfig
+    from benchmarks.random_model import NullTokenizer, tiny_hf_config
+    model = build_random_model(tiny_hf_config(), torch.device("cpu"), torch.float32)
+    rc = RunnerConfig(num_slots=2 * plan.max_num_seqs + 2, num_pages=plan.num_pages, page_size=16,
+                      prefill_mode="fused" if mode == "none" else mode, graph_max_tokens=plan.max_step_tokens,
+                      cuda_graphs=True, graph_capture=False)
+    engine = LLMEngine(model, NullTokenizer(), runner=rc, max_num_seqs=plan.max_num_seqs,
+                       max_step_tokens=plan.max_step_tokens, max_model_len=4096, auto_checkpoints=mode != "none")
+    g, H = engine.runner.graphs, model.cfg.hidden_size
+    g._forward = lambda key: torch.zeros(key.rows if isinstance(key, MixedKey) else key[1] * key[0].L, H)
+    return engine, model.cfg.vocab_size
+
+
+def cpu_pass(engine, groups, mode: str, params, tag: str) -> dict:
+    """CPU time (this process only: robust to other processes on the machine) of a pass, by engine phase."""
+    acc: dict[str, float] = defaultdict(float)
+    saved = []
+
+    def wrap(obj, name: str, label: str):
+        fn = getattr(obj, name)
+        saved.append((obj, name))
+
+        def timed(*x, **kw):
+            t = time.process_time()
+            try:
+                return fn(*x, **kw)
+            finally:
+                acc[label] += time.process_time() - t
+        setattr(obj, name, timed)
+    wrap(engine, "add_request", "add_request")
+    wrap(engine.scheduler, "schedule", "schedule")
+    wrap(engine.runner, "step", "runner.step")
+    wrap(engine, "_settle", "settle")
+    wrap(engine, "_sample", "sample")
+    wrap(engine, "_process", "process")
+    wrap(engine, "_publish", "publish")
+    wrap(engine, "_outputs", "outputs")
+    t = time.process_time()
+    try:
+        drive(engine, groups, mode, params, tag)
+    finally:
+        for obj, name in saved:
+            delattr(obj, name)          # the instance attribute set above; the class's method shows again
+    acc["total"] = time.process_time() - t
+    return {k: round(1e3 * v, 2) for k, v in acc.items()}
+
+
+def stub_main(a) -> int:
+    """``--stub``: host time per step and a cProfile of one throughput pass per mode, forward stubbed out."""
+    import cProfile
+    import io
+    import pstats
+    torch.set_num_threads(1)          # the host path is one thread; intra-op threads only add noise here
+    plan = make_plan(True, False, None)
+    wl = plan.workloads[0]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    res = {"tag": a.tag, "workload": wl.name, "stub": True}
+    for mode in a.modes.split(","):
+        rng = random.Random(0)
+        engine, vocab = stub_engine(mode, plan)
+        for i in range(2):
+            drive(engine, wl.make_groups(wl.groups, vocab, rng), mode, params, f"wt{i}")
+        passes = [timed_pass(engine, wl.make_groups(wl.groups, vocab, rng), mode, params, f"t{i}") for i in range(3)]
+        r = sorted(passes, key=lambda x: x["wall_ms"])[1]
+        r["cpu_ms"] = cpu_pass(engine, wl.make_groups(wl.groups, vocab, rng), mode, params, "c")
+        pr = cProfile.Profile()
+        groups = wl.make_groups(wl.groups, vocab, rng)
+        pr.enable()
+        drive(engine, groups, mode, params, "h")
+        pr.disable()
+        buf = io.StringIO()
+        st = pstats.Stats(pr, stream=buf)
+        r["calls"] = st.total_calls
+        st.sort_stats("tottime").print_stats(a.top)
+        st.sort_stats("cumtime").print_stats(a.top)
+        r["host_profile"] = buf.getvalue()
+        r["graph_stats"] = dict(engine.runner.graphs.stats)
+        res[mode] = r
+        print(buf.getvalue() if a.host else "", json.dumps({"tag": a.tag, "mode": mode, "wall_ms": round(r["wall_ms"], 1),
+              "steps_ms": r["steps_ms"], "calls": r["calls"], "graph_stats": r["graph_stats"]}), flush=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -92,7 +185,10 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--host", action="store_true", help="also cProfile one pass per mode (host time by function)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--stub", action="store_true", help="CPU: the host path alone, the model's forward stubbed out")
     a = ap.parse_args()
+    if a.stub:
+        return stub_main(a)
     dev = torch.device(a.device)
     plan = make_plan(dev.type == "cuda", False, None)
     wl = plan.workloads[0]

@@ -27,10 +27,13 @@ MIN_CHUNK = 32   # smallest prefill chunk of a long prompt, so a busy step still
 @dataclass(eq=False)
 class AdmitPass:
     """One admission pass's accounting: the budget left, pages promised (running requests' next step and this
-    pass's admissions), whether the step already has prefill work, and this pass's same-step producers."""
+    pass's admissions), whether the step already has prefill work, the live samples of the running requests
+    (``Scheduler.live_seqs`` at the start, counted up as requests are admitted: nothing finishes during a pass),
+    and this pass's same-step producers."""
     budget: int
     reserved: int
     busy: bool
+    live: int = 0
     producers: dict[tuple[int, ...], int] = field(default_factory=dict)
 
     def over(self, batch: StepBatch, cost: int) -> bool:
@@ -72,6 +75,7 @@ class _Plan:
     pages: int = 0
     chunk: int | None = None
     prod_chunk: int | None = None
+    hkey: bytes | None = None        # checkpoint_key(key) when computed from the request's intake bytes
 
 
 def _plan(s: Scheduler, req: Request, p: AdmitPass) -> _Plan | None:
@@ -87,7 +91,8 @@ def _plan(s: Scheduler, req: Request, p: AdmitPass) -> _Plan | None:
     if c is not None and pl.key not in p.producers:
         if pl.key in s.producing:
             return None
-        look = ck.lookup(pl.key)
+        pl.hkey = req.prefix_key(pl.split)
+        look = ck.lookup(pl.key, pl.hkey)
         pl.hit = look.entry if look.hit else None
         pl.miss = None if look.hit else look.reason.value
     pl.new_producer = pl.key is not None and pl.key not in p.producers and pl.hit is None
@@ -125,7 +130,7 @@ def admit_fresh(s: Scheduler, req: Request, batch: StepBatch, p: AdmitPass) -> s
     s.kv.make_room(pl.need, pl.pages, p.reserved)
     _chunking(s, req, pl, p)
     why = None
-    if not s.kv.fits(pl.need, pl.pages, p.reserved) or s.live_seqs() + len(req.samples) > s.cfg.max_num_seqs:
+    if not s.kv.fits(pl.need, pl.pages, p.reserved) or p.live + len(req.samples) > s.cfg.max_num_seqs:
         why = SKIP
     elif p.over(batch, pl.cost):
         why = STOP
@@ -146,7 +151,7 @@ def admit_fresh(s: Scheduler, req: Request, batch: StepBatch, p: AdmitPass) -> s
 
 def _producer_item(s: Scheduler, req: Request, pl: _Plan, batch: StepBatch, p: AdmitPass) -> None:
     if req.checkpoint_at is not None:     # publish the prefix as a checkpoint: PENDING now, READY after the step
-        entry, prod = s.kv.checkpoints.reserve(pl.key, s.kv.pages)
+        entry, prod = s.kv.checkpoints.reserve(pl.key, s.kv.pages, pl.hkey)
         req.checkpoint = CheckpointInfo(hit_length=0, miss_reason=pl.miss, published=True)
         s.counters["checkpoints_published"] += 1
         s.counters["checkpoint_misses"][pl.miss] = s.counters["checkpoint_misses"].get(pl.miss, 0) + 1
@@ -196,6 +201,7 @@ def _commit_fresh(s: Scheduler, req: Request, pl: _Plan, batch: StepBatch, p: Ad
             batch.add(PrefillItem(smp.seq, list(ids[pl.split:]), producer=prod, all_logits=want_all), (req, smp))
     p.budget -= pl.cost
     p.reserved += pl.pages
+    p.live += len(req.samples)
     s.counters["prompt_tokens"] += len(ids)
 
 
@@ -215,7 +221,7 @@ def readmit(s: Scheduler, req: Request, batch: StepBatch, p: AdmitPass) -> str:
     need = len(live) + fork
     pages = (s.kv.pages_for(len(head)) if fork else 0) + sum(s.kv.pages_for(len(t), shared=len(head)) for t in tails)
     s.kv.make_room(need, pages, p.reserved)
-    if not s.kv.fits(need, pages, p.reserved) or s.live_seqs() + len(live) > s.cfg.max_num_seqs:
+    if not s.kv.fits(need, pages, p.reserved) or p.live + len(live) > s.cfg.max_num_seqs:
         return SKIP
     if p.over(batch, cost):
         return STOP
@@ -232,6 +238,7 @@ def readmit(s: Scheduler, req: Request, batch: StepBatch, p: AdmitPass) -> str:
         batch.add(PrefillItem(smp.seq, toks, producer=producer))    # nothing sampled: the next step decodes
     p.budget -= cost
     p.reserved += pages
+    p.live += len(live)
     req.num_computed = len(prompt)
     return ADMITTED
 

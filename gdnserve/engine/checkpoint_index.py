@@ -17,14 +17,20 @@ from typing import Sequence
 
 from gdnserve.engine.state_pool import PoolFullError, SlotKind, StatePool, StatePoolError
 
-_INT32 = "i" if array("i").itemsize == 4 else "l"
+INT32 = "i" if array("i").itemsize == 4 else "l"     # the array typecode of native int32
 
 
 def checkpoint_key(token_ids: Sequence[int]) -> bytes:
     """128-bit blake2b of the length and the int32 token ids. Only an address: a hit is confirmed
     against the stored ids, so a collision costs a miss, never a wrong state."""
-    h = hashlib.blake2b(len(token_ids).to_bytes(8, "little"), digest_size=16)
-    h.update(array(_INT32, token_ids).tobytes())
+    return key_of_i32(len(token_ids), array(INT32, token_ids).tobytes())
+
+
+def key_of_i32(n: int, i32: bytes) -> bytes:
+    """``checkpoint_key`` of ``n`` tokens given as their native int32 bytes (``i32``, 4 n bytes): what a request
+    keeps of its prompt from intake, so a key of a prompt prefix costs no per-token conversion."""
+    h = hashlib.blake2b(n.to_bytes(8, "little"), digest_size=16)
+    h.update(i32)
     return h.digest()
 
 
@@ -44,6 +50,15 @@ def conversation_prefix(prompt_ids: Sequence[int], output_ids: Sequence[int]) ->
     """The tokens of a finished single-sample request's automatic checkpoint: prompt + output minus the last,
     unfed token (the next turn of the conversation starts from it)."""
     return list(prompt_ids) + list(output_ids[:-1])
+
+
+def conversation_key(req, output_ids: Sequence[int]) -> bytes | None:
+    """``checkpoint_key(conversation_prefix(req.prompt_ids, output_ids))`` from the request's intake bytes of its
+    prompt (``req.prompt_i32``; None without them)."""
+    if req.prompt_i32 is None:
+        return None
+    n = len(req.prompt_ids) + max(0, len(output_ids) - 1)
+    return key_of_i32(n, req.prompt_i32 + array(INT32, output_ids[:-1]).tobytes())
 
 
 class CheckpointStatus(enum.Enum):
@@ -105,11 +120,12 @@ class CheckpointIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, token_ids: Sequence[int]) -> Lookup:
+    def lookup(self, token_ids: Sequence[int], key: bytes | None = None) -> Lookup:
         """Find the READY checkpoint of exactly ``token_ids``. Mutates only the LRU order and the stats;
-        takes no reference (``acquire`` before reading the slot)."""
+        takes no reference (``acquire`` before reading the slot). ``key``: ``checkpoint_key(token_ids)`` when the
+        caller has it (every method taking ``key`` trusts it)."""
         ids = tuple(token_ids)
-        key = checkpoint_key(ids)
+        key = checkpoint_key(ids) if key is None else key
         e = self._entries.get(key)
         if e is None:
             return self._miss(MissReason.EVICTED if key in self._evicted else MissReason.ABSENT)
@@ -121,14 +137,14 @@ class CheckpointIndex:
         self._touch(e)
         return Lookup(e, None, e.length)
 
-    def reserve(self, token_ids: Sequence[int]) -> Checkpoint:
+    def reserve(self, token_ids: Sequence[int], key: bytes | None = None) -> Checkpoint:
         """Create a PENDING entry on a fresh CHECKPOINT slot, evicting the LRU unreferenced READY entry if
         the pool is full. Raises CheckpointError if the key exists (look up first) and PoolFullError if
         nothing can be evicted."""
         ids = tuple(token_ids)
         if not ids:
             raise ValueError("token_ids: a checkpoint needs at least one token (length 0 is the zero state)")
-        key = checkpoint_key(ids)
+        key = checkpoint_key(ids) if key is None else key
         old = self._entries.get(key)
         if old is not None:
             what = "these tokens" if old.token_ids == ids else "other tokens with the same hash"
@@ -149,14 +165,14 @@ class CheckpointIndex:
         self._touch(e)
         return e
 
-    def adopt(self, token_ids: Sequence[int], slot: int) -> Checkpoint | None:
+    def adopt(self, token_ids: Sequence[int], slot: int, key: bytes | None = None) -> Checkpoint | None:
         """Publish the state already in ``slot`` (a RUNNING slot whose sequence has consumed exactly
         ``token_ids``) as a READY checkpoint, taking the slot over. None, changing nothing, if a checkpoint
         of that key exists (the caller keeps and frees its slot)."""
         ids = tuple(token_ids)
         if not ids:
             raise ValueError("token_ids: a checkpoint needs at least one token (length 0 is the zero state)")
-        key = checkpoint_key(ids)
+        key = checkpoint_key(ids) if key is None else key
         if key in self._entries:
             return None
         self.pool.transfer(slot, SlotKind.CHECKPOINT, self)

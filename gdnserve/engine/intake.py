@@ -6,20 +6,29 @@ from __future__ import annotations
 
 from array import array
 
+import numpy as np
+
+from gdnserve.engine.checkpoint_index import INT32
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.detokenizer import IncrementalDetokenizer
 from gdnserve.engine.request import Request, RequestError, Sample, ScoreJob
 from gdnserve.engine.sampling_params import SamplingParams
 
 
-def _token_ids(prompt, vocab_size: int) -> list[int]:
-    """A token-id prompt as Python ints, checked at C speed (a 600-token prompt per request, 160 requests a
-    serving pass: the per-token Python check cost ~10 % of a grouped pass's wall time on the H200 host)."""
+def _token_ids(prompt, vocab_size: int) -> tuple[list[int], bytes]:
+    """A token-id prompt as Python ints and as native int32 bytes (the checkpoint keys of its prefixes hash
+    them), converted and checked at C speed (a 600-token prompt per request, 160 requests a serving pass: the
+    per-token Python check cost ~10 % of a grouped pass's wall time on the H200 host)."""
     try:
-        return array("q", prompt).tolist()
+        a = array(INT32, prompt)
     except (TypeError, OverflowError) as e:
         raise RequestError(f"prompt has token ids outside the vocabulary 0..{vocab_size - 1} or not ints ({e})") \
             from None
+    if len(a):
+        v = np.frombuffer(a, dtype=np.int32)
+        if int(v.min()) < 0 or int(v.max()) >= vocab_size:
+            raise RequestError(f"prompt has token ids outside the vocabulary 0..{vocab_size - 1}")
+    return a.tolist(), a.tobytes()
 
 
 def _pages(cfg: EngineConfig, tokens: int) -> int:
@@ -30,17 +39,20 @@ def make_request(cfg: EngineConfig, tokenizer, vocab_size: int, request_id: str,
                  params: SamplingParams, checkpoint_at: int | None = None) -> Request:
     if not isinstance(params, SamplingParams):
         raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+    i32 = None
     if isinstance(prompt, str):
         ids, marker_at = tokenizer.encode_with_marker(prompt)
         if marker_at is not None and checkpoint_at is not None and marker_at != checkpoint_at:
             raise RequestError(f"checkpoint_at={checkpoint_at} disagrees with the marker at token {marker_at}")
         checkpoint_at = marker_at if marker_at is not None else checkpoint_at
     else:
-        ids = _token_ids(prompt, vocab_size)
+        ids, i32 = _token_ids(prompt, vocab_size)
     if not ids:
         raise RequestError("prompt is empty")
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        raise RequestError(f"prompt has token ids outside the vocabulary 0..{vocab_size - 1}")
+    if i32 is None:                           # a tokenized prompt (ids from a list were checked above)
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise RequestError(f"prompt has token ids outside the vocabulary 0..{vocab_size - 1}")
+        i32 = array(INT32, ids).tobytes()
     if len(ids) + params.max_tokens > cfg.max_model_len:
         raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                            f"context length {cfg.max_model_len}")
@@ -58,7 +70,7 @@ def make_request(cfg: EngineConfig, tokenizer, vocab_size: int, request_id: str,
                            f"{need} KV pages of {cfg.page_size}, the pool has {cfg.num_pages}; send fewer samples "
                            "or a smaller max_tokens")
     return Request(request_id, ids, params, checkpoint_at,
-                   [Sample(i, IncrementalDetokenizer(tokenizer)) for i in range(n)])
+                   [Sample(i, IncrementalDetokenizer(tokenizer)) for i in range(n)], prompt_i32=i32)
 
 
 def make_score_job(cfg: EngineConfig, tokenizer, vocab_size: int, request_id: str, prefix: str | list[int],

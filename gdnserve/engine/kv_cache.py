@@ -26,8 +26,8 @@ class Checkpoints:
     def __len__(self) -> int:
         return len(self.pages)
 
-    def lookup(self, token_ids):
-        return self.index.lookup(token_ids)
+    def lookup(self, token_ids, key: bytes | None = None):
+        return self.index.lookup(token_ids, key)
 
     def longest_hit(self, ids: list[int]) -> Checkpoint | None:
         """The READY checkpoint of the longest proper prefix of ``ids``, or None."""
@@ -38,9 +38,11 @@ class Checkpoints:
                     return look.entry
         return None
 
-    def reserve(self, key: tuple[int, ...], page_pool: PagePool) -> tuple[Checkpoint, SeqState]:
-        """A PENDING entry and the sequence over its slot that will carry the prefix's KV pages."""
-        entry = self.index.reserve(key)
+    def reserve(self, key: tuple[int, ...], page_pool: PagePool, hkey: bytes | None = None
+                ) -> tuple[Checkpoint, SeqState]:
+        """A PENDING entry and the sequence over its slot that will carry the prefix's KV pages (``hkey``: the
+        prefix's ``checkpoint_key`` when the caller has it)."""
+        entry = self.index.reserve(key, hkey)
         return entry, SeqState(entry.slot, PageTable(page_pool))
 
     def ready(self, entry: Checkpoint, pages: PageTable) -> None:
@@ -52,8 +54,8 @@ class Checkpoints:
         self.index.abort(entry)
         pages.release()
 
-    def adopt(self, tokens: list[int], seq: SeqState) -> Checkpoint | None:
-        entry = self.index.adopt(tokens, seq.slot)
+    def adopt(self, tokens: list[int], seq: SeqState, key: bytes | None = None) -> Checkpoint | None:
+        entry = self.index.adopt(tokens, seq.slot, key)
         if entry is not None:
             self.pages[entry.key] = seq.pages
         return entry

@@ -26,7 +26,7 @@ from dataclasses import replace
 
 import torch
 
-from gdnserve.engine.checkpoint_index import conversation_prefix
+from gdnserve.engine.checkpoint_index import conversation_key, conversation_prefix
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.engine_api import EngineDeadError, RequestOutput, ScoreResult
 from gdnserve.engine.intake import make_request, make_score_job
@@ -256,7 +256,8 @@ class LLMEngine:
             self.runner.flush([seq])                   # replay-mode pending tokens land in the slot first
             tokens = conversation_prefix(req.prompt_ids, s.token_ids)
             if (self.config.auto_checkpoints and len(req.samples) == 1 and s.finish_reason in ("stop", "length")
-                    and seq.length == len(tokens) and self.kv.checkpoints.adopt(tokens, seq) is not None):
+                    and seq.length == len(tokens)
+                    and self.kv.checkpoints.adopt(tokens, seq, conversation_key(req, s.token_ids)) is not None):
                 self.counters["checkpoints_published"] += 1
                 req.checkpoint = replace(req.checkpoint, published=True)
                 continue

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from gdnserve.engine.step_plan import IndexStager, PrefillSegment, _pack_prefill, _Packer, _validate
+from gdnserve.engine.step_plan import IndexStager, PrefillSegment, fused_slots
 from gdnserve.ops.varlen import CHUNK, VarlenMeta, aligned
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
@@ -113,14 +113,7 @@ def span(key: MixedKey, W: int, page_size: int) -> int:
 def fused_group(segs: list[PrefillSegment], is_ready) -> tuple[list[int], list[int], list[int]]:
     """The one launch group of the fused plan (step_plan.py builds it the same way, checks included: ownership
     contract and aliasing, PlanError): per segment in token order its src, dst and same-group parent."""
-    _validate(segs, "fused", is_ready)
-    pk = _Packer()
-    _, _, layout, _ = _pack_prefill(segs, "fused", pk)
-    lens, _, s, d, p, _ = layout[0]
-
-    def get(r: tuple[int, int]) -> list[int]:
-        return pk.vals[r[0]:r[1]]
-    return get(s), get(d), get(p) if p is not None else [-1] * len(lens)
+    return fused_slots(segs, is_ready)
 
 
 @dataclass

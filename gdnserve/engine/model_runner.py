@@ -350,11 +350,10 @@ class ModelRunner:
             p_before = prod.length - len(prefills[it.producer].tokens)
             if p_before > cow.first_position:
                 host.copies.append((cow.src_page, cow.dst_page))
-            for o, (_, dst) in enumerate(cow.slot_pairs()):
-                p = cow.first_position + o
-                if p >= p_before:
-                    host.dup_rows.append(start_row[it.producer] + p - p_before)
-                    host.dup_slots.append(dst)
+            o0 = max(0, p_before - cow.first_position)        # the tail offsets this step stores
+            r0, d0 = start_row[it.producer] + cow.first_position - p_before, cow.dst_page * cow.page_size
+            host.dup_rows += range(r0 + o0, r0 + cow.num_tokens)
+            host.dup_slots += range(d0 + o0, d0 + cow.num_tokens)
         elif it.checkpoint is not None:
             child, cow = it.checkpoint[1].fork(it.checkpoint[1].length)
             if cow is not None:

@@ -148,32 +148,44 @@ class PagePool:
         if not self._valid(pages):
             for p in pages:
                 self._check_page(p)               # raises, naming the page
-        for p in pages:
-            if refs[p] == 0:
-                raise PagePoolError(f"incref: page {p} is free")
+        if pages and min(map(refs.__getitem__, pages)) == 0:
+            raise PagePoolError(f"incref: page {next(p for p in pages if refs[p] == 0)} is free")
         for p in pages:
             refs[p] += 1
 
     def decref(self, pages: Iterable[int]) -> None:
         """One holder fewer of each page; pages reaching 0 are freed. A page listed more often than its
         refcount raises PagePoolError naming it, and nothing changes."""
-        counts = Counter(pages)
-        if not self._valid(counts):
-            for p in counts:
+        pages = list(pages)
+        refs, free = self._refs, self._free
+        if not self._valid(pages):
+            for p in pages:
                 self._check_page(p)               # raises, naming the page
+        if len(set(pages)) == len(pages):         # distinct pages (one table's): no counting needed
+            if pages and min(map(refs.__getitem__, pages)) < 1:
+                p = next(p for p in pages if refs[p] < 1)
+                raise PagePoolError(f"decref: page {p} has refcount 0, cannot drop 1 (double free?)")
+            for p in pages:
+                refs[p] -= 1
+                if not refs[p]:
+                    heapq.heappush(free, p)
+            return
+        counts = Counter(pages)
         for p, c in counts.items():
-            if c > self._refs[p]:
-                raise PagePoolError(f"decref: page {p} has refcount {self._refs[p]}, cannot drop {c} "
+            if c > refs[p]:
+                raise PagePoolError(f"decref: page {p} has refcount {refs[p]}, cannot drop {c} "
                                     f"(double free?)")
         for p, c in counts.items():
-            self._refs[p] -= c
-            if self._refs[p] == 0:
-                heapq.heappush(self._free, p)
+            refs[p] -= c
+            if refs[p] == 0:
+                heapq.heappush(free, p)
 
-    def _valid(self, pages) -> bool:
-        """Whether every page is an int page number of this pool (one pass; the callers then name the bad one)."""
-        n = self.config.num_pages
-        return all(type(p) is int and 0 <= p < n for p in pages)
+    def _valid(self, pages: list) -> bool:
+        """Whether every page is an int page number of this pool (C-level passes; the callers then name the bad
+        one)."""
+        if not pages:
+            return True
+        return set(map(type, pages)) == {int} and min(pages) >= 0 and max(pages) < self.config.num_pages
 
     def _check_page(self, page: int) -> None:
         if not isinstance(page, int) or isinstance(page, bool) or not 0 <= page < self.num_pages:
@@ -295,8 +307,12 @@ class PageTable:
         """Physical slots of positions ``start .. end-1`` (all below ``length``)."""
         if not 0 <= start <= end <= self.length:
             raise ValueError(f"positions {start}..{end}: expected 0 <= start <= end <= length = {self.length}")
-        P = self.pool.page_size
-        return [self.pages[p // P] * P + p % P for p in range(start, end)]
+        P, pages, out = self.pool.page_size, self.pages, []
+        first, last = start // P, (end - 1) // P
+        for i in range(first, last + 1):          # one range per page, not a Python step per position
+            b = pages[i] * P
+            out += range(b + (start - i * P if i == first else 0), b + (end - i * P if i == last else P))
+        return out
 
     def page_row(self, width: int, pad: int = -1) -> list[int]:
         """This table as one row of a step's ``page_table [N, width]``, padded with ``pad``."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gdnserve.engine.checkpoint_index import Checkpoint
+from gdnserve.engine.checkpoint_index import Checkpoint, key_of_i32
 from gdnserve.engine.detokenizer import IncrementalDetokenizer
 from gdnserve.engine.engine_api import CandidateScore, CheckpointInfo
 from gdnserve.engine.model_runner import SeqState
@@ -54,6 +54,11 @@ class Request:
     num_computed: int = 0             # prompt tokens scheduled so far (< len(prompt_ids) while chunked)
     prod: Producer | None = None      # while its checkpoint prefix is prefilled chunk by chunk
     error: str | None = None          # why the engine failed it (finish_reason "abort")
+    prompt_i32: bytes | None = None   # prompt_ids as native int32 bytes (intake): checkpoint keys of its prefixes
+
+    def prefix_key(self, n: int) -> bytes | None:
+        """``checkpoint_key(prompt_ids[:n])`` from the intake bytes (None without them: the index hashes)."""
+        return None if self.prompt_i32 is None else key_of_i32(n, self.prompt_i32[:4 * n])
 
     @property
     def finished(self) -> bool:

@@ -173,14 +173,21 @@ class Sampler:
         if logits.dim() != 2 or logits.dtype != torch.float32:
             raise ValueError(f"logits must be [B, V] float32, got {tuple(logits.shape)} {logits.dtype}")
         B, device = logits.shape[0], logits.device
+        if sample_indices is not None and len(sample_indices) != B:
+            raise ValueError(f"sample_indices must have {B} entries, got {len(sample_indices)}")
+        if not isinstance(params, SamplingTensors) and all(p.greedy for p in params):
+            # every row greedy: the argmax and the raw-logit logprobs; no per-row parameter tensors to build
+            # and upload (what the other path would compute for these rows, bit for bit)
+            if len(params) != B:
+                raise ValueError(f"params must describe the {B} rows of logits on {device}, got {len(params)}")
+            ids = logits.argmax(-1)
+            return SampleResult(ids, *token_logprobs(logits, ids, max((p.logprobs or 0 for p in params), default=0)))
         t = params if isinstance(params, SamplingTensors) else SamplingTensors.build(params, device)
         if t.temperature.shape != (B,) or t.temperature.device != device:
             raise ValueError(f"params must describe the {B} rows of logits on {device}, "
                              f"got {tuple(t.temperature.shape)} on {t.temperature.device}")
         if t.seeded and (steps is None or len(steps) != B):
             raise ValueError(f"steps must give the generation step of each of the {B} rows when a row is seeded")
-        if sample_indices is not None and len(sample_indices) != B:
-            raise ValueError(f"sample_indices must have {B} entries, got {len(sample_indices)}")
 
         ids = logits.argmax(-1) if t.any_greedy else None
         if not t.all_greedy:

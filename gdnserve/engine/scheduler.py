@@ -55,7 +55,7 @@ class Scheduler:
                   - sum(len(it.tokens) for it, _ in ready))
         rem = [self._chunk_end(r) - r.num_computed for r in chunks]
         reserve = min(sum(rem), max(budget // 2, MIN_CHUNK * len(chunks))) if chunks else 0
-        p = AdmitPass(budget=budget - reserve, reserved=reserved, busy=bool(chunks or ready))
+        p = AdmitPass(budget=budget - reserve, reserved=reserved, busy=bool(chunks or ready), live=self.live_seqs())
         admit_waiting(self, batch, p)
         for it, o in ready:                       # after the admissions' items: producer indices unchanged
             batch.add(it, o)

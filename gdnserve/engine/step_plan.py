@@ -201,6 +201,22 @@ def _pack_prefill(segs: list[PrefillSegment], mode: str, pk: _Packer):
     return order, start[-1], layout, ref
 
 
+def fused_slots(segs: list[PrefillSegment], is_ready: Callable[[int], bool]
+                ) -> tuple[list[int], list[int], list[int]]:
+    """The fused plan's one launch group without packing anything: per segment in token order its src, dst and
+    same-group parent (-1: none), after the checks ``build_step_plan`` makes (ownership contract, aliasing)."""
+    _validate(segs, "fused", is_ready)
+    phase1, phase2 = segment_phases(segs)
+    order = phase1 + phase2
+    pos = {seg: p for p, seg in enumerate(order)}
+    own = (InitFrom.OWN_SLOT, InitFrom.CHECKPOINT)
+    srcs = [segs[i].init_slot if segs[i].init in own else -1 for i in order]
+    dsts = [segs[i].dst_slot for i in order]
+    parents = [pos[segs[i].producer] if segs[i].init is InitFrom.PRODUCER else -1 for i in order]
+    _check_group_aliasing(order, srcs, dsts, parents if any(p >= 0 for p in parents) else None, segs)
+    return srcs, dsts, parents
+
+
 def _validate(segs: list[PrefillSegment], mode: str, is_ready: Callable[[int], bool]) -> None:
     dsts = [s.dst_slot for s in segs if s.dst_slot >= 0]
     if len(dsts) != len(set(dsts)):

@@ -360,3 +360,23 @@ def index_slot_ok(index: CheckpointIndex, e: Checkpoint) -> bool:
 
 TestIndexMachine = IndexMachine.TestCase
 TestIndexMachine.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
+
+
+def test_keys_from_intake_bytes_equal_checkpoint_key():
+    """A request keeps its prompt's int32 bytes from intake; the keys of its prefixes and of its conversation
+    prefix (prompt + output minus the last token) computed from them equal checkpoint_key of the ids."""
+    from gdnserve.engine.config import EngineConfig
+    from gdnserve.engine.intake import make_request
+    from gdnserve.engine.sampling_params import SamplingParams
+    rng = random.Random(7)
+    cfg = EngineConfig()
+    for _ in range(20):
+        ids = [rng.randrange(1000) for _ in range(rng.randint(2, 97))]
+        req = make_request(cfg, None, 1000, "r", ids, SamplingParams(max_tokens=3), None)
+        assert req.prompt_ids == ids and all(type(t) is int for t in req.prompt_ids)
+        for n in (1, rng.randint(1, len(ids)), len(ids)):
+            assert req.prefix_key(n) == checkpoint_key(ids[:n])
+        out = [rng.randrange(1000) for _ in range(rng.randint(0, 5))]
+        assert ci.conversation_key(req, out) == checkpoint_key(ci.conversation_prefix(ids, out))
+    req.prompt_i32 = None                      # a request built without intake: the index hashes the ids
+    assert req.prefix_key(1) is None and ci.conversation_key(req, [1]) is None

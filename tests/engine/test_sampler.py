@@ -331,3 +331,20 @@ def test_stop_holdback():
     assert stop_holdback("abab", ("abac", "bx")) == 2
     assert stop_holdback("xaba", ("abac", "bx")) == 3
     assert stop_holdback("x", ("x",)) == 0  # a whole stop string is stop_check's business
+
+
+@pytest.mark.parametrize("logprobs", [None, 0, 3])
+def test_all_greedy_fast_path_equals_the_tensor_path(logprobs):
+    """A batch of greedy rows skips building per-row parameter tensors; its result is the general path's."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(7, V, generator=g)
+    params = [SamplingParams(temperature=0.0, logprobs=logprobs if i % 2 else None) for i in range(7)]
+    s = Sampler(0)
+    fast = s.sample(logits, params)
+    full = s.sample(logits, SamplingTensors.build(params, "cpu"))
+    assert torch.equal(fast.token_ids, full.token_ids) and torch.equal(fast.logprobs, full.logprobs)
+    assert (fast.top_ids is None) == (full.top_ids is None)
+    if fast.top_ids is not None:
+        assert torch.equal(fast.top_ids, full.top_ids) and torch.equal(fast.top_logprobs, full.top_logprobs)
+    with pytest.raises(ValueError, match="must describe"):
+        s.sample(logits, params[:3])

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gdnserve.engine.step_plan import IndexStager, InitFrom, PlanError, PrefillSegment, build_step_plan
+from gdnserve.engine.step_plan import IndexStager, InitFrom, PlanError, PrefillSegment, build_step_plan, fused_slots
 from gdnserve.layers.prefill_plan import PREFILL_MODES
 
 NUM_SLOTS = 64
@@ -91,6 +91,10 @@ def test_plan_invariants(case):
                 assert jj == j or d < 0 or d not in reads
     if mode == "two_phase" and n_cons:
         assert pf.copy is not None and pf.copy.src.numel() == n_cons
+    if mode == "fused":       # the mixed graphs' lean path: the same launch group, nothing packed
+        g = pf.groups[0]
+        par = g.parents.tolist() if g.parents is not None else [-1] * len(segs)
+        assert fused_slots(segs, lambda s: s in ready) == (g.src.tolist(), g.dst.tolist(), par)
 
 
 def test_contract_violations_are_refused():
