@@ -27,6 +27,13 @@ def random_block(dtype=torch.float32, device="cpu", renorm=True, tp_rank=0, tp_s
     return moe.to(device=device, dtype=dtype).eval()
 
 
+def clear_routing(moe64: SparseMoE, x64: torch.Tensor, margin: float = 0.1) -> torch.Tensor:
+    """Rows whose top-k experts are not within ``margin`` of a tie with the next one (float64 logits of the
+    unfolded block)."""
+    top = (x64 @ moe64.gate.weight[:E].T).topk(K + 1, dim=-1).values
+    return (top[:, K - 1] - top[:, K]) > margin
+
+
 def checkpoint(moe: SparseMoE) -> dict[str, torch.Tensor]:
     """An unfolded block's weights under the HF names ``load_moe_from_hf`` reads (fused expert layout)."""
     s = moe.shared_expert
@@ -98,9 +105,12 @@ def test_folded_triton_equals_unfolded(T, dtype, renorm, device):
     assert torch.equal(split, unfolded)
     if dtype == torch.float32:
         assert rel_rms(folded, unfolded) < TOL[dtype] and rel_rms(folded, unfolded_torch) < TOL[dtype]
-    else:   # two bf16 paths differ by a few roundings each (~1e-2 apart): each is held to the float64 reference
+    else:   # two bf16 paths differ by a few roundings each (~1e-2 apart): each is held to the float64 reference,
+        # on the tokens whose k-th and (k+1)-th router logits are clearly apart (a near-tie may pick another expert
+        # in bf16 than in float64: a different, equally valid block output, not an error of the kernels)
+        keep = clear_routing(f64, x.double())
         for out in (folded, unfolded, unfolded_torch):
-            assert rel_rms(out.double(), ref) < TOL[dtype]
+            assert rel_rms(out.double()[keep], ref[keep]) < TOL[dtype]
 
 
 def test_default_folds_only_small_steps(monkeypatch, device):
