@@ -26,4 +26,4 @@ def test_cpu_proxy_run_writes_the_table(tmp_path):
         assert row in text
     rows = re.findall(r"\| decode B=1 \| (?:GDN|attention) \| (\d+) \| (\d+) \|", text)
     assert len(rows) == 2 and all(int(on) < int(off) for off, on in rows)
-    assert "triton::_add_rms_norm_kernel" in text and "triton::_router_align_kernel" in text
+    assert "triton::_add_rms_norm_kernel" in text and "triton::_router_small_kernel" in text
