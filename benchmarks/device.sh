@@ -25,6 +25,8 @@
 # holds py3.12 wheels of what the device image may lack (fla-core, flash-linear-attention, pytest,
 # hypothesis, fastapi, openai, ...); pip takes from it only what is not installed. Everything a suite writes
 # lands in /tmp/res and comes back as $OUT/res.tar (at most 8 files return from a call), re-packed every 20 s
+# (give every suite to ONE invocation: a second `device.sh` in the same call starts by clearing /tmp/res, so
+# the first one's files are gone unless copied out first),
 # so a call cut short by its time limit still returns what was written (bench ops rewrites its tables after
 # every case); unpack it into benchmarks/results/ under the stable names (newest result per benchmark, no run
 # numbers; git keeps the history).
