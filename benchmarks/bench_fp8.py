@@ -18,10 +18,11 @@ Sections (each row also checks the FP8 result against the dequantizing float32 r
   the full-size 40-layer, 256-expert model), decode steps (CUDA graphs) at B = 1 (``--full``: 1, 16, 64, 256)
   and a 1 x 4096 prefill, bf16 and then quantized in place to FP8 (``models.loader.quantize_model_fp8_``: the
   release's layout), with the decode byte floor of each (bench_model's methodology).
-* ``--sweep``: the decode linear kernel's configs (``fp8_skinny_triton``: in_proj and out_proj at M = 1, 16),
-  best first; ``--sweep-moe`` adds the FP8 experts' (T = 1, 16, 64, 4096).
-* Linear rows also time paths the op does not take by default ("alt"): at M <= 16 the one-launch skinny
-  kernel (``ops/quant/fp8_skinny_triton``) with x quantized in registers and weight-only; at M >= 512 the
+* ``--sweep``: the decode linear kernels' configs on every projection (``fp8_gemv_triton`` at M = 1 and 4,
+  ``fp8_gemm_triton`` at M = 16), best first; ``--sweep-moe`` adds the FP8 experts' (T = 1, 16, 64, 4096);
+  ``--sweep-only`` skips the other sections.
+* Linear rows also time paths the op does not take by default ("alt"): at M <= 4 the two-launch path the
+  GEMV replaced (quantization + the Triton GEMM, a dense tail by ``F.linear``); at M >= 512 the
   Triton GEMM next to cuBLAS's block-scaled ``torch._scaled_mm`` (``ops/quant/fp8_scaled_mm``).
 * ``--formats``: the model section's formats (default ``bf16,fp8``).
 
@@ -54,7 +55,7 @@ H = 2048
 LINEARS = {"gdn.in_proj": (12288, H, 64), "gdn.out_proj": (H, 4096, 0), "attn.qkv_proj": (9216, H, 0),
            "attn.o_proj": (H, 4096, 0), "shared.gate_up": (1024, H, 0), "shared.down": (H, 512, 0)}
 TINY = {"tiny.col": (256, 256, 8), "tiny.row": (128, 384, 0)}
-DECODE_M, PREFILL_M = (1, 16, 64, 256), 4096
+DECODE_M, PREFILL_M = (1, 4, 16, 64, 256), 4096
 L2_BYTES = 60 << 20
 
 
@@ -135,20 +136,19 @@ def linear_rows(dev: torch.device, quick: bool, log: Callable[[str], None]) -> l
 
 def _alt_row(row: dict[str, Any], x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, sets: list,
              dev: torch.device, quick: bool) -> None:
-    """Paths fp8_linear does not take by default, timed on the same inputs ("alt", "alt2"): M <= 16 the
-    one-launch skinny kernel (``fp8_skinny_triton``, dense tail fused) with x quantized in registers and
-    weight-only; M >= 512 the Triton GEMM when cuBLAS's block-scaled ``_scaled_mm`` is the default (or the
-    reverse)."""
+    """Paths fp8_linear does not take by default, timed on the same inputs ("alt"): M <= GEMV_MAX_M the
+    two-launch path the GEMV replaced (quantization + the Triton GEMM, the dense tail by ``F.linear``); M >= 512
+    the Triton GEMM when cuBLAS's block-scaled ``_scaled_mm`` is the default (or the reverse)."""
     from gdnserve.ops.quant import fp8_scaled_mm as sm
-    from gdnserve.ops.quant.fp8_skinny_triton import MAX_M, fp8_skinny
+    op = importlib.import_module("gdnserve.ops.quant.fp8_linear")
     M = x.shape[0]
-    if M <= MAX_M:
-        def skinny(t, qa):
-            y = torch.empty(M, row["N"], dtype=x.dtype, device=x.device)
-            return fp8_skinny(x, t[0], t[1], y, tail=t[2], quant_act=qa)
-        for key, qa, label in (("alt", True, "skinny, x quantized"), ("alt2", False, "skinny, weight-only")):
-            row[key] = label
-            _timed(row, key + "_us", lambda t, qa=qa: skinny(t, qa), sets, dev, quick)
+    if M <= op.GEMV_MAX_M:
+        row["alt"] = "quant + GEMM (2 launches) + F.linear tail"
+        saved, op.GEMV_MAX_M = op.GEMV_MAX_M, 0
+        try:
+            _timed(row, "alt_us", lambda t: fp8_linear(x, t[0], t[1], tail=t[2]), sets, dev, quick)
+        finally:
+            op.GEMV_MAX_M = saved
     elif M >= sm.MIN_M:
         on = sm.use_scaled_mm(x, q.shape[0])
         row["alt"] = "triton GEMM" if on else "cuBLAS _scaled_mm"
@@ -215,28 +215,38 @@ def _old_fp8_experts(x, w, idx, q_gu, q_dn, scales):
     return moe_experts_triton(x, w, al, q_gu, q_dn, k, scales)
 
 
+GEMV_SWEEP = [(bn, bk, w, st) for bn in (2, 4, 8) for bk in (512, 1024, 2048) for w in (4,) for st in (1, 2)] + [
+    (16, 1024, 8, 2), (16, 2048, 8, 2), (8, 2048, 8, 2), (4, 4096, 4, 1), (2, 4096, 4, 1)] + [
+    (bn, bk, 4, st, False) for bn, bk, st in ((2, 1024, 1), (2, 2048, 1), (4, 512, 2), (4, 1024, 2), (8, 512, 2))]
+# the Triton GEMM at M = 16: (BM, BN, warps, stages, GROUP_N, split-K programs target, SWAP)
+GEMM16_SWEEP = [(16, bn, 4, st, 1, tgt, True) for bn in (16, 32, 64) for st in (3, 5) for tgt in (0, 4 * 132)]
+
+
 def sweep_rows(dev: torch.device, log: Callable[[str], None], moe: bool = False) -> list[dict[str, Any]]:
-    """The decode kernel's configs (``fp8_skinny_triton``: BN weight rows, KG K blocks per iteration, warps,
-    stages, DOT) at M = 1 and 16 on in_proj (no tail) and out_proj; ``moe``: the FP8 experts' ((BNH, warps,
-    stages), (BN, warps, stages)) at T = 1, 16, 64, 4096."""
-    from gdnserve.ops.quant import fp8_skinny_triton as g
+    """The decode kernels' configs on every dense projection (in_proj with its dense tail): the CUDA-core GEMV
+    (``fp8_gemv_triton``: BN weight rows, BK, warps, stages) at M = 1 and 4, the Triton GEMM's at M = 16;
+    ``moe``: the FP8 experts' ((BNH, warps, stages), (BN, warps, stages)) at T = 1, 16, 64, 4096."""
+    from gdnserve.ops.quant import fp8_gemm_triton as gt
+    from gdnserve.ops.quant import fp8_gemv_triton as gv
+    from gdnserve.ops.quant.fp8_gemv_triton import GemvConfig
     rows: list[dict[str, Any]] = []
-    plan = {"gdn.in_proj": ((1, [(64, 4, 4, 1, False), (32, 4, 4, 1, False), (128, 4, 8, 1, False),
-                                 (64, 8, 4, 1, False), (64, 4, 4, 2, True)]),
-                            (16, [(64, 4, 4, 2, True), (32, 4, 4, 2, True), (128, 4, 8, 2, True)])),
-            "gdn.out_proj": ((1, [(16, 4, 4, 1, False), (16, 8, 4, 1, False), (32, 4, 4, 1, False)]),
-                             (16, [(16, 4, 4, 2, True), (16, 8, 4, 2, True), (32, 4, 4, 2, True)]))}
-    for shape, cases in plan.items():
-        N, K, _ = LINEARS[shape]
-        q, s = quantize_weight(torch.randn(N, K, device=dev) * 0.02)
-        sets = [(q.clone(), s.clone()) for _ in range(_copies(N * K, dev))]
-        for M, cfgs in cases:
+    for shape, (N, K, tail_rows) in LINEARS.items():
+        w = torch.randn(N + tail_rows, K, device=dev) * 0.02
+        q, s = quantize_weight(w[:N])
+        tail = w[N:].bfloat16() if tail_rows else None
+        sets = [(q.clone(), s.clone(), None if tail is None else tail.clone()) for _ in range(_copies(N * K, dev))]
+        plan = [(1, "gemv", GEMV_SWEEP), (4, "gemv", [c for c in GEMV_SWEEP if c[0] <= 4 and c[1] <= 1024]),
+                (16, "gemm", GEMM16_SWEEP)]
+        for M, kernel, cfgs in plan:
             x = torch.randn(M, K, device=dev).bfloat16()
             for c in cfgs:
-                g.CONFIG_OVERRIDE = c
-                rows.append(_sweep_one({"kernel": "linear", "shape": shape, "M": M, "config": list(c)},
-                                       lambda t: fp8_linear(x, t[0], t[1]), sets, dev))
-            g.CONFIG_OVERRIDE = None
+                if kernel == "gemv":
+                    gv.CONFIG_OVERRIDE = GemvConfig(*c)
+                else:
+                    gt.CONFIG_OVERRIDE = c
+                rows.append(_sweep_one({"kernel": kernel, "shape": shape, "M": M, "config": list(c)},
+                                       lambda t: fp8_linear(x, t[0], t[1], tail=t[2]), sets, dev))
+            gv.CONFIG_OVERRIDE = gt.CONFIG_OVERRIDE = None
     if moe:
         rows += _moe_sweep(dev)
     rows.sort(key=lambda r: (r["kernel"], r["shape"], r["M"], r.get("us", math.inf)))
@@ -342,14 +352,13 @@ def markdown(rep: dict[str, Any]) -> str:
            "the FP8 branch of `grouped_triton.py` (bf16 dots of upcast weights).", ""]
     out += ["## Linear (Qwen3.5-35B-A3B projections)", "",
             "| shape | N | K | M | bf16 µs | fp8 µs | fp8 / bf16 time | bf16 TB/s | fp8 TB/s | rel_err | "
-            "alt path | alt µs | alt 2 path | alt 2 µs |",
-            "|---" * 14 + "|"]
+            "alt path | alt µs |",
+            "|---" * 12 + "|"]
     for r in rep["linear"]:
         ratio = f"{1 / r['speedup']:.2f}" if "speedup" in r else f"error: {r.get('fp8_error')}"
         out.append(f"| {r['shape']} | {r['N']} | {r['K']} | {r['M']} | {_p(r, 'bf16_us')} | {_p(r, 'fp8_us')} | "
                    f"{ratio} | {r['bf16_TBps']:.2f} | {r.get('fp8_TBps', float('nan')):.2f} | "
-                   f"{r.get('rel_err', float('nan')):.1e} | {r.get('alt', '—')} | {_p(r, 'alt_us')} | "
-                   f"{r.get('alt2', '—')} | {_p(r, 'alt2_us')} |")
+                   f"{r.get('rel_err', float('nan')):.1e} | {r.get('alt', '—')} | {_p(r, 'alt_us')} |")
     out += ["", "## Routed experts (grouped GEMM; T random routings rotated: the touched experts leave L2)", "",
             "| T | E | top-k | bf16 µs | fp8 µs | fp8 old µs | fp8 / bf16 time | bf16 TB/s | fp8 TB/s | rel_err |",
             "|---" * 10 + "|"]
@@ -373,9 +382,10 @@ def markdown(rep: dict[str, Any]) -> str:
             out.append(f"{head} prefill 1x{r['prefill_len']} | {r['prefill_ms']:.1f} [{lo:.1f}–{hi:.1f}] | "
                        f"{r['prefill_tok_s']:,.0f} | — | — |")
     if rep.get("sweep"):
-        out += ["", "## Decode-kernel sweep (best first; linear: `fp8_skinny_triton` (BN weight rows, KG K blocks per "
-                "iteration, warps, stages, tensor-core DOT), x quantized in registers, in_proj without its tail; moe: "
-                "(BNH, warps, stages) gate_up, (BN, warps, stages) down)", "",
+        out += ["", "## Decode-kernel sweep (best first; gemv: `fp8_gemv_triton` (BN weight rows, BK, warps, stages); "
+                "gemm: `fp8_gemm_triton` (BM, BN, warps, stages, GROUP_N, split-K programs target, SWAP); both through "
+                "`fp8_linear` (x quantized by its own launch), in_proj with its dense tail; moe: (BNH, warps, stages) "
+                "gate_up, (BN, warps, stages) down)", "",
                 "| kernel | shape | M / T | config | µs [P10–P90] |", "|---|---|---|---|---|"]
         for r in rep["sweep"]:
             t = (f"{r['us']:.1f} [{r['p10_p90'][0]:.1f}–{r['p10_p90'][1]:.1f}]" if "us" in r else r.get("error"))
@@ -394,6 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-moe", action="store_true", help="with --sweep: also the FP8 experts' tile configs")
     ap.add_argument("--formats", default="bf16,fp8", help="model section: the formats to build (comma-separated)")
     ap.add_argument("--no-model", action="store_true", help="skip the model section")
+    ap.add_argument("--sweep-only", action="store_true", help="with --sweep: only the sweep (no linear, moe, model)")
     ap.add_argument("--full", action="store_true", help="model section: the full-size 40-layer model, decode "
                     "B = 1, 16, 64, 256 (CUDA; default: the 8-layer cut, B = 1)")
     ap.add_argument("--layers", type=int, default=None)
@@ -425,8 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         rep["notes"].append(f"cuBLAS block-scaled `torch._scaled_mm` on this torch: {'available' if ok else 'not used'} "
                             f"(probe: {rep['scaled_mm']['probe']}).")
     with torch.no_grad():
-        rep["linear"] = linear_rows(dev, args.quick, log)
-        rep["moe"] = moe_rows(dev, args.quick, log)
+        rep["linear"] = [] if args.sweep_only else linear_rows(dev, args.quick, log)
+        rep["moe"] = [] if args.sweep_only else moe_rows(dev, args.quick, log)
         save()
         if args.sweep and dev.type == "cuda":
             if time.perf_counter() - t0 < args.time_budget:
@@ -434,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                 save()
             else:
                 rep["notes"].append("sweep skipped: --time-budget spent")
-        if not args.no_model:
+        if not (args.no_model or args.sweep_only):
             if time.perf_counter() - t0 < args.time_budget:
                 rep["model"] = model_rows(dev, args.quick, args.layers, args.experts, log,
                                           full=args.full and dev.type == "cuda",

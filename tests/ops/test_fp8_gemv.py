@@ -1,0 +1,91 @@
+"""Decode-sized block-FP8 GEMV (ops/quant/fp8_gemv_triton: x quantized once by its own launch, the weight
+stream on the CUDA cores, the dense tail in the same launch) against the float64 reference of the same quantized
+math, on fresh random inputs: M = 1 ... 4, N not a multiple of 128 (partial weight blocks) nor of the row tile,
+K with a partial last block and K not a multiple of the K step, each config; deterministic; and the op
+``fp8_linear`` dispatching M <= GEMV_MAX_M to it. Triton's CPU interpreter in CI, the GPU on the device."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from gdnserve.ops.numerics import rel_rms
+from gdnserve.ops.quant import fp8_linear, quantize_weight
+from gdnserve.ops.quant.fp8_gemm_triton import quantize_act_triton
+from gdnserve.ops.quant.fp8_gemv_triton import GemvConfig, fp8_gemv
+from gdnserve.ops.quant.fp8_ref import fp8_linear_float64
+
+pytestmark = pytest.mark.usefixtures("seed")
+TOL = {torch.float32: 2e-6, torch.bfloat16: 4e-3}
+
+
+def weights(N, K, device):
+    w = torch.randn(N, K, device=device) * 0.05
+    w[: min(N, 128), : min(K, 128)] *= 20            # blocks of very different scales
+    return quantize_weight(w)
+
+
+def gemv(x, q, s, tail=None):
+    N2 = 0 if tail is None else tail.shape[0]
+    y = torch.empty(x.shape[0], q.shape[0] + N2, dtype=x.dtype, device=x.device)
+    xq, xs = quantize_act_triton(x)
+    return fp8_gemv(x, xq, xs, q, s, y, tail=tail)
+
+
+def reference(x, q, s, tail):
+    ref = fp8_linear_float64(x, q, s)
+    return ref if tail is None else torch.cat([ref, x.double() @ tail.double().T], 1)
+
+
+@pytest.mark.parametrize("M,N,K,N2,cfg", [
+    (1, 200, 600, 0, None),                          # the default rule: partial N tile, partial last K block
+    (1, 256, 384, 7, GemvConfig(2, 256, 4, 1)),      # K = 1.5 steps; a 7-row dense tail (4 tail programs)
+    (3, 130, 520, 5, GemvConfig(4, 128, 4, 2)),      # 3 tokens in a 4-row tile, 5 K blocks (last partial)
+    (4, 72, 256, 0, GemvConfig(8, 512, 2, 1)),       # one K step wider than K
+    (2, 128, 1000, 3, GemvConfig(16, 256, 4, 2)),
+    (1, 200, 600, 2, GemvConfig(4, 256, 4, 2, False)),   # separate 128-wide loads per step
+    (3, 130, 1000, 0, GemvConfig(2, 512, 4, 1, False)),
+])
+def test_gemv_against_float64(M, N, K, N2, cfg, device, monkeypatch):
+    from gdnserve.ops.quant import fp8_gemv_triton as k
+    monkeypatch.setattr(k, "CONFIG_OVERRIDE", cfg)
+    x = torch.randn(M, K, device=device).bfloat16()
+    q, s = weights(N, K, device)
+    tail = torch.randn(N2, K, device=device).bfloat16() * 0.05 if N2 else None
+    y = gemv(x, q, s, tail)
+    assert y.shape == (M, N + N2) and y.dtype == torch.bfloat16
+    assert rel_rms(y, reference(x, q, s, tail)) < TOL[torch.bfloat16]
+    assert torch.equal(y, gemv(x, q, s, tail))                        # deterministic
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_gemv_float32_is_the_reference_math(M, device):
+    x = torch.randn(M, 300, device=device)
+    q, s = weights(130, 300, device)
+    tail = torch.randn(3, 300, device=device) * 0.05
+    assert rel_rms(gemv(x, q, s, tail), reference(x, q, s, tail)) < TOL[torch.float32]
+
+
+def test_gemv_refuses_more_rows(device):
+    x = torch.randn(5, 256, device=device)
+    q, s = weights(128, 256, device)
+    with pytest.raises(ValueError, match="rows"):
+        gemv(x, q, s)
+
+
+def test_op_dispatches_small_m_to_gemv(device, monkeypatch):
+    """fp8_linear at M <= GEMV_MAX_M takes the GEMV (its tail fused), above it quantization + GEMM: both equal
+    to the PyTorch path up to accumulation order; a strided x (a row view) is read correctly."""
+    op = importlib.import_module("gdnserve.ops.quant.fp8_linear")      # (the package exports the function)
+    from gdnserve.ops.quant import fp8_gemv_triton as k
+    calls = []
+    real = k.fp8_gemv
+    monkeypatch.setattr(k, "fp8_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    q, s = weights(256, 384, device)
+    tail = torch.randn(8, 384, device=device) * 0.05
+    for M in (1, 4, 5):
+        x = torch.randn(M, 400, device=device)[:, :384]
+        y = fp8_linear(x, q, s, tail=tail, backend="triton")
+        assert rel_rms(y, fp8_linear(x, q, s, tail=tail, backend="torch")) < 2 * TOL[torch.float32]
+    assert calls == [1, 4] and op.GEMV_MAX_M == 4
