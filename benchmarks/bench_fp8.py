@@ -18,8 +18,8 @@ Sections (each row also checks the FP8 result against the dequantizing float32 r
   the full-size 40-layer, 256-expert model), decode steps (CUDA graphs) at B = 1 (``--full``: 1, 16, 64, 256)
   and a 1 x 4096 prefill, bf16 and then quantized in place to FP8 (``models.loader.quantize_model_fp8_``: the
   release's layout), with the decode byte floor of each (bench_model's methodology).
-* ``--sweep``: the decode linear kernels' configs on every projection (``fp8_gemv_triton`` at M = 1 and 4,
-  ``fp8_gemm_triton`` at M = 16), best first; ``--sweep-moe`` adds the FP8 experts' (T = 1, 16, 64, 4096);
+* ``--sweep``: the decode linear kernels' configs on every projection (``fp8_gemv_triton`` at M = 1, 2, 4,
+  ``fp8_gemm_triton`` at M = 1, 4, 16), best first; ``--sweep-moe`` adds the FP8 experts' (T = 1, 16, 64, 4096);
   ``--sweep-only`` skips the other sections.
 * Linear rows also time paths the op does not take by default ("alt"): at M <= 4 the two-launch path the
   GEMV replaced (quantization + the Triton GEMM, a dense tail by ``F.linear``); at M >= 512 the
@@ -55,7 +55,7 @@ H = 2048
 LINEARS = {"gdn.in_proj": (12288, H, 64), "gdn.out_proj": (H, 4096, 0), "attn.qkv_proj": (9216, H, 0),
            "attn.o_proj": (H, 4096, 0), "shared.gate_up": (1024, H, 0), "shared.down": (H, 512, 0)}
 TINY = {"tiny.col": (256, 256, 8), "tiny.row": (128, 384, 0)}
-DECODE_M, PREFILL_M = (1, 4, 16, 64, 256), 4096
+DECODE_M, PREFILL_M = (1, 2, 4, 16, 64, 256), 4096
 L2_BYTES = 60 << 20
 
 
@@ -216,29 +216,33 @@ def _old_fp8_experts(x, w, idx, q_gu, q_dn, scales):
 
 
 GEMV_SWEEP = [(bn, bk, w, st) for bn in (2, 4, 8) for bk in (512, 1024, 2048) for w in (4,) for st in (1, 2)] + [
-    (16, 1024, 8, 2), (16, 2048, 8, 2), (8, 2048, 8, 2), (4, 4096, 4, 1), (2, 4096, 4, 1)] + [
-    (bn, bk, 4, st, False) for bn, bk, st in ((2, 1024, 1), (2, 2048, 1), (4, 512, 2), (4, 1024, 2), (8, 512, 2))]
+    (16, 1024, 8, 2), (16, 2048, 8, 2), (8, 2048, 8, 2), (4, 4096, 4, 1), (2, 4096, 4, 1), (1, 2048, 2, 1),
+    (1, 4096, 4, 1), (2, 2048, 2, 1), (4, 1024, 2, 1)]
 # the Triton GEMM at M = 16: (BM, BN, warps, stages, GROUP_N, split-K programs target, SWAP)
 GEMM16_SWEEP = [(16, bn, 4, st, 1, tgt, True) for bn in (16, 32, 64) for st in (3, 5) for tgt in (0, 4 * 132)]
 
 
 def sweep_rows(dev: torch.device, log: Callable[[str], None], moe: bool = False) -> list[dict[str, Any]]:
     """The decode kernels' configs on every dense projection (in_proj with its dense tail): the CUDA-core GEMV
-    (``fp8_gemv_triton``: BN weight rows, BK, warps, stages) at M = 1 and 4, the Triton GEMM's at M = 16;
+    (``fp8_gemv_triton``: BN weight rows, BK, warps, stages) at M = 1, 2, 4, the Triton GEMM's at M = 1, 4, 16;
     ``moe``: the FP8 experts' ((BNH, warps, stages), (BN, warps, stages)) at T = 1, 16, 64, 4096."""
     from gdnserve.ops.quant import fp8_gemm_triton as gt
     from gdnserve.ops.quant import fp8_gemv_triton as gv
-    from gdnserve.ops.quant.fp8_gemv_triton import GemvConfig
+    from gdnserve.ops.quant.fp8_gemv_triton import MAX_M, GemvConfig
+    op = importlib.import_module("gdnserve.ops.quant.fp8_linear")
+    gemv_max = op.GEMV_MAX_M
     rows: list[dict[str, Any]] = []
     for shape, (N, K, tail_rows) in LINEARS.items():
         w = torch.randn(N + tail_rows, K, device=dev) * 0.02
         q, s = quantize_weight(w[:N])
         tail = w[N:].bfloat16() if tail_rows else None
         sets = [(q.clone(), s.clone(), None if tail is None else tail.clone()) for _ in range(_copies(N * K, dev))]
-        plan = [(1, "gemv", GEMV_SWEEP), (4, "gemv", [c for c in GEMV_SWEEP if c[0] <= 4 and c[1] <= 1024]),
-                (16, "gemm", GEMM16_SWEEP)]
+        small = [c for c in GEMV_SWEEP if c[0] <= 4 and c[1] <= 1024]
+        plan = [(1, "gemv", GEMV_SWEEP), (1, "gemm", GEMM16_SWEEP), (2, "gemv", small), (4, "gemv", small),
+                (4, "gemm", GEMM16_SWEEP[::2]), (16, "gemm", GEMM16_SWEEP)]
         for M, kernel, cfgs in plan:
             x = torch.randn(M, K, device=dev).bfloat16()
+            op.GEMV_MAX_M = MAX_M if kernel == "gemv" else 0      # (the GEMM's rows at M <= 4 too)
             for c in cfgs:
                 if kernel == "gemv":
                     gv.CONFIG_OVERRIDE = GemvConfig(*c)
@@ -247,6 +251,7 @@ def sweep_rows(dev: torch.device, log: Callable[[str], None], moe: bool = False)
                 rows.append(_sweep_one({"kernel": kernel, "shape": shape, "M": M, "config": list(c)},
                                        lambda t: fp8_linear(x, t[0], t[1], tail=t[2]), sets, dev))
             gv.CONFIG_OVERRIDE = gt.CONFIG_OVERRIDE = None
+            op.GEMV_MAX_M = gemv_max
     if moe:
         rows += _moe_sweep(dev)
     rows.sort(key=lambda r: (r["kernel"], r["shape"], r["M"], r.get("us", math.inf)))

@@ -1,7 +1,8 @@
 """Gated full attention of the hybrid decoder (Qwen3-Next / Qwen3.5): q_proj of twice the width
 gives per head ``[q | gate]``; zero-centred RMSNorm on q and k per head; partial rotary; paged KV
-cache; output multiplied by sigmoid(gate) before o_proj (``ops.gating.sigmoid_mul``: on the Triton backend one
-launch reading the gate in place, else HF's copy, sigmoid and product). One fused q/k/v projection.
+cache; output multiplied by sigmoid(gate) before o_proj (``RowParallelLinear.forward_gated``: at decode sizes on
+CUDA the skinny GEMM applies the gate as it loads its x tiles; else ``ops.gating.sigmoid_mul``, on the Triton
+backend one launch reading the gate in place, else HF's copy, sigmoid and product). One fused q/k/v projection.
 
 Tensor parallel: a rank holds num_heads / tp query heads and num_kv_heads / tp KV heads (the fused
 projection's three blocks each split by heads; q_proj's per-head ``[q | gate]`` rows keep a head's q and
@@ -20,7 +21,6 @@ from gdnserve.layers.rotary import PartialRotary
 from gdnserve.ops.attention import paged_attention, store_kv
 from gdnserve.ops.attention.rope import rms_norm_rope
 from gdnserve.ops.backend import resolve as resolve_backend
-from gdnserve.ops.gating import sigmoid_mul
 
 
 class GatedAttention(nn.Module):
@@ -65,7 +65,7 @@ class GatedAttention(nn.Module):
                             out=torch.zeros(T, QH, Dh, dtype=q.dtype, device=q.device) if m.zero_out else None,
                             backend=self.backend)
         be = self.backend if self.fused else "torch"    # o * sigmoid(gate): one launch on the Triton backend
-        return self.o_proj(sigmoid_mul(o.reshape(T, QH * Dh), gate, backend=be))
+        return self.o_proj.forward_gated(o.reshape(T, QH * Dh), gate, backend=be)    # decode: gate folded in
 
     def _norm_rope(self, q: torch.Tensor, k: torch.Tensor,
                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

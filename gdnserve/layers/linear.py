@@ -29,6 +29,8 @@ from torch import nn
 from gdnserve.layers.parallel import all_reduce, resolve
 from gdnserve.ops.gemv import skinny_config
 from gdnserve.ops.gemv.skinny_triton import gate_fits, skinny_unchecked
+from gdnserve.ops.backend import Backend
+from gdnserve.ops.gating import sigmoid_mul
 from gdnserve.ops.quant import BLOCK, fp8_linear
 
 FP8 = torch.float8_e4m3fn
@@ -214,10 +216,11 @@ class RowParallelLinear(nn.Module):
         y = dense_linear(x, self.weight) if self.qweight is None else fp8_linear(x, self.qweight, self.weight_scale_inv)
         return all_reduce(y, self.tp_size) if self.reduce_results else y
 
-    def forward_gated(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward_gated(self, x: torch.Tensor, gate: torch.Tensor, backend: Backend = "torch") -> torch.Tensor:
         """``self(x * torch.sigmoid(gate.reshape(x.shape)))`` for a gate [T, G, GD] (any strides but a unit last
         one; attention's per-head output gate): on CUDA at decode sizes the skinny GEMM applies the gate as it
-        loads x (no copy, sigmoid or multiply launches), elsewhere the torch ops."""
+        loads x (no copy, sigmoid or multiply launches), elsewhere ``ops.gating.sigmoid_mul`` on ``backend``
+        (the same roundings: the sigmoid rounded to x's dtype, then the product) and the projection."""
         w = self.weight
         if (self.qweight is None and x.is_cuda and x.dim() == 2 and x.dtype == w.dtype
                 and x.dtype in (torch.bfloat16, torch.float16)):
@@ -226,7 +229,7 @@ class RowParallelLinear(nn.Module):
                     and gate_fits(cfg, x, gate):
                 y = skinny_unchecked(x, w, cfg, gate)
                 return all_reduce(y, self.tp_size) if self.reduce_results else y
-        return self.forward(x * torch.sigmoid(gate.reshape(x.shape)))
+        return self.forward(sigmoid_mul(x, gate, backend=backend))
 
 
 def load_shard(root: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:

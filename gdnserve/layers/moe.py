@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gdnserve.layers.linear import Shard, load_shard, local_blocks
+from gdnserve.layers.linear import Shard, dense_linear, load_shard, local_blocks
 from gdnserve.layers.mlp import MLP
 from gdnserve.layers.parallel import all_reduce, resolve
 from gdnserve.ops.backend import resolve as resolve_backend
@@ -180,7 +180,7 @@ class SparseMoE(nn.Module):
         E = self.num_experts
         triton = self.fused and resolve_backend(self.backend, x) == "triton"
         if triton and self.shared_folded and x.shape[0] <= self.fold_max_tokens:   # router GEMM, router, grouped GEMM
-            r = route(F.linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, "triton", shared=True)
+            r = route(dense_linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, "triton", shared=True)
             out = moe_experts(x, r.weights, r.experts, self.experts_gate_up, self.experts_down, backend="triton",
                               alignment=r.alignment)
             return all_reduce(out, self.tp_size)
