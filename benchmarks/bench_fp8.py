@@ -24,7 +24,8 @@ Sections (each row also checks the FP8 result against the dequantizing float32 r
 * Linear rows also time paths the op does not take by default ("alt"): at M <= 4 the two-launch path the
   GEMV replaced (quantization + the Triton GEMM, a dense tail by ``F.linear``); at M >= 512 the
   Triton GEMM next to cuBLAS's block-scaled ``torch._scaled_mm`` (``ops/quant/fp8_scaled_mm``).
-* ``--formats``: the model section's formats (default ``bf16,fp8``).
+* ``--formats``: the model section's formats (default ``bf16,fp8``; ``fp8-qx`` / ``fp8-q2``: FP8 with the M = 1
+  GEMV quantizing x in its own programs / by a separate launch, whichever is not the default).
 
 On CPU (``--quick``: seconds) the shapes are tiny and FP8 runs the dequantizing PyTorch path: a smoke run of
 the script, not a measurement. Writes ``fp8_<device>.json`` and ``.md`` under ``--out`` (default
@@ -149,6 +150,14 @@ def _alt_row(row: dict[str, Any], x: torch.Tensor, q: torch.Tensor, s: torch.Ten
             _timed(row, "alt_us", lambda t: fp8_linear(x, t[0], t[1], tail=t[2]), sets, dev, quick)
         finally:
             op.GEMV_MAX_M = saved
+        if M == 1:
+            fused = op.GEMV_QUANT_IN_KERNEL
+            row["alt2"] = "GEMV, x quantized " + ("by its own launch" if fused else "in the GEMV (1 launch)")
+            op.GEMV_QUANT_IN_KERNEL = not fused
+            try:
+                _timed(row, "alt2_us", lambda t: fp8_linear(x, t[0], t[1], tail=t[2]), sets, dev, quick)
+            finally:
+                op.GEMV_QUANT_IN_KERNEL = fused
     elif M >= sm.MIN_M:
         on = sm.use_scaled_mm(x, q.shape[0])
         row["alt"] = "triton GEMM" if on else "cuBLAS _scaled_mm"
@@ -310,10 +319,15 @@ def model_rows(dev: torch.device, quick: bool, layers: int | None, experts: int 
     plan = Plan(((1, L),), batches, 128 if cuda else 16, 2 if cuda else 0, (5 if quick else 10) if cuda else 1, 0.0)
     copy_tbps = measure_ceilings(dev, quick=True)["copy_TBps"] if cuda else None
     rows = []
+    op = importlib.import_module("gdnserve.ops.quant.fp8_linear")
+    default_qx = op.GEMV_QUANT_IN_KERNEL
     for fmt in formats:
+        if fmt not in ("bf16", "fp8", "fp8-qx", "fp8-q2"):
+            raise ValueError(f"--formats: unknown format {fmt!r} (bf16, fp8, fp8-qx, fp8-q2)")
+        op.GEMV_QUANT_IN_KERNEL = {"fp8-qx": True, "fp8-q2": False}.get(fmt, default_qx)
         torch.manual_seed(0)
         model = build_random_model(cfg, dev, torch.bfloat16 if cuda else torch.float32)
-        fp8_layers = quantize_model_fp8_(model) if fmt == "fp8" else []
+        fp8_layers = quantize_model_fp8_(model) if fmt.startswith("fp8") else []
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         runner = ModelRunner(model, RunnerConfig(num_slots=max(batches) + 2, page_size=16, num_pages=4096,
                                                  graph_max_tokens=L, max_model_len=2 * L))
@@ -332,6 +346,7 @@ def model_rows(dev: torch.device, quick: bool, layers: int | None, experts: int 
         log(json.dumps(row))
         rows.append(row)
         runner = model = None       # free before the next format is built
+        op.GEMV_QUANT_IN_KERNEL = default_qx
         if cuda:
             torch.cuda.empty_cache()
     return rows
@@ -357,13 +372,14 @@ def markdown(rep: dict[str, Any]) -> str:
            "the FP8 branch of `grouped_triton.py` (bf16 dots of upcast weights).", ""]
     out += ["## Linear (Qwen3.5-35B-A3B projections)", "",
             "| shape | N | K | M | bf16 µs | fp8 µs | fp8 / bf16 time | bf16 TB/s | fp8 TB/s | rel_err | "
-            "alt path | alt µs |",
-            "|---" * 12 + "|"]
+            "alt path | alt µs | alt 2 path | alt 2 µs |",
+            "|---" * 14 + "|"]
     for r in rep["linear"]:
         ratio = f"{1 / r['speedup']:.2f}" if "speedup" in r else f"error: {r.get('fp8_error')}"
         out.append(f"| {r['shape']} | {r['N']} | {r['K']} | {r['M']} | {_p(r, 'bf16_us')} | {_p(r, 'fp8_us')} | "
                    f"{ratio} | {r['bf16_TBps']:.2f} | {r.get('fp8_TBps', float('nan')):.2f} | "
-                   f"{r.get('rel_err', float('nan')):.1e} | {r.get('alt', '—')} | {_p(r, 'alt_us')} |")
+                   f"{r.get('rel_err', float('nan')):.1e} | {r.get('alt', '—')} | {_p(r, 'alt_us')} | "
+                   f"{r.get('alt2', '—')} | {_p(r, 'alt2_us')} |")
     out += ["", "## Routed experts (grouped GEMM; T random routings rotated: the touched experts leave L2)", "",
             "| T | E | top-k | bf16 µs | fp8 µs | fp8 old µs | fp8 / bf16 time | bf16 TB/s | fp8 TB/s | rel_err |",
             "|---" * 10 + "|"]

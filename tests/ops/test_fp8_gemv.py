@@ -26,10 +26,10 @@ def weights(N, K, device):
     return quantize_weight(w)
 
 
-def gemv(x, q, s, tail=None):
+def gemv(x, q, s, tail=None, fused=False):
     N2 = 0 if tail is None else tail.shape[0]
     y = torch.empty(x.shape[0], q.shape[0] + N2, dtype=x.dtype, device=x.device)
-    xq, xs = quantize_act_triton(x)
+    xq, xs = (None, None) if fused else quantize_act_triton(x)
     return fp8_gemv(x, xq, xs, q, s, y, tail=tail)
 
 
@@ -57,6 +57,27 @@ def test_gemv_against_float64(M, N, K, N2, cfg, device, monkeypatch):
     assert torch.equal(y, gemv(x, q, s, tail))                        # deterministic
 
 
+@pytest.mark.parametrize("N,K,N2,cfg", [
+    (200, 600, 5, GemvConfig(4, 256, 4, 2)),         # partial N tile, partial last K block, a 5-row tail
+    (256, 1024, 0, GemvConfig(16, 512, 4, 1)),       # even K steps
+    (72, 300, 3, None),                              # the default rule
+])
+def test_gemv_quantizing_in_kernel(N, K, N2, cfg, device, monkeypatch):
+    """M = 1 with x quantized inside the GEMV's programs: the same math as the two-launch path."""
+    from gdnserve.ops.quant import fp8_gemv_triton as k
+    monkeypatch.setattr(k, "CONFIG_OVERRIDE", cfg)
+    x = torch.randn(1, K, device=device).bfloat16()
+    q, s = weights(N, K, device)
+    tail = torch.randn(N2, K, device=device).bfloat16() * 0.05 if N2 else None
+    y = gemv(x, q, s, tail, fused=True)
+    assert rel_rms(y, reference(x, q, s, tail)) < TOL[torch.bfloat16]
+    assert rel_rms(y, gemv(x, q, s, tail)) < TOL[torch.bfloat16]
+    xf = x.float()
+    assert rel_rms(gemv(xf, q, s, tail, fused=True), reference(xf, q, s, tail)) < TOL[torch.float32]
+    with pytest.raises(ValueError, match="rows"):
+        gemv(torch.randn(2, K, device=device), q, s, fused=True)
+
+
 @pytest.mark.parametrize("M", [1, 3])
 def test_gemv_float32_is_the_reference_math(M, device):
     x = torch.randn(M, 300, device=device)
@@ -82,8 +103,11 @@ def test_op_dispatches_small_m_to_gemv(device, monkeypatch):
     monkeypatch.setattr(k, "fp8_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     q, s = weights(256, 384, device)
     tail = torch.randn(8, 384, device=device) * 0.05
-    for M in (1, 4, 5):
-        x = torch.randn(M, 400, device=device)[:, :384]
-        y = fp8_linear(x, q, s, tail=tail, backend="triton")
-        assert rel_rms(y, fp8_linear(x, q, s, tail=tail, backend="torch")) < 2 * TOL[torch.float32]
-    assert calls == [1, 4] and op.GEMV_MAX_M == 4
+    monkeypatch.setattr(op, "GEMV_MAX_M", 4)
+    for fused in (False, True):
+        monkeypatch.setattr(op, "GEMV_QUANT_IN_KERNEL", fused)
+        for M in (1, 4, 5):
+            x = torch.randn(M, 400, device=device)[:, :384]
+            y = fp8_linear(x, q, s, tail=tail, backend="triton")
+            assert rel_rms(y, fp8_linear(x, q, s, tail=tail, backend="torch")) < 2 * TOL[torch.float32]
+    assert calls == [1, 4, 1, 4]

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from gdnserve.ops.launch import cdiv, launch, pow2
+from gdnserve.ops.quant.tl_fp8 import quant_tile
 from gdnserve.ops.tl_compat import cast
 
 BLOCK = 128
@@ -94,6 +95,50 @@ def _gemv_kernel(x, xq, xs, w, ws, tail, y, M, N, N2, K, SK, stride_xm, stride_y
     tl.store(dst, cast(acc, y.dtype.element_ty), mask=nm[:, None] & (rm < M)[None, :])
 
 
+@triton.jit
+def _gemv_qx_kernel(x, w, ws, tail, y, N, N2, K, SK, BN: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr):
+    """M = 1 in ONE launch: every program quantizes the x groups of its K step in registers (``quant_tile`` on the
+    ``[G, 128]`` tile: a group per row, so no reshape) and streams its ``[BN, G, 128]`` weight tile loaded as 3-D
+    (the layout the product needs, no conversion); the dense tail's programs read x as is."""
+    pid = tl.program_id(0)
+    NT = tl.cdiv(N, BN)
+    rg = tl.arange(0, G)
+    rc = tl.arange(0, 128)
+    kk = rg[:, None] * 128 + rc[None, :]                            # [G, 128]: column offsets of a K step
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    if pid < NT:
+        rn = pid * BN + tl.arange(0, BN)
+        nm = rn < N
+        wp = w + rn[:, None, None].to(tl.int64) * K + kk[None, :, :]
+        ws_row = ws + (pid * BN // 128) * SK
+        for k0 in range(0, K, G * 128):
+            km = (k0 + kk) < K
+            if EVEN_K:
+                b = tl.load(wp, mask=nm[:, None, None], other=0.0).to(tl.float32)
+                a = tl.load(x + k0 + kk).to(tl.float32)
+            else:
+                b = tl.load(wp, mask=nm[:, None, None] & km[None, :, :], other=0.0).to(tl.float32)
+                a = tl.load(x + k0 + kk, mask=km, other=0.0).to(tl.float32)
+            q, sx = quant_tile(a)
+            sw = tl.load(ws_row + k0 // 128 + rg, mask=(k0 // 128 + rg) < SK, other=0.0)
+            f = q * (sx * sw)[:, None]
+            acc += tl.sum(tl.sum(b * f[None, :, :], axis=2), axis=1)
+            wp += G * 128
+        col = rn
+    else:
+        rn = (pid - NT) * BN + tl.arange(0, BN)
+        nm = rn < N2
+        tp = tail + rn[:, None, None].to(tl.int64) * K + kk[None, :, :]
+        for k0 in range(0, K, G * 128):
+            km = (k0 + kk) < K
+            b = tl.load(tp, mask=nm[:, None, None] & km[None, :, :], other=0.0).to(tl.float32)
+            a = tl.load(x + k0 + kk, mask=km, other=0.0).to(tl.float32)
+            acc += tl.sum(tl.sum(b * a[None, :, :], axis=2), axis=1)
+            tp += G * 128
+        col = N + rn
+    tl.store(y + col, cast(acc, y.dtype.element_ty), mask=nm)
+
+
 class GemvConfig(NamedTuple):
     BN: int            # weight rows per program
     BK: int            # K step (a multiple of 128)
@@ -103,7 +148,13 @@ class GemvConfig(NamedTuple):
 
 # (N, K) -> config at M = 1 (the H200 sweep's winners, benchmarks/results/fp8_h200.md); other shapes: ``config``'s
 # rule. ``CONFIG_OVERRIDE`` (benchmarks) replaces every pick.
-TABLE: dict[tuple[int, int], GemvConfig] = {}
+TABLE: dict[tuple[int, int], GemvConfig] = {
+    (12288, 2048): GemvConfig(8, 2048, 4, 2),     # GDN in_proj (its 64 dense rows: the tail)
+    (2048, 4096): GemvConfig(4, 4096, 4, 1),      # GDN out_proj / attention o_proj
+    (9216, 2048): GemvConfig(8, 512, 4, 1),       # attention qkv_proj
+    (1024, 2048): GemvConfig(2, 2048, 4, 1),      # shared expert gate_up
+    (2048, 512): GemvConfig(16, 1024, 8, 2),      # shared expert down
+}
 CONFIG_OVERRIDE: GemvConfig | None = None
 
 
@@ -117,19 +168,25 @@ def config(M: int, N: int, K: int) -> GemvConfig:
     return GemvConfig(4 if M == 1 else 2, min(1024, max(BLOCK, pow2(K))), 4, 2)
 
 
-def fp8_gemv(x: torch.Tensor, xq: torch.Tensor, xs: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor,
-             y: torch.Tensor, tail: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (M <= MAX_M, unit column stride; read only by the tail), its quantization xq [M, K] e4m3
-    (contiguous) / xs [M, ceil(K/128)] float32 (contiguous: ``quantize_act_triton``) · [dequant(qw [N, K], sw) |
-    tail [N2, K]]ᵀ into y [M, N + N2] (unit column stride), rounded once to y's dtype."""
+def fp8_gemv(x: torch.Tensor, xq: torch.Tensor | None, xs: torch.Tensor | None, qw: torch.Tensor,
+             sw: torch.Tensor, y: torch.Tensor, tail: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_M, unit column stride), its quantization xq [M, K] e4m3 (contiguous) / xs [M,
+    ceil(K/128)] float32 (contiguous: ``quantize_act_triton``) · [dequant(qw [N, K], sw) | tail [N2, K]]ᵀ into
+    y [M, N + N2] (unit column stride), rounded once to y's dtype. ``xq = xs = None`` (M = 1 only): x is
+    quantized inside the GEMV's programs (one launch, ``_gemv_qx_kernel``)."""
     M, K = x.shape
     N = qw.shape[0]
     N2 = 0 if tail is None else tail.shape[0]
-    if not 1 <= M <= MAX_M:
-        raise ValueError(f"fp8_gemv: x has {M} rows, must be in [1, {MAX_M}]")
+    if not 1 <= M <= (MAX_M if xq is not None else 1):
+        raise ValueError(f"fp8_gemv: x has {M} rows, must be in [1, {MAX_M if xq is not None else 1}]")
     BN, BK, warps, stages = config(M, N, K)
-    if BN > BLOCK or BN & (BN - 1) or BK & (BK - 1):
-        raise ValueError(f"fp8_gemv: BN {BN} must be a power of two <= {BLOCK}, BK {BK} a power of two")
+    if BN > BLOCK or BN & (BN - 1) or BK & (BK - 1) or BK < BLOCK:
+        raise ValueError(f"fp8_gemv: BN {BN} must be a power of two <= {BLOCK}, BK {BK} a power of two >= {BLOCK}")
+    if xq is None:
+        launch(_gemv_qx_kernel, (cdiv(N, BN) + cdiv(N2, BN),),
+               (x, qw, sw, qw if tail is None else tail, y, N, N2, K, cdiv(K, BLOCK), BN, BK // BLOCK,
+                K % BK == 0), num_warps=warps, num_stages=stages)
+        return y
     launch(_gemv_kernel, (cdiv(N, BN) + cdiv(N2, BN),),
            (x, xq, xs, qw, sw, qw if tail is None else tail, y, M, N, N2, K, cdiv(K, BLOCK), x.stride(0),
             y.stride(0), pow2(M), BN, BK, K % BK == 0), num_warps=warps, num_stages=stages)
