@@ -1,9 +1,10 @@
 """Where a whole-model step's GPU time goes: per-kernel GPU time of decode and prefill steps, kernels grouped
 into the parts of a decoder layer (GEMMs, routed experts, GDN, attention, norms, elementwise, ...).
 
-    python -m benchmarks.profile_steps --out /tmp/res/profile_steps.md [--layers 8 --experts 64] [--cases ...]
+    python -m benchmarks.profile_steps --out /tmp/res/profile_steps.md [--layers 8 --experts 64] [--cases ...] [--fp8]
 
-Default on CUDA: the full-size random-weight Qwen3.5-35B-A3B (40 layers, 256 experts, bf16), steps as the
+Default on CUDA: the full-size random-weight Qwen3.5-35B-A3B (40 layers, 256 experts, bf16; ``--fp8``: quantized
+to block FP8 in place, ``models.loader.quantize_model_fp8_``), steps as the
 benchmark runs them (CUDA-graph replays where the runner has a bucket). Each case runs a few untimed steps,
 then ``--reps`` profiled steps; times are per step (sum over the step's kernels / reps), next to the step's
 wall time (device synchronised) so the gaps between kernels show as wall − GPU.
@@ -27,6 +28,7 @@ PARTS = (
     ("GDN kernels", r"gdn_|chunk_|conv_|recurrent|kkt|solve|wy_"),
     ("attention kernels", r"attention|store_kv|flash|fmha|rope"),
     ("norms", r"rms_norm|_norm_"),
+    ("FP8 activation quantization", r"_quant_kernel"),
     ("GEMM (cuBLAS)", r"nvjet|gemm|sm90|cutlass|splitK|gemv|skinny|dot_kernel|reduce_1Block"),
     ("reductions", r"reduce_kernel"),
     ("copies", r"copy|Memcpy|Memset|CatArray|fill"),
@@ -89,11 +91,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--fp8", action="store_true", help="quantize the model to block FP8 first (the release's layout)")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
     full = a.layers is None and a.experts is None
     hf_cfg = config_for(dev, a.layers, a.experts, full=full)
     model = build_random_model(hf_cfg, dev, torch.bfloat16)
+    if a.fp8:
+        from gdnserve.models.loader import quantize_model_fp8_
+        quantize_model_fp8_(model)
     cases = [c.split(":") for c in a.cases.split(",")]
     max_b = max([int(v) for k, v in cases if k == "decode"] + [8])
     max_t = max([int(v.split("x")[0]) * int(v.split("x")[1]) for k, v in cases if k == "prefill"] + [16])
@@ -104,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = lambda *s: torch.randint(0, vocab, s, generator=g)  # noqa: E731
     lines = [f"# Per-kernel GPU time per step ({torch.cuda.get_device_name()})", "",
              f"torch {torch.__version__}; model {hf_cfg['num_hidden_layers']} layers, "
-             f"{hf_cfg.get('num_experts')} experts, bf16; command `python -m benchmarks.profile_steps "
+             f"{hf_cfg.get('num_experts')} experts, {'block FP8' if a.fp8 else 'bf16'}; command `python -m benchmarks.profile_steps "
              f"{' '.join(argv) if argv else ''}`; graph stats after the run in the last line.", ""]
     for kind, arg in cases:
         if kind == "decode":

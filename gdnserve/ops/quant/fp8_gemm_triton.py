@@ -127,15 +127,20 @@ def config(M: int, N: int, K: int) -> tuple[int, int, int, int, int, int, bool]:
     """(BM tokens, BN weight rows, warps, stages, GROUP_N, split-K programs target, SWAP) from the shapes
     (H200 sweep, benchmarks/results/fp8_h200.md). M <= 64: swapped tiles, token tile = M rounded up to
     16 / 32 / 64, 64 weight rows; the K loop is split (~4 programs per SM) only when the weight tiles alone
-    do not cover the SMs (fewer than 132 tiles of 64 rows: out_proj, o_proj, the shared expert; splitting
-    in_proj's 192 tiles measured slower: the extra launch costs more than the occupancy gains). Larger M: the usual orientation, 64 x 128
+    do not cover the SMs (fewer than 132 tiles of 64 rows: out_proj, o_proj, the shared expert's gate_up;
+    splitting in_proj's 192 tiles measured slower: the extra launch costs more than the occupancy gains) and
+    at M <= 16 K has more than 4 blocks (the shared expert's down, K = 512: 5.1 µs unsplit vs 6.4 at M = 16); there
+    a split K >= 4096 takes 32-row tiles and 3 stages. Larger M: the usual orientation, 64 x 128
     tiles, 4 warps, 4 stages (faster than 128 x 128 at M = 256 and 4096)."""
     if CONFIG_OVERRIDE is not None:
         return CONFIG_OVERRIDE
     if M <= 64:
         bm = 16 if M <= 16 else (32 if M <= 32 else 64)
         tiles = cdiv(N, 64)
-        return bm, 64, 4, 5 if bm == 16 else 4, 1, 0 if tiles >= SMS else 4 * SMS, True
+        split = 0 if tiles >= SMS or (bm == 16 and K <= 4 * BLOCK) else 4 * SMS
+        if bm == 16 and split and K >= 4096:          # out_proj / o_proj: 10.6 vs 12.9 µs at M = 16 (H200 sweep)
+            return bm, 32, 4, 3, 1, split, True
+        return bm, 64, 4, 5 if bm == 16 else 4, 1, split, True
     return 64, 128, 4, 4, 8, 0, False
 
 
