@@ -2,7 +2,9 @@
 and time to first token with checkpoints (``prefill_mode=fused``, ``two_phase``) and without.
 
 Run ``gdnserve bench serve`` or ``python -m benchmarks.bench_serve`` (options: --device, --quick, --out,
---layers, --experts, --groups, --max-tokens, --time-budget). Writes ``serve_<device>_<date>.json`` / ``.md``.
+--layers, --experts, --groups, --max-tokens, --time-budget; ``python -m`` also takes --tensor-parallel-size N:
+N ranks, each building its shard of the random model, ``benchmarks/tp_model.py``; modes none, fused and score,
+eager steps). Writes ``serve_<device>_<date>.json`` / ``.md``.
 
 Model: ``benchmarks/random_model.py`` (Qwen3.5-35B-A3B shapes, 8 layers, 64 experts, bf16 on CUDA; tiny
 fp32 on CPU). Prompts are random token ids; the engine gets them as ids with ``checkpoint_at`` = the
@@ -53,6 +55,7 @@ import torch
 
 from benchmarks.e2e_report import Report, model_summary, pct, run_cli
 from benchmarks.random_model import NullTokenizer, build_random_model, config_for
+from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.llm_engine import LLMEngine
 from gdnserve.engine.model_runner import RunnerConfig
 from gdnserve.engine.sampling_params import SamplingParams
@@ -103,12 +106,17 @@ def make_plan(cuda: bool, quick: bool, groups: int | None) -> Plan:
     return plan
 
 
-def make_engine(model, mode: str, plan: Plan) -> LLMEngine:
+def engine_config(plan: Plan, mode: str, spec_k: int = 0) -> EngineConfig:
+    """The engine of ``mode`` (``make_engine``'s; bench_tp's sessions build theirs from it too)."""
     rc = RunnerConfig(num_slots=2 * plan.max_num_seqs + 2, num_pages=plan.num_pages, page_size=16,
                       prefill_mode="fused" if mode in ("none", "score") else mode,
                       graph_max_tokens=plan.max_step_tokens)
-    return LLMEngine(model, NullTokenizer(), runner=rc, max_num_seqs=plan.max_num_seqs,
-                     max_step_tokens=plan.max_step_tokens, max_model_len=4096, auto_checkpoints=mode != "none")
+    return EngineConfig.from_runner(rc, max_num_seqs=plan.max_num_seqs, max_step_tokens=plan.max_step_tokens,
+                                    max_model_len=4096, auto_checkpoints=mode != "none", spec_k=spec_k or None)
+
+
+def make_engine(model, mode: str, plan: Plan) -> LLMEngine:
+    return LLMEngine(model, NullTokenizer(), engine_config(plan, mode))
 
 
 GRAPH_STATS = ("replay", "mixed_replay", "eager", "mixed_eager", "fallback", "capture")
@@ -255,12 +263,31 @@ def table(res: dict[str, Any]) -> list[str]:
 
 
 def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype, device: torch.device,
-             max_tokens: int) -> None:
-    cuda = device.type == "cuda"
-    rep.log("building the random model on the device")
-    model = build_random_model(hf_cfg, device, dtype)
-    vocab = hf_cfg["vocab_size"]
+             max_tokens: int, tp: int = 1) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    if tp == 1:
+        rep.log("building the random model on the device")
+        model = build_random_model(hf_cfg, device, dtype)
+        serve_rows(rep, plan, lambda mode: make_engine(model, mode, plan), hf_cfg["vocab_size"], params, MODES,
+                   device)
+        return
+    from benchmarks.tp_model import TPSession
+    rc = engine_config(plan, "fused").with_(tensor_parallel_size=tp).runner_config()
+    rep.log(f"starting {tp} tensor-parallel ranks (random shards built on each)")
+    session = TPSession(hf_cfg, device, dtype, tp, rc, chain=False)
+    try:
+        rep.note(f"tensor_parallel_size = {tp}: two_phase is not run (its prefill mode needs its own worker group); "
+                 "steps run eagerly (no CUDA graphs at TP > 1).")
+        serve_rows(rep, plan, lambda mode: session.engine(engine_config(plan, mode)), hf_cfg["vocab_size"], params,
+                   tuple(m for m in MODES if m != "two_phase"), device)
+    finally:
+        session.close()
+
+
+def serve_rows(rep: Report, plan: Plan, engine_for, vocab: int, params: SamplingParams, modes: tuple[str, ...],
+               device: torch.device, **extra: Any) -> None:
+    """Every workload x mode of the plan on ``engine_for(mode)``'s engines (rows get ``extra``'s fields)."""
+    cuda = device.type == "cuda"
     for wl in plan.workloads:
         rng = random.Random(wl.prefix)
         warm = wl.make_groups(1, vocab, rng)                 # the latency pass's warm-up (one group)
@@ -272,13 +299,13 @@ def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype
         warm_tps = [wl.make_groups(wl.groups, vocab, rng) for _ in range(plan.tp_warmups)]
         warm_tp = warm_tps[0]
         ref: dict[str, dict[str, int]] = {}
-        for mode in MODES:
+        for mode in modes:
             if rep.over_budget(f"{wl.name} {mode}"):
                 continue
             rep.log(f"{wl.name}: {mode} (warm-up group, {wl.latency_groups} latency; warm-up pass of {wl.groups} "
                     f"groups, {wl.groups} throughput)")
             try:
-                engine = make_engine(model, mode, plan)
+                engine = engine_for(mode)
                 if mode == "score":
                     w_lat = drive_score(engine, warm)
                     lat = [drive_score(engine, [g]) for g in lat_groups]
@@ -299,8 +326,10 @@ def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype
                         f"throughput {graph_cell(tp['graphs'])}")
                 if mode == "none":
                     ref = {"latency": merged["first"], "throughput": tp["first"]}
-                rep.add(_row(wl, mode, "latency", lat_groups, merged, ref.get("latency"), w_lat, len(warm)))
-                rep.add(_row(wl, mode, "throughput", tp_groups, tp, ref.get("throughput"), w_tp, len(warm_tp)))
+                rep.add({**_row(wl, mode, "latency", lat_groups, merged, ref.get("latency"), w_lat, len(warm)),
+                         **extra})
+                rep.add({**_row(wl, mode, "throughput", tp_groups, tp, ref.get("throughput"), w_tp,
+                              len(warm_tp)), **extra})
             except Exception as e:  # noqa: BLE001
                 rep.error(f"{wl.name} {mode}", e)
             engine = None
@@ -310,7 +339,9 @@ def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype
 
 
 def run(device: torch.device, quick: bool, out_dir: Path, layers: int | None, experts: int | None,
-        groups: int | None, max_tokens: int, budget_s: float) -> dict[str, Any]:
+        groups: int | None, max_tokens: int, budget_s: float, tp: int = 1) -> dict[str, Any]:
+    """``tp``: tensor_parallel_size (benchmarks/tp_model.py: every rank builds its shard of the random model;
+    modes none, fused, score; the rows are eager steps)."""
     cuda = device.type == "cuda"
     plan = make_plan(cuda, quick, groups)
     hf_cfg = config_for(device, layers, experts)
@@ -319,14 +350,15 @@ def run(device: torch.device, quick: bool, out_dir: Path, layers: int | None, ex
                  table=table, model_config=hf_cfg, dtype=str(dtype), model_summary=model_summary(hf_cfg, dtype),
                  engine=f"max_step_tokens {plan.max_step_tokens}, max_num_seqs {plan.max_num_seqs}, "
                         f"{plan.num_pages} KV pages of 16, greedy, max_tokens {max_tokens}, CUDA graphs "
-                        + ("on (decode / verify and prefill / mixed steps)" if cuda else "off (CPU)"),
+                        + ("on (decode / verify and prefill / mixed steps)" if cuda and tp == 1 else "off")
+                        + (f", tensor_parallel_size {tp}" if tp > 1 else ""), tensor_parallel_size=tp,
                  workloads=[w.__dict__ for w in plan.workloads], tp_passes=plan.tp_passes,
                  warmup="before every timed pass, on the same engine, an untimed pass of the same shape on other "
                         f"prompts (1 group before the latency pass, all groups at once {plan.tp_warmups}x before the "
                         "throughput passes); "
                         "rows: warmup_wall_s, warmup_steps, warmup_groups")
     try:
-        _measure(rep, plan, hf_cfg, dtype, device, max_tokens)
+        _measure(rep, plan, hf_cfg, dtype, device, max_tokens, tp)
     except Exception as e:  # noqa: BLE001 — set-up failed: the report says so
         rep.error("set-up", e)
     rows = {(r["workload"], r["mode"]): r for r in rep.res["rows"] if r["pass"] == "throughput"}
@@ -340,13 +372,17 @@ def run(device: torch.device, quick: bool, out_dir: Path, layers: int | None, ex
 
 def run_from_args(args: argparse.Namespace) -> int:
     return run_cli("serve", args.device, lambda device: run(
-        device, args.quick, Path(args.out), args.layers, args.experts, args.groups, args.max_tokens, args.time_budget))
+        device, args.quick, Path(args.out), args.layers, args.experts, args.groups, args.max_tokens, args.time_budget,
+        getattr(args, "tensor_parallel_size", 1)))
 
 
 def main(argv: list[str] | None = None) -> int:
     from gdnserve.entrypoints.cli import add_bench_serve_arguments
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_serve", description=__doc__.split("\n")[0])
     add_bench_serve_arguments(parser)
+    if "--tensor-parallel-size" not in parser._option_string_actions:
+        parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                            help="N ranks (one GPU each; gloo processes on CPU): modes none, fused, score")
     return run_from_args(parser.parse_args(argv))
 
 
