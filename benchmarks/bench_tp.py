@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import math
 import os
 import random
 import sys
@@ -64,6 +63,9 @@ from gdnserve.engine.model_runner import ModelRunner, PrefillItem
 from gdnserve.engine.sampling_params import SamplingParams
 
 SECTIONS = ("eq", "decode", "prefill", "serve", "next")
+# TP = 1's optional rows (CUDA graphs, serve) are skipped past this share of the budget, TP = N's serve rows past
+# the second: the TP = 2 rows and Qwen3-Next keep their time
+TP1_EXTRAS_SHARE, SERVE_SHARE = 0.35, 0.8
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,15 @@ def model_config(device: torch.device, shape: str, layers: int | None, experts: 
         return tiny_hf_config(layers or 4, experts or 8)
     full = shape == "full"
     return bench_hf_config(layers or (FULL_LAYERS if full else 8), experts or (FULL_EXPERTS if full else 64))
+
+
+def _past(rep: Report, share: float, what: str) -> bool:
+    """True (``what`` listed as skipped) once ``share`` of the time budget is spent."""
+    if rep.elapsed <= share * rep.budget_s:
+        return False
+    rep.res["skipped"].append(f"{what} (past {100 * share:.0f} % of the budget)")
+    rep.log(f"skipping {what}: past {100 * share:.0f} % of the time budget")
+    return True
 
 
 def _free(device: torch.device) -> None:
@@ -172,12 +183,15 @@ def compare(ref: dict[str, Any], got: dict[str, Any], fp32: bool) -> dict[str, A
             continue
         equal = total = full = compared = 0
         d_chosen = d_alt = r_alt = 0.0
+        diverged: dict[str, int] = {}
         for rid, (toks, lps) in ref[p].items():
             gt, glp = got[p].get(rid, ([], None))
             same = [a == b for a, b in zip(toks, gt)]
             equal, total = equal + sum(same), total + len(toks)
             full += len(gt) == len(toks) and all(same)
             agree = same.index(False) if False in same else min(len(toks), len(gt))
+            if agree < len(toks):
+                diverged[rid] = agree
             for i in range(agree if lps and glp else 0):
                 a, b = lps[i], glp[i]
                 compared += 1
@@ -191,7 +205,8 @@ def compare(ref: dict[str, Any], got: dict[str, Any], fp32: bool) -> dict[str, A
         if not compared:                    # the spec pass asks for no logprobs: tokens only
             d_chosen = d_alt = r_alt = None
         out["passes"][p] = {"tokens": total, "equal_tokens": equal, "equal_share": share, "sequences": len(ref[p]),
-                            "sequences_equal": full, "logprob_positions": compared, "max_abs_d_chosen_logprob": d_chosen,
+                            "sequences_equal": full, "first_divergence": diverged, "logprob_positions": compared,
+                            "max_abs_d_chosen_logprob": d_chosen,
                             "max_abs_d_alt_logprob": d_alt, "max_rel_d_alt_logprob": r_alt, "within_tolerance": good,
                             "counters_tp1": ref["counters"][p], "counters_tpN": got["counters"][p]}
     out["within_tolerance"] = ok and bool(out["passes"])
@@ -392,16 +407,17 @@ def run(device: torch.device, quick: bool, out_dir: Path, tps: list[int], sectio
                         rep.error(f"TP={tp} eq", e)
                 if sections & {"decode", "prefill"}:
                     throughput(rep, session.runner(), plan, sections, device, tp, "eager", model)
-                    if tp == 1 and tp1_graphs:
+                    if tp == 1 and tp1_graphs and not _past(rep, TP1_EXTRAS_SHARE, "TP=1 graphs rows"):
                         runner = ModelRunner(session.model, replace(rc, cuda_graphs=True))
                         throughput(rep, runner, plan, sections, device, tp, "graphs", model)
                         runner = None
                         _free(device)
-                if "serve" in sections:
+                share = TP1_EXTRAS_SHARE if tp == 1 and len(tps) > 1 else SERVE_SHARE
+                if "serve" in sections and not _past(rep, share, f"TP={tp} serve"):
                     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-                    bs.serve_rows(rep, plan.serve, lambda mode: session.engine(cfg.with_(auto_checkpoints=mode != "none")),
-                                  hf_cfg["vocab_size"], params, ("none", "fused", "score"), device, section="serve",
-                                  tp=tp)
+                    engine_for = lambda mode: session.engine(cfg.with_(auto_checkpoints=mode != "none"))  # noqa: E731
+                    bs.serve_rows(rep, plan.serve, engine_for, hf_cfg["vocab_size"], params, ("none", "fused", "score"),
+                                  device, section="serve", tp=tp)
             finally:
                 session.close()
                 session = None
@@ -454,7 +470,8 @@ def _throughput_lines(res: dict[str, Any]) -> list[str]:
         key = (r["model"], r["kind"], r["shape"])
         e, g = base.get(key + ("eager",)), base.get(key + ("graphs",))
         ar = r.get("allreduce") or {}
-        L.append(f"| {r['model']} | {r['kind']} {r['shape']} | {r['tp']} | {r['impl']}{' (capped)' if r['capped'] else ''} "
+        impl = r["impl"] + (" (capped)" if r["capped"] else "")
+        L.append(f"| {r['model']} | {r['kind']} {r['shape']} | {r['tp']} | {impl} "
                  f"| {fmt_pct(r['ms'], '.2f')} | {r['tokens_per_s']:,.0f} | "
                  + (f"{r['tokens_per_s'] / e:.2f}" if e and r["tp"] > 1 else "") + " | "
                  + (f"{r['tokens_per_s'] / g:.2f}" if g and r["tp"] > 1 else "") + " | "
@@ -481,7 +498,8 @@ def _serve_lines(res: dict[str, Any]) -> list[str]:
 
 
 def table(res: dict[str, Any]) -> list[str]:
-    L = [res.get("model_summary", ""), "", f"Engine (every TP size): {res.get('engine')}; TP sizes {res.get('tp_sizes')}, "
+    L = [res.get("model_summary", ""), "",
+         f"Engine (every TP size): {res.get('engine')}; TP sizes {res.get('tp_sizes')}, "
          f"{res.get('gpus')} GPUs visible, NCCL_NVLS_ENABLE={res.get('nccl_nvls_enable')}; shard build s "
          f"{res.get('build_s', {})}.", ""]
     L += _eq_lines(res) + _throughput_lines(res) + _serve_lines(res)
