@@ -82,14 +82,17 @@ class Plan:
     chain_len: int
     spec_k: int
     serve: bs.Plan
+    num_slots: int | None = None  # the session's pools (None: the engine default); two sets coexist while a new
+    num_pages: int | None = None  # runner binds its own, so at full size they are kept to what the cases need
 
 
 def make_plan(cuda: bool, quick: bool) -> Plan:
     serve = bs.make_plan(cuda, quick, None)
     serve = replace(serve, workloads=serve.workloads[:1])          # the RFC workload
     if cuda:
+        # 320 slots: decode B = 256, or the RFC pass's 16 x 10 requests + their checkpoints; bench_serve's 16384 pages
         return Plan((1, 16, 64, 256), ((1, 4096), (8, 1024)), 128, 1 if quick else 2, 3 if quick else 6,
-                    8.0 if quick else 15.0, 3, 16 if quick else 32, 200, 48, 2, serve)
+                    8.0 if quick else 15.0, 3, 16 if quick else 32, 200, 48, 2, serve, 320, 16384)
     return Plan((1, 4), ((1, 64), (4, 16)), 16, 1, 2 if quick else 3, 5.0, 2, 8, 24, 16, 2, serve)
 
 
@@ -97,7 +100,8 @@ def engine_config(plan: Plan) -> EngineConfig:
     """The one engine config of every session (module docstring); eager."""
     s = plan.serve
     return EngineConfig(max_num_seqs=s.max_num_seqs, max_step_tokens=s.max_step_tokens, max_model_len=4096,
-                        num_pages=s.num_pages, page_size=16, spec_k=plan.spec_k, cuda_graphs=False)
+                        num_pages=plan.num_pages or s.num_pages, page_size=16, num_slots=plan.num_slots,
+                        spec_k=plan.spec_k, cuda_graphs=False)
 
 
 def model_config(device: torch.device, shape: str, layers: int | None, experts: int | None) -> dict[str, Any]:
@@ -407,6 +411,7 @@ def run(device: torch.device, quick: bool, out_dir: Path, tps: list[int], sectio
                         rep.error(f"TP={tp} eq", e)
                 if sections & {"decode", "prefill"}:
                     throughput(rep, session.runner(), plan, sections, device, tp, "eager", model)
+                    _free(device)
                     if tp == 1 and tp1_graphs and not _past(rep, TP1_EXTRAS_SHARE, "TP=1 graphs rows"):
                         runner = ModelRunner(session.model, replace(rc, cuda_graphs=True))
                         throughput(rep, runner, plan, sections, device, tp, "graphs", model)
