@@ -37,7 +37,8 @@ Sections (``--sections``, default all, in this order per TP size; TP sizes in as
 * ``serve`` — the RFC workload of bench_serve (groups of a 600-token prefix + 10 candidates; modes none, fused,
   score) on the session's engine, at every TP size (bench_serve.serve_rows; two_phase needs another worker group).
 * ``next`` — Qwen3-Next-80B-A3B (48 layers, 512 experts top-10) at the largest TP size, decode and prefill, when
-  its shard and pools fit every GPU's free memory (checked first; skipped with the numbers otherwise). CUDA only.
+  its shard and pools fit every GPU's free memory (checked first; skipped with the numbers otherwise). On CPU its
+  family (model_type qwen3_next) at the tiny shape, as a smoke test of the path (a second worker group).
 """
 from __future__ import annotations
 
@@ -330,28 +331,41 @@ def pool_bytes(hf_cfg: dict[str, Any], tp: int, cfg: EngineConfig, dtype: torch.
     return int(gdn + kv)
 
 
+def tiny_next_hf_config() -> dict[str, Any]:
+    """Qwen3-Next's family (model_type qwen3_next) at the CPU smoke size of ``tiny_hf_config``."""
+    d = {k: v for k, v in tiny_hf_config().items() if k not in ("layer_types", "rope_parameters")}
+    d.update(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], intermediate_size=64,
+             num_experts_per_tok=2, full_attention_interval=4)
+    return d
+
+
 def run_next(rep: Report, plan: Plan, dev: torch.device, tp: int, sections: set[str]) -> None:
-    hf_cfg = qwen3_next_hf_config()
+    """Qwen3-Next-80B-A3B on CUDA (its family's tiny shape on CPU: the same code path, no memory check)."""
+    cuda = dev.type == "cuda"
+    hf_cfg, name = ((qwen3_next_hf_config(), "qwen3-next-80b-a3b") if cuda else
+                    (tiny_next_hf_config(), "qwen3-next-tiny"))
+    dtype = torch.bfloat16 if cuda else torch.float32
     cfg = EngineConfig(max_num_seqs=max(plan.batches), max_step_tokens=8192, max_model_len=4096,
                        num_pages=max(2048, max(plan.batches) * (plan.context // 16 + 8) + 1024), page_size=16,
                        cuda_graphs=False, tensor_parallel_size=tp)
-    need = shard_bytes(hf_cfg, tp, torch.bfloat16) + pool_bytes(hf_cfg, tp, cfg, torch.bfloat16) + (8 << 30)
-    free = [torch.cuda.mem_get_info(i)[0] for i in range(tp)]
-    fit = all(f > need for f in free)
-    info = {"need_bytes_per_rank": need, "free_bytes": free, "fits": fit, "tp": tp,
-            "summary": f"Qwen3-Next-80B-A3B at TP={tp}: {need / 2**30:.1f} GiB per rank (shard + pools + 8 GiB of "
-                       f"activations), free {', '.join(f'{f / 2**30:.1f}' for f in free)} GiB: "
+    need = shard_bytes(hf_cfg, tp, dtype) + pool_bytes(hf_cfg, tp, cfg, dtype) + (8 << 30)
+    free = [torch.cuda.mem_get_info(i)[0] for i in range(tp)] if cuda else None
+    fit = not cuda or all(f > need for f in free)
+    info = {"need_bytes_per_rank": need, "free_bytes": free, "fits": fit, "tp": tp, "model_config": hf_cfg,
+            "summary": f"{name} at TP={tp}: {need / 2**30:.1f} GiB per rank (shard + pools + 8 GiB of activations)"
+                       + (f", free {', '.join(f'{f / 2**30:.1f}' for f in free)} GiB" if free else "") + ": "
                        + ("runs" if fit else "skipped (does not fit)")}
     rep.res["qwen3_next_80b"] = info
     rep.note(info["summary"])
-    if not fit or rep.over_budget("Qwen3-Next-80B-A3B"):
+    if not fit or rep.over_budget(name):
         return
-    rep.log("Qwen3-Next-80B-A3B: building the shards")
+    rep.log(f"{name}: building the shards")
     t0 = time.perf_counter()
-    session = TPSession(hf_cfg, dev, torch.bfloat16, tp, cfg.runner_config(), chain=False)
+    session = TPSession(hf_cfg, dev, dtype, tp, cfg.runner_config(), chain=False)
     try:
         info["build_s"] = round(time.perf_counter() - t0, 1)
-        throughput(rep, session.runner(), plan, sections, dev, tp, "eager", "qwen3-next-80b-a3b")
+        cases = sections & {"decode", "prefill"} or {"decode", "prefill"}      # `--sections next` alone: both
+        throughput(rep, session.runner(), plan, cases, dev, tp, "eager", name)
     finally:
         session.close()
         _free(dev)
@@ -388,7 +402,7 @@ def run(device: torch.device, quick: bool, out_dir: Path, tps: list[int], sectio
     eq: dict[int, dict[str, Any]] = {}
     torch.manual_seed(0)
     with torch.inference_mode():
-        for tp in sorted(tps):
+        for tp in sorted(tps) if sections - {"next"} else []:
             if rep.over_budget(f"TP={tp}"):
                 continue
             rep.log(f"TP={tp}: building the shards")
@@ -427,7 +441,7 @@ def run(device: torch.device, quick: bool, out_dir: Path, tps: list[int], sectio
                 session.close()
                 session = None
                 _free(device)
-        if "next" in sections and cuda and max(tps) > 1:
+        if "next" in sections and max(tps) > 1:
             try:
                 run_next(rep, plan, device, max(tps), sections)
             except Exception as e:  # noqa: BLE001
