@@ -2,8 +2,9 @@
 ``bash benchmarks/device.sh tp:500``, which sets NCCL_NVLS_ENABLE=0): the embedded model in fp32 at TP=2 gives
 TP=1's greedy tokens and logprobs (plain prompts, a checkpoint group, n = 2, n-gram drafts in replay mode, the MTP
 drafter in intermediate mode); ``gdnserve serve --tensor-parallel-size 2 --device cuda`` gives the same through
-HTTP; the benchmark model's 8-layer cut in bf16 at TP=2 passes bench_tp's equality section; a worker that raises
-ends the engine within a bounded time (NCCL: the group is aborted, the waiting collective does not hang)."""
+HTTP; a worker that raises ends the engine within a bounded time (NCCL: the group is aborted, the waiting
+collective does not hang; last in the file: it leaves an aborted communicator behind). The benchmark model in bf16
+at TP=2 (full size) is held to TP=1 by bench_tp's equality section, which the same suite runs first."""
 from __future__ import annotations
 
 import os
@@ -81,16 +82,6 @@ def test_serve_tp2_on_two_gpus_equals_tp1(tmp_path):
     with LLM(device="cuda", dtype="float32", cuda_graphs=False, max_num_seqs=8, num_pages=256) as ref:
         want = [o.outputs[0].text for o in ref.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10))]
     assert got == want
-
-
-def test_bench_model_cut_tp2_equality_in_bf16(tmp_path):
-    from benchmarks import bench_tp
-    res = bench_tp.run(torch.device("cuda"), True, tmp_path, [1, 2], {"eq"}, shape="quick", budget_s=600)
-    assert res["errors"] == []
-    eq = res["equality"]["2"]
-    print(eq)
-    assert eq["within_tolerance"], eq
-    assert eq["passes"]["spec"]["counters_tpN"]["spec_accepted"] > 0
 
 
 def test_a_worker_that_raises_ends_the_engine_on_nccl():
