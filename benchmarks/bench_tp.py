@@ -1,5 +1,7 @@
-"""Tensor parallelism: TP = 2 against TP = 1 in one run — equal greedy outputs, decode / prefill tokens/s, the
-all-reduce time per step, the RFC serve workload, and Qwen3-Next-80B-A3B's shapes at TP = 2 when they fit.
+"""Tensor parallelism, TP = 2 against TP = 1 in one run (equality, throughput, all-reduce, serve, Qwen3-Next).
+
+Equal greedy outputs, decode / prefill tokens/s, the all-reduce time per step, the RFC serve workload, and
+Qwen3-Next-80B-A3B's shapes at TP = 2 when they fit.
 
 Run ``python -m benchmarks.bench_tp --device cuda --tp 1,2`` (on nvidia-h200-x2: ``bash benchmarks/device.sh
 tp:500``; options: --quick, --shape, --layers, --experts, --sections, --batches, --prefill, --tp1-graphs,
