@@ -19,8 +19,8 @@
 #   model[:s] serve[:s] spec[:s] moe[:s]   the end-to-end benchmarks (--time-budget s)
 #   tp[:s]       tensor parallelism on 2 GPUs (nvidia-h200-x2), NCCL_NVLS_ENABLE=0: python -m benchmarks.bench_tp
 #                --tp 1,2 ${TP_ARGS:---quick} (TP=2 vs TP=1: equality, decode/prefill, all-reduce, serve, Qwen3-Next)
-#                with 3/5 of s (default 500) less 30 as its --time-budget, then the GPU tests at TP=2
-#                (tests/engine/test_tp_gpu.py) under a timeout of what is left of s
+#                with s/2 - 10 (s default 500) as its --time-budget (killed with SIGINT 60 s past it), then the GPU
+#                tests at TP=2 (tests/engine/test_tp_gpu.py) under a timeout of what is left of s (170 s of 500)
 #
 # .whl/ (git-ignored; make it once on the workstation:
 #   P="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
@@ -88,10 +88,14 @@ for arg in "$@"; do
     fp8)     timeout $(( ${b:-120} + 60 )) python3 -m benchmarks.bench_fp8 --out "$OUT" --time-budget "${b:-120}" \
                ${FP8_ARGS:-} > "$OUT/bench_fp8.log" 2>&1; echo "bench_fp8 rc=$?"; tail -40 "$OUT/bench_fp8.log" ;;
     model|serve|spec|moe) bench "bench_$suite" "${b:-120}" --time-budget "${b:-120}" ;;
-    tp)      export NCCL_NVLS_ENABLE=0; nvidia-smi topo -m > "$OUT/gpu_topology.txt" 2>&1
-             tb=$(( ${b:-500} * 3 / 5 - 30 ))
-             bench bench_tp "$tb" --device cuda --tp 1,2 --time-budget "$tb" ${TP_ARGS:---quick}
-             TESTS=tests/engine/test_tp_gpu.py JOBS=1 run_tests $(( ${b:-500} - tb - 60 )) ;;
+    tp)      export NCCL_NVLS_ENABLE=0 GDNSERVE_TP_TIMEOUT_S=${GDNSERVE_TP_TIMEOUT_S:-180}
+             nvidia-smi topo -m > "$OUT/gpu_topology.txt" 2>&1
+             tb=$(( ${b:-500} / 2 - 10 ))
+             # SIGINT at the limit: rank 0's finally blocks stop its workers (a SIGTERM would leave them holding a GPU)
+             timeout -s INT -k 30 $(( tb + 60 )) python3 -m benchmarks.bench_tp --out "$OUT" --device cuda --tp 1,2 \
+               --time-budget "$tb" ${TP_ARGS:---quick} > "$OUT/bench_tp.log" 2>&1
+             echo "bench_tp rc=$?"; grep -h "^|\|^Greedy\|^Qwen3\|^qwen3" "$OUT"/tp_*.md 2>/dev/null | head -60 | cut -c1-240
+             TESTS=tests/engine/test_tp_gpu.py JOBS=1 run_tests $(( ${b:-500} - tb - 90 )) ;;
     *)       echo "unknown suite $suite" ;;
   esac
   pack
