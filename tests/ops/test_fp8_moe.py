@@ -1,5 +1,6 @@
 """FP8 routed experts (ops/moe with block scales): the FP8 grouped Triton kernels (grouped_fp8_triton: each tile
-config, the intermediate quantized in the gate_up epilogue or by its own launch) (Triton's CPU
+config, the intermediate quantized in the gate_up epilogue or by its own launch; the decode path that small
+calls take, decode_fp8_triton, in test_fp8_moe_decode.py) (Triton's CPU
 interpreter in CI, the GPU on the device) and the dequantizing PyTorch path against a float64 reference of
 the same quantized math, with an intermediate size that is not a multiple of 128 (partial scale blocks) and
 one that is; scales of the wrong shape refused.
@@ -74,8 +75,10 @@ def test_fp8_experts_against_float64(T, H, I, backend, device):
     (2, 600, 72, ((32, 4, 3), (64, 4, 3))),        # 32 + 32-row gate/up tiles, a partial one
 ])
 def test_fp8_triton_tile_configs(T, H, I, cfg, device, monkeypatch):
+    from gdnserve.ops.moe import decode_fp8_triton as d
     from gdnserve.ops.moe import grouped_fp8_triton as g
     monkeypatch.setattr(g, "CONFIG_OVERRIDE", cfg)
+    monkeypatch.setattr(d, "DECODE_MAX_PAIRS", 0)          # the grouped kernels at every size
     E, k = 5, 2
     q_gu, s_gu, q_dn, s_dn = fp8_experts(E, H, I, device)
     x = torch.randn(T, H, device=device).bfloat16()

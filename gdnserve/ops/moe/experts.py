@@ -7,6 +7,7 @@ from gdnserve.ops.backend import Backend, resolve
 from gdnserve.ops.launch import cdiv
 from gdnserve.ops.moe.align import Alignment
 from gdnserve.ops.moe.align_triton import align_pairs_triton
+from gdnserve.ops.moe.decode_fp8_triton import moe_experts_fp8_decode, uses_decode
 from gdnserve.ops.moe.fp8_torch import moe_experts_fp8_torch
 from gdnserve.ops.moe.grouped_fp8_triton import moe_experts_fp8_triton
 from gdnserve.ops.moe.grouped_triton import block_rows, moe_experts_triton
@@ -27,7 +28,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     FP8 experts: w_gate_up / w_down float8_e4m3fn and ``scales`` = (gate_up scales [E, 2·ceil(I/128),
     ceil(H/128)], down scales [E, ceil(H/128), ceil(I/128)]) float32; activations are quantized per
     token-group of 128 on the fly (``grouped_fp8_triton``: native fp8 dots, on CUDA devices with fp8 tensor
-    cores or Triton's interpreter, else the dequantizing ``fp8_torch`` path).
+    cores or Triton's interpreter, else the dequantizing ``fp8_torch`` path; a few pairs, ``decode_fp8_triton``).
     ``alignment``: the Triton path's grouping of ``experts`` when the caller has it already (the fused router,
     ``router.route``); None = aligned here."""
     if x.dim() != 2 or weights.shape != experts.shape or weights.shape[0] != x.shape[0]:
@@ -54,6 +55,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     T, k = experts.shape
     if T == 0:
         return torch.zeros_like(x)
+    if scales is not None and uses_decode(T * k):      # decode sizes: two GEMV launches, no alignment
+        return moe_experts_fp8_decode(x, weights.contiguous(), experts.contiguous(), w_gate_up, w_down, *scales)
     BM = block_rows(T * k, E)
     if alignment is not None and alignment.BM != BM:
         raise ValueError(f"moe_experts: alignment row block {alignment.BM} != the grouped GEMM's {BM}")

@@ -1,0 +1,161 @@
+"""FP8 routed experts at decode sizes (a few (token, expert) pairs) in Triton: two weight-streaming GEMV
+launches on the CUDA cores, no alignment, no k-sum launch.
+
+At T = 1 the grouped GEMM (``grouped_fp8_triton``) spends its time in launches and in too few programs:
+aligning the pairs, quantizing x, gate_up, quantizing the intermediate, down, the k-sum — 34.5 µs on the
+H200 for ~25 MB of FP8 weights (~6 µs at the copy rate). Here, for ``T·k <= DECODE_MAX_PAIRS``:
+
+1. ``_gate_up_kernel``: one program = one pair (read straight from ``experts [T, k]``) x ``BR`` intermediate
+   columns: its ``BR`` gate rows and ``BR`` up rows of the expert over the whole of K, ``KG`` scale blocks of
+   128 per step (the loads of a step are independent: in flight together). x per token and group of 128 is
+   quantized in the program's registers (``QX``: ``tl_fp8.quant_tile``, the numbers of
+   ``quantize_act_triton``; x is a few KB, L2-resident) or read from one ``quantize_act_triton`` launch.
+   Products ``e4m3 · e4m3-grid`` are exact in float32, summed per block, ``· sw · sx``, summed over blocks.
+   Epilogue ``h = silu(g) · u`` rounded to x's dtype into ``inter [T·k, I]`` (pair-major, L2-resident).
+2. ``_down_kernel``: one program = one token x ``BR2`` output columns: for its k pairs in order
+   (j = 0..k-1) the pair's intermediate, quantized per group of 128 in registers (``QH``; else read from one
+   ``quantize_act_triton`` launch over ``inter``), times the expert's ``BR2`` down rows, ``· w(pair)``,
+   rounded to x's dtype as the reference rounds each pair output, summed in float32 in that fixed order and
+   rounded once: the k-sum without its launch and without atomics.
+
+The grid puts the pair (token) on its fastest axis, so the programs that share an expert's rows (two tokens
+routed to one expert) run close together and the second read hits L2. The numbers are the grouped kernels'
+and ``fp8_torch``'s (same quantization, same roundings; only the float32 summation order differs).
+Deterministic; the grid is fixed by shapes (CUDA-graph safe); float32 activations work unchanged (the
+products are exact). Configs: ``config`` (H200: benchmarks/bench_fp8.py's experts rows).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from gdnserve.ops.launch import cdiv, launch, pow2
+from gdnserve.ops.quant.fp8_gemm_triton import quantize_act_triton
+from gdnserve.ops.quant.tl_fp8 import quant_tile
+from gdnserve.ops.tl_compat import INTERPRET, cast
+
+DECODE_MAX_PAIRS = 128          # T·k at or below which ``moe_experts`` takes this path (None / 0: never)
+
+
+class DecodeConfig(NamedTuple):
+    BR: int = 4          # gate_up: intermediate columns per program (BR gate + BR up weight rows)
+    KG: int = 4          # gate_up: 128-wide K blocks per step
+    warps: int = 4
+    QX: bool = True      # quantize x in the gate_up programs (else one quantize_act_triton launch)
+    BR2: int = 8         # down: output columns per program
+    warps2: int = 4
+    QH: bool = True      # quantize the intermediate in the down programs (else one launch)
+    stages: int = 1
+
+
+@triton.jit
+def _gate_up_kernel(x, xq, xs, experts, w, ws, inter, H, I, SG, SKH, stride_x,
+                    TOP_K: tl.constexpr, BR: tl.constexpr, KG: tl.constexpr, QX: tl.constexpr):
+    pair = tl.program_id(0)
+    tok = (pair // TOP_K).to(tl.int64)
+    e = tl.load(experts + pair).to(tl.int64)
+    n = tl.program_id(1) * BR + tl.arange(0, BR)
+    n_ok = n < I
+    g_rows = w + e * (2 * I) * H + n.to(tl.int64) * H                 # [BR] the gate rows, up rows I further
+    sg_rows = ws + e * (2 * SG) * SKH + (n // 128) * SKH
+    grp = tl.arange(0, KG)
+    col = tl.arange(0, 128)
+    acc_g = tl.zeros((BR,), dtype=tl.float32)
+    acc_u = tl.zeros((BR,), dtype=tl.float32)
+    for kb0 in range(0, SKH, KG):
+        kb = kb0 + grp
+        kk = kb[:, None] * 128 + col[None, :]                          # [KG, 128]
+        k_ok = kk < H
+        if QX:
+            q, sx = quant_tile(tl.load(x + tok * stride_x + kk, mask=k_ok, other=0.0).to(tl.float32))
+        else:
+            q = tl.load(xq + tok * H + kk, mask=k_ok, other=0.0).to(tl.float32)
+            sx = tl.load(xs + tok * SKH + kb, mask=kb < SKH, other=0.0)
+        m3 = n_ok[:, None, None] & k_ok[None, :, :]
+        a_g = tl.load(g_rows[:, None, None] + kk[None, :, :], mask=m3, other=0.0).to(tl.float32)
+        a_u = tl.load(g_rows[:, None, None] + I * H + kk[None, :, :], mask=m3, other=0.0).to(tl.float32)
+        s_ok = n_ok[:, None] & (kb < SKH)[None, :]
+        s_g = tl.load(sg_rows[:, None] + kb[None, :], mask=s_ok, other=0.0)
+        s_u = tl.load(sg_rows[:, None] + SG * SKH + kb[None, :], mask=s_ok, other=0.0)
+        acc_g += tl.sum(tl.sum(a_g * q[None, :, :], axis=2) * (s_g * sx[None, :]), axis=1)
+        acc_u += tl.sum(tl.sum(a_u * q[None, :, :], axis=2) * (s_u * sx[None, :]), axis=1)
+    h = cast(acc_g * tl.sigmoid(acc_g) * acc_u, inter.dtype.element_ty)       # rounded as the reference
+    tl.store(inter + pair.to(tl.int64) * I + n, h, mask=n_ok)
+
+
+@triton.jit
+def _down_kernel(inter, iq, isc, experts, pair_w, w, ws, out, H, I, SKI, stride_o,
+                 TOP_K: tl.constexpr, BR2: tl.constexpr, KGI: tl.constexpr, QH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BR2 + tl.arange(0, BR2)
+    n_ok = n < H
+    grp = tl.arange(0, KGI)
+    col = tl.arange(0, 128)
+    w_rows = n.to(tl.int64) * I
+    s_rows = (n // 128) * SKI
+    total = tl.zeros((BR2,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = t * TOP_K + j
+        e = tl.load(experts + pair).to(tl.int64)
+        acc = tl.zeros((BR2,), dtype=tl.float32)
+        for kb0 in range(0, SKI, KGI):
+            kb = kb0 + grp
+            kk = kb[:, None] * 128 + col[None, :]
+            k_ok = kk < I
+            if QH:
+                q, sh = quant_tile(tl.load(inter + pair * I + kk, mask=k_ok, other=0.0).to(tl.float32))
+            else:
+                q = tl.load(iq + pair * I + kk, mask=k_ok, other=0.0).to(tl.float32)
+                sh = tl.load(isc + pair * SKI + kb, mask=kb < SKI, other=0.0)
+            a = tl.load(w + e * H * I + w_rows[:, None, None] + kk[None, :, :],
+                        mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0).to(tl.float32)
+            s = tl.load(ws + e * tl.cdiv(H, 128) * SKI + s_rows[:, None] + kb[None, :],
+                        mask=n_ok[:, None] & (kb < SKI)[None, :], other=0.0)
+            acc += tl.sum(tl.sum(a * q[None, :, :], axis=2) * (s * sh[None, :]), axis=1)
+        pw = tl.load(pair_w + pair).to(tl.float32)
+        total += cast(acc * pw, out.dtype.element_ty).to(tl.float32)      # each pair rounded, as the reference
+    tl.store(out + t * stride_o + n, cast(total, out.dtype.element_ty), mask=n_ok)
+
+
+CONFIG_OVERRIDE: DecodeConfig | None = None     # benchmarks' sweeps
+
+
+def config(num_pairs: int, H: int, I: int) -> DecodeConfig:
+    """The decode kernels' config from the shapes (H200: benchmarks/bench_fp8.py)."""
+    if CONFIG_OVERRIDE is not None:
+        return CONFIG_OVERRIDE
+    if INTERPRET:                   # Triton's CPU interpreter: few wide programs (its cost is per program)
+        return DecodeConfig(BR=32, BR2=64)
+    return DecodeConfig()
+
+
+def uses_decode(num_pairs: int) -> bool:
+    """Whether ``moe_experts`` sends ``num_pairs`` (token, expert) pairs to this path."""
+    return bool(DECODE_MAX_PAIRS) and 0 < num_pairs <= DECODE_MAX_PAIRS
+
+
+def moe_experts_fp8_decode(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
+                           w_down: torch.Tensor, s_gate_up: torch.Tensor, s_down: torch.Tensor) -> torch.Tensor:
+    """x [T, H] (unit column stride), weights [T, k] (contiguous), experts [T, k] (contiguous, any int dtype),
+    w_gate_up [E, 2I, H] / w_down [E, H, I] e4m3 and their block scales (float32, contiguous) -> [T, H] in
+    x.dtype."""
+    T, H = x.shape
+    k = experts.shape[1]
+    I = w_down.shape[2]
+    N = T * k
+    c = config(N, H, I)
+    SG, SKH, SKI = cdiv(I, 128), cdiv(H, 128), cdiv(I, 128)
+    xq, xs = (x, x) if c.QX else quantize_act_triton(x)         # unused pointers when QX
+    inter = torch.empty(N, I, dtype=x.dtype, device=x.device)
+    launch(_gate_up_kernel, (N, cdiv(I, c.BR)),
+           (x, xq, xs, experts, w_gate_up, s_gate_up, inter, H, I, SG, SKH, x.stride(0), k, c.BR,
+            min(c.KG, pow2(SKH)), c.QX), num_warps=c.warps, num_stages=c.stages)
+    iq, isc = (inter, inter) if c.QH else quantize_act_triton(inter)
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    launch(_down_kernel, (T, cdiv(H, c.BR2)),
+           (inter, iq, isc, experts, weights, w_down, s_down, out, H, I, SKI, out.stride(0), k, c.BR2,
+            min(pow2(SKI), 8), c.QH), num_warps=c.warps2, num_stages=c.stages)
+    return out
