@@ -1,0 +1,138 @@
+"""Sweep of the FP8 decode experts kernels (``ops/moe/decode_fp8_triton``) against the grouped FP8 path and
+bf16, at the Qwen3.5-35B-A3B experts (256 experts, top-8, H 2048, I 512), T = 1 ... 32 tokens.
+
+    python -m benchmarks.sweep_moe_fp8_decode [--out DIR] [--time-budget S]
+
+Stage 1 sweeps the gate_up side (BR, KG, warps, QX) with the default down side at T = 1 and 16; stage 2 the
+down side (BR2, warps2, QH) with the best gate_up of each T; then the best of each T is timed at every T
+next to the grouped FP8 kernels (``DECODE_MAX_PAIRS = 0``) and bf16. µs: CUDA-graph replay per call, median
+[P10–P90], 8 random routings rotated (bench_fp8's experts methodology: the touched experts leave L2).
+Writes ``moe_fp8_decode_sweep_<device>.json`` and ``.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.bench_fp8 import H as HID
+from benchmarks.bench_fp8 import _pct, _routing, _tag
+from gdnserve.ops.moe import decode_fp8_triton as d
+from gdnserve.ops.moe import moe_experts
+from gdnserve.ops.numerics import rel_rms
+from gdnserve.ops.quant import quantize_weight
+
+C = d.DecodeConfig
+DEFAULT_MAX = d.DECODE_MAX_PAIRS
+
+
+def _time(fn, sets, dev, quick=True) -> dict[str, Any]:
+    try:
+        t = _pct(fn, sets, dev, quick)
+        return {"us": t["p50"], "p10_p90": [t["p10"], t["p90"]]}
+    except Exception as e:                   # noqa: BLE001 — a failing config is reported
+        return {"error": f"{type(e).__name__}: {e}"[:200]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--time-budget", type=float, default=150.0)
+    ap.add_argument("--tiny", action="store_true", help="CPU smoke run of the script (interpreter, tiny shapes)")
+    ap.add_argument("--final-only", action="store_true", help="no sweep: the default configs, grouped, bf16")
+    args = ap.parse_args(argv)
+    dev = torch.device("cpu" if args.tiny else "cuda")
+    t0 = time.perf_counter()
+    E, I, k, H = (8, 128, 2, 256) if args.tiny else (256, 512, 8, HID)
+    gu = torch.randn(E, 2 * I, H, device=dev) / H ** 0.5
+    dn = torch.randn(E, H, I, device=dev) / I ** 0.5
+    (qg, sg), (qu, su), (qd, sd) = (quantize_weight(t) for t in (gu[:, :I], gu[:, I:], dn))
+    q_gu, s_gu = torch.cat([qg, qu], 1).contiguous(), torch.cat([sg, su], 1).contiguous()
+    q_dn, s_dn = qd.contiguous(), sd.contiguous()
+    gu16, dn16 = (gu, dn) if args.tiny else (gu.bfloat16(), dn.bfloat16())
+    del gu, dn
+    Ts = (1, 16) if args.tiny else (1, 2, 4, 8, 16, 32, 64)
+    sets = {T: [_routing(T, H, E, k, dev) for _ in range(8)] for T in Ts}
+    fp8 = lambda r: moe_experts(*r, q_gu, q_dn, scales=(s_gu, s_dn))       # noqa: E731
+    rep: dict[str, Any] = {"device": "cpu" if args.tiny else torch.cuda.get_device_name(dev), "sweep": [], "final": [], "errors": {}}
+    d.DECODE_MAX_PAIRS = 10 ** 6
+    log = lambda s: print(s, flush=True)     # noqa: E731
+
+    def one(T: int, cfg: C, stage: str) -> dict[str, Any]:
+        d.CONFIG_OVERRIDE = cfg
+        x, w, idx = sets[T][0]
+        row = {"stage": stage, "T": T, "config": cfg._asdict()}
+        try:
+            y = fp8((x, w, idx))
+            ref = moe_experts(x, w, idx, q_gu, q_dn, scales=(s_gu, s_dn), backend="torch")
+            row["rel_err"] = rel_rms(y, ref)
+        except Exception as e:               # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {e}"[:200]
+            return row
+        row.update(_time(fp8, sets[T], dev))
+        log(json.dumps(row))
+        rep["sweep"].append(row)
+        return row
+
+    best: dict[int, C] = {}
+    gate_cfgs = [C(BR=br, KG=kg, QX=qx) for qx in (True, False) for br in (2, 4, 8, 16) for kg in (4, 16)]
+    gate_cfgs += [C(BR=br, KG=4, warps=8, QX=True) for br in (8, 16)]
+    if args.tiny:
+        gate_cfgs = [C(BR=32, BR2=64), C(BR=64, BR2=64, QX=False)]
+    for T in (() if args.final_only else (1, 16)):
+        rows = [one(T, c, "gate_up") for c in gate_cfgs if time.perf_counter() - t0 < args.time_budget * 0.45]
+        ok = [r for r in rows if "us" in r]
+        best[T] = C(**min(ok, key=lambda r: r["us"])["config"]) if ok else C()
+    for T in (() if args.final_only else (1, 16)):
+        b = best[T]
+        down = [b._replace(BR2=br2, warps2=wp, QH=qh) for qh in (True, False)
+                for br2, wp in ((2, 2), (4, 2), (2, 4), (4, 4), (8, 4), (16, 4), (32, 4), (16, 8), (32, 8))]
+        if args.tiny:
+            down = [b._replace(BR2=128, QH=False)]
+        rows = [one(T, c, "down") for c in down if time.perf_counter() - t0 < args.time_budget * 0.8]
+        ok = [r for r in rows if "us" in r]
+        if ok:
+            best[T] = C(**min(ok, key=lambda r: r["us"])["config"])
+    rep["best"] = {T: c._asdict() for T, c in best.items()}
+    default_max = d.DECODE_MAX_PAIRS = DEFAULT_MAX
+    for T in Ts:
+        row: dict[str, Any] = {"T": T, "default_takes_decode": d.uses_decode(T * k)}
+        for name, cfg in (("decode_b1", best.get(1)), ("decode_b16", best.get(16)), ("default", None)):
+            if name != "default" and cfg is None:
+                continue
+            d.CONFIG_OVERRIDE = cfg
+            d.DECODE_MAX_PAIRS = 10 ** 6 if name != "default" else default_max
+            row[name] = _time(fp8, sets[T], dev, quick=False)
+        d.CONFIG_OVERRIDE = None
+        d.DECODE_MAX_PAIRS = 0
+        row["grouped"] = _time(fp8, sets[T], dev, quick=False)
+        d.DECODE_MAX_PAIRS = 10 ** 6
+        row["bf16"] = _time(lambda r: moe_experts(*r, gu16, dn16), sets[T], dev, quick=False)
+        log(json.dumps(row))
+        rep["final"].append(row)
+    d.CONFIG_OVERRIDE = None
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"moe_fp8_decode_sweep_{_tag(dev)}.json").write_text(json.dumps(rep, indent=1))
+    f = lambda t: f"{t['us']:.1f} [{t['p10_p90'][0]:.1f}–{t['p10_p90'][1]:.1f}]" if "us" in t else t.get("error", "—")  # noqa: E731
+    md = [f"# FP8 decode experts sweep ({rep['device']})", "", "| T | decode (T=1 best) | decode (T=16 best) | default "
+          "(config(); decode path?) | grouped fp8 | bf16 |", "|---|---|---|---|---|---|"]
+    md += [f"| {r['T']} | {f(r.get('decode_b1', {}))} | {f(r.get('decode_b16', {}))} | {f(r['default'])} "
+           f"({'decode' if r['default_takes_decode'] else 'grouped'}) | {f(r['grouped'])} | {f(r['bf16'])} |"
+           for r in rep["final"]]
+    md += ["", f"best: {json.dumps(rep['best'])}", "", "| stage | T | config | µs | rel_err |", "|---|---|---|---|---|"]
+    md += [f"| {r['stage']} | {r['T']} | {tuple(r['config'].values())} | {f(r)} | {r.get('rel_err', math.nan):.1e} |"
+           for r in sorted(rep["sweep"], key=lambda r: (r["stage"], r["T"], r.get("us", math.inf)))]
+    (out / f"moe_fp8_decode_sweep_{_tag(dev)}.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
