@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     q_dn, s_dn = qd.contiguous(), sd.contiguous()
     gu16, dn16 = (gu, dn) if args.tiny else (gu.bfloat16(), dn.bfloat16())
     del gu, dn
-    Ts = (1, 16) if args.tiny else (1, 2, 4, 8, 16, 32, 64)
+    Ts = (1, 16) if args.tiny else (1, 2, 4, 8, 16, 32)
     sets = {T: [_routing(T, H, E, k, dev) for _ in range(8)] for T in Ts}
     fp8 = lambda r: moe_experts(*r, q_gu, q_dn, scales=(s_gu, s_dn))       # noqa: E731
-    rep: dict[str, Any] = {"device": "cpu" if args.tiny else torch.cuda.get_device_name(dev), "sweep": [], "final": [], "errors": {}}
+    rep: dict[str, Any] = {"device": "cpu" if args.tiny else torch.cuda.get_device_name(dev), "sweep": [], "final": [], "parts": []}
     d.DECODE_MAX_PAIRS = 10 ** 6
     log = lambda s: print(s, flush=True)     # noqa: E731
 
@@ -81,27 +81,43 @@ def main(argv: list[str] | None = None) -> int:
         return row
 
     best: dict[int, C] = {}
-    gate_cfgs = [C(BR=br, KG=kg, QX=qx) for qx in (True, False) for br in (2, 4, 8, 16) for kg in (4, 16)]
-    gate_cfgs += [C(BR=br, KG=4, warps=8, QX=True) for br in (8, 16)]
-    if args.tiny:
-        gate_cfgs = [C(BR=32, BR2=64), C(BR=64, BR2=64, QX=False)]
-    for T in (() if args.final_only else (1, 16)):
-        rows = [one(T, c, "gate_up") for c in gate_cfgs if time.perf_counter() - t0 < args.time_budget * 0.45]
-        ok = [r for r in rows if "us" in r]
-        best[T] = C(**min(ok, key=lambda r: r["us"])["config"]) if ok else C()
-    for T in (() if args.final_only else (1, 16)):
-        b = best[T]
-        down = [b._replace(BR2=br2, warps2=wp, QH=qh) for qh in (True, False)
-                for br2, wp in ((2, 2), (4, 2), (2, 4), (4, 4), (8, 4), (16, 4), (32, 4), (16, 8), (32, 8))]
-        if args.tiny:
-            down = [b._replace(BR2=128, QH=False)]
-        rows = [one(T, c, "down") for c in down if time.perf_counter() - t0 < args.time_budget * 0.8]
+
+    def stage(T: int, name: str, cfgs: list[C]) -> None:
+        rows = [one(T, c, name) for c in cfgs if time.perf_counter() - t0 < args.time_budget]
         ok = [r for r in rows if "us" in r]
         if ok:
             best[T] = C(**min(ok, key=lambda r: r["us"])["config"])
+    if not args.final_only:
+        b1 = C(BR=8, KG=4, QX=True, BR2=4, QH=True)          # the first sweep's T = 1 best (tree of commit 0d83799)
+        g1 = [b1] + [b1._replace(BR=br, KG=kg, stages=st, FOLD=True) for br in (4, 8, 16) for kg in (2, 4, 8)
+                     for st in (1, 2)] + [b1._replace(BR=br, QX=False, FOLD=True) for br in (8, 16)]
+        g1 += [b1._replace(BR=br, warps=2, FOLD=True) for br in (4, 8)]
+        g16 = [C(BR=16, KG=4, QX=False, BR2=32, QH=False)]
+        g16 += [g16[0]._replace(BR=br, warps=wp, stages=st, FOLD=True) for br, wp in ((8, 4), (16, 4), (32, 4), (32, 8))
+                for st in (1, 2)]
+        if args.tiny:
+            g1, g16 = [C(BR=32, BR2=64), C(BR=32, BR2=64, FOLD=True)], [C(BR=64, BR2=64, QX=False, QH=False, FOLD2=True)]
+        stage(1, "gate_up", g1)
+        stage(16, "gate_up", g16)
+        for T in (1, 16):
+            bb = best.get(T, C())
+            dn = [bb._replace(BR2=br2, warps2=wp, QH=qh, FOLD2=fold) for fold in (False, True) for qh in (True, False)
+                  for br2, wp in (((4, 2), (4, 4), (8, 2), (8, 4), (16, 4)) if T == 1 else ((16, 4), (32, 4), (64, 4), (32, 8)))
+                  if not (T == 16 and qh)]
+            stage(T, "down", dn[:2] if args.tiny else dn)
+        if not args.tiny:
+            for T, cfg in best.items():        # each launch alone (the intermediate precomputed)
+                x, w, idx = sets[T][0]
+                d.CONFIG_OVERRIDE = cfg
+                inter = d.gate_up_decode(x, idx, q_gu, s_gu, cfg)
+                rep["parts"].append({"T": T, "config": cfg._asdict(),
+                                     "gate_up": _time(lambda r: d.gate_up_decode(r[0], r[2], q_gu, s_gu, cfg), sets[T], dev),
+                                     "down": _time(lambda r: d.down_decode(inter, r[1], r[2], q_dn, s_dn, cfg), sets[T], dev)})
+                log(json.dumps(rep["parts"][-1]))
     rep["best"] = {T: c._asdict() for T, c in best.items()}
     default_max = d.DECODE_MAX_PAIRS = DEFAULT_MAX
     for T in Ts:
+        d.DECODE_MAX_PAIRS = default_max
         row: dict[str, Any] = {"T": T, "default_takes_decode": d.uses_decode(T * k)}
         for name, cfg in (("decode_b1", best.get(1)), ("decode_b16", best.get(16)), ("default", None)):
             if name != "default" and cfg is None:
@@ -126,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     md += [f"| {r['T']} | {f(r.get('decode_b1', {}))} | {f(r.get('decode_b16', {}))} | {f(r['default'])} "
            f"({'decode' if r['default_takes_decode'] else 'grouped'}) | {f(r['grouped'])} | {f(r['bf16'])} |"
            for r in rep["final"]]
-    md += ["", f"best: {json.dumps(rep['best'])}", "", "| stage | T | config | µs | rel_err |", "|---|---|---|---|---|"]
+    md += ["", f"best: {json.dumps(rep['best'])}", "", "| T | config | gate_up alone µs | down alone µs |", "|---|---|---|---|"]
+    md += [f"| {r['T']} | {tuple(r['config'].values())} | {f(r['gate_up'])} | {f(r['down'])} |" for r in rep["parts"]]
+    md += ["", "| stage | T | config | µs | rel_err |", "|---|---|---|---|---|"]
     md += [f"| {r['stage']} | {r['T']} | {tuple(r['config'].values())} | {f(r)} | {r.get('rel_err', math.nan):.1e} |"
            for r in sorted(rep["sweep"], key=lambda r: (r["stage"], r["T"], r.get("us", math.inf)))]
     (out / f"moe_fp8_decode_sweep_{_tag(dev)}.md").write_text("\n".join(md) + "\n")
