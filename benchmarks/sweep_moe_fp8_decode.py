@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         g1 = [b1] + [b1._replace(BR=br, KG=kg, stages=st, FOLD=True) for br in (4, 8, 16) for kg in (2, 4, 8)
                      for st in (1, 2)] + [b1._replace(BR=br, QX=False, FOLD=True) for br in (8, 16)]
         g1 += [b1._replace(BR=br, warps=2, FOLD=True) for br in (4, 8)]
+        g1 += [b1._replace(BR=br, KG=kg, stages=st, FOLD=True) for br, kg, st in ((8, 2, 3), (8, 2, 4), (16, 2, 3), (4, 4, 3))]
         g16 = [C(BR=16, KG=4, QX=False, BR2=32, QH=False)]
         g16 += [g16[0]._replace(BR=br, warps=wp, stages=st, FOLD=True) for br, wp in ((8, 4), (16, 4), (32, 4), (32, 8))
                 for st in (1, 2)]
