@@ -32,9 +32,9 @@ def _check(out, x, w, idx, wts):
 
 
 @pytest.mark.parametrize("T,H,I,E,k,cfg", [
-    (1, 256, 136, 9, 3, d.DecodeConfig(BR=8, KG=1, BR2=16, FOLD=True, FOLD2=True)),   # narrow tiles, one K block a step, scales folded
+    (1, 256, 136, 9, 3, d.DecodeConfig(BR=8, KG=1, BR2=16)),              # narrow tiles, one K block a step
     (3, 300, 136, 7, 2, d.DecodeConfig(BR=16, KG=2, BR2=32, QX=False)),   # x by its own launch, partial K step
-    (3, 200, 72, 6, 2, d.DecodeConfig(BR=32, KG=4, BR2=64, QH=False, FOLD2=True)),    # intermediate by its own launch
+    (3, 200, 72, 6, 2, d.DecodeConfig(BR=32, KG=4, BR2=64, QH=False)),    # intermediate by its own launch
     (16, 136, 72, 10, 2, None),                                           # the default config, tokens sharing experts
 ])
 def test_decode_against_float64(T, H, I, E, k, cfg, device, monkeypatch):

@@ -37,7 +37,7 @@ from gdnserve.ops.quant.fp8_gemm_triton import quantize_act_triton
 from gdnserve.ops.quant.tl_fp8 import quant_tile
 from gdnserve.ops.tl_compat import INTERPRET, cast
 
-DECODE_MAX_PAIRS = 128          # T·k at or below which ``moe_experts`` takes this path (None / 0: never)
+DECODE_MAX_PAIRS = 64           # T·k at or below which ``moe_experts`` takes this path (0: never)
 
 
 class DecodeConfig(NamedTuple):
@@ -49,14 +49,11 @@ class DecodeConfig(NamedTuple):
     warps2: int = 4
     QH: bool = True      # quantize the intermediate in the down programs (else one launch)
     stages: int = 1
-    FOLD: bool = False   # gate_up: the weight block scales folded into x's side (BR divides 128)
-    FOLD2: bool = False  # down: the same on the intermediate's side (BR2 divides 128)
 
 
 @triton.jit
 def _gate_up_kernel(x, xq, xs, experts, w, ws, inter, H, I, SG, SKH, stride_x,
-                    TOP_K: tl.constexpr, BR: tl.constexpr, KG: tl.constexpr, QX: tl.constexpr,
-                    FOLD: tl.constexpr):
+                    TOP_K: tl.constexpr, BR: tl.constexpr, KG: tl.constexpr, QX: tl.constexpr):
     pair = tl.program_id(0)
     tok = (pair // TOP_K).to(tl.int64)
     e = tl.load(experts + pair).to(tl.int64)
@@ -64,13 +61,10 @@ def _gate_up_kernel(x, xq, xs, experts, w, ws, inter, H, I, SG, SKH, stride_x,
     n_ok = n < I
     g_rows = w + e * (2 * I) * H + n.to(tl.int64) * H                 # [BR] the gate rows, up rows I further
     sg_rows = ws + e * (2 * SG) * SKH + (n // 128) * SKH
-    sg_blk = ws + e * (2 * SG) * SKH + (tl.program_id(1) * BR // 128) * SKH     # FOLD: BR divides 128
     grp = tl.arange(0, KG)
     col = tl.arange(0, 128)
     acc_g = tl.zeros((BR,), dtype=tl.float32)
     acc_u = tl.zeros((BR,), dtype=tl.float32)
-    acc_g3 = tl.zeros((BR, KG, 128), dtype=tl.float32)
-    acc_u3 = tl.zeros((BR, KG, 128), dtype=tl.float32)
     for kb0 in range(0, SKH, KG):
         kb = kb0 + grp
         kk = kb[:, None] * 128 + col[None, :]                          # [KG, 128]
@@ -83,30 +77,18 @@ def _gate_up_kernel(x, xq, xs, experts, w, ws, inter, H, I, SG, SKH, stride_x,
         m3 = n_ok[:, None, None] & k_ok[None, :, :]
         a_g = tl.load(g_rows[:, None, None] + kk[None, :, :], mask=m3, other=0.0).to(tl.float32)
         a_u = tl.load(g_rows[:, None, None] + I * H + kk[None, :, :], mask=m3, other=0.0).to(tl.float32)
-        if FOLD:            # the block scales folded into x's side: elementwise FMAs, one reduction at the end
-            kb_ok = kb < SKH
-            xd = q * sx[:, None]
-            xg = xd * tl.load(sg_blk + kb, mask=kb_ok, other=0.0)[:, None]
-            xu = xd * tl.load(sg_blk + SG * SKH + kb, mask=kb_ok, other=0.0)[:, None]
-            acc_g3 += a_g * xg[None, :, :]
-            acc_u3 += a_u * xu[None, :, :]
-        else:
-            s_ok = n_ok[:, None] & (kb < SKH)[None, :]
-            s_g = tl.load(sg_rows[:, None] + kb[None, :], mask=s_ok, other=0.0)
-            s_u = tl.load(sg_rows[:, None] + SG * SKH + kb[None, :], mask=s_ok, other=0.0)
-            acc_g += tl.sum(tl.sum(a_g * q[None, :, :], axis=2) * (s_g * sx[None, :]), axis=1)
-            acc_u += tl.sum(tl.sum(a_u * q[None, :, :], axis=2) * (s_u * sx[None, :]), axis=1)
-    if FOLD:
-        acc_g = tl.sum(tl.sum(acc_g3, axis=2), axis=1)
-        acc_u = tl.sum(tl.sum(acc_u3, axis=2), axis=1)
+        s_ok = n_ok[:, None] & (kb < SKH)[None, :]
+        s_g = tl.load(sg_rows[:, None] + kb[None, :], mask=s_ok, other=0.0)
+        s_u = tl.load(sg_rows[:, None] + SG * SKH + kb[None, :], mask=s_ok, other=0.0)
+        acc_g += tl.sum(tl.sum(a_g * q[None, :, :], axis=2) * (s_g * sx[None, :]), axis=1)
+        acc_u += tl.sum(tl.sum(a_u * q[None, :, :], axis=2) * (s_u * sx[None, :]), axis=1)
     h = cast(acc_g * tl.sigmoid(acc_g) * acc_u, inter.dtype.element_ty)       # rounded as the reference
     tl.store(inter + pair.to(tl.int64) * I + n, h, mask=n_ok)
 
 
 @triton.jit
 def _down_kernel(inter, iq, isc, experts, pair_w, w, ws, out, H, I, SKI, stride_o,
-                 TOP_K: tl.constexpr, BR2: tl.constexpr, KGI: tl.constexpr, QH: tl.constexpr,
-                 FOLD: tl.constexpr):
+                 TOP_K: tl.constexpr, BR2: tl.constexpr, KGI: tl.constexpr, QH: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BR2 + tl.arange(0, BR2)
     n_ok = n < H
@@ -130,14 +112,9 @@ def _down_kernel(inter, iq, isc, experts, pair_w, w, ws, out, H, I, SKI, stride_
                 sh = tl.load(isc + pair * SKI + kb, mask=kb < SKI, other=0.0)
             a = tl.load(w + e * H * I + w_rows[:, None, None] + kk[None, :, :],
                         mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0).to(tl.float32)
-            if FOLD:        # BR2 divides 128: one scale per K block for all rows, folded into h's side
-                s = tl.load(ws + e * tl.cdiv(H, 128) * SKI + (tl.program_id(1) * BR2 // 128) * SKI + kb,
-                            mask=kb < SKI, other=0.0)
-                acc += tl.sum(tl.sum(a * (q * (sh * s)[:, None])[None, :, :], axis=2), axis=1)
-            else:
-                s = tl.load(ws + e * tl.cdiv(H, 128) * SKI + s_rows[:, None] + kb[None, :],
-                            mask=n_ok[:, None] & (kb < SKI)[None, :], other=0.0)
-                acc += tl.sum(tl.sum(a * q[None, :, :], axis=2) * (s * sh[None, :]), axis=1)
+            s = tl.load(ws + e * tl.cdiv(H, 128) * SKI + s_rows[:, None] + kb[None, :],
+                        mask=n_ok[:, None] & (kb < SKI)[None, :], other=0.0)
+            acc += tl.sum(tl.sum(a * q[None, :, :], axis=2) * (s * sh[None, :]), axis=1)
         pw = tl.load(pair_w + pair).to(tl.float32)
         total += cast(acc * pw, out.dtype.element_ty).to(tl.float32)      # each pair rounded, as the reference
     tl.store(out + t * stride_o + n, cast(total, out.dtype.element_ty), mask=n_ok)
@@ -147,14 +124,18 @@ CONFIG_OVERRIDE: DecodeConfig | None = None     # benchmarks' sweeps
 
 
 def config(num_pairs: int, H: int, I: int) -> DecodeConfig:
-    """The decode kernels' config from the shapes (H200: benchmarks/bench_fp8.py)."""
+    """The decode kernels' config from the shapes: the H200 sweep's best at T = 1 and at T = 16 (top-8, H 2048,
+    I 512; benchmarks/results/moe_fp8_decode_sweep_h200.md). A few pairs: narrow programs (the most of them),
+    both quantizations in registers (a launch costs more than the recomputation); more: 16 / 32-row programs
+    and x and the intermediate quantized once by their own launches (the per-program re-quantization grows
+    with the pairs)."""
     if CONFIG_OVERRIDE is not None:
         return CONFIG_OVERRIDE
     if INTERPRET:                   # Triton's CPU interpreter: few wide programs (its cost is per program)
         return DecodeConfig(BR=32, BR2=64)
-    if num_pairs <= 16:             # T <= 2 at top-8: 1-token sweep's best
+    if num_pairs <= 16:             # T <= 2 at top-8
         return DecodeConfig(BR=8, KG=4, QX=True, BR2=4, QH=True)
-    return DecodeConfig(BR=16, KG=4, QX=False, BR2=32, QH=False)    # the 16-token sweep's best
+    return DecodeConfig(BR=16, KG=4, QX=False, BR2=32, QH=False)
 
 
 def uses_decode(num_pairs: int) -> bool:
@@ -168,8 +149,6 @@ def moe_experts_fp8_decode(x: torch.Tensor, weights: torch.Tensor, experts: torc
     w_gate_up [E, 2I, H] / w_down [E, H, I] e4m3 and their block scales (float32, contiguous) -> [T, H] in
     x.dtype."""
     c = config(experts.numel(), x.shape[1], w_down.shape[2])
-    if (c.FOLD and 128 % c.BR) or (c.FOLD2 and 128 % c.BR2):
-        raise ValueError(f"moe_experts_fp8_decode: FOLD / FOLD2 need BR / BR2 dividing 128, got {c}")
     inter = gate_up_decode(x, experts, w_gate_up, s_gate_up, c)
     return down_decode(inter, weights, experts, w_down, s_down, c)
 
@@ -185,7 +164,7 @@ def gate_up_decode(x: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tens
     inter = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     launch(_gate_up_kernel, (T * k, cdiv(I, c.BR)),
            (x, xq, xs, experts, w_gate_up, s_gate_up, inter, H, I, SG, SKH, x.stride(0), k, c.BR,
-            min(c.KG, pow2(SKH)), c.QX, c.FOLD), num_warps=c.warps, num_stages=c.stages)
+            min(c.KG, pow2(SKH)), c.QX), num_warps=c.warps, num_stages=c.stages)
     return inter
 
 
@@ -199,5 +178,5 @@ def down_decode(inter: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     out = torch.empty(T, H, dtype=inter.dtype, device=inter.device)
     launch(_down_kernel, (T, cdiv(H, c.BR2)),
            (inter, iq, isc, experts, weights, w_down, s_down, out, H, I, SKI, out.stride(0), k, c.BR2,
-            min(pow2(SKI), 8), c.QH, c.FOLD2), num_warps=c.warps2, num_stages=c.stages)
+            min(pow2(SKI), 8), c.QH), num_warps=c.warps2, num_stages=c.stages)
     return out
