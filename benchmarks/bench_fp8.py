@@ -12,7 +12,8 @@ Sections (each row also checks the FP8 result against the dequantizing float32 r
   GDN in_proj 12288 FP8 rows (+64 dense b/a rows), out_proj; attention qkv 9216, o_proj; shared expert).
   µs = CUDA-graph replay time per call (benchmarks/timing.py); TB/s = bytes the call must move (weights,
   scales, x, y) / time; the weights rotate over enough copies to exceed L2.
-* **moe**: the routed experts (256 experts, top-8, 2048 x 512) FP8 (``grouped_fp8_triton``; and the old FP8
+* **moe**: the routed experts (256 experts, top-8, 2048 x 512) FP8 (``moe_experts``' default: ``decode_fp8_triton``
+  at T·k <= 64 pairs, with the grouped kernels ``grouped_fp8_triton`` next to it, else those; and the old FP8
   branch of ``grouped_triton``) vs bf16, T = 1 ... 4096 tokens, several random routings rotated per call.
 * **model**: the bench model (8 layers, 64 experts, vocab 248320; ``random_model.build_random_model``; ``--full``:
   the full-size 40-layer, 256-expert model), decode steps (CUDA graphs) at B = 1 (``--full``: 1, 16, 64, 256)
@@ -191,6 +192,9 @@ def moe_rows(dev: torch.device, quick: bool, log: Callable[[str], None]) -> list
             _timed(row, "fp8_us", lambda r: moe_experts(*r, q_gu, q_dn, scales=(s_gu, s_dn)), sets, dev, quick)
             if dev.type == "cuda":
                 _timed(row, "fp8_old_us", lambda r: _old_fp8_experts(*r, q_gu, q_dn, (s_gu, s_dn)), sets, dev, quick)
+            if dev.type == "cuda" and _decode_experts(T * k):     # the decode path is the default here: the grouped kernels next to it
+                _timed(row, "fp8_grouped_us", lambda r: _grouped_fp8_experts(*r, q_gu, q_dn, (s_gu, s_dn)), sets,
+                       dev, quick)
         except Exception as e:                   # noqa: BLE001
             row["fp8_error"] = f"{type(e).__name__}: {e}"[:300]
         _timed(row, "bf16_us", lambda r: moe_experts(*r, gu16, dn16), sets, dev, quick)
@@ -211,6 +215,21 @@ def _routing(T: int, Hm: int, E: int, k: int, dev: torch.device) -> tuple[torch.
     x = torch.randn(T, Hm, device=dev).to(_act(dev))
     w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=dev), -1), k, dim=-1)
     return x, (w / w.sum(-1, keepdim=True)).to(_act(dev)), idx
+
+
+def _decode_experts(num_pairs: int) -> bool:
+    from gdnserve.ops.moe.decode_fp8_triton import uses_decode
+    return uses_decode(num_pairs)
+
+
+def _grouped_fp8_experts(x, w, idx, q_gu, q_dn, scales):
+    """The grouped FP8 kernels (``grouped_fp8_triton``) where ``moe_experts`` takes the decode path."""
+    from gdnserve.ops.moe import decode_fp8_triton, moe_experts
+    keep, decode_fp8_triton.DECODE_MAX_PAIRS = decode_fp8_triton.DECODE_MAX_PAIRS, 0
+    try:
+        return moe_experts(x, w, idx, q_gu, q_dn, scales=scales)
+    finally:
+        decode_fp8_triton.DECODE_MAX_PAIRS = keep
 
 
 def _old_fp8_experts(x, w, idx, q_gu, q_dn, scales):
@@ -368,7 +387,7 @@ def markdown(rep: dict[str, Any]) -> str:
            + (f" (measured copy ceiling {copy:.2f} TB/s)" if copy else "") + "; rel_err: FP8 result vs the float32 "
            "dequantizing reference of the same quantized math. bf16: cuBLAS `F.linear` / the bf16 grouped Triton "
            "GEMM; fp8: what `ops.quant.fp8_linear` runs by default (M >= 512: cuBLAS block-scaled `torch._scaled_mm` "
-           "where available, else and below: `ops/quant/fp8_gemm_triton.py`) / `ops/moe/grouped_fp8_triton.py`; fp8 old: "
+           "where available, else and below: `ops/quant/fp8_gemm_triton.py`) / `ops/moe/grouped_fp8_triton.py` (T·k <= 64 pairs: `decode_fp8_triton.py`; fp8 grouped: the grouped kernels there); fp8 old: "
            "the FP8 branch of `grouped_triton.py` (bf16 dots of upcast weights).", ""]
     out += ["## Linear (Qwen3.5-35B-A3B projections)", "",
             "| shape | N | K | M | bf16 µs | fp8 µs | fp8 / bf16 time | bf16 TB/s | fp8 TB/s | rel_err | "
@@ -381,12 +400,12 @@ def markdown(rep: dict[str, Any]) -> str:
                    f"{r.get('rel_err', float('nan')):.1e} | {r.get('alt', '—')} | {_p(r, 'alt_us')} | "
                    f"{r.get('alt2', '—')} | {_p(r, 'alt2_us')} |")
     out += ["", "## Routed experts (grouped GEMM; T random routings rotated: the touched experts leave L2)", "",
-            "| T | E | top-k | bf16 µs | fp8 µs | fp8 old µs | fp8 / bf16 time | bf16 TB/s | fp8 TB/s | rel_err |",
-            "|---" * 10 + "|"]
+            "| T | E | top-k | bf16 µs | fp8 µs | fp8 grouped µs | fp8 old µs | fp8 / bf16 time | bf16 TB/s | fp8 TB/s | "
+            "rel_err |", "|---" * 11 + "|"]
     for r in rep["moe"]:
         ratio = f"{1 / r['speedup']:.2f}" if "speedup" in r else f"error: {r.get('fp8_error')}"
         out.append(f"| {r['T']} | {r['E']} | {r['top_k']} | {_p(r, 'bf16_us')} | {_p(r, 'fp8_us')} | "
-                   f"{_p(r, 'fp8_old_us')} | {ratio} | {r.get('bf16_TBps', float('nan')):.2f} | "
+                   f"{_p(r, 'fp8_grouped_us')} | {_p(r, 'fp8_old_us')} | {ratio} | {r.get('bf16_TBps', float('nan')):.2f} | "
                    f"{r.get('fp8_TBps', float('nan')):.2f} | {r.get('rel_err', float('nan')):.1e} |")
     if rep.get("model"):
         out += ["", "## Model (random weights; ms: median [P10–P90] per step; floor: decode bytes / copy rate)", "",
