@@ -4,7 +4,7 @@ bf16, at the Qwen3.5-35B-A3B experts (256 experts, top-8, H 2048, I 512), T = 1 
     python -m benchmarks.sweep_moe_fp8_decode [--out DIR] [--time-budget S]
 
 Stage 1 sweeps the gate_up side (BR, KG, warps, QX) with the default down side at T = 1 and 16; stage 2 the
-down side (BR2, warps2, QH) with the best gate_up of each T; then the best of each T is timed at every T
+down side (BR2, warps2, QH, PAR) with the best gate_up of each T; then the best of each T is timed at every T
 next to the grouped FP8 kernels (``DECODE_MAX_PAIRS = 0``) and bf16. µs: CUDA-graph replay per call, median
 [P10–P90], 8 random routings rotated (bench_fp8's experts methodology: the touched experts leave L2).
 Writes ``moe_fp8_decode_sweep_<device>.json`` and ``.md``. (The committed H200 result is the tree of commit
@@ -104,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
             dn = [bb._replace(BR2=br2, warps2=wp, QH=qh) for qh in (True, False)
                   for br2, wp in (((4, 2), (4, 4), (8, 2), (8, 4), (16, 4)) if T == 1 else ((16, 4), (32, 4), (64, 4), (32, 8)))
                   if not (T == 16 and qh)]
-            stage(T, "down", dn[:2] if args.tiny else dn)
+            dn += [bb._replace(BR2=br2, warps2=wp, QH=qh, PAR=True) for br2, wp, qh in
+                   (((2, 4, True), (4, 4, True), (4, 8, True), (8, 8, True), (4, 4, False)) if T == 1
+                    else ((8, 4, False), (16, 8, False), (32, 8, False)))]
+            stage(T, "down", dn[:1] + dn[-1:] if args.tiny else dn)
         if not args.tiny:
             for T, cfg in best.items():        # each launch alone (the intermediate precomputed)
                 x, w, idx = sets[T][0]

@@ -36,6 +36,8 @@ def _check(out, x, w, idx, wts):
     (3, 300, 136, 7, 2, d.DecodeConfig(BR=16, KG=2, BR2=32, QX=False)),   # x by its own launch, partial K step
     (3, 200, 72, 6, 2, d.DecodeConfig(BR=32, KG=4, BR2=64, QH=False)),    # intermediate by its own launch
     (16, 136, 72, 10, 2, None),                                           # the default config, tokens sharing experts
+    (3, 300, 200, 9, 3, d.DecodeConfig(BR=32, BR2=16, PAR=True)),          # the pairs as a tile axis (k = 3: padded)
+    (2, 136, 136, 6, 4, d.DecodeConfig(BR=32, BR2=32, PAR=True, QH=False)),
 ])
 def test_decode_against_float64(T, H, I, E, k, cfg, device, monkeypatch):
     if cfg is not None:

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from gdnserve.ops.launch import cdiv, launch, pow2
 from gdnserve.ops.quant.fp8_gemm_triton import quantize_act_triton
-from gdnserve.ops.quant.tl_fp8 import quant_tile
+from gdnserve.ops.quant.tl_fp8 import ACT_EPS, FP8_MAX, _rne_e4m3, quant_tile
 from gdnserve.ops.tl_compat import INTERPRET, cast
 
 DECODE_MAX_PAIRS = 64           # T·k at or below which ``moe_experts`` takes this path (0: never)
@@ -49,6 +49,8 @@ class DecodeConfig(NamedTuple):
     warps2: int = 4
     QH: bool = True      # quantize the intermediate in the down programs (else one launch)
     stages: int = 1
+    PAR: bool = False    # down: the token's k pairs as one [k, BR2, I] tile (all loads in flight together;
+                         # opt-in: not measured on a GPU yet, benchmarks/sweep_moe_fp8_decode.py times it)
 
 
 @triton.jit
@@ -120,6 +122,49 @@ def _down_kernel(inter, iq, isc, experts, pair_w, w, ws, out, H, I, SKI, stride_
     tl.store(out + t * stride_o + n, cast(total, out.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def _down_par_kernel(inter, iq, isc, experts, pair_w, w, ws, out, H, I, SKI, stride_o,
+                     TOP_K: tl.constexpr, KP: tl.constexpr, BR2: tl.constexpr, KGI: tl.constexpr, QH: tl.constexpr):
+    """``_down_kernel`` with the k pairs on a tile axis instead of a loop: every pair's intermediate and weight
+    rows are loaded at once ([KP, BR2, KGI, 128]); each pair's output rounded as there, then a fixed-order
+    reduction over the pairs (deterministic; another order than the loop's: fp32, then one rounding)."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BR2 + tl.arange(0, BR2)
+    n_ok = n < H
+    jj = tl.arange(0, KP)
+    j_ok = jj < TOP_K
+    pair = t * TOP_K + jj
+    e = tl.load(experts + pair, mask=j_ok, other=0).to(tl.int64)
+    pw = tl.load(pair_w + pair, mask=j_ok, other=0.0).to(tl.float32)
+    grp = tl.arange(0, KGI)
+    col = tl.arange(0, 128)
+    acc = tl.zeros((KP, BR2), dtype=tl.float32)
+    for kb0 in range(0, SKI, KGI):
+        kb = kb0 + grp
+        kk = kb[:, None] * 128 + col[None, :]
+        k_ok = kk < I
+        hp = pair[:, None, None] * I + kk[None, :, :]                           # [KP, KGI, 128]
+        hm = j_ok[:, None, None] & k_ok[None, :, :]
+        if QH:              # quant_tile's formula along the last axis
+            ht = tl.load(inter + hp, mask=hm, other=0.0).to(tl.float32)
+            amax = tl.max(tl.abs(ht), axis=2)
+            sh = tl.math.div_rn(tl.maximum(amax, ACT_EPS), tl.full(amax.shape, FP8_MAX, tl.float32))
+            v = tl.math.div_rn(ht, tl.broadcast_to(sh[:, :, None], ht.shape))
+            q = _rne_e4m3(tl.minimum(tl.maximum(v, -FP8_MAX), FP8_MAX))
+        else:
+            q = tl.load(iq + hp, mask=hm, other=0.0).to(tl.float32)
+            sh = tl.load(isc + pair[:, None] * SKI + kb[None, :], mask=j_ok[:, None] & (kb < SKI)[None, :], other=0.0)
+        w_off = e[:, None, None, None] * H * I + (n.to(tl.int64) * I)[None, :, None, None] + kk[None, None, :, :]
+        wm = j_ok[:, None, None, None] & n_ok[None, :, None, None] & k_ok[None, None, :, :]
+        a = tl.load(w + w_off, mask=wm, other=0.0).to(tl.float32)                 # [KP, BR2, KGI, 128]
+        s_off = e[:, None, None] * tl.cdiv(H, 128) * SKI + ((n // 128) * SKI)[None, :, None] + kb[None, None, :]
+        sm = j_ok[:, None, None] & n_ok[None, :, None] & (kb < SKI)[None, None, :]
+        s = tl.load(ws + s_off, mask=sm, other=0.0)                                # [KP, BR2, KGI]
+        acc += tl.sum(tl.sum(a * q[:, None, :, :], axis=3) * (s * sh[:, None, :]), axis=2)
+    y = cast(acc * pw[:, None], out.dtype.element_ty).to(tl.float32)            # absent pairs: 0
+    tl.store(out + t * stride_o + n, cast(tl.sum(y, axis=0), out.dtype.element_ty), mask=n_ok)
+
+
 CONFIG_OVERRIDE: DecodeConfig | None = None     # benchmarks' sweeps
 
 
@@ -176,6 +221,11 @@ def down_decode(inter: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     SKI = cdiv(I, 128)
     iq, isc = (inter, inter) if c.QH else quantize_act_triton(inter)
     out = torch.empty(T, H, dtype=inter.dtype, device=inter.device)
+    if c.PAR:
+        launch(_down_par_kernel, (T, cdiv(H, c.BR2)),
+               (inter, iq, isc, experts, weights, w_down, s_down, out, H, I, SKI, out.stride(0), k, pow2(k), c.BR2,
+                min(pow2(SKI), 4), c.QH), num_warps=c.warps2, num_stages=c.stages)
+        return out
     launch(_down_kernel, (T, cdiv(H, c.BR2)),
            (inter, iq, isc, experts, weights, w_down, s_down, out, H, I, SKI, out.stride(0), k, c.BR2,
             min(pow2(SKI), 8), c.QH), num_warps=c.warps2, num_stages=c.stages)
