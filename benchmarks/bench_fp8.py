@@ -192,7 +192,7 @@ def moe_rows(dev: torch.device, quick: bool, log: Callable[[str], None]) -> list
             _timed(row, "fp8_us", lambda r: moe_experts(*r, q_gu, q_dn, scales=(s_gu, s_dn)), sets, dev, quick)
             if dev.type == "cuda":
                 _timed(row, "fp8_old_us", lambda r: _old_fp8_experts(*r, q_gu, q_dn, (s_gu, s_dn)), sets, dev, quick)
-            if dev.type == "cuda" and _decode_experts(T * k):     # the decode path is the default here: the grouped kernels next to it
+            if dev.type == "cuda" and _decode_experts(T * k):     # the default is the decode path: the grouped one too
                 _timed(row, "fp8_grouped_us", lambda r: _grouped_fp8_experts(*r, q_gu, q_dn, (s_gu, s_dn)), sets,
                        dev, quick)
         except Exception as e:                   # noqa: BLE001
@@ -387,7 +387,8 @@ def markdown(rep: dict[str, Any]) -> str:
            + (f" (measured copy ceiling {copy:.2f} TB/s)" if copy else "") + "; rel_err: FP8 result vs the float32 "
            "dequantizing reference of the same quantized math. bf16: cuBLAS `F.linear` / the bf16 grouped Triton "
            "GEMM; fp8: what `ops.quant.fp8_linear` runs by default (M >= 512: cuBLAS block-scaled `torch._scaled_mm` "
-           "where available, else and below: `ops/quant/fp8_gemm_triton.py`) / `ops/moe/grouped_fp8_triton.py` (T·k <= 64 pairs: `decode_fp8_triton.py`; fp8 grouped: the grouped kernels there); fp8 old: "
+           "where available, else and below: `ops/quant/fp8_gemm_triton.py`) / `ops/moe/grouped_fp8_triton.py` "
+           "(T·k <= 64 pairs: `decode_fp8_triton.py`; fp8 grouped: the grouped kernels there); fp8 old: "
            "the FP8 branch of `grouped_triton.py` (bf16 dots of upcast weights).", ""]
     out += ["## Linear (Qwen3.5-35B-A3B projections)", "",
             "| shape | N | K | M | bf16 µs | fp8 µs | fp8 / bf16 time | bf16 TB/s | fp8 TB/s | rel_err | "

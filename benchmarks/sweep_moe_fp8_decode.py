@@ -8,9 +8,9 @@ down side (BR2, warps2, QH, PAR) with the best gate_up of each T; then the best 
 next to the grouped FP8 kernels (``DECODE_MAX_PAIRS = 0``) and bf16. µs: CUDA-graph replay per call, median
 [P10–P90], 8 random routings rotated (bench_fp8's experts methodology: the touched experts leave L2).
 Writes ``moe_fp8_decode_sweep_<device>.json`` and ``.md``. (The committed H200 result is the tree of commit
-112ac0b, whose lists also held variants since removed: the block scales folded into the activation side
-(``FOLD``, elementwise FMAs into a 3-D accumulator): equal at T = 1, slower at T = 16; deeper pipelines
-(``stages`` 2-4): no change.)
+112ac0b (6c85e62 after a rebase), whose lists also held variants since removed: the block scales folded into
+the activation side (``FOLD``, elementwise FMAs into a 3-D accumulator): equal at T = 1, slower at T = 16;
+deeper pipelines (``stages`` 2-4): no change. ``PAR`` came after that run: not measured yet.)
 """
 from __future__ import annotations
 
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     Ts = (1, 16) if args.tiny else (1, 2, 4, 8, 16, 32)
     sets = {T: [_routing(T, H, E, k, dev) for _ in range(8)] for T in Ts}
     fp8 = lambda r: moe_experts(*r, q_gu, q_dn, scales=(s_gu, s_dn))       # noqa: E731
-    rep: dict[str, Any] = {"device": "cpu" if args.tiny else torch.cuda.get_device_name(dev), "sweep": [], "final": [], "parts": []}
+    rep: dict[str, Any] = {"device": "cpu" if args.tiny else torch.cuda.get_device_name(dev), "sweep": [], "final": [],
+                           "parts": []}
     d.DECODE_MAX_PAIRS = 10 ** 6
     log = lambda s: print(s, flush=True)     # noqa: E731
 
@@ -101,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         stage(16, "gate_up", g16)
         for T in (1, 16):
             bb = best.get(T, C())
-            dn = [bb._replace(BR2=br2, warps2=wp, QH=qh) for qh in (True, False)
-                  for br2, wp in (((4, 2), (4, 4), (8, 2), (8, 4), (16, 4)) if T == 1 else ((16, 4), (32, 4), (64, 4), (32, 8)))
+            tiles = ((4, 2), (4, 4), (8, 2), (8, 4), (16, 4)) if T == 1 else ((16, 4), (32, 4), (64, 4), (32, 8))
+            dn = [bb._replace(BR2=br2, warps2=wp, QH=qh) for qh in (True, False) for br2, wp in tiles
                   if not (T == 16 and qh)]
             dn += [bb._replace(BR2=br2, warps2=wp, QH=qh, PAR=True) for br2, wp, qh in
                    (((2, 4, True), (4, 4, True), (4, 8, True), (8, 8, True), (4, 4, False)) if T == 1
@@ -113,9 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                 x, w, idx = sets[T][0]
                 d.CONFIG_OVERRIDE = cfg
                 inter = d.gate_up_decode(x, idx, q_gu, s_gu, cfg)
-                rep["parts"].append({"T": T, "config": cfg._asdict(),
-                                     "gate_up": _time(lambda r: d.gate_up_decode(r[0], r[2], q_gu, s_gu, cfg), sets[T], dev),
-                                     "down": _time(lambda r: d.down_decode(inter, r[1], r[2], q_dn, s_dn, cfg), sets[T], dev)})
+                up = _time(lambda r: d.gate_up_decode(r[0], r[2], q_gu, s_gu, cfg), sets[T], dev)
+                down = _time(lambda r: d.down_decode(inter, r[1], r[2], q_dn, s_dn, cfg), sets[T], dev)
+                rep["parts"].append({"T": T, "config": cfg._asdict(), "gate_up": up, "down": down})
                 log(json.dumps(rep["parts"][-1]))
     rep["best"] = {T: c._asdict() for T, c in best.items()}
     default_max = d.DECODE_MAX_PAIRS = DEFAULT_MAX
