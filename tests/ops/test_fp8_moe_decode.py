@@ -58,7 +58,8 @@ def test_decode_float32_strided_x(device):
     _check(out, x, w, idx, wts)
 
 
-def test_decode_matches_grouped(device, monkeypatch):
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")   # the grouped path's
+def test_decode_matches_grouped(device, monkeypatch):                                   # unused padded rows
     """The decode path and the grouped kernels give the same result up to the fp32 summation order."""
     x, w, idx, wts = _case(2, 200, 136, 6, 3, torch.bfloat16, device)
     fast = moe_experts(x, w, idx, wts[0], wts[2], backend="triton", scales=(wts[1], wts[3]))
