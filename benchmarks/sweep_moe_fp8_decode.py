@@ -8,7 +8,7 @@ down side (BR2, warps2, QH, PAR) with the best gate_up of each T; then the best 
 next to the grouped FP8 kernels (``DECODE_MAX_PAIRS = 0``) and bf16. µs: CUDA-graph replay per call, median
 [P10–P90], 8 random routings rotated (bench_fp8's experts methodology: the touched experts leave L2).
 Writes ``moe_fp8_decode_sweep_<device>.json`` and ``.md``. (The committed H200 result is the tree of commit
-112ac0b (6c85e62 after a rebase), whose lists also held variants since removed: the block scales folded into
+112ac0b (92f85cf after a rebase), whose lists also held variants since removed: the block scales folded into
 the activation side (``FOLD``, elementwise FMAs into a 3-D accumulator): equal at T = 1, slower at T = 16;
 deeper pipelines (``stages`` 2-4): no change. ``PAR`` came after that run: not measured yet.)
 """
