@@ -26,7 +26,7 @@ Sections (each row also checks the FP8 result against the dequantizing float32 r
   GEMV replaced (quantization + the Triton GEMM, a dense tail by ``F.linear``); at M >= 512 the
   Triton GEMM next to cuBLAS's block-scaled ``torch._scaled_mm`` (``ops/quant/fp8_scaled_mm``).
 * ``--formats``: the model section's formats (default ``bf16,fp8``; ``fp8-qx`` / ``fp8-q2``: FP8 with the M = 1
-  GEMV quantizing x in its own programs / by a separate launch, whichever is not the default).
+  GEMV quantizing x in its own programs / by a separate launch for every projection; ``fp8``: by size, the default).
 
 On CPU (``--quick``: seconds) the shapes are tiny and FP8 runs the dequantizing PyTorch path: a smoke run of
 the script, not a measurement. Writes ``fp8_<device>.json`` and ``.md`` under ``--out`` (default
@@ -152,13 +152,14 @@ def _alt_row(row: dict[str, Any], x: torch.Tensor, q: torch.Tensor, s: torch.Ten
         finally:
             op.GEMV_MAX_M = saved
         if M == 1:
-            fused = op.GEMV_QUANT_IN_KERNEL
+            saved = op.GEMV_QUANT_IN_KERNEL
+            fused = q.numel() <= op.QX_MAX_WEIGHTS if saved is None else saved
             row["alt2"] = "GEMV, x quantized " + ("by its own launch" if fused else "in the GEMV (1 launch)")
             op.GEMV_QUANT_IN_KERNEL = not fused
             try:
                 _timed(row, "alt2_us", lambda t: fp8_linear(x, t[0], t[1], tail=t[2]), sets, dev, quick)
             finally:
-                op.GEMV_QUANT_IN_KERNEL = fused
+                op.GEMV_QUANT_IN_KERNEL = saved
     elif M >= sm.MIN_M:
         on = sm.use_scaled_mm(x, q.shape[0])
         row["alt"] = "triton GEMM" if on else "cuBLAS _scaled_mm"

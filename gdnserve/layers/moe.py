@@ -188,7 +188,8 @@ class SparseMoE(nn.Module):
         if self.shared_folded:
             gu, dn = gu[:E], dn[:E]
         if triton:                                        # one fused router launch at decode sizes
-            weights, experts, al = route(F.linear(x, self.gate.weight[:E]), self.top_k, self.norm_topk_prob, "triton")
+            weights, experts, al = route(dense_linear(x, self.gate.weight[:E]), self.top_k, self.norm_topk_prob,
+                                         "triton")
         else:
             weights, experts = self.route(x)
         out = moe_experts(x, weights, experts, gu, dn, backend=self.backend, scales=self.experts_scales, alignment=al)

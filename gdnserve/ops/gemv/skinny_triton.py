@@ -46,6 +46,7 @@ TABLE: dict[tuple[int, int], tuple[tuple[int, SkinnyConfig], ...]] = {
     (257, 2048): ((1, _FMA_8x1024), (2, SkinnyConfig(16, 512, 4, 3)), (4, SkinnyConfig(16, 128, 4, 6)),
                   (16, SkinnyConfig(16, 512, 4, 3))),           # router gate + the shared expert's row
 }
+TABLE[(256, 2048)] = TABLE[(257, 2048)][:1]    # the router gate alone (FP8 models: the shared expert not folded); M = 1
 
 
 @triton.jit(do_not_specialize=["M"])         # one binary for every M
