@@ -58,6 +58,17 @@ class DecodeConfig(NamedTuple):
 
 
 @triton.jit
+def _act_groups(raw, q, s, kk, kb, k_ok, SK, QUANT: tl.constexpr):
+    """One activation row's ``[KG, 128]`` column groups ``kk`` (blocks ``kb``) as (values on the e4m3 grid in float32,
+    their scales ``[KG]``): quantized here from the row ``raw`` (``quant_tile``) or loaded from its quantization
+    (``q`` e4m3, ``s`` the scales, ``SK`` of them per row)."""
+    if QUANT:
+        return quant_tile(tl.load(raw + kk, mask=k_ok, other=0.0).to(tl.float32))
+    else:
+        return tl.load(q + kk, mask=k_ok, other=0.0).to(tl.float32), tl.load(s + kb, mask=kb < SK, other=0.0)
+
+
+@triton.jit
 def _gate_up_kernel(x, xq, xs, experts, w, ws, inter, H, I, SG, SKH, stride_x,
                     TOP_K: tl.constexpr, BR: tl.constexpr, KG: tl.constexpr, QX: tl.constexpr):
     pair = tl.program_id(0)
@@ -75,11 +86,7 @@ def _gate_up_kernel(x, xq, xs, experts, w, ws, inter, H, I, SG, SKH, stride_x,
         kb = kb0 + grp
         kk = kb[:, None] * 128 + col[None, :]                          # [KG, 128]
         k_ok = kk < H
-        if QX:
-            q, sx = quant_tile(tl.load(x + tok * stride_x + kk, mask=k_ok, other=0.0).to(tl.float32))
-        else:
-            q = tl.load(xq + tok * H + kk, mask=k_ok, other=0.0).to(tl.float32)
-            sx = tl.load(xs + tok * SKH + kb, mask=kb < SKH, other=0.0)
+        q, sx = _act_groups(x + tok * stride_x, xq + tok * H, xs + tok * SKH, kk, kb, k_ok, SKH, QX)
         m3 = n_ok[:, None, None] & k_ok[None, :, :]
         a_g = tl.load(g_rows[:, None, None] + kk[None, :, :], mask=m3, other=0.0).to(tl.float32)
         a_u = tl.load(g_rows[:, None, None] + I * H + kk[None, :, :], mask=m3, other=0.0).to(tl.float32)
@@ -111,11 +118,7 @@ def _down_kernel(inter, iq, isc, experts, pair_w, w, ws, out, H, I, SKI, stride_
             kb = kb0 + grp
             kk = kb[:, None] * 128 + col[None, :]
             k_ok = kk < I
-            if QH:
-                q, sh = quant_tile(tl.load(inter + pair * I + kk, mask=k_ok, other=0.0).to(tl.float32))
-            else:
-                q = tl.load(iq + pair * I + kk, mask=k_ok, other=0.0).to(tl.float32)
-                sh = tl.load(isc + pair * SKI + kb, mask=kb < SKI, other=0.0)
+            q, sh = _act_groups(inter + pair * I, iq + pair * I, isc + pair * SKI, kk, kb, k_ok, SKI, QH)
             a = tl.load(w + e * H * I + w_rows[:, None, None] + kk[None, :, :],
                         mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0).to(tl.float32)
             s = tl.load(ws + e * tl.cdiv(H, 128) * SKI + s_rows[:, None] + kb[None, :],
