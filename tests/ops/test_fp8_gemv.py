@@ -14,16 +14,11 @@ from gdnserve.ops.numerics import rel_rms
 from gdnserve.ops.quant import fp8_linear
 from gdnserve.ops.quant.fp8_gemm_triton import quantize_act_triton
 from gdnserve.ops.quant.fp8_gemv_triton import GemvConfig, fp8_gemv
-from gdnserve.ops.quant.fp8_ref import fp8_linear_float64
 from tests.ops.test_fp8_linear import TOL
-from tests.ops.test_fp8_linear import weights as full_weights
+from tests.ops.test_fp8_linear import qweights as weights
+from tests.ops.test_fp8_linear import tail_reference as reference
 
 pytestmark = pytest.mark.usefixtures("seed")
-
-
-def weights(N, K, device):
-    """(q, s) of fresh random weights whose first block has a very different scale (test_fp8_linear's)."""
-    return full_weights(N, K, device)[1:]
 
 
 def gemv(x, q, s, tail=None, fused=False):
@@ -31,11 +26,6 @@ def gemv(x, q, s, tail=None, fused=False):
     y = torch.empty(x.shape[0], q.shape[0] + N2, dtype=x.dtype, device=x.device)
     xq, xs = (None, None) if fused else quantize_act_triton(x)
     return fp8_gemv(x, xq, xs, q, s, y, tail=tail)
-
-
-def reference(x, q, s, tail):
-    ref = fp8_linear_float64(x, q, s)
-    return ref if tail is None else torch.cat([ref, x.double() @ tail.double().T], 1)
 
 
 @pytest.mark.parametrize("M,N,K,N2,cfg", [

@@ -25,6 +25,17 @@ def weights(N, K, device):
     return (w,) + quantize_weight(w)
 
 
+def qweights(N, K, device):
+    """``weights`` without the unquantized w: (q, s)."""
+    return weights(N, K, device)[1:]
+
+
+def tail_reference(x, q, s, tail, quant_act=True):
+    """The float64 reference of ``fp8_linear`` with a dense tail (None: without)."""
+    ref = fp8_linear_float64(x, q, s, quant_act=quant_act)
+    return ref if tail is None else torch.cat([ref, x.double() @ tail.double().T], 1)
+
+
 def test_weight_blocks_round_trip(device):
     w, q, s = weights(200, 300, device)
     assert q.dtype == torch.float8_e4m3fn and list(s.shape) == [2, 3]

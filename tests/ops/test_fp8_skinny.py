@@ -13,16 +13,11 @@ import torch
 
 from gdnserve.ops.numerics import rel_rms
 from gdnserve.ops.quant import fp8_linear
-from gdnserve.ops.quant.fp8_ref import fp8_linear_float64
 from tests.ops.test_fp8_linear import TOL
-from tests.ops.test_fp8_linear import weights as full_weights
+from tests.ops.test_fp8_linear import qweights as weights
+from tests.ops.test_fp8_linear import tail_reference as reference
 
 pytestmark = pytest.mark.usefixtures("seed")
-
-
-def weights(N, K, device):
-    """(q, s) of fresh random weights whose first block has a very different scale (test_fp8_linear's)."""
-    return full_weights(N, K, device)[1:]
 
 
 def skinny(x, q, s, tail=None, quant_act=True):
@@ -30,11 +25,6 @@ def skinny(x, q, s, tail=None, quant_act=True):
     N2 = 0 if tail is None else tail.shape[0]
     y = torch.empty(x.shape[0], q.shape[0] + N2, dtype=x.dtype, device=x.device)
     return fp8_skinny(x, q, s, y, tail=tail, quant_act=quant_act)
-
-
-def reference(x, q, s, tail, quant_act):
-    ref = fp8_linear_float64(x, q, s, quant_act=quant_act)
-    return ref if tail is None else torch.cat([ref, x.double() @ tail.double().T], 1)
 
 
 @pytest.mark.parametrize("M,N,K,N2,cfg", [
