@@ -27,10 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from gdnserve.layers.parallel import all_reduce, resolve
-from gdnserve.ops.gemv import skinny_config
-from gdnserve.ops.gemv.skinny_triton import gate_fits, skinny_unchecked
 from gdnserve.ops.backend import Backend
 from gdnserve.ops.gating import sigmoid_mul
+from gdnserve.ops.gemv import skinny_config
+from gdnserve.ops.gemv.skinny_triton import gate_fits, skinny_unchecked
 from gdnserve.ops.quant import BLOCK, fp8_linear
 
 FP8 = torch.float8_e4m3fn

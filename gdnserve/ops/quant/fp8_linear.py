@@ -3,10 +3,11 @@ cores, compute capability >= 8.9; or Triton's interpreter on CPU tensors with ba
 dequantizing PyTorch reference (``fp8_ref.fp8_linear_torch``: CPUs, older GPUs). Both quantize x per
 token-group of 128 the same way, so they differ only by accumulation order.
 
-Triton paths by token count M: M >= 512 ``fp8_scaled_mm`` (cuBLAS block-scaled ``torch._scaled_mm``) where
-the device's torch has it and the shape fits (H200, torch 2.11: 0.72-0.96x bf16's time at M = 4096, 1.9x
-faster than the Triton GEMM); otherwise ``fp8_gemm_triton`` (a quantization launch + the block-scaled GEMM;
-a dense tail by ``F.linear``). ``fp8_skinny_triton`` (one launch: x quantized in the GEMV's registers or
+Triton paths by token count M: M <= ``GEMV_MAX_M`` (1) ``fp8_gemv_triton`` (the CUDA-core GEMV, the dense tail
+in its launch; x quantized inside it for weights of <= ``QX_MAX_WEIGHTS`` elements, else by its own launch);
+M >= 512 ``fp8_scaled_mm`` (cuBLAS block-scaled ``torch._scaled_mm``) where the device's torch has it and the
+shape fits (H200, torch 2.11: 0.72-0.96x bf16's time at M = 4096, 1.9x faster than the Triton GEMM); otherwise
+``fp8_gemm_triton`` (a quantization launch + the block-scaled GEMM; a dense tail by ``F.linear``). ``fp8_skinny_triton`` (one launch: x quantized in the GEMV's registers or
 weight-only, the tail in the same launch) serves M <= ``SKINNY_MAX_M`` — 0 by default: on the H200 it
 measured 2.5-5x slower than the two-launch path (benchmarks/results/fp8_h200.md) — and every
 ``quant_act=False`` call. ``quant_act=False`` (or ``DECODE_QUANT_ACT = False`` for M <= ``SKINNY_MAX_M``) is
@@ -83,8 +84,8 @@ def fp8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, tail: torch.
         from gdnserve.ops.quant.fp8_skinny_triton import fp8_skinny
         fp8_skinny(x2, qw, sw, y, tail=tail, quant_act=qa)
         return y.view(*lead, N + N2)
-    from gdnserve.ops.quant.fp8_gemm_triton import quantize_act_triton
     if M <= GEMV_MAX_M:
+        from gdnserve.ops.quant.fp8_gemm_triton import quantize_act_triton
         from gdnserve.ops.quant.fp8_gemv_triton import fp8_gemv
         qx = N * K <= QX_MAX_WEIGHTS if GEMV_QUANT_IN_KERNEL is None else GEMV_QUANT_IN_KERNEL
         xq, xs = (None, None) if M == 1 and qx else quantize_act_triton(x2)
