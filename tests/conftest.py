@@ -8,6 +8,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Ray Serve's routers drop a replica from a routing choice when its queue-length probe misses a deadline (0.1 s,
+# doubling up to 1 s). On a busy 2-core CI machine a replica computing a step can miss it, and a request of a
+# checkpoint group then lands on the other replica (tests/replicas: CI at c0dfe84 saw 45 of 48 affinity hits).
+# The replica tests time nothing: give the probe time. Read when ray.serve is imported, so set before any test
+# module imports it; the local cluster's actors inherit this process's environment.
+os.environ.setdefault("RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "5")
+os.environ.setdefault("RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S", "10")
+
 import sys  # noqa: E402
 
 # HF transformers (the test-only reference) binds fla's kernels at import whenever fla is installed and then

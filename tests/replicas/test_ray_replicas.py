@@ -46,7 +46,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def cluster():
-    env = {k: os.environ[k] for k in ("TRITON_INTERPRET",) if k in os.environ}
+    env = {k: os.environ[k] for k in ("TRITON_INTERPRET", "RAY_SERVE_QUEUE_LENGTH_RESPONSE_DEADLINE_S",
+                                      "RAY_SERVE_MAX_QUEUE_LENGTH_RESPONSE_DEADLINE_S") if k in os.environ}
     # logical CPUs: 4 engine replicas x 1 CPU (on CI's 2 cores they time-share; nothing here is timed)
     ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False,
              runtime_env={"env_vars": env} if env else None)
