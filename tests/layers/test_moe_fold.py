@@ -108,9 +108,14 @@ def test_folded_triton_equals_unfolded(T, dtype, renorm, device):
     else:   # two bf16 paths differ by a few roundings each (~1e-2 apart): each is held to the float64 reference,
         # on the tokens whose k-th and (k+1)-th router logits are clearly apart (a near-tie may pick another expert
         # in bf16 than in float64: a different, equally valid block output, not an error of the kernels)
+        # The bar is HF's own bf16 ops' spread: over 400 seeds the PyTorch path's rel-RMS to float64 had median
+        # 5.0e-3 at every T, but p99 9.6e-3 / max 1.34e-2 at T = 1 (36 numbers, a noisy RMS) against max 6.5e-3
+        # at T = 65 (seed 860345014 gave 1.06e-2 at T = 1 in CI for HF's ops too); few rows take gdn_kernels.md
+        # §6.4's whole-layer bar of 2e-2, and T = 65 keeps 1e-2.
         keep = clear_routing(f64, x.double())
+        tol = TOL[dtype] if keep.sum() > 3 else 2e-2
         for out in (folded, unfolded, unfolded_torch):
-            assert rel_rms(out.double()[keep], ref[keep]) < TOL[dtype]
+            assert rel_rms(out.double()[keep], ref[keep]) < tol
 
 
 def test_default_folds_only_small_steps(monkeypatch, device):
