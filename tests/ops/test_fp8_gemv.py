@@ -21,30 +21,39 @@ from tests.ops.test_fp8_linear import tail_reference as reference
 pytestmark = pytest.mark.usefixtures("seed")
 
 
-def gemv(x, q, s, tail=None, fused=False):
+def gemv(x, q, s, tail=None, fused=False, groups=None):
     N2 = 0 if tail is None else tail.shape[0]
     y = torch.empty(x.shape[0], q.shape[0] + N2, dtype=x.dtype, device=x.device)
     xq, xs = (None, None) if fused else quantize_act_triton(x)
-    return fp8_gemv(x, xq, xs, q, s, y, tail=tail)
+    return fp8_gemv(x, xq, xs, q, s, y, tail=tail, groups=groups)
 
 
-@pytest.mark.parametrize("M,N,K,N2,cfg", [
+CASES = [
     (1, 200, 600, 0, None),                          # the default rule: partial N tile, partial last K block
     (1, 256, 384, 7, GemvConfig(2, 256, 4, 1)),      # K = 1.5 steps; a 7-row dense tail (4 tail programs)
     (3, 130, 520, 5, GemvConfig(4, 128, 4, 2)),      # 3 tokens in a 4-row tile, 5 K blocks (last partial)
     (4, 72, 256, 0, GemvConfig(8, 512, 2, 1)),       # one K step wider than K
     (2, 128, 1000, 3, GemvConfig(16, 256, 4, 2)),
-])
-def test_gemv_against_float64(M, N, K, N2, cfg, device, monkeypatch):
+    (1, 136, 1000, 2, GemvConfig(8, 512, 4, 1)),     # K not a multiple of the step, the last group partial
+]
+
+
+@pytest.mark.parametrize("M,N,K,N2,cfg,groups",
+                         [c + (False,) for c in CASES] + [c + (True,) for c in CASES if c[0] == 1])
+def test_gemv_against_float64(M, N, K, N2, cfg, groups, device, monkeypatch):
+    """Both M = 1 layouts of pre-quantized x (``groups``: the K groups as a tile axis; M > 1 always the
+    per-column factors)."""
     from gdnserve.ops.quant import fp8_gemv_triton as k
     monkeypatch.setattr(k, "CONFIG_OVERRIDE", cfg)
     x = torch.randn(M, K, device=device).bfloat16()
     q, s = weights(N, K, device)
     tail = torch.randn(N2, K, device=device).bfloat16() * 0.05 if N2 else None
-    y = gemv(x, q, s, tail)
+    y = gemv(x, q, s, tail, groups=groups)
     assert y.shape == (M, N + N2) and y.dtype == torch.bfloat16
     assert rel_rms(y, reference(x, q, s, tail)) < TOL[torch.bfloat16]
-    assert torch.equal(y, gemv(x, q, s, tail))                        # deterministic
+    assert torch.equal(y, gemv(x, q, s, tail, groups=groups))         # deterministic
+    if groups:       # the same kernel quantizing x inside sums in the same order: the same bits
+        assert torch.equal(gemv(x, q, s, tail, fused=True), y)
 
 
 @pytest.mark.parametrize("N,K,N2,cfg", [
@@ -68,12 +77,12 @@ def test_gemv_quantizing_in_kernel(N, K, N2, cfg, device, monkeypatch):
         gemv(torch.randn(2, K, device=device), q, s, fused=True)
 
 
-@pytest.mark.parametrize("M", [1, 3])
-def test_gemv_float32_is_the_reference_math(M, device):
+@pytest.mark.parametrize("M,groups", [(1, False), (1, True), (3, None)])
+def test_gemv_float32_is_the_reference_math(M, groups, device):
     x = torch.randn(M, 300, device=device)
     q, s = weights(130, 300, device)
     tail = torch.randn(3, 300, device=device) * 0.05
-    assert rel_rms(gemv(x, q, s, tail), reference(x, q, s, tail)) < TOL[torch.float32]
+    assert rel_rms(gemv(x, q, s, tail, groups=groups), reference(x, q, s, tail)) < TOL[torch.float32]
 
 
 def test_gemv_refuses_more_rows(device):

@@ -96,10 +96,13 @@ def _gemv_kernel(x, xq, xs, w, ws, tail, y, M, N, N2, K, SK, stride_xm, stride_y
 
 
 @triton.jit
-def _gemv_qx_kernel(x, w, ws, tail, y, N, N2, K, SK, BN: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr):
-    """M = 1 in ONE launch: every program quantizes the x groups of its K step in registers (``quant_tile`` on the
-    ``[G, 128]`` tile: a group per row, so no reshape) and streams its ``[BN, G, 128]`` weight tile loaded as 3-D
-    (the layout the product needs, no conversion); the dense tail's programs read x as is."""
+def _gemv_qx_kernel(x, xq, xs, w, ws, tail, y, N, N2, K, SK, BN: tl.constexpr, G: tl.constexpr,
+                    EVEN_K: tl.constexpr, QX: tl.constexpr):
+    """M = 1, the groups as a tile axis: each program streams its ``[BN, G, 128]`` weight tile loaded as 3-D (the
+    layout the product needs, no conversion) against x's ``[G, 128]`` groups and their ``[G]`` scales. ``QX``:
+    x quantized in the program's registers (``quant_tile`` on the ``[G, 128]`` tile: a group per row, so no
+    reshape; ONE launch); else read from its quantization ``xq`` / ``xs`` (a vector load of ``G`` scales per
+    step, where ``_gemv_kernel`` gathers a scale per column). The dense tail's programs read x as is."""
     pid = tl.program_id(0)
     NT = tl.cdiv(N, BN)
     rg = tl.arange(0, G)
@@ -113,14 +116,17 @@ def _gemv_qx_kernel(x, w, ws, tail, y, N, N2, K, SK, BN: tl.constexpr, G: tl.con
         ws_row = ws + (pid * BN // 128) * SK
         for k0 in range(0, K, G * 128):
             km = (k0 + kk) < K
+            g_ok = (k0 // 128 + rg) < SK
             if EVEN_K:
                 b = tl.load(wp, mask=nm[:, None, None], other=0.0).to(tl.float32)
-                a = tl.load(x + k0 + kk).to(tl.float32)
             else:
                 b = tl.load(wp, mask=nm[:, None, None] & km[None, :, :], other=0.0).to(tl.float32)
-                a = tl.load(x + k0 + kk, mask=km, other=0.0).to(tl.float32)
-            q, sx = quant_tile(a)
-            sw = tl.load(ws_row + k0 // 128 + rg, mask=(k0 // 128 + rg) < SK, other=0.0)
+            if QX:
+                q, sx = quant_tile(tl.load(x + k0 + kk, mask=km, other=0.0).to(tl.float32))
+            else:
+                q = tl.load(xq + k0 + kk, mask=km, other=0.0).to(tl.float32)
+                sx = tl.load(xs + k0 // 128 + rg, mask=g_ok, other=0.0)
+            sw = tl.load(ws_row + k0 // 128 + rg, mask=g_ok, other=0.0)
             f = q * (sx * sw)[:, None]
             acc += tl.sum(tl.sum(b * f[None, :, :], axis=2), axis=1)
             wp += G * 128
@@ -146,8 +152,10 @@ class GemvConfig(NamedTuple):
     stages: int
 
 
-# (N, K) -> config at M = 1 (the H200 sweep's winners, benchmarks/results/fp8_h200.md); other shapes: ``config``'s
-# rule. ``CONFIG_OVERRIDE`` (benchmarks) replaces every pick.
+# (N, K) -> config at M = 1 (the H200 sweep's winners, benchmarks/results/fp8_sweep_h200.md); other shapes:
+# ``config``'s rule. ``CONFIG_OVERRIDE`` (benchmarks) replaces every pick. ``TABLE``: ``_gemv_kernel`` (x
+# pre-quantized, per-column factors) and, for the shared expert's shapes, ``_gemv_qx_kernel`` quantizing x inside;
+# ``TABLE_GROUPS``: ``_gemv_qx_kernel`` reading pre-quantized x (``GROUPS``).
 TABLE: dict[tuple[int, int], GemvConfig] = {
     (12288, 2048): GemvConfig(8, 2048, 4, 2),     # GDN in_proj (its 64 dense rows: the tail)
     (2048, 4096): GemvConfig(4, 4096, 4, 1),      # GDN out_proj / attention o_proj
@@ -155,37 +163,48 @@ TABLE: dict[tuple[int, int], GemvConfig] = {
     (1024, 2048): GemvConfig(2, 2048, 4, 1),      # shared expert gate_up
     (2048, 512): GemvConfig(16, 1024, 8, 2),      # shared expert down
 }
+TABLE_GROUPS: dict[tuple[int, int], GemvConfig] = {}
 CONFIG_OVERRIDE: GemvConfig | None = None
+# M = 1 with x pre-quantized: the groups-as-an-axis kernel (``_gemv_qx_kernel``, QX off: G scales per step by
+# one vector load) instead of ``_gemv_kernel``'s per-column factor gathers (three loads per column per program:
+# on the H200 more load instructions than the weight tile's own)
+GROUPS = True
 
 
-def config(M: int, N: int, K: int) -> GemvConfig:
+def config(M: int, N: int, K: int, groups: bool = False) -> GemvConfig:
     """The table's entry, else: 4 rows per program, K in steps of up to 1024 (whole K when it is smaller)."""
     if CONFIG_OVERRIDE is not None:
         return CONFIG_OVERRIDE
-    cfg = TABLE.get((N, K))
+    cfg = (TABLE_GROUPS if groups else TABLE).get((N, K))
     if cfg is not None and M == 1:
         return cfg
+    if groups:
+        return GemvConfig(8 if N >= 8192 else 4, min(2048, max(BLOCK, pow2(K))), 4, 1)
     return GemvConfig(4 if M == 1 else 2, min(1024, max(BLOCK, pow2(K))), 4, 2)
 
 
 def fp8_gemv(x: torch.Tensor, xq: torch.Tensor | None, xs: torch.Tensor | None, qw: torch.Tensor,
-             sw: torch.Tensor, y: torch.Tensor, tail: torch.Tensor | None = None) -> torch.Tensor:
+             sw: torch.Tensor, y: torch.Tensor, tail: torch.Tensor | None = None,
+             groups: bool | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_M, unit column stride), its quantization xq [M, K] e4m3 (contiguous) / xs [M,
     ceil(K/128)] float32 (contiguous: ``quantize_act_triton``) · [dequant(qw [N, K], sw) | tail [N2, K]]ᵀ into
     y [M, N + N2] (unit column stride), rounded once to y's dtype. ``xq = xs = None`` (M = 1 only): x is
-    quantized inside the GEMV's programs (one launch, ``_gemv_qx_kernel``)."""
+    quantized inside the GEMV's programs (one launch, ``_gemv_qx_kernel``). ``groups`` (M = 1, xq given; None:
+    ``GROUPS``): the kernel with the K groups as a tile axis, else ``_gemv_kernel``."""
     M, K = x.shape
     N = qw.shape[0]
     N2 = 0 if tail is None else tail.shape[0]
     if not 1 <= M <= (MAX_M if xq is not None else 1):
         raise ValueError(f"fp8_gemv: x has {M} rows, must be in [1, {MAX_M if xq is not None else 1}]")
-    BN, BK, warps, stages = config(M, N, K)
+    in_kernel = xq is None
+    groups = M == 1 and not in_kernel and (GROUPS if groups is None else groups)
+    BN, BK, warps, stages = config(M, N, K, groups)
     if BN > BLOCK or BN & (BN - 1) or BK & (BK - 1) or BK < BLOCK:
         raise ValueError(f"fp8_gemv: BN {BN} must be a power of two <= {BLOCK}, BK {BK} a power of two >= {BLOCK}")
-    if xq is None:
+    if in_kernel or groups:
         launch(_gemv_qx_kernel, (cdiv(N, BN) + cdiv(N2, BN),),
-               (x, qw, sw, qw if tail is None else tail, y, N, N2, K, cdiv(K, BLOCK), BN, BK // BLOCK,
-                K % BK == 0), num_warps=warps, num_stages=stages)
+               (x, x if in_kernel else xq, x if in_kernel else xs, qw, sw, qw if tail is None else tail, y, N, N2,
+                K, cdiv(K, BLOCK), BN, BK // BLOCK, K % BK == 0, in_kernel), num_warps=warps, num_stages=stages)
         return y
     launch(_gemv_kernel, (cdiv(N, BN) + cdiv(N2, BN),),
            (x, xq, xs, qw, sw, qw if tail is None else tail, y, M, N, N2, K, cdiv(K, BLOCK), x.stride(0),
