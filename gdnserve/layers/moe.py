@@ -15,8 +15,8 @@ block ends with ONE all-reduce of routed + shared partials (the sigmoid gate sca
 commutes with the sum).
 
 Shared expert folded into the routed weights (``fold_shared``, done by ``load_moe_from_hf``): when the
-shared expert's intermediate size equals the experts' (Qwen3.5-35B-A3B, Qwen3-Next: 512) and neither is FP8,
-it is stored as expert number E: ``experts_gate_up [E+1, 2I, hidden]``, ``experts_down [E+1, hidden, I]``,
+shared expert's intermediate size equals the experts' (Qwen3.5-35B-A3B, Qwen3-Next: 512) and both are dense
+in one dtype or both FP8, it is stored as expert number E: ``experts_gate_up [E+1, 2I, hidden]``, ``experts_down [E+1, hidden, I]``,
 and its gate as row E of the router, ``gate.weight [E+1, hidden]``; ``shared_expert`` / ``shared_expert_gate``
 are then None (no second copy of the weights). Tensor parallel cuts expert E's intermediate like the others'
 (the shared MLP's gate / up / down split is the experts'), so folding is per rank. On the Triton path (``fused``
@@ -34,6 +34,12 @@ expert's T rows in 16-row blocks re-stream its weights and the extra pair per to
 FP8 experts (``to_fp8``, block checkpoints): ``experts_gate_up`` / ``experts_down`` become e4m3 with float32
 scales per 128x128 block, ``experts_gate_up_scale_inv [E, 2·ceil(I/128), ceil(hidden/128)]`` (gate blocks
 then up blocks) and ``experts_down_scale_inv [E, ceil(hidden/128), ceil(I/128)]``; the router stays dense.
+An FP8 shared expert (its two layers FP8, loaded by the model loader after ``load_moe_from_hf``, which then
+folds every block: ``fold_shared_experts``) folds the same way, its e4m3 weights and scales as row E of the
+experts' (``[E+1, ...]``): at decode the folded step is the router GEMM, the router and the two FP8 decode
+GEMVs over k+1 pairs (``ops/moe/decode_fp8_triton``), where the unfolded one also ran the shared expert's two
+FP8 GEMVs, silu * up, the gate's two cuBLAS launches and sigmoid * add; larger steps run the shared expert's
+FP8 layers' op (``fp8_linear``) on views of row E.
 """
 from __future__ import annotations
 
@@ -50,6 +56,7 @@ from gdnserve.ops.backend import resolve as resolve_backend
 from gdnserve.ops.gating import sigmoid_mul, silu_mul
 from gdnserve.ops.moe import moe_experts
 from gdnserve.ops.moe.router import route, route_torch
+from gdnserve.ops.quant import fp8_linear
 
 FP8_BLOCK = 128
 # Steps of at most this many tokens run the folded block (module docstring). Measured on the H200 (E = 256,
@@ -112,8 +119,9 @@ class SparseMoE(nn.Module):
 
     def to_fp8(self) -> None:
         """FP8 experts: new empty e4m3 weights and float32 block scales on the weights' device (meta before
-        loading); see the module docstring for the layouts."""
-        self.unfold_shared()                   # FP8 experts do not fold
+        loading); see the module docstring for the layouts. A folded block is unfolded first (the shared expert
+        becomes its own dense MLP again, for the caller to quantize; ``fold_shared`` folds the FP8 one)."""
+        self.unfold_shared()
         if not self.experts_fp8_ok():
             raise ValueError(f"SparseMoE: moe_intermediate={self.moe_intermediate} / tp={self.tp_size} is not a "
                              f"multiple of {FP8_BLOCK}")
@@ -129,22 +137,37 @@ class SparseMoE(nn.Module):
 
     def shared_foldable(self) -> bool:
         """Whether ``fold_shared`` can store the shared expert as expert E: it exists (unfolded), has the
-        experts' local intermediate size and dtype, and neither it nor the experts are FP8."""
+        experts' local intermediate size, and is stored as the experts are: all dense in one dtype, or all FP8
+        (its gate_up with no dense tail, the intermediate on whole 128-blocks so its gate and up scale rows
+        stack like an expert's)."""
         s, g = self.shared_expert, self.shared_expert_gate
-        return (s is not None and self.experts_scales is None and s.gate_up_proj.qweight is None
-                and s.down_proj.qweight is None and s.intermediate == self.local_intermediate
-                and s.gate_up_proj.weight.dtype == s.down_proj.weight.dtype == self.experts_gate_up.dtype
-                == self.experts_down.dtype and g.weight.dtype == self.gate.weight.dtype)
+        if s is None or s.intermediate != self.local_intermediate or g.weight.dtype != self.gate.weight.dtype:
+            return False
+        gu, dn = s.gate_up_proj, s.down_proj
+        if self.experts_scales is not None:
+            return (gu.qweight is not None and dn.qweight is not None and gu.weight.shape[0] == 0
+                    and self.local_intermediate % FP8_BLOCK == 0 and gu.qweight.device == self.experts_gate_up.device)
+        return (gu.qweight is None and dn.qweight is None
+                and gu.weight.dtype == dn.weight.dtype == self.experts_gate_up.dtype == self.experts_down.dtype)
 
     @torch.no_grad()
     def fold_shared(self) -> bool:
         """Store the shared expert as expert E and its gate as router row E (module docstring), in place,
-        on the weights' device; returns whether the block is folded (False: ``shared_foldable`` is not)."""
+        on the weights' device; FP8 experts take its e4m3 weights and block scales as row E of theirs. Returns
+        whether the block is folded (False: ``shared_foldable`` is not)."""
         if self.shared_folded or not self.shared_foldable():
             return self.shared_folded
         s, g = self.shared_expert, self.shared_expert_gate
-        self.experts_gate_up.data = torch.cat([self.experts_gate_up.data, s.gate_up_proj.weight.data[None]])
-        self.experts_down.data = torch.cat([self.experts_down.data, s.down_proj.weight.data[None]])
+        fp8 = self.experts_scales is not None
+        gu, dn = ((s.gate_up_proj.qweight, s.down_proj.qweight) if fp8 else
+                  (s.gate_up_proj.weight, s.down_proj.weight))
+        self.experts_gate_up.data = torch.cat([self.experts_gate_up.data, gu.data[None]])
+        self.experts_down.data = torch.cat([self.experts_down.data, dn.data[None]])
+        if fp8:
+            self.experts_gate_up_scale_inv.data = torch.cat([self.experts_gate_up_scale_inv.data,
+                                                             s.gate_up_proj.weight_scale_inv.data[None]])
+            self.experts_down_scale_inv.data = torch.cat([self.experts_down_scale_inv.data,
+                                                          s.down_proj.weight_scale_inv.data[None]])
         self.gate.weight.data = torch.cat([self.gate.weight.data, g.weight.data])
         self.gate.out_features = self.num_experts + 1
         self.shared_expert = self.shared_expert_gate = None
@@ -153,21 +176,41 @@ class SparseMoE(nn.Module):
 
     @torch.no_grad()
     def unfold_shared(self) -> None:
-        """Undo ``fold_shared`` (no-op when not folded): a separate shared ``MLP`` and gate again."""
+        """Undo ``fold_shared`` (no-op when not folded): a separate shared ``MLP`` (FP8 layers when the experts
+        are FP8) and gate again."""
         if not self.shared_folded:
             return
-        E = self.num_experts
+        E, sc = self.num_experts, self.experts_scales
         gu, dn, gw = self.experts_gate_up.data, self.experts_down.data, self.gate.weight.data
         with torch.device("meta"):
             mlp = MLP(self.hidden, self.shared_intermediate, reduce_results=False, tp_rank=self.tp_rank,
                       tp_size=self.tp_size)
             gate = nn.Linear(self.hidden, 1, bias=False)
-        mlp.gate_up_proj.weight = nn.Parameter(gu[E].clone())
-        mlp.down_proj.weight = nn.Parameter(dn[E].clone())
+            if sc is not None:
+                mlp.gate_up_proj.to_fp8(2)
+                mlp.down_proj.to_fp8()
+        if sc is None:
+            mlp.gate_up_proj.weight = nn.Parameter(gu[E].clone())
+            mlp.down_proj.weight = nn.Parameter(dn[E].clone())
+        else:
+            def frozen(t: torch.Tensor) -> nn.Parameter:
+                return nn.Parameter(t.clone(), requires_grad=False)
+            mlp.gate_up_proj.qweight, mlp.gate_up_proj.weight_scale_inv = frozen(gu[E]), frozen(sc[0][E])
+            mlp.gate_up_proj.weight = nn.Parameter(gw.new_empty(0, self.hidden))
+            mlp.down_proj.qweight, mlp.down_proj.weight_scale_inv = frozen(dn[E]), frozen(sc[1][E])
+            self.experts_gate_up_scale_inv.data = sc[0][:E].clone()
+            self.experts_down_scale_inv.data = sc[1][:E].clone()
         gate.weight = nn.Parameter(gw[E:].clone())
         self.experts_gate_up.data, self.experts_down.data = gu[:E].clone(), dn[:E].clone()
         self.gate.weight.data, self.gate.out_features = gw[:E].clone(), E
         self.shared_expert, self.shared_expert_gate, self.shared_folded = mlp, gate, False
+
+    def routed_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The routed experts' FP8 scales (a folded block's without row E), None for dense experts."""
+        sc = self.experts_scales
+        if sc is None or not self.shared_folded:
+            return sc
+        return sc[0][:self.num_experts], sc[1][:self.num_experts]
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, top_k] in x.dtype, experts [T, top_k] int64): HF's PyTorch ops."""
@@ -182,7 +225,7 @@ class SparseMoE(nn.Module):
         if triton and self.shared_folded and x.shape[0] <= self.fold_max_tokens:   # router GEMM, router, grouped GEMM
             r = route(dense_linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, "triton", shared=True)
             out = moe_experts(x, r.weights, r.experts, self.experts_gate_up, self.experts_down, backend="triton",
-                              alignment=r.alignment)
+                              scales=self.experts_scales, alignment=r.alignment)
             return all_reduce(out, self.tp_size)
         gu, dn, al = self.experts_gate_up, self.experts_down, None
         if self.shared_folded:
@@ -192,7 +235,7 @@ class SparseMoE(nn.Module):
                                          "triton")
         else:
             weights, experts = self.route(x)
-        out = moe_experts(x, weights, experts, gu, dn, backend=self.backend, scales=self.experts_scales, alignment=al)
+        out = moe_experts(x, weights, experts, gu, dn, backend=self.backend, scales=self.routed_scales(), alignment=al)
         if self.shared_folded or self.shared_expert is not None:
             out = self.shared_output(x, out, "triton" if triton else "torch")
         return all_reduce(out, self.tp_size)
@@ -206,8 +249,12 @@ class SparseMoE(nn.Module):
             s = self.shared_expert
             h = s.down_proj(silu_mul(s.gate_up_proj(x), backend=backend))
             return sigmoid_mul(h, self.shared_expert_gate(x), add, backend=backend)
-        E = self.num_experts
-        h = F.linear(silu_mul(F.linear(x, self.experts_gate_up[E]), backend=backend), self.experts_down[E])
+        E, sc = self.num_experts, self.experts_scales
+        if sc is None:
+            h = F.linear(silu_mul(F.linear(x, self.experts_gate_up[E]), backend=backend), self.experts_down[E])
+        else:                                # the unfolded MLP's FP8 layers' op (backend auto) on views of row E
+            h = fp8_linear(silu_mul(fp8_linear(x, self.experts_gate_up[E], sc[0][E]), backend=backend),
+                           self.experts_down[E], sc[1][E])
         return sigmoid_mul(h, F.linear(x, self.gate.weight[E:]), add, backend=backend)
 
 

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 
 from gdnserve.layers.linear import load_shard
-from gdnserve.layers.moe import SparseMoE, load_moe_from_hf
+from gdnserve.layers.moe import SparseMoE, fold_shared_experts, load_moe_from_hf
 from gdnserve.models.config import ModelConfig
 from gdnserve.models.fp8 import (CheckpointError, Fp8Source, Part, dense_parts, fp8_parts, fp8_prefix,
                                  parts_for_blocks)
@@ -196,6 +196,9 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
     with_mtp = getattr(model, "mtp", None) is not None
     src = checkpoint_source(cfg, tensors, with_mtp)
     names = _names(tensors, with_mtp)
+    for mod in model.modules():         # loading into a folded model: the shared experts' own modules first
+        if isinstance(mod, SparseMoE):
+            mod.unfold_shared()
     prepare_fp8(model, cfg, src)
     get = src.get
     plan: dict[str, Callable[[], torch.Tensor]] = {"embed_tokens.weight": lambda: get("embed_tokens.weight"),
@@ -245,6 +248,7 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
             raise CheckpointError(str(e)) from e
         bar.update()
     bar.close()
+    fold_shared_experts(model)          # FP8 shared experts, whose layers were planned above (layers/moe.py)
     model.fp8_dequantized = sorted(set(src.dequantized))   # quantized in the checkpoint, loaded dense
     unexpected = sorted(n for n in names - src.used if not (cfg.tie_word_embeddings and n == "lm_head.weight"))
     if unexpected:
@@ -291,6 +295,7 @@ def quantize_model_fp8_(model: torch.nn.Module) -> list[str]:
             mod.experts_gate_up.data, mod.experts_gate_up_scale_inv.data = torch.cat([qg, qu], 1), torch.cat([sg, su], 1)
             mod.experts_down.data, mod.experts_down_scale_inv.data = qd, sd.contiguous()
             done.append(name + ".experts")
+    fold_shared_experts(model)              # as the loader does: an FP8 shared expert as expert E again
     return done
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gdnserve.layers import moe as moe_mod
+from gdnserve.layers.mlp import MLP
 from gdnserve.layers.moe import SparseMoE, fold_shared_experts, load_moe_from_hf
 from gdnserve.ops.numerics import rel_rms
 
@@ -183,3 +184,115 @@ def test_bench_shape_folded_equals_unfolded_on_gpu(T, device):
         moe.fold_shared()
         folded = moe(x)
     assert rel_rms(folded, unfolded) < 1e-2
+
+
+# ---- FP8 blocks: the shared expert's e4m3 weights and block scales as row E of the experts' ----
+FP8_I = 128          # the FP8 fold needs the intermediate on whole 128-blocks (gate / up scale rows stack)
+
+
+@torch.no_grad()
+def fp8_block(dtype=torch.float32, device="cpu", renorm=True) -> SparseMoE:
+    """A random block quantized in place as the FP8 releases are (models/loader.quantize_model_fp8_'s steps):
+    experts and both shared-expert layers FP8 (128x128 blocks), router and shared gate dense; unfolded."""
+    from gdnserve.ops.quant import quantize_weight
+    moe = SparseMoE(H, E, K, FP8_I, FP8_I, renorm)
+    moe.fold_max_tokens = 1 << 30
+    for p in moe.parameters():
+        p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    moe.gate.weight.mul_(3)
+    moe = moe.to(device=device, dtype=dtype).eval()
+    gu, dn = moe.experts_gate_up.data, moe.experts_down.data
+    moe.to_fp8()
+    (qg, sg), (qu, su), (qd, sd) = (quantize_weight(t) for t in (gu[:, :FP8_I], gu[:, FP8_I:], dn))
+    moe.experts_gate_up.data, moe.experts_gate_up_scale_inv.data = torch.cat([qg, qu], 1), torch.cat([sg, su], 1)
+    moe.experts_down.data, moe.experts_down_scale_inv.data = qd, sd.contiguous()
+    s = moe.shared_expert
+    for layer in (s.gate_up_proj, s.down_proj):
+        w = layer.weight.data
+        layer.to_fp8(2) if hasattr(layer, "blocks") else layer.to_fp8()
+        if layer.weight is not None:
+            layer.weight.data = w[:0].clone()              # no dense tail
+        layer.qweight.data, layer.weight_scale_inv.data = quantize_weight(w)
+    return moe
+
+
+def fp8_float64_ref(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """The folded FP8 block's math in float64 (``test_fp8_moe.float64_ref`` over k+1 pairs): routing from
+    float64 logits (softmax top-k [renormalised], the shared pair weighted by sigmoid of logit E), x and every
+    intermediate through the per-token-group FP8 rounding, weights dequantized."""
+    from tests.ops.test_fp8_moe import float64_ref
+    logits = x.double() @ moe.gate.weight.double().T
+    p = torch.softmax(logits[:, :E], -1)
+    w, idx = p.topk(K, dim=-1)
+    if moe.norm_topk_prob:
+        w = w / w.sum(-1, keepdim=True)
+    w = torch.cat([w, torch.sigmoid(logits[:, E:])], 1)
+    idx = torch.cat([idx, torch.full_like(idx[:, :1], E)], 1)
+    (s_gu, s_dn) = moe.experts_scales
+    return float64_ref(x, w, idx, moe.experts_gate_up, s_gu, moe.experts_down, s_dn)
+
+
+def test_fp8_fold_layout_and_unfold(device):
+    moe = fp8_block(device=device)
+    before = {n: p.detach().clone() for n, p in moe.named_parameters()}
+    numel = sum(p.numel() for p in moe.parameters())
+    assert moe.shared_foldable() and moe.fold_shared() and moe.shared_folded and moe.shared_expert is None
+    sgu, sdn = moe.experts_scales
+    assert moe.experts_gate_up.shape == (E + 1, 2 * FP8_I, H) and moe.experts_gate_up.dtype == torch.float8_e4m3fn
+    assert sgu.shape == (E + 1, 2, 1) and sdn.shape == (E + 1, 1, 1) and moe.gate.weight.shape == (E + 1, H)
+    assert sum(p.numel() for p in moe.parameters()) == numel
+    as_bits = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t     # noqa: E731
+    assert torch.equal(as_bits(moe.experts_gate_up[E]), as_bits(before["shared_expert.gate_up_proj.qweight"]))
+    assert torch.equal(sdn[E], before["shared_expert.down_proj.weight_scale_inv"])
+    moe.unfold_shared()
+    after = dict(moe.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(after[n].dtype == before[n].dtype and torch.equal(as_bits(after[n]), as_bits(before[n])) for n in before)
+    assert moe.fold_shared()                      # and again
+    # what does not fold: a dense shared expert beside FP8 experts
+    mixed = fp8_block(device=device)
+    mixed.shared_expert = MLP(H, FP8_I, reduce_results=False).to(device)
+    assert not mixed.fold_shared()
+
+
+def test_fp8_folded_pytorch_path_is_bit_exact(device):
+    """The PyTorch path of a folded FP8 block computes the shared expert from views of row E with the FP8
+    layers' op: the unfolded block's output bit for bit."""
+    moe = fp8_block()
+    moe.backend = "torch"
+    x = torch.randn(5, H)
+    with torch.no_grad():
+        ref = moe(x)
+        assert moe.fold_shared()
+        assert torch.equal(moe(x), ref)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")   # the grouped path's
+@pytest.mark.parametrize("T", [1, 3, 65])       # 1, 3: the FP8 decode kernels over k+1 pairs; 65: the grouped ones
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp8_folded_triton_against_float64(T, dtype, device, monkeypatch):
+    """The folded FP8 block on the Triton path (router over E+1 logits, k+1 pairs per token) and the unfolded one
+    against the float64 reference of the folded math, per token as ``test_fp8_moe`` holds the FP8 experts
+    (median at the math's precision, the worst within one e4m3 rounding flip), on tokens with a clear routing."""
+    from tests.ops.test_fp8_moe import FLIP
+    from tests.ops.test_fp8_moe import TOL as FP8_TOL
+    from gdnserve.ops.moe import experts as experts_op
+    pairs = []
+    decode = experts_op.moe_experts_fp8_decode
+    monkeypatch.setattr(experts_op, "moe_experts_fp8_decode", lambda *a: pairs.append(a[2].shape) or decode(*a))
+    moe = fp8_block(dtype, device, renorm=T != 3)
+    moe.backend = "triton"
+    x = torch.randn(T, H, device=device).to(dtype)
+    with torch.no_grad():
+        unfolded = moe(x)
+        assert moe.fold_shared()
+        folded = moe(x)
+        ref = fp8_float64_ref(moe, x)
+    assert pairs == ([] if T == 65 else [(T, K), (T, K + 1)])       # the folded step: k + 1 pairs per token
+    top = (x.double() @ moe.gate.weight[:E].double().T).topk(K + 1, dim=-1).values
+    keep = (top[:, K - 1] - top[:, K]) > 0.1
+    for out in (folded, unfolded):
+        assert out.dtype == dtype and out.shape == (T, H)
+        tok = ((out.double() - ref).norm(dim=1) / ref.norm(dim=1))[keep]
+        if tok.numel():
+            assert tok.max() < FLIP and (tok.numel() < 3 or tok.median() < FP8_TOL[dtype]), tok

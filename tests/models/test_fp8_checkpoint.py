@@ -57,6 +57,20 @@ def tiny_qwen3_next_moe(folder):
     return _save(Qwen3NextForCausalLM(cfg), folder)
 
 
+def tiny_qwen3_next_fold(folder):
+    """Qwen3-Next with experts and shared expert of one 128-block each: every MoE layer FP8, and the shared
+    expert folds into the FP8 experts as expert E (layers/moe.py)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    cfg = Qwen3NextConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                          layer_types=["linear_attention", "full_attention"], num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=128, linear_num_key_heads=2, linear_num_value_heads=2,
+                          linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                          num_experts=5, num_experts_per_tok=2, moe_intermediate_size=128,
+                          shared_expert_intermediate_size=128, decoder_sparse_step=1, tie_word_embeddings=True,
+                          rms_norm_eps=1e-6, max_position_embeddings=256)
+    return _save(Qwen3NextForCausalLM(cfg), folder)
+
+
 def _save(model, folder):
     torch.manual_seed(0)
     model = model.float().eval()
@@ -147,7 +161,8 @@ def _logits(model, ids):
     return torch.stack(rows)
 
 
-FAMILIES = {"qwen3_5": tiny_qwen35_aligned, "qwen3_next_moe": tiny_qwen3_next_moe}
+FAMILIES = {"qwen3_5": tiny_qwen35_aligned, "qwen3_next_moe": tiny_qwen3_next_moe,
+            "qwen3_next_fold": tiny_qwen3_next_fold}
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +177,8 @@ def checkpoints(tmp_path_factory):
             made[family] = (root, hf, quantize_checkpoint(root / "bf16", root / "fp8"))
         return made[family]
     return get
-FALLBACK = {"qwen3_5": (), "qwen3_next_moe": ("shared_expert.gate_proj", "shared_expert.up_proj")}  # dequantized
+FALLBACK = {"qwen3_5": (), "qwen3_next_moe": ("shared_expert.gate_proj", "shared_expert.up_proj"),  # dequantized
+            "qwen3_next_fold": ()}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -176,6 +192,10 @@ def test_fp8_checkpoint_logits(checkpoints, family):
                 "layers.2.mixer.o_proj", "layers.0.mlp.gate_up_proj", "layers.3.mlp.down_proj"} <= fp8_layers
         tail = fp8.layers[0].mixer.in_proj.weight                     # b | a stay dense
         assert tail.shape == (8, 256) and tail.dtype == torch.float32
+    elif family == "qwen3_next_fold":       # the FP8 shared expert folded: expert E of the FP8 experts
+        assert all(fp8.layers[i].mlp.shared_folded and fp8.layers[i].mlp.experts_gate_up.shape[0] == 6
+                   and fp8.layers[i].mlp.experts_scales[0].shape[0] == 6 for i in (0, 1))
+        assert fp8.fp8_dequantized == []
     else:
         assert {"layers.0.mixer.in_proj", "layers.1.mlp.experts_gate_up", "layers.1.mlp.experts_down"} <= fp8_layers
         assert fp8.layers[0].mlp.shared_expert.gate_up_proj.qweight is None      # 96 rows: dequantized
