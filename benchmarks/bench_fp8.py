@@ -253,8 +253,9 @@ GEMM16_SWEEP = [(16, bn, 4, st, 1, tgt, True) for bn in (16, 32, 64) for st in (
 
 
 # the M = 1 GEMV on pre-quantized x, both layouts (``--sweep-m1``): (BN, BK, warps, stages), a [BN, BK] tile
-GEMV_M1_SWEEP = [(bn, bk, 4, st) for bn in (2, 4, 8, 16) for bk in (512, 1024, 2048, 4096) if bn * bk <= 32768
-                 for st in (1, 2)] + [(8, 2048, 8, 1), (16, 2048, 8, 1), (8, 4096, 8, 1), (16, 1024, 8, 2)]
+GEMV_M1_SWEEP = [(bn, bk, 4, st) for bn in (4, 8, 16) for bk in (1024, 2048, 4096) if bn * bk <= 32768
+                 for st in (1, 2)] + [(2, 2048, 4, 1), (2, 4096, 4, 1), (8, 2048, 8, 1), (16, 2048, 8, 1),
+                                      (8, 4096, 8, 1), (16, 1024, 8, 2), (4, 512, 4, 1), (16, 512, 4, 1)]
 
 
 def sweep_m1_rows(dev: torch.device, log: Callable[[str], None]) -> list[dict[str, Any]]:
@@ -274,11 +275,12 @@ def sweep_m1_rows(dev: torch.device, log: Callable[[str], None]) -> list[dict[st
         xq, xs = quantize_act_triton(x)
         y = torch.empty(1, N + tail_rows, dtype=x.dtype, device=dev)
         for kernel, groups in (("gemv-cols", False), ("gemv-groups", True)):
-            for c in (c for c in GEMV_M1_SWEEP if c[1] <= max(512, 2 * K)):
+            for c in (c for c in GEMV_M1_SWEEP if c[1] <= max(1024, 2 * K)):
                 gv.CONFIG_OVERRIDE = GemvConfig(*c)
                 rows.append(_sweep_one({"kernel": kernel, "shape": shape, "M": 1, "config": list(c)},
                                        lambda t: fp8_gemv(x, xq, xs, t[0], t[1], y, tail=t[2], groups=groups),
                                        sets, dev))
+                log("measured " + json.dumps(rows[-1]))
             gv.CONFIG_OVERRIDE = None
         rows.append(_sweep_one({"kernel": "gemv-qx", "shape": shape, "M": 1, "config": list(gv.config(1, N, K))},
                                lambda t: fp8_gemv(x, None, None, t[0], t[1], y, tail=t[2]), sets, dev))
@@ -485,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--formats", default="bf16,fp8", help="model section: the formats to build (comma-separated)")
     ap.add_argument("--no-model", action="store_true", help="skip the model section")
     ap.add_argument("--sweep-only", action="store_true", help="with --sweep: only the sweep (no linear, moe, model)")
+    ap.add_argument("--model-only", action="store_true", help="only the model section (no linear, moe tables)")
     ap.add_argument("--sweep-m1", action="store_true", help="with --sweep: only the M = 1 GEMV on pre-quantized x "
                     "(both layouts) in the sweep")
     ap.add_argument("--full", action="store_true", help="model section: the full-size 40-layer model, decode "
@@ -518,8 +521,9 @@ def main(argv: list[str] | None = None) -> int:
         rep["notes"].append(f"cuBLAS block-scaled `torch._scaled_mm` on this torch: {'available' if ok else 'not used'} "
                             f"(probe: {rep['scaled_mm']['probe']}).")
     with torch.no_grad():
-        rep["linear"] = [] if args.sweep_only else linear_rows(dev, args.quick, log)
-        rep["moe"] = [] if args.sweep_only else moe_rows(dev, args.quick, log)
+        skip = args.sweep_only or args.model_only
+        rep["linear"] = [] if skip else linear_rows(dev, args.quick, log)
+        rep["moe"] = [] if skip else moe_rows(dev, args.quick, log)
         save()
         if args.sweep and dev.type == "cuda":
             if time.perf_counter() - t0 < args.time_budget:
