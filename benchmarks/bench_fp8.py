@@ -260,8 +260,9 @@ GEMV_M1_SWEEP = [(bn, bk, 4, st) for bn in (4, 8, 16) for bk in (1024, 2048, 409
 
 def sweep_m1_rows(dev: torch.device, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """The M = 1 GEMV alone on x quantized beforehand (what a producer that quantizes its output leaves it):
-    ``gemv-cols`` (``_gemv_kernel``, per-column factors) and ``gemv-groups`` (``_gemv_qx_kernel`` reading xq / xs,
-    the K groups a tile axis) per config, and ``gemv-qx`` (x quantized inside) at its table config."""
+    ``gemv-cols`` (``_gemv_kernel``, per-column factors), ``gemv-groups`` (``_gemv_qx_kernel`` reading xq / xs,
+    the K groups a tile axis) and ``gemv-words`` (the same, weights as int32 words decoded by integer ops) per
+    config, and ``gemv-qx`` (x quantized inside) at its table config."""
     from gdnserve.ops.quant import fp8_gemv_triton as gv
     from gdnserve.ops.quant.fp8_gemm_triton import quantize_act_triton
     from gdnserve.ops.quant.fp8_gemv_triton import GemvConfig, fp8_gemv
@@ -274,12 +275,13 @@ def sweep_m1_rows(dev: torch.device, log: Callable[[str], None]) -> list[dict[st
         x = torch.randn(1, K, device=dev).bfloat16()
         xq, xs = quantize_act_triton(x)
         y = torch.empty(1, N + tail_rows, dtype=x.dtype, device=dev)
-        for kernel, groups in (("gemv-cols", False), ("gemv-groups", True)):
+        for kernel, groups, words in (("gemv-cols", False, False), ("gemv-groups", True, False),
+                                      ("gemv-words", True, True)):
             for c in (c for c in GEMV_M1_SWEEP if c[1] <= max(1024, 2 * K)):
                 gv.CONFIG_OVERRIDE = GemvConfig(*c)
                 rows.append(_sweep_one({"kernel": kernel, "shape": shape, "M": 1, "config": list(c)},
-                                       lambda t: fp8_gemv(x, xq, xs, t[0], t[1], y, tail=t[2], groups=groups),
-                                       sets, dev))
+                                       lambda t: fp8_gemv(x, xq, xs, t[0], t[1], y, tail=t[2], groups=groups,
+                                                          words=words), sets, dev))
                 log("measured " + json.dumps(rows[-1]))
             gv.CONFIG_OVERRIDE = None
         rows.append(_sweep_one({"kernel": "gemv-qx", "shape": shape, "M": 1, "config": list(gv.config(1, N, K))},
@@ -466,8 +468,9 @@ def markdown(rep: dict[str, Any]) -> str:
         out += ["", "## Decode-kernel sweep (best first; gemv: `fp8_gemv_triton` (BN weight rows, BK, warps, stages); "
                 "gemm: `fp8_gemm_triton` (BM, BN, warps, stages, GROUP_N, split-K programs target, SWAP); both through "
                 "`fp8_linear` (x quantized by its own launch), in_proj with its dense tail; moe: (BNH, warps, stages) "
-                "gate_up, (BN, warps, stages) down; gemv-cols / gemv-groups: the M = 1 GEMV alone on x quantized "
-                "beforehand, per-column factors / the K groups a tile axis; gemv-qx: x quantized inside)", "",
+                "gate_up, (BN, warps, stages) down; gemv-cols / gemv-groups / gemv-words: the M = 1 GEMV alone on x "
+                "quantized beforehand, per-column factors / the K groups a tile axis / that with int32-word weights; "
+                "gemv-qx: x quantized inside)", "",
                 "| kernel | shape | M / T | config | µs [P10–P90] |", "|---|---|---|---|---|"]
         for r in rep["sweep"]:
             t = (f"{r['us']:.1f} [{r['p10_p90'][0]:.1f}–{r['p10_p90'][1]:.1f}]" if "us" in r else r.get("error"))
