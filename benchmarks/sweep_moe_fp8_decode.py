@@ -10,7 +10,7 @@ next to the grouped FP8 kernels (``DECODE_MAX_PAIRS = 0``) and bf16. µs: CUDA-g
 Writes ``moe_fp8_decode_sweep_<device>.json`` and ``.md``. (The committed H200 result is the tree of commit
 112ac0b (92f85cf after a rebase), whose lists also held variants since removed: the block scales folded into
 the activation side (``FOLD``, elementwise FMAs into a 3-D accumulator): equal at T = 1, slower at T = 16;
-deeper pipelines (``stages`` 2-4): no change. ``PAR`` came after that run: not measured yet.)
+deeper pipelines (``stages`` 2-4): no change. ``PAR`` was first timed at b4c1697: the committed file is that run.)
 """
 from __future__ import annotations
 

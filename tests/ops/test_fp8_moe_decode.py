@@ -38,6 +38,7 @@ def _check(out, x, w, idx, wts):
     (16, 136, 72, 10, 2, None),                                           # the default config, tokens sharing experts
     (3, 300, 200, 9, 3, d.DecodeConfig(BR=32, BR2=16, PAR=True)),          # the pairs as a tile axis (k = 3: padded)
     (2, 136, 136, 6, 4, d.DecodeConfig(BR=32, BR2=32, PAR=True, QH=False)),
+    (1, 200, 136, 11, 9, d.DecodeConfig(BR=32, BR2=32, PAR=True)),         # k + 1 = 9 (a folded shared expert): 8 + 1
 ])
 def test_decode_against_float64(T, H, I, E, k, cfg, device, monkeypatch):
     if cfg is not None:

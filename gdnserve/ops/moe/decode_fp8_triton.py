@@ -23,10 +23,10 @@ routed to one expert) run close together and the second read hits L2. The number
 and ``fp8_torch``'s (same quantization, same roundings; only the float32 summation order differs).
 Deterministic; the grid is fixed by shapes (CUDA-graph safe); float32 activations work unchanged (the
 products are exact). Configs: ``config``, from ``python -m benchmarks.sweep_moe_fp8_decode`` on the H200
-(benchmarks/results/moe_fp8_decode_sweep_h200.md: T = 1 21.2 µs against 34.3 for the grouped kernels and
-25.5 for bf16; T = 8 65.6 / 76.8 / 96.9; T = 16 a tie, so ``DECODE_MAX_PAIRS`` stops at 64). At T = 1 the
-down launch is the slower half (11.2 µs for 8 MB; gate_up 10.2 for 16 MB): its k pairs run one after the
-other. ``PAR`` (off; written after that sweep, not measured) puts them on a tile axis instead.
+(benchmarks/results/moe_fp8_decode_sweep_h200.md: T = 1 16.1 µs against 34.1 for the grouped kernels and
+24.8 for bf16; T = 8 65.1 / 76.1 / 96.6; T = 16 a tie, so ``DECODE_MAX_PAIRS`` stops at 64). The loop down
+kernel runs a token's k pairs one after the other (11.2 µs for 8 MB at T = 1); ``PAR`` puts them on a tile axis
+(6.1 µs), the default up to 16 pairs.
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class DecodeConfig(NamedTuple):
     QH: bool = True      # quantize the intermediate in the down programs (else one launch)
     stages: int = 1
     PAR: bool = False    # down: the token's k pairs as one [k, BR2, I] tile (all loads in flight together;
-                         # opt-in: not measured on a GPU yet, benchmarks/sweep_moe_fp8_decode.py times it)
+                         # H200 at T = 1: down 6.1 vs 11.2 µs; at T = 16 slower: benchmarks/sweep_moe_fp8_decode.py)
 
 
 @triton.jit
@@ -130,17 +130,14 @@ def _down_kernel(inter, iq, isc, experts, pair_w, w, ws, out, H, I, SKI, stride_
 
 
 @triton.jit
-def _down_par_kernel(inter, iq, isc, experts, pair_w, w, ws, out, H, I, SKI, stride_o,
-                     TOP_K: tl.constexpr, KP: tl.constexpr, BR2: tl.constexpr, KGI: tl.constexpr, QH: tl.constexpr):
-    """``_down_kernel`` with the k pairs on a tile axis instead of a loop: every pair's intermediate and weight
-    rows are loaded at once ([KP, BR2, KGI, 128]); each pair's output rounded as there, then a fixed-order
-    reduction over the pairs (deterministic; another order than the loop's: fp32, then one rounding)."""
-    t = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BR2 + tl.arange(0, BR2)
-    n_ok = n < H
+def _down_pairs(inter, iq, isc, experts, pair_w, w, ws, out, t, n, n_ok, H, I, SKI, J0: tl.constexpr, NP: tl.constexpr,
+                KP: tl.constexpr, TOP_K: tl.constexpr, BR2: tl.constexpr, KGI: tl.constexpr, QH: tl.constexpr):
+    """Pairs ``J0 .. J0+NP-1`` of token t (NP <= KP, a power of two) as one ``[KP, BR2, KGI, 128]`` tile per K
+    step: each pair's output ``[BR2]`` rounded to the output dtype (absent pairs: 0), returned as float32
+    ``[KP, BR2]``."""
     jj = tl.arange(0, KP)
-    j_ok = jj < TOP_K
-    pair = t * TOP_K + jj
+    j_ok = jj < NP
+    pair = t * TOP_K + J0 + jj
     e = tl.load(experts + pair, mask=j_ok, other=0).to(tl.int64)
     pw = tl.load(pair_w + pair, mask=j_ok, other=0.0).to(tl.float32)
     grp = tl.arange(0, KGI)
@@ -168,8 +165,27 @@ def _down_par_kernel(inter, iq, isc, experts, pair_w, w, ws, out, H, I, SKI, str
         sm = j_ok[:, None, None] & n_ok[None, :, None] & (kb < SKI)[None, None, :]
         s = tl.load(ws + s_off, mask=sm, other=0.0)                                # [KP, BR2, KGI]
         acc += tl.sum(tl.sum(a * q[:, None, :, :], axis=3) * (s * sh[:, None, :]), axis=2)
-    y = cast(acc * pw[:, None], out.dtype.element_ty).to(tl.float32)            # absent pairs: 0
-    tl.store(out + t * stride_o + n, cast(tl.sum(y, axis=0), out.dtype.element_ty), mask=n_ok)
+    return cast(acc * pw[:, None], out.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _down_par_kernel(inter, iq, isc, experts, pair_w, w, ws, out, H, I, SKI, stride_o,
+                     TOP_K: tl.constexpr, KP: tl.constexpr, KP2: tl.constexpr, BR2: tl.constexpr, KGI: tl.constexpr,
+                     QH: tl.constexpr):
+    """``_down_kernel`` with the k pairs on a tile axis instead of a loop: the first ``KP`` (the largest power of
+    two <= k) in one ``[KP, BR2, KGI, 128]`` tile, the other k - KP (a folded shared expert's pair: k + 1 = 9) in
+    a second of ``KP2`` rows, so no tile is padded to twice its pairs; each pair's output rounded as there, then a
+    fixed-order reduction over the pairs (deterministic; another order than the loop's: fp32, then one
+    rounding)."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BR2 + tl.arange(0, BR2)
+    n_ok = n < H
+    y = tl.sum(_down_pairs(inter, iq, isc, experts, pair_w, w, ws, out, t, n, n_ok, H, I, SKI, 0, KP, KP, TOP_K, BR2,
+                           KGI, QH), axis=0)
+    if KP < TOP_K:
+        y += tl.sum(_down_pairs(inter, iq, isc, experts, pair_w, w, ws, out, t, n, n_ok, H, I, SKI, KP, TOP_K - KP, KP2,
+                                TOP_K, BR2, KGI, QH), axis=0)
+    tl.store(out + t * stride_o + n, cast(y, out.dtype.element_ty), mask=n_ok)
 
 
 CONFIG_OVERRIDE: DecodeConfig | None = None     # benchmarks' sweeps
@@ -185,8 +201,8 @@ def config(num_pairs: int, H: int, I: int) -> DecodeConfig:
         return CONFIG_OVERRIDE
     if INTERPRET:                   # Triton's CPU interpreter: few wide programs (its cost is per program)
         return DecodeConfig(BR=32, BR2=64)
-    if num_pairs <= 16:             # T <= 2 at top-8
-        return DecodeConfig(BR=8, KG=4, QX=True, BR2=4, QH=True)
+    if num_pairs <= 16:             # T <= 2 at top-8 (T = 1 folded: 9 pairs); H200, PAR down: 16.1 vs 21.4 µs at T = 1
+        return DecodeConfig(BR=4, KG=4, warps=4, QX=True, BR2=8, warps2=8, QH=True, PAR=True)
     return DecodeConfig(BR=16, KG=4, QX=False, BR2=32, QH=False)
 
 
@@ -229,9 +245,10 @@ def down_decode(inter: torch.Tensor, weights: torch.Tensor, experts: torch.Tenso
     iq, isc = (inter, inter) if c.QH else quantize_act_triton(inter)
     out = torch.empty(T, H, dtype=inter.dtype, device=inter.device)
     if c.PAR:
+        kp = 1 << (k.bit_length() - 1)                  # the largest power of two <= k
         launch(_down_par_kernel, (T, cdiv(H, c.BR2)),
-               (inter, iq, isc, experts, weights, w_down, s_down, out, H, I, SKI, out.stride(0), k, pow2(k), c.BR2,
-                min(pow2(SKI), 4), c.QH), num_warps=c.warps2, num_stages=c.stages)
+               (inter, iq, isc, experts, weights, w_down, s_down, out, H, I, SKI, out.stride(0), k, kp,
+                pow2(max(k - kp, 1)), c.BR2, min(pow2(SKI), 4), c.QH), num_warps=c.warps2, num_stages=c.stages)
         return out
     launch(_down_kernel, (T, cdiv(H, c.BR2)),
            (inter, iq, isc, experts, weights, w_down, s_down, out, H, I, SKI, out.stride(0), k, c.BR2,
