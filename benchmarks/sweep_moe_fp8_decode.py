@@ -49,8 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-budget", type=float, default=150.0)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run of the script (interpreter, tiny shapes)")
     ap.add_argument("--final-only", action="store_true", help="no sweep: the default configs, grouped, bf16")
-    ap.add_argument("--gate-up-only", action="store_true", help="only the gate_up sweep at T = 1 (fp8 and int32-word "
-                    "weights, the rest the default config) and each launch alone")
     args = ap.parse_args(argv)
     dev = torch.device("cpu" if args.tiny else "cuda")
     t0 = time.perf_counter()
@@ -94,19 +92,15 @@ def main(argv: list[str] | None = None) -> int:
         if ok:
             best[T] = C(**min(ok, key=lambda r: r["us"])["config"])
     if not args.final_only:
-        b1 = d.config(8, H, I)                                # the T = 1 default (best so far)
+        b1 = C(BR=8, KG=4, QX=True, BR2=4, QH=True)          # the T = 1 best so far
         g1 = [b1._replace(BR=br, KG=kg, warps=wp, QX=qx) for br in (4, 8, 16) for kg in (4, 16) for wp in (2, 4)
               for qx in (True, False) if not (kg == 16 and br == 16)]
-        g1 += [b1._replace(BR=br, KG=kg, warps=wp, WORDS=True) for br in (4, 8, 16) for kg in (2, 4, 8) for wp in (4, 8)]
-        if args.gate_up_only:
-            g1 = [b1] + [c for c in g1 if c.WORDS or (c.warps == 4 and c.QX)]
         g16 = [C(BR=br, KG=4, warps=wp, QX=False, BR2=32, QH=False) for br, wp in ((8, 4), (16, 4), (32, 8))]
         if args.tiny:
             g1, g16 = [C(BR=32, BR2=64), C(BR=32, BR2=64, QX=False)], [C(BR=64, BR2=64, QX=False, QH=False)]
         stage(1, "gate_up", g1)
-        if not args.gate_up_only:
-            stage(16, "gate_up", g16)
-        for T in () if args.gate_up_only else (1, 16):
+        stage(16, "gate_up", g16)
+        for T in (1, 16):
             bb = best.get(T, C())
             tiles = ((4, 2), (4, 4), (8, 2), (8, 4), (16, 4)) if T == 1 else ((16, 4), (32, 4), (64, 4), (32, 8))
             dn = [bb._replace(BR2=br2, warps2=wp, QH=qh) for qh in (True, False) for br2, wp in tiles
@@ -126,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(json.dumps(rep["parts"][-1]))
     rep["best"] = {T: c._asdict() for T, c in best.items()}
     default_max = d.DECODE_MAX_PAIRS = DEFAULT_MAX
-    for T in () if args.gate_up_only else Ts:
+    for T in Ts:
         d.DECODE_MAX_PAIRS = default_max
         row: dict[str, Any] = {"T": T, "default_takes_decode": d.uses_decode(T * k)}
         for name, cfg in (("decode_b1", best.get(1)), ("decode_b16", best.get(16)), ("default", None)):

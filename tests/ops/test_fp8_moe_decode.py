@@ -39,8 +39,6 @@ def _check(out, x, w, idx, wts):
     (3, 300, 200, 9, 3, d.DecodeConfig(BR=32, BR2=16, PAR=True)),          # the pairs as a tile axis (k = 3: padded)
     (2, 136, 136, 6, 4, d.DecodeConfig(BR=32, BR2=32, PAR=True, QH=False)),
     (1, 200, 136, 11, 9, d.DecodeConfig(BR=32, BR2=32, PAR=True)),         # k + 1 = 9 (a folded shared expert): 8 + 1
-    (1, 256, 136, 9, 3, d.DecodeConfig(BR=8, KG=1, BR2=16, WORDS=True)),   # gate_up's weights as int32 words
-    (3, 300, 200, 7, 2, d.DecodeConfig(BR=16, KG=2, BR2=32, QX=False, WORDS=True, PAR=True)),   # x by its launch
 ])
 def test_decode_against_float64(T, H, I, E, k, cfg, device, monkeypatch):
     if cfg is not None:

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from gdnserve.ops.launch import cdiv, launch, pow2
 from gdnserve.ops.quant.fp8_gemm_triton import quantize_act_triton
-from gdnserve.ops.quant.tl_fp8 import ACT_EPS, FP8_MAX, _rne_e4m3, e4m3x4_to_f32, quant_tile
+from gdnserve.ops.quant.tl_fp8 import ACT_EPS, FP8_MAX, _rne_e4m3, quant_tile
 from gdnserve.ops.tl_compat import INTERPRET, cast
 
 DECODE_MAX_PAIRS = 64           # T·k at or below which ``moe_experts`` takes this path (0: never)
@@ -53,7 +53,6 @@ class DecodeConfig(NamedTuple):
     warps2: int = 4
     QH: bool = True      # quantize the intermediate in the down programs (else one launch)
     stages: int = 1
-    WORDS: bool = False  # gate_up: weights read as int32 words of four e4m3 bytes, decoded by integer ops
     PAR: bool = False    # down: the token's k pairs as one [k, BR2, I] tile (all loads in flight together;
                          # H200 at T = 1: down 6.1 vs 11.2 µs; at T = 16 slower: benchmarks/sweep_moe_fp8_decode.py)
 
@@ -70,71 +69,8 @@ def _act_groups(raw, q, s, kk, kb, k_ok, SK, QUANT: tl.constexpr):
 
 
 @triton.jit
-def _act_words(raw, q, s, cols, c_ok, kb, SK, QUANT: tl.constexpr):
-    """``_act_groups`` for the word layout: the four ``[KG, 32]`` column sets ``cols + j`` (the bytes j of a row of
-    int32 weight words) of one activation row and their groups' scales ``[KG]``: quantized here (``quant_tile``'s
-    numbers: the group's amax over all four sets) or loaded."""
-    if QUANT:
-        a0 = tl.load(raw + cols, mask=c_ok, other=0.0).to(tl.float32)
-        a1 = tl.load(raw + cols + 1, mask=c_ok, other=0.0).to(tl.float32)
-        a2 = tl.load(raw + cols + 2, mask=c_ok, other=0.0).to(tl.float32)
-        a3 = tl.load(raw + cols + 3, mask=c_ok, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.maximum(tl.max(tl.abs(a0), axis=1), tl.max(tl.abs(a1), axis=1)),
-                          tl.maximum(tl.max(tl.abs(a2), axis=1), tl.max(tl.abs(a3), axis=1)))
-        sc = tl.math.div_rn(tl.maximum(amax, ACT_EPS), tl.full(amax.shape, FP8_MAX, tl.float32))
-        d = tl.broadcast_to(sc[:, None], a0.shape)
-        q0 = _rne_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(a0, d), -FP8_MAX), FP8_MAX))
-        q1 = _rne_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(a1, d), -FP8_MAX), FP8_MAX))
-        q2 = _rne_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(a2, d), -FP8_MAX), FP8_MAX))
-        q3 = _rne_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(a3, d), -FP8_MAX), FP8_MAX))
-        return q0, q1, q2, q3, sc
-    else:
-        return (tl.load(q + cols, mask=c_ok, other=0.0).to(tl.float32),
-                tl.load(q + cols + 1, mask=c_ok, other=0.0).to(tl.float32),
-                tl.load(q + cols + 2, mask=c_ok, other=0.0).to(tl.float32),
-                tl.load(q + cols + 3, mask=c_ok, other=0.0).to(tl.float32),
-                tl.load(s + kb, mask=kb < SK, other=0.0))
-
-
-@triton.jit
-def _gate_up_words(x, xq, xs, e, n, n_ok, w32, ws, tok, stride_x, H, I, SG, SKH, BR: tl.constexpr, KG: tl.constexpr,
-                   QX: tl.constexpr):
-    """``WORDS``: the program's gate and up rows as int32 words ``[BR, KG, 32]`` per step, decoded by integer ops
-    (``tl_fp8.e4m3x4_to_f32``, values · 2^-120), times x's four column sets scaled by ``sx · sw · 2^64`` (the BR
-    rows share one weight-block row), summed elementwise over the steps and reduced once, · 2^56 (as the FP8
-    GEMV's words path). Returns (gate [BR], up [BR]) in float32."""
-    KW = H // 4
-    grp = tl.arange(0, KG)
-    cw = tl.arange(0, 32)
-    g_rows = w32 + e * (2 * I) * KW + n.to(tl.int64) * KW
-    u_rows = g_rows + I * KW
-    blk = tl.program_id(1) * BR // 128
-    sg_row = ws + e * (2 * SG) * SKH + blk * SKH
-    su_row = sg_row + SG * SKH
-    acc_g = tl.zeros((BR, KG, 32), dtype=tl.float32)
-    acc_u = tl.zeros((BR, KG, 32), dtype=tl.float32)
-    for kb0 in range(0, SKH, KG):
-        kb = kb0 + grp
-        kw = kb[:, None] * 32 + cw[None, :]                                    # [KG, 32] word offsets
-        w_ok = n_ok[:, None, None] & (kw < KW)[None, :, :]
-        cols = kw * 4
-        q0, q1, q2, q3, sx = _act_words(x + tok * stride_x, xq + tok * H, xs + tok * SKH, cols, cols < H, kb, SKH, QX)
-        s_ok = kb < SKH
-        fg = ((sx * tl.load(sg_row + kb, mask=s_ok, other=0.0)) * 18446744073709551616.0)[:, None]       # · 2^64
-        fu = ((sx * tl.load(su_row + kb, mask=s_ok, other=0.0)) * 18446744073709551616.0)[:, None]
-        g0, g1, g2, g3 = e4m3x4_to_f32(tl.load(g_rows[:, None, None] + kw[None, :, :], mask=w_ok, other=0))
-        acc_g += (g0 * (q0 * fg)[None, :, :] + g1 * (q1 * fg)[None, :, :] + g2 * (q2 * fg)[None, :, :]
-                  + g3 * (q3 * fg)[None, :, :])
-        u0, u1, u2, u3 = e4m3x4_to_f32(tl.load(u_rows[:, None, None] + kw[None, :, :], mask=w_ok, other=0))
-        acc_u += (u0 * (q0 * fu)[None, :, :] + u1 * (q1 * fu)[None, :, :] + u2 * (q2 * fu)[None, :, :]
-                  + u3 * (q3 * fu)[None, :, :])
-    return (tl.sum(tl.sum(acc_g, axis=2), axis=1) * 72057594037927936.0,
-            tl.sum(tl.sum(acc_u, axis=2), axis=1) * 72057594037927936.0)
-
-
-@triton.jit
-def _gate_up_kernel(x, xq, xs, experts, w, w32, ws, inter, H, I, SG, SKH, stride_x,
-                    TOP_K: tl.constexpr, BR: tl.constexpr, KG: tl.constexpr, QX: tl.constexpr, WORDS: tl.constexpr):
+def _gate_up_kernel(x, xq, xs, experts, w, ws, inter, H, I, SG, SKH, stride_x,
+                    TOP_K: tl.constexpr, BR: tl.constexpr, KG: tl.constexpr, QX: tl.constexpr):
     pair = tl.program_id(0)
     tok = (pair // TOP_K).to(tl.int64)
     e = tl.load(experts + pair).to(tl.int64)
@@ -146,22 +82,19 @@ def _gate_up_kernel(x, xq, xs, experts, w, w32, ws, inter, H, I, SG, SKH, stride
     col = tl.arange(0, 128)
     acc_g = tl.zeros((BR,), dtype=tl.float32)
     acc_u = tl.zeros((BR,), dtype=tl.float32)
-    if WORDS:
-        acc_g, acc_u = _gate_up_words(x, xq, xs, e, n, n_ok, w32, ws, tok, stride_x, H, I, SG, SKH, BR, KG, QX)
-    else:
-        for kb0 in range(0, SKH, KG):
-            kb = kb0 + grp
-            kk = kb[:, None] * 128 + col[None, :]                          # [KG, 128]
-            k_ok = kk < H
-            q, sx = _act_groups(x + tok * stride_x, xq + tok * H, xs + tok * SKH, kk, kb, k_ok, SKH, QX)
-            m3 = n_ok[:, None, None] & k_ok[None, :, :]
-            a_g = tl.load(g_rows[:, None, None] + kk[None, :, :], mask=m3, other=0.0).to(tl.float32)
-            a_u = tl.load(g_rows[:, None, None] + I * H + kk[None, :, :], mask=m3, other=0.0).to(tl.float32)
-            s_ok = n_ok[:, None] & (kb < SKH)[None, :]
-            s_g = tl.load(sg_rows[:, None] + kb[None, :], mask=s_ok, other=0.0)
-            s_u = tl.load(sg_rows[:, None] + SG * SKH + kb[None, :], mask=s_ok, other=0.0)
-            acc_g += tl.sum(tl.sum(a_g * q[None, :, :], axis=2) * (s_g * sx[None, :]), axis=1)
-            acc_u += tl.sum(tl.sum(a_u * q[None, :, :], axis=2) * (s_u * sx[None, :]), axis=1)
+    for kb0 in range(0, SKH, KG):
+        kb = kb0 + grp
+        kk = kb[:, None] * 128 + col[None, :]                          # [KG, 128]
+        k_ok = kk < H
+        q, sx = _act_groups(x + tok * stride_x, xq + tok * H, xs + tok * SKH, kk, kb, k_ok, SKH, QX)
+        m3 = n_ok[:, None, None] & k_ok[None, :, :]
+        a_g = tl.load(g_rows[:, None, None] + kk[None, :, :], mask=m3, other=0.0).to(tl.float32)
+        a_u = tl.load(g_rows[:, None, None] + I * H + kk[None, :, :], mask=m3, other=0.0).to(tl.float32)
+        s_ok = n_ok[:, None] & (kb < SKH)[None, :]
+        s_g = tl.load(sg_rows[:, None] + kb[None, :], mask=s_ok, other=0.0)
+        s_u = tl.load(sg_rows[:, None] + SG * SKH + kb[None, :], mask=s_ok, other=0.0)
+        acc_g += tl.sum(tl.sum(a_g * q[None, :, :], axis=2) * (s_g * sx[None, :]), axis=1)
+        acc_u += tl.sum(tl.sum(a_u * q[None, :, :], axis=2) * (s_u * sx[None, :]), axis=1)
     h = cast(acc_g * tl.sigmoid(acc_g) * acc_u, inter.dtype.element_ty)       # rounded as the reference
     tl.store(inter + pair.to(tl.int64) * I + n, h, mask=n_ok)
 
@@ -297,11 +230,9 @@ def gate_up_decode(x: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tens
     SG, SKH = cdiv(I, 128), cdiv(H, 128)
     xq, xs = (x, x) if c.QX else quantize_act_triton(x)         # unused pointers when QX
     inter = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
-    words = c.WORDS and H % 4 == 0 and 128 % c.BR == 0      # (the BR rows in one weight-block row)
     launch(_gate_up_kernel, (T * k, cdiv(I, c.BR)),
-           (x, xq, xs, experts, w_gate_up, w_gate_up.view(torch.int32) if words else w_gate_up, s_gate_up, inter, H,
-            I, SG, SKH, x.stride(0), k, c.BR, min(c.KG, pow2(SKH)), c.QX, words), num_warps=c.warps,
-           num_stages=c.stages)
+           (x, xq, xs, experts, w_gate_up, s_gate_up, inter, H, I, SG, SKH, x.stride(0), k, c.BR,
+            min(c.KG, pow2(SKH)), c.QX), num_warps=c.warps, num_stages=c.stages)
     return inter
 
 
