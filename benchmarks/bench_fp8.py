@@ -21,8 +21,7 @@ Sections (each row also checks the FP8 result against the dequantizing float32 r
   release's layout), with the decode byte floor of each (bench_model's methodology).
 * ``--sweep``: the decode linear kernels' configs on every projection (``fp8_gemv_triton`` at M = 1, 2, 4,
   ``fp8_gemm_triton`` at M = 1, 4, 16), best first; ``--sweep-moe`` adds the FP8 experts' (T = 1, 16, 64, 4096);
-  ``--sweep-only`` skips the other sections; ``--sweep-m1`` sweeps only the M = 1 GEMV alone on pre-quantized x,
-  both layouts (``_gemv_kernel``'s per-column factors, ``_gemv_qx_kernel``'s K groups as a tile axis).
+  ``--sweep-only`` skips the other sections; ``--sweep-m1`` sweeps only the M = 1 GEMV alone on pre-quantized x.
 * Linear rows also time paths the op does not take by default ("alt"): at M <= 4 the two-launch path the
   GEMV replaced (quantization + the Triton GEMM, a dense tail by ``F.linear``); at M >= 512 the
   Triton GEMM next to cuBLAS's block-scaled ``torch._scaled_mm`` (``ops/quant/fp8_scaled_mm``).
@@ -252,17 +251,17 @@ GEMV_SWEEP = [(bn, bk, w, st) for bn in (2, 4, 8) for bk in (512, 1024, 2048) fo
 GEMM16_SWEEP = [(16, bn, 4, st, 1, tgt, True) for bn in (16, 32, 64) for st in (3, 5) for tgt in (0, 4 * 132)]
 
 
-# the M = 1 GEMV on pre-quantized x, both layouts (``--sweep-m1``): (BN, BK, warps, stages), a [BN, BK] tile
+# the M = 1 GEMV on pre-quantized x (``--sweep-m1``): (BN, BK, warps, stages), a [BN, BK] tile
 GEMV_M1_SWEEP = [(bn, bk, 4, st) for bn in (4, 8, 16) for bk in (1024, 2048, 4096) if bn * bk <= 32768
                  for st in (1, 2)] + [(2, 2048, 4, 1), (2, 4096, 4, 1), (8, 2048, 8, 1), (16, 2048, 8, 1),
                                       (8, 4096, 8, 1), (16, 1024, 8, 2), (4, 512, 4, 1), (16, 512, 4, 1)]
 
 
 def sweep_m1_rows(dev: torch.device, log: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The M = 1 GEMV alone on x quantized beforehand (what a producer that quantizes its output leaves it):
-    ``gemv-cols`` (``_gemv_kernel``, per-column factors), ``gemv-groups`` (``_gemv_qx_kernel`` reading xq / xs,
-    the K groups a tile axis) and ``gemv-words`` (the same, weights as int32 words decoded by integer ops) per
-    config, and ``gemv-qx`` (x quantized inside) at its table config."""
+    """The M = 1 GEMV alone on x quantized beforehand (what a producer that quantizes its output hands it):
+    ``gemv-cols`` (``_gemv_kernel``) per config, and ``gemv-qx`` (x quantized inside) at its table config. (At
+    c35cf6e..b043644 it also timed two variants since removed, both no faster: the K groups as a tile axis, and
+    the weights read as int32 words decoded by integer ops — docs/kernels.md, "Block-FP8 GEMMs".)"""
     from gdnserve.ops.quant import fp8_gemv_triton as gv
     from gdnserve.ops.quant.fp8_gemm_triton import quantize_act_triton
     from gdnserve.ops.quant.fp8_gemv_triton import GemvConfig, fp8_gemv
@@ -275,15 +274,12 @@ def sweep_m1_rows(dev: torch.device, log: Callable[[str], None]) -> list[dict[st
         x = torch.randn(1, K, device=dev).bfloat16()
         xq, xs = quantize_act_triton(x)
         y = torch.empty(1, N + tail_rows, dtype=x.dtype, device=dev)
-        for kernel, groups, words in (("gemv-cols", False, False), ("gemv-groups", True, False),
-                                      ("gemv-words", True, True)):
-            for c in (c for c in GEMV_M1_SWEEP if c[1] <= max(1024, 2 * K)):
-                gv.CONFIG_OVERRIDE = GemvConfig(*c)
-                rows.append(_sweep_one({"kernel": kernel, "shape": shape, "M": 1, "config": list(c)},
-                                       lambda t: fp8_gemv(x, xq, xs, t[0], t[1], y, tail=t[2], groups=groups,
-                                                          words=words), sets, dev))
-                log("measured " + json.dumps(rows[-1]))
-            gv.CONFIG_OVERRIDE = None
+        for c in (c for c in GEMV_M1_SWEEP if c[1] <= max(1024, 2 * K)):
+            gv.CONFIG_OVERRIDE = GemvConfig(*c)
+            rows.append(_sweep_one({"kernel": "gemv-cols", "shape": shape, "M": 1, "config": list(c)},
+                                   lambda t: fp8_gemv(x, xq, xs, t[0], t[1], y, tail=t[2]), sets, dev))
+            log("measured " + json.dumps(rows[-1]))
+        gv.CONFIG_OVERRIDE = None
         rows.append(_sweep_one({"kernel": "gemv-qx", "shape": shape, "M": 1, "config": list(gv.config(1, N, K))},
                                lambda t: fp8_gemv(x, None, None, t[0], t[1], y, tail=t[2]), sets, dev))
     rows.sort(key=lambda r: (r["kernel"], r["shape"], r["M"], r.get("us", math.inf)))
@@ -468,8 +464,7 @@ def markdown(rep: dict[str, Any]) -> str:
         out += ["", "## Decode-kernel sweep (best first; gemv: `fp8_gemv_triton` (BN weight rows, BK, warps, stages); "
                 "gemm: `fp8_gemm_triton` (BM, BN, warps, stages, GROUP_N, split-K programs target, SWAP); both through "
                 "`fp8_linear` (x quantized by its own launch), in_proj with its dense tail; moe: (BNH, warps, stages) "
-                "gate_up, (BN, warps, stages) down; gemv-cols / gemv-groups / gemv-words: the M = 1 GEMV alone on x "
-                "quantized beforehand, per-column factors / the K groups a tile axis / that with int32-word weights; "
+                "gate_up, (BN, warps, stages) down; gemv-cols: the M = 1 GEMV alone on x quantized beforehand; "
                 "gemv-qx: x quantized inside)", "",
                 "| kernel | shape | M / T | config | µs [P10–P90] |", "|---|---|---|---|---|"]
         for r in rep["sweep"]:
@@ -492,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-only", action="store_true", help="with --sweep: only the sweep (no linear, moe, model)")
     ap.add_argument("--model-only", action="store_true", help="only the model section (no linear, moe tables)")
     ap.add_argument("--sweep-m1", action="store_true", help="with --sweep: only the M = 1 GEMV on pre-quantized x "
-                    "(both layouts) in the sweep")
+                    "in the sweep")
     ap.add_argument("--full", action="store_true", help="model section: the full-size 40-layer model, decode "
                     "B = 1, 16, 64, 256 (CUDA; default: the 8-layer cut, B = 1)")
     ap.add_argument("--layers", type=int, default=None)

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from gdnserve.ops.launch import cdiv, launch, pow2
-from gdnserve.ops.quant.tl_fp8 import e4m3x4_to_f32, quant_tile
+from gdnserve.ops.quant.tl_fp8 import quant_tile
 from gdnserve.ops.tl_compat import cast
 
 BLOCK = 128
@@ -96,48 +96,10 @@ def _gemv_kernel(x, xq, xs, w, ws, tail, y, M, N, N2, K, SK, stride_xm, stride_y
 
 
 @triton.jit
-def _words_rows(xq, xs, w32, ws_row, rn, nm, K, SK, BN: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr):
-    """``WORDS``: the FP8 rows ``rn`` of a program times pre-quantized x, the weights read as int32 words of four
-    e4m3 bytes ``[BN, G, 32]`` per K step and decoded by integer ops (``tl_fp8.e4m3x4_to_f32``: values times
-    2^-120); x's four columns of each word as ``[G, 32]`` factors ``q · (sx · sw) · 2^64``, so the products
-    carry 2^-56, well inside float32's normal range, and the sum is scaled back by 2^56 once (powers of two:
-    the roundings are those of the unscaled math). Summed elementwise across the K steps (FMAs into a
-    ``[BN, G, 32]`` accumulator), reduced once at the end: no cross-lane reduction per step."""
-    rg = tl.arange(0, G)
-    rc = tl.arange(0, 32)
-    kw = rg[:, None] * 32 + rc[None, :]                             # [G, 32]: word offsets of a K step
-    KW = K // 4
-    wp = w32 + rn[:, None, None].to(tl.int64) * KW + kw[None, :, :]
-    acc = tl.zeros((BN, G, 32), dtype=tl.float32)
-    for k0 in range(0, K, G * 128):
-        g_ok = (k0 // 128 + rg) < SK
-        if EVEN_K:
-            words = tl.load(wp, mask=nm[:, None, None], other=0)
-        else:
-            words = tl.load(wp, mask=nm[:, None, None] & ((k0 // 4 + kw) < KW)[None, :, :], other=0)
-        sx = tl.load(xs + k0 // 128 + rg, mask=g_ok, other=0.0)
-        sw = tl.load(ws_row + k0 // 128 + rg, mask=g_ok, other=0.0)
-        s = ((sx * sw) * 18446744073709551616.0)[:, None]          # · 2^64
-        col = k0 + rg[:, None] * 128 + 4 * rc[None, :]             # [G, 32]: column of byte 0 of each word
-        v0, v1, v2, v3 = e4m3x4_to_f32(words)
-        f0 = tl.load(xq + col, mask=col < K, other=0.0).to(tl.float32) * s
-        f1 = tl.load(xq + col + 1, mask=col + 1 < K, other=0.0).to(tl.float32) * s
-        f2 = tl.load(xq + col + 2, mask=col + 2 < K, other=0.0).to(tl.float32) * s
-        f3 = tl.load(xq + col + 3, mask=col + 3 < K, other=0.0).to(tl.float32) * s
-        acc += v0 * f0[None, :, :] + v1 * f1[None, :, :] + v2 * f2[None, :, :] + v3 * f3[None, :, :]
-        wp += G * 32
-    return tl.sum(tl.sum(acc, axis=2), axis=1) * 72057594037927936.0                 # · 2^56
-
-
-@triton.jit
-def _gemv_qx_kernel(x, xq, xs, w, w32, ws, tail, y, N, N2, K, SK, BN: tl.constexpr, G: tl.constexpr,
-                    EVEN_K: tl.constexpr, QX: tl.constexpr, WORDS: tl.constexpr):
-    """M = 1, the groups as a tile axis: each program streams its ``[BN, G, 128]`` weight tile loaded as 3-D (the
-    layout the product needs, no conversion) against x's ``[G, 128]`` groups and their ``[G]`` scales. ``QX``:
-    x quantized in the program's registers (``quant_tile`` on the ``[G, 128]`` tile: a group per row, so no
-    reshape; ONE launch); else read from its quantization ``xq`` / ``xs`` (a vector load of ``G`` scales per
-    step, where ``_gemv_kernel`` gathers a scale per column); ``WORDS`` (pre-quantized x only): the weights as
-    int32 words decoded by integer ops (``_words_rows``). The dense tail's programs read x as is."""
+def _gemv_qx_kernel(x, w, ws, tail, y, N, N2, K, SK, BN: tl.constexpr, G: tl.constexpr, EVEN_K: tl.constexpr):
+    """M = 1 in ONE launch: every program quantizes the x groups of its K step in registers (``quant_tile`` on the
+    ``[G, 128]`` tile: a group per row, so no reshape) and streams its ``[BN, G, 128]`` weight tile loaded as 3-D
+    (the layout the product needs, no conversion); the dense tail's programs read x as is."""
     pid = tl.program_id(0)
     NT = tl.cdiv(N, BN)
     rg = tl.arange(0, G)
@@ -147,27 +109,21 @@ def _gemv_qx_kernel(x, xq, xs, w, w32, ws, tail, y, N, N2, K, SK, BN: tl.constex
     if pid < NT:
         rn = pid * BN + tl.arange(0, BN)
         nm = rn < N
+        wp = w + rn[:, None, None].to(tl.int64) * K + kk[None, :, :]
         ws_row = ws + (pid * BN // 128) * SK
-        if WORDS:
-            acc = _words_rows(xq, xs, w32, ws_row, rn, nm, K, SK, BN, G, EVEN_K)
-        else:
-            wp = w + rn[:, None, None].to(tl.int64) * K + kk[None, :, :]
-            for k0 in range(0, K, G * 128):
-                km = (k0 + kk) < K
-                g_ok = (k0 // 128 + rg) < SK
-                if EVEN_K:
-                    b = tl.load(wp, mask=nm[:, None, None], other=0.0).to(tl.float32)
-                else:
-                    b = tl.load(wp, mask=nm[:, None, None] & km[None, :, :], other=0.0).to(tl.float32)
-                if QX:
-                    q, sx = quant_tile(tl.load(x + k0 + kk, mask=km, other=0.0).to(tl.float32))
-                else:
-                    q = tl.load(xq + k0 + kk, mask=km, other=0.0).to(tl.float32)
-                    sx = tl.load(xs + k0 // 128 + rg, mask=g_ok, other=0.0)
-                sw = tl.load(ws_row + k0 // 128 + rg, mask=g_ok, other=0.0)
-                f = q * (sx * sw)[:, None]
-                acc += tl.sum(tl.sum(b * f[None, :, :], axis=2), axis=1)
-                wp += G * 128
+        for k0 in range(0, K, G * 128):
+            km = (k0 + kk) < K
+            if EVEN_K:
+                b = tl.load(wp, mask=nm[:, None, None], other=0.0).to(tl.float32)
+                a = tl.load(x + k0 + kk).to(tl.float32)
+            else:
+                b = tl.load(wp, mask=nm[:, None, None] & km[None, :, :], other=0.0).to(tl.float32)
+                a = tl.load(x + k0 + kk, mask=km, other=0.0).to(tl.float32)
+            q, sx = quant_tile(a)
+            sw = tl.load(ws_row + k0 // 128 + rg, mask=(k0 // 128 + rg) < SK, other=0.0)
+            f = q * (sx * sw)[:, None]
+            acc += tl.sum(tl.sum(b * f[None, :, :], axis=2), axis=1)
+            wp += G * 128
         col = rn
     else:
         rn = (pid - NT) * BN + tl.arange(0, BN)
@@ -190,64 +146,47 @@ class GemvConfig(NamedTuple):
     stages: int
 
 
-# (N, K) -> config at M = 1 (the H200 sweep's winners, benchmarks/results/fp8_sweep_h200.md); other shapes:
-# ``config``'s rule. ``CONFIG_OVERRIDE`` (benchmarks) replaces every pick. ``TABLE``: ``_gemv_kernel`` (x
-# pre-quantized, per-column factors) and, for the shared expert's shapes, ``_gemv_qx_kernel`` quantizing x inside;
-# ``TABLE_GROUPS``: ``_gemv_qx_kernel`` reading pre-quantized x (``GROUPS``).
+# (N, K) -> config at M = 1 (the H200 sweeps' winners: benchmarks/results/fp8_sweep_h200.md through fp8_linear,
+# fp8_gemv_m1_sweep_h200.md the GEMV alone on pre-quantized x); other shapes: ``config``'s rule.
+# ``CONFIG_OVERRIDE`` (benchmarks) replaces every pick.
 TABLE: dict[tuple[int, int], GemvConfig] = {
-    (12288, 2048): GemvConfig(8, 2048, 4, 2),     # GDN in_proj (its 64 dense rows: the tail)
-    (2048, 4096): GemvConfig(4, 4096, 4, 1),      # GDN out_proj / attention o_proj
-    (9216, 2048): GemvConfig(8, 512, 4, 1),       # attention qkv_proj
+    (12288, 2048): GemvConfig(8, 2048, 4, 2),     # GDN in_proj (its 64 dense rows: the tail): 10.0 µs alone
+    (2048, 4096): GemvConfig(8, 4096, 4, 1),      # GDN out_proj / attention o_proj: 5.3 (4 rows: 5.8)
+    (9216, 2048): GemvConfig(16, 512, 4, 1),      # attention qkv_proj: 8.3
     (1024, 2048): GemvConfig(2, 2048, 4, 1),      # shared expert gate_up
     (2048, 512): GemvConfig(16, 1024, 8, 2),      # shared expert down
 }
-TABLE_GROUPS: dict[tuple[int, int], GemvConfig] = {}
-TABLE_WORDS: dict[tuple[int, int], GemvConfig] = {}
 CONFIG_OVERRIDE: GemvConfig | None = None
-# M = 1 with x pre-quantized: the groups-as-an-axis kernel (``_gemv_qx_kernel``, QX off: G scales per step by
-# one vector load) instead of ``_gemv_kernel``'s per-column factor gathers
-GROUPS = True
-# ... and in it the weights read as int32 words and decoded by integer ops (K % 4 == 0)
-WORDS = True
 
 
-def config(M: int, N: int, K: int, groups: bool = False, words: bool = False) -> GemvConfig:
+def config(M: int, N: int, K: int) -> GemvConfig:
     """The table's entry, else: 4 rows per program, K in steps of up to 1024 (whole K when it is smaller)."""
     if CONFIG_OVERRIDE is not None:
         return CONFIG_OVERRIDE
-    cfg = (TABLE_WORDS if words else TABLE_GROUPS if groups else TABLE).get((N, K))
+    cfg = TABLE.get((N, K))
     if cfg is not None and M == 1:
         return cfg
-    if groups:
-        return GemvConfig(8 if N >= 8192 else 4, min(2048, max(BLOCK, pow2(K))), 4, 1)
     return GemvConfig(4 if M == 1 else 2, min(1024, max(BLOCK, pow2(K))), 4, 2)
 
 
 def fp8_gemv(x: torch.Tensor, xq: torch.Tensor | None, xs: torch.Tensor | None, qw: torch.Tensor,
-             sw: torch.Tensor, y: torch.Tensor, tail: torch.Tensor | None = None,
-             groups: bool | None = None, words: bool | None = None) -> torch.Tensor:
+             sw: torch.Tensor, y: torch.Tensor, tail: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_M, unit column stride), its quantization xq [M, K] e4m3 (contiguous) / xs [M,
     ceil(K/128)] float32 (contiguous: ``quantize_act_triton``) · [dequant(qw [N, K], sw) | tail [N2, K]]ᵀ into
     y [M, N + N2] (unit column stride), rounded once to y's dtype. ``xq = xs = None`` (M = 1 only): x is
-    quantized inside the GEMV's programs (one launch, ``_gemv_qx_kernel``). ``groups`` (M = 1, xq given; None:
-    ``GROUPS``): the kernel with the K groups as a tile axis, else ``_gemv_kernel``; ``words`` (with groups, K a
-    multiple of 4; None: ``WORDS``): its weights read as int32 words, decoded by integer ops."""
+    quantized inside the GEMV's programs (one launch, ``_gemv_qx_kernel``)."""
     M, K = x.shape
     N = qw.shape[0]
     N2 = 0 if tail is None else tail.shape[0]
     if not 1 <= M <= (MAX_M if xq is not None else 1):
         raise ValueError(f"fp8_gemv: x has {M} rows, must be in [1, {MAX_M if xq is not None else 1}]")
-    in_kernel = xq is None
-    groups = M == 1 and not in_kernel and (GROUPS if groups is None else groups)
-    words = groups and K % 4 == 0 and (WORDS if words is None else words)
-    BN, BK, warps, stages = config(M, N, K, groups, words)
+    BN, BK, warps, stages = config(M, N, K)
     if BN > BLOCK or BN & (BN - 1) or BK & (BK - 1) or BK < BLOCK:
         raise ValueError(f"fp8_gemv: BN {BN} must be a power of two <= {BLOCK}, BK {BK} a power of two >= {BLOCK}")
-    if in_kernel or groups:
+    if xq is None:
         launch(_gemv_qx_kernel, (cdiv(N, BN) + cdiv(N2, BN),),
-               (x, x if in_kernel else xq, x if in_kernel else xs, qw, qw.view(torch.int32) if words else qw, sw,
-                qw if tail is None else tail, y, N, N2, K, cdiv(K, BLOCK), BN, BK // BLOCK, K % BK == 0, in_kernel,
-                words), num_warps=warps, num_stages=stages)
+               (x, qw, sw, qw if tail is None else tail, y, N, N2, K, cdiv(K, BLOCK), BN, BK // BLOCK,
+                K % BK == 0), num_warps=warps, num_stages=stages)
         return y
     launch(_gemv_kernel, (cdiv(N, BN) + cdiv(N2, BN),),
            (x, xq, xs, qw, sw, qw if tail is None else tail, y, M, N, N2, K, cdiv(K, BLOCK), x.stride(0),

@@ -42,29 +42,6 @@ def _rne_e4m3(v):
     return r * ulp
 
 
-E4M3_WORD_SIGN: tl.constexpr = tl.constexpr(-2147450880)     # 0x80008000: the sign bits of two bf16 halves
-E4M3_WORD_MAG: tl.constexpr = tl.constexpr(0x07F007F0)        # an e4m3 byte's exponent + mantissa, bf16 place
-BF16_HI: tl.constexpr = tl.constexpr(-65536)                  # 0xFFFF0000
-
-
-@triton.jit
-def e4m3x4_to_f32(w):
-    """int32 words of four e4m3 bytes (byte j holds column 4i + j) -> their four values as float32, each times
-    2^-120, by integer ops instead of conversions (the bit pattern moved into a bf16's place: sign to bit 15,
-    exponent and mantissa to bits 10..4 — exponent bias 127 in place of 7 — then the bf16 widened by a shift;
-    e4m3 subnormals become float32 subnormals, exact). On the H200 the conversion instructions
-    (``cvt.rn.f16x2.e4m3x2`` + ``cvt.f32.f16``, a quarter of the FMA rate or less) bound the GEMV's weight stream;
-    these are ~3 integer ops per value. Exact: every value times the power of two."""
-    o1 = (w & E4M3_WORD_SIGN) | ((w >> 4) & E4M3_WORD_MAG)           # bytes 1 and 3 as two bf16
-    w2 = w << 8
-    o2 = (w2 & E4M3_WORD_SIGN) | ((w2 >> 4) & E4M3_WORD_MAG)         # bytes 0 and 2
-    v0 = (o2 << 16).to(tl.float32, bitcast=True)
-    v1 = (o1 << 16).to(tl.float32, bitcast=True)
-    v2 = (o2 & BF16_HI).to(tl.float32, bitcast=True)
-    v3 = (o1 & BF16_HI).to(tl.float32, bitcast=True)
-    return v0, v1, v2, v3
-
-
 @triton.jit
 def quant_tile(a):
     """a [BM, BK] float32 (BK = the group, masked entries 0) -> (q [BM, BK] float32 on the e4m3 grid,
