@@ -94,11 +94,16 @@ class GatedDeltaNet(nn.Module):
     def params(self) -> GDNCoreParams:
         return GDNCoreParams(self.conv_weight, self.A_log, self.dt_bias, self.H, self.HV, self.K, self.V)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def takes_quantized_input(self, h: torch.Tensor) -> bool:
+        """Whether ``forward`` wants h's FP8 quantization (its in_proj would quantize h by its own launch)."""
+        return self.in_proj.takes_quantized_input(h)
+
+    def forward(self, h: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """h [T, hidden] -> [T, hidden]; ``xq``: h's FP8 quantization for in_proj (its producer's, or None)."""
         ctx = get_forward_context()
         T = h.shape[0]
         D, HVV, HV = self.conv_dim, self.HV * self.V, self.HV
-        proj = self.in_proj(h)
+        proj = self.in_proj(h, xq=xq)
         x, z = proj[:, :D], proj[:, D:D + HVV]
         b, a = proj[:, D + HVV:D + HVV + HV], proj[:, D + HVV + HV:]
         o = torch.empty(T, HV, self.V, dtype=h.dtype, device=h.device)

@@ -20,9 +20,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                backend: Backend = "torch") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return rms_norm(x, self.weight, self.eps, residual, backend=backend)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, backend: Backend = "torch",
+                quant: bool = False) -> torch.Tensor | tuple:
+        """``quant``: also y's FP8 quantization appended (``ops.norm.rms_norm``: an FP8 linear's ``xq``)."""
+        return rms_norm(x, self.weight, self.eps, residual, backend=backend, quant=quant)
 
 
 class GatedRMSNorm(nn.Module):
