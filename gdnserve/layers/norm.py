@@ -35,5 +35,6 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor, backend: Backend = "torch") -> torch.Tensor:
-        return gated_rms_norm(x, z, self.weight, self.eps, backend=backend)
+    def forward(self, x: torch.Tensor, z: torch.Tensor, backend: Backend = "torch", quant: bool = False):
+        """``quant``: ``(y, (q, s))``, y's FP8 quantization as the [T, G·V] input of out_proj (its ``xq``)."""
+        return gated_rms_norm(x, z, self.weight, self.eps, backend=backend, quant=quant)

@@ -10,7 +10,7 @@ import importlib
 import pytest
 import torch
 
-from gdnserve.ops.norm import rms_norm
+from gdnserve.ops.norm import gated_rms_norm, rms_norm
 from gdnserve.ops.quant import fp8_linear, quantize_weight
 from gdnserve.ops.quant.fp8_gemm_triton import quantize_act_triton
 from gdnserve.ops.quant.fp8_linear import quantizes_input
@@ -23,7 +23,7 @@ def same_quant(got, y2):
     """got (q, s) is quantize_act_triton(y2) bit for bit (and laid out like it)."""
     q, s = got
     q2, s2 = quantize_act_triton(y2.contiguous())
-    assert q.dtype == torch.float8_e4m3fn and q.is_contiguous() and s.is_contiguous()
+    assert q.dtype == torch.float8_e4m3fn and q.is_contiguous() and s.is_contiguous() and s.dtype == torch.float32
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
 
 
@@ -85,3 +85,20 @@ def test_bad_xq_refused(device):
             fp8_linear(x, q, s, backend="triton", xq=bad)
     with pytest.raises(ValueError, match="pair"):
         fp8_linear(x, q, s, backend="triton", xq=xq)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("G,V", [(4, 128), (3, 128), (2, 64), (3, 64), (1, 256), (2, 96)])
+def test_gated_rms_norm_quant(backend, G, V, device):
+    """[T, G, V] -> out and out.view(T, G·V)'s quantization: whole-group tiles (V = 128 one row a group, V = 64
+    two rows, V = 256 two groups a row), G·V not a multiple of 128 and V not a power of two (the separate
+    launch); z a strided view as the GDN mixer passes it."""
+    dtype = torch.bfloat16
+    for T in (1, 3, 17):
+        x = torch.randn(T, G, V, device=device).to(dtype)
+        z = torch.randn(T, G, 2 * V, device=device).to(dtype)[..., V:]
+        w = (1 + 0.1 * torch.randn(V, device=device)).to(dtype)
+        base = gated_rms_norm(x, z, w, 1e-6, backend=backend)
+        out, xq = gated_rms_norm(x, z, w, 1e-6, backend=backend, quant=True)
+        assert torch.equal(out, base)
+        same_quant(xq, out.view(T, G * V))

@@ -10,9 +10,10 @@ from gdnserve.ops.quant.fp8_ref import quantize_act
 
 
 def quantize_out_torch(y2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """y2 [M, K] -> (q, s) by ``fp8_ref.quantize_act`` (the PyTorch backends: the Triton kernel's numbers)."""
+    """y2 [M, K] -> (q, s) by ``fp8_ref.quantize_act`` (the PyTorch backends), bit for bit the Triton kernels'
+    numbers: a negative value that rounds to zero becomes +0 as ``quant_tile`` gives it (``+ 0.0``; exact)."""
     q, s = quantize_act(y2)
-    return q.contiguous(), s
+    return (q.float() + 0.0).to(q.dtype), s
 
 
 def quantize_out_triton(y2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
