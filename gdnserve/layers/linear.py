@@ -36,6 +36,7 @@ from torch import nn
 
 from gdnserve.layers.parallel import all_reduce, resolve
 from gdnserve.ops.backend import Backend
+from gdnserve.ops.backend import resolve as resolve_backend
 from gdnserve.ops.gating import sigmoid_mul
 from gdnserve.ops.gemv import skinny_config
 from gdnserve.ops.gemv.skinny_triton import gate_fits, skinny_unchecked
@@ -248,7 +249,8 @@ class RowParallelLinear(nn.Module):
         """``self(x * torch.sigmoid(gate.reshape(x.shape)))`` for a gate [T, G, GD] (any strides but a unit last
         one; attention's per-head output gate): on CUDA at decode sizes the skinny GEMM applies the gate as it
         loads x (no copy, sigmoid or multiply launches), elsewhere ``ops.gating.sigmoid_mul`` on ``backend``
-        (the same roundings: the sigmoid rounded to x's dtype, then the product) and the projection."""
+        (the same roundings: the sigmoid rounded to x's dtype, then the product) and the projection; an FP8
+        layer that would quantize the product by a launch of its own gets it quantized by that kernel."""
         w = self.weight
         if (self.qweight is None and x.is_cuda and x.dim() == 2 and x.dtype == w.dtype
                 and x.dtype in (torch.bfloat16, torch.float16)):
@@ -257,6 +259,9 @@ class RowParallelLinear(nn.Module):
                     and gate_fits(cfg, x, gate):
                 y = skinny_unchecked(x, w, cfg, gate)
                 return all_reduce(y, self.tp_size) if self.reduce_results else y
+        if resolve_backend(backend, x) == "triton" and self.takes_quantized_input(x):   # FP8: quantized in its kernel
+            y, yq = sigmoid_mul(x, gate, backend=backend, quant=True)
+            return self.forward(y, xq=yq)
         return self.forward(sigmoid_mul(x, gate, backend=backend))
 
 

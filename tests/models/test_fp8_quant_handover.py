@@ -3,7 +3,8 @@ layer, every mixer projection FP8; quantized as tests/models/test_fp8_checkpoint
 its mixers' FP8 linears on Triton too (the interpreter on CPU; the MLPs stay on the PyTorch path: they take no
 handover) — gives bit-identical logits with the producers' in-register quantization on (``PRODUCER_QUANT``) and
 off (each linear's own quantization launch), at a few-token prefill (the GEMM) and at decode (M = 1, the
-two-launch GEMV), and the handover really replaces quantization launches."""
+two-launch GEMV), and the handover replaces every mixer projection's quantization launch (the input norm's
+for in_proj / qkv_proj, the gated norm's for out_proj, the sigmoid gate's for o_proj)."""
 from __future__ import annotations
 
 import importlib
@@ -63,4 +64,4 @@ def test_handover_is_bit_identical(fp8_folder, device, monkeypatch):
     n_off = len(calls) - n_on
     print(f"quantization launches: {n_on} with the handover, {n_off} without")
     assert torch.equal(on, off)
-    assert n_on < n_off
+    assert n_on == 0 and n_off == 8        # 2 layers x 2 mixer projections x 2 steps: every one handed over

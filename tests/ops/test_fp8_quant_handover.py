@@ -10,6 +10,7 @@ import importlib
 import pytest
 import torch
 
+from gdnserve.ops.gating import sigmoid_mul
 from gdnserve.ops.norm import gated_rms_norm, rms_norm
 from gdnserve.ops.quant import fp8_linear, quantize_weight
 from gdnserve.ops.quant.fp8_gemm_triton import quantize_act_triton
@@ -102,3 +103,20 @@ def test_gated_rms_norm_quant(backend, G, V, device):
         out, xq = gated_rms_norm(x, z, w, 1e-6, backend=backend, quant=True)
         assert torch.equal(out, base)
         same_quant(xq, out.view(T, G * V))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("C,G", [(256, 4), (200, 0), (64, 1), (2304, 0)])
+def test_sigmoid_mul_quant(backend, C, G, device):
+    """x * sigmoid(gate) (+ add) and its quantization: attention's per-head gate view [T, G, C / G], a full
+    [T, C] gate with a partial last group (200), one group narrower than 128, several column tiles (2304)."""
+    dtype = torch.bfloat16
+    for T, with_add in ((1, False), (3, True), (17, False)):
+        x = torch.randn(T, C, device=device).to(dtype)
+        g = (torch.randn(T, G, 2 * (C // G), device=device).to(dtype)[..., C // G:] if G
+             else torch.randn(T, C, device=device).to(dtype))
+        add = torch.randn(T, C, device=device).to(dtype) if with_add else None
+        base = sigmoid_mul(x, g, add, backend=backend)
+        y, xq = sigmoid_mul(x, g, add, backend=backend, quant=True)
+        assert torch.equal(y, base)
+        same_quant(xq, y)
