@@ -39,11 +39,12 @@ def fp8_folder(tmp_path_factory):
 def run(folder, ids, device):
     """Logits of a prefill of ids[:-1] then a decode step on the Triton path."""
     model, _ = load_model(folder, dtype=torch.bfloat16, device=device)
-    for layer in model.layers:
-        for m in layer.mixer.modules():
-            if isinstance(m, (linear.ColumnParallelLinear, linear.RowParallelLinear)):
-                assert m.qweight is not None
-                m.backend = "triton"
+    for layer in model.layers:                 # the mixers' FP8 linears on Triton, the MLPs' on PyTorch (any device)
+        for part, backend in ((layer.mixer, "triton"), (layer.mlp, "torch")):
+            for m in part.modules():
+                if isinstance(m, (linear.ColumnParallelLinear, linear.RowParallelLinear)):
+                    assert m.qweight is not None
+                    m.backend = backend
     runner = ModelRunner(model, RunnerConfig(backend="triton", page_size=8))
     seq = runner.new_seq()
     first = runner.step([PrefillItem(seq, ids[:-1])], [])[0]
