@@ -10,6 +10,9 @@ Rounding: the PyTorch ops' sequence (HF's modeling code), each step computed in 
 activation dtype: silu, then the product; sigmoid, then the product, then the sum. The PyTorch path is those
 ops themselves; the Triton path rounds at the same points (its exp differs from torch's in the last ulp at
 most, so the two agree to one rounding; eager and graph-replayed steps run the same kernel).
+
+``sigmoid_mul(..., quant=True)`` also returns its output quantized for an FP8 linear (attention's o_proj), as the
+norms do (``ops/norm``).
 """
 from __future__ import annotations
 
