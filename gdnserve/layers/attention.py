@@ -48,11 +48,16 @@ class GatedAttention(nn.Module):
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def takes_quantized_input(self, h: torch.Tensor) -> bool:
+        """Whether ``forward`` wants h's FP8 quantization (its qkv_proj would quantize h by its own launch)."""
+        return self.qkv_proj.takes_quantized_input(h)
+
+    def forward(self, h: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """h [T, hidden] -> [T, hidden]; ``xq``: h's FP8 quantization for qkv_proj (its producer's, or None)."""
         ctx = get_forward_context()
         T = h.shape[0]
         QH, KVH, Dh = self.QH, self.KVH, self.Dh
-        qkv = self.qkv_proj(h)
+        qkv = self.qkv_proj(h, xq=xq)
         qg = qkv[:, :2 * QH * Dh].view(T, QH, 2 * Dh)
         q, gate = qg[..., :Dh], qg[..., Dh:]            # gate: [T, QH, Dh] view, read in place when fused
         k = qkv[:, 2 * QH * Dh:2 * QH * Dh + KVH * Dh].view(T, KVH, Dh)

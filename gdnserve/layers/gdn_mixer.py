@@ -21,6 +21,7 @@ from gdnserve.layers.gdn_prefill import GDNCoreParams, gdn_prefill_core, split_q
 from gdnserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, Shard, local_blocks
 from gdnserve.layers.norm import GatedRMSNorm
 from gdnserve.layers.parallel import resolve
+from gdnserve.ops.backend import resolve as resolve_backend
 from gdnserve.ops.conv import causal_conv1d_fold, causal_conv1d_update
 from gdnserve.ops.gdn.recurrent import (GDNPending, gdn_commit_intermediate, gdn_decode, gdn_flush_pending,
                                          gdn_verify)
@@ -94,11 +95,16 @@ class GatedDeltaNet(nn.Module):
     def params(self) -> GDNCoreParams:
         return GDNCoreParams(self.conv_weight, self.A_log, self.dt_bias, self.H, self.HV, self.K, self.V)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def takes_quantized_input(self, h: torch.Tensor) -> bool:
+        """Whether ``forward`` wants h's FP8 quantization (its in_proj would quantize h by its own launch)."""
+        return self.in_proj.takes_quantized_input(h)
+
+    def forward(self, h: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """h [T, hidden] -> [T, hidden]; ``xq``: h's FP8 quantization for in_proj (its producer's, or None)."""
         ctx = get_forward_context()
         T = h.shape[0]
         D, HVV, HV = self.conv_dim, self.HV * self.V, self.HV
-        proj = self.in_proj(h)
+        proj = self.in_proj(h, xq=xq)
         x, z = proj[:, :D], proj[:, D:D + HVV]
         b, a = proj[:, D + HVV:D + HVV + HV], proj[:, D + HVV + HV:]
         o = torch.empty(T, HV, self.V, dtype=h.dtype, device=h.device)
@@ -118,6 +124,10 @@ class GatedDeltaNet(nn.Module):
                        backend=self.backend)
         if td < T:
             self._verify(x[td:], a[td:], b[td:], vf, p, o[td:])
-        # fused: one launch reading z in place (its strided view); else the PyTorch ops (HF's, z copied)
-        y = self.norm(o, z.view(T, HV, self.V), backend=self.backend if self.fused else "torch")
-        return self.out_proj(y.view(T, HVV))
+        # fused: one launch reading z in place (its strided view); else the PyTorch ops (HF's, z copied). An FP8
+        # out_proj that would quantize y by a launch of its own gets y's quantization from the norm's registers
+        be = self.backend if self.fused else "torch"
+        quant = resolve_backend(be, o) == "triton" and self.out_proj.takes_quantized_input(o.view(T, HVV))
+        y = self.norm(o, z.view(T, HV, self.V), backend=be, quant=quant)
+        y, yq = y if quant else (y, None)
+        return self.out_proj(y.view(T, HVV), xq=yq)

@@ -17,6 +17,14 @@ block) and runs ``ops.quant.fp8_linear``. A column-parallel layer may keep its l
 in bf16). Block boundaries must be whole 128-row blocks: every FP8 output block but the last a multiple
 of 128 (with tp > 1 every block's per-rank part), a row-parallel layer's per-rank K a multiple of 128;
 ``fp8_layout_ok`` says whether a layout qualifies (the loader dequantizes a layer that does not).
+
+An FP8 layer's input may come already quantized: ``forward(x, xq=(q, s))`` with ``q, s`` exactly
+``quantize_act_triton(x)`` (the producer kernel quantized its own output in registers: the decoder's add +
+RMSNorm, the GDN gated norm, attention's sigmoid gate), skipping the Triton path's quantization launch.
+``takes_quantized_input(x)`` says whether that saves a launch (shapes, devices and flags only: graph-safe);
+``PRODUCER_QUANT = False`` turns the handover off everywhere (the unfused comparison of the tests).
+``backend`` (default "auto": Triton on CUDA) is the FP8 op's; tests set "triton" to run it under the
+interpreter on CPU.
 """
 from __future__ import annotations
 
@@ -28,12 +36,15 @@ from torch import nn
 
 from gdnserve.layers.parallel import all_reduce, resolve
 from gdnserve.ops.backend import Backend
+from gdnserve.ops.backend import resolve as resolve_backend
 from gdnserve.ops.gating import sigmoid_mul
 from gdnserve.ops.gemv import skinny_config
 from gdnserve.ops.gemv.skinny_triton import gate_fits, skinny_unchecked
 from gdnserve.ops.quant import BLOCK, fp8_linear
+from gdnserve.ops.quant.fp8_linear import quantizes_input
 
 FP8 = torch.float8_e4m3fn
+PRODUCER_QUANT = True      # producers hand FP8 layers their quantized output where it saves a launch
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -114,6 +125,7 @@ class ColumnParallelLinear(nn.Module):
         self.qweight: nn.Parameter | None = None          # FP8 layers only (see to_fp8)
         self.weight_scale_inv: nn.Parameter | None = None
         self.num_fp8_blocks = 0
+        self.backend: Backend = "auto"                    # the FP8 op's (see the module docstring)
 
     def weight_loader(self, full: torch.Tensor) -> torch.Tensor:
         return weight_loader(self, "weight", full)
@@ -146,10 +158,17 @@ class ColumnParallelLinear(nn.Module):
         self.tp_shards = {"qweight": Shard(0, fp8), "weight_scale_inv": Shard(0, scale_blocks),
                           "weight": Shard(0, rest)}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def takes_quantized_input(self, x: torch.Tensor) -> bool:
+        """Whether ``forward(x)`` would quantize x by a launch of its own (so a producer's ``xq`` saves it).
+        x: a tensor of the input's shape, dtype and device (the producer's input serves)."""
+        return PRODUCER_QUANT and self.qweight is not None and quantizes_input(x, self.qweight.shape[0], self.backend)
+
+    def forward(self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., local out]; ``xq``: x's quantization (FP8 layers; see the module docstring)."""
         if self.qweight is None:
             return dense_linear(x, self.weight)
-        return fp8_linear(x, self.qweight, self.weight_scale_inv, tail=self.weight if self.weight.shape[0] else None)
+        return fp8_linear(x, self.qweight, self.weight_scale_inv, tail=self.weight if self.weight.shape[0] else None,
+                          backend=self.backend, xq=xq)
 
     def forward_rows(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x · W[start:]ᵀ: only this rank's output rows from ``start`` on (attention's k/v-only pass)."""
@@ -158,7 +177,8 @@ class ColumnParallelLinear(nn.Module):
         n_fp8 = self.qweight.shape[0]
         if start % BLOCK == 0 and start < n_fp8:
             tail = self.weight if self.weight.shape[0] else None
-            return fp8_linear(x, self.qweight[start:], self.weight_scale_inv[start // BLOCK:], tail=tail)
+            return fp8_linear(x, self.qweight[start:], self.weight_scale_inv[start // BLOCK:], tail=tail,
+                              backend=self.backend)
         return self.forward(x)[..., start:]
 
 
@@ -190,6 +210,7 @@ class RowParallelLinear(nn.Module):
         self.qweight: nn.Parameter | None = None          # FP8 layers only (see to_fp8)
         self.weight_scale_inv: nn.Parameter | None = None
         self.num_fp8_blocks = 0
+        self.backend: Backend = "auto"                    # the FP8 op's (see the module docstring)
 
     def weight_loader(self, full: torch.Tensor) -> torch.Tensor:
         return weight_loader(self, "weight", full)
@@ -212,15 +233,24 @@ class RowParallelLinear(nn.Module):
         self.tp_shards = {"qweight": Shard(1, (self.in_features,)),
                           "weight_scale_inv": Shard(1, (_cdiv(self.in_features, BLOCK),))}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = dense_linear(x, self.weight) if self.qweight is None else fp8_linear(x, self.qweight, self.weight_scale_inv)
+    def takes_quantized_input(self, x: torch.Tensor) -> bool:
+        """Whether ``forward(x)`` (x: this rank's [T, in / tp]) would quantize x by a launch of its own."""
+        return PRODUCER_QUANT and self.qweight is not None and quantizes_input(x, self.qweight.shape[0], self.backend)
+
+    def forward(self, x: torch.Tensor, xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x [T, in / tp] -> [T, out] (summed over ranks); ``xq``: x's quantization (FP8 layers)."""
+        if self.qweight is None:
+            y = dense_linear(x, self.weight)
+        else:
+            y = fp8_linear(x, self.qweight, self.weight_scale_inv, backend=self.backend, xq=xq)
         return all_reduce(y, self.tp_size) if self.reduce_results else y
 
     def forward_gated(self, x: torch.Tensor, gate: torch.Tensor, backend: Backend = "torch") -> torch.Tensor:
         """``self(x * torch.sigmoid(gate.reshape(x.shape)))`` for a gate [T, G, GD] (any strides but a unit last
         one; attention's per-head output gate): on CUDA at decode sizes the skinny GEMM applies the gate as it
         loads x (no copy, sigmoid or multiply launches), elsewhere ``ops.gating.sigmoid_mul`` on ``backend``
-        (the same roundings: the sigmoid rounded to x's dtype, then the product) and the projection."""
+        (the same roundings: the sigmoid rounded to x's dtype, then the product) and the projection; an FP8
+        layer that would quantize the product by a launch of its own gets it quantized by that kernel."""
         w = self.weight
         if (self.qweight is None and x.is_cuda and x.dim() == 2 and x.dtype == w.dtype
                 and x.dtype in (torch.bfloat16, torch.float16)):
@@ -229,6 +259,9 @@ class RowParallelLinear(nn.Module):
                     and gate_fits(cfg, x, gate):
                 y = skinny_unchecked(x, w, cfg, gate)
                 return all_reduce(y, self.tp_size) if self.reduce_results else y
+        if resolve_backend(backend, x) == "triton" and self.takes_quantized_input(x):   # FP8: quantized in its kernel
+            y, yq = sigmoid_mul(x, gate, backend=backend, quant=True)
+            return self.forward(y, xq=yq)
         return self.forward(sigmoid_mul(x, gate, backend=backend))
 
 

@@ -20,9 +20,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                backend: Backend = "torch") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return rms_norm(x, self.weight, self.eps, residual, backend=backend)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, backend: Backend = "torch",
+                quant: bool = False) -> torch.Tensor | tuple:
+        """``quant``: also y's FP8 quantization appended (``ops.norm.rms_norm``: an FP8 linear's ``xq``)."""
+        return rms_norm(x, self.weight, self.eps, residual, backend=backend, quant=quant)
 
 
 class GatedRMSNorm(nn.Module):
@@ -34,5 +35,6 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor, backend: Backend = "torch") -> torch.Tensor:
-        return gated_rms_norm(x, z, self.weight, self.eps, backend=backend)
+    def forward(self, x: torch.Tensor, z: torch.Tensor, backend: Backend = "torch", quant: bool = False):
+        """``quant``: ``(y, (q, s))``, y's FP8 quantization as the [T, G·V] input of out_proj (its ``xq``)."""
+        return gated_rms_norm(x, z, self.weight, self.eps, backend=backend, quant=quant)

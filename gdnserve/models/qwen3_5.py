@@ -19,6 +19,7 @@ from gdnserve.layers.moe import SparseMoE
 from gdnserve.layers.norm import RMSNorm
 from gdnserve.layers.parallel import resolve
 from gdnserve.models.config import ModelConfig
+from gdnserve.ops.backend import resolve as resolve_backend
 
 
 def check_tp(cfg: ModelConfig, tp_size: int) -> None:
@@ -78,13 +79,19 @@ class DecoderLayer(nn.Module):
         ``residual``; None for the first layer, whose ``h`` is the stream itself) -> this layer's pair. Each
         norm adds the pending branch output into the stream first: with ``fused`` and a Triton backend
         (the mixer's, set by the runner) the add and the norm are one launch; else the PyTorch ops, which
-        are ``h = h + mixer(norm(h)); h = h + mlp(norm(h))`` bit for bit."""
+        are ``h = h + mixer(norm(h)); h = h + mlp(norm(h))`` bit for bit. Where the mixer's first projection
+        is FP8 and would quantize its input by a launch of its own, the Triton input norm quantizes its output
+        in registers and hands it over (``xq``; the same numbers). The MoE block behind the post-attention
+        norm quantizes inside its own kernels: not there."""
         be = self.mixer.backend if self.fused else "torch"
+        quant = resolve_backend(be, h) == "triton" and self.mixer.takes_quantized_input(h)
+        out = self.input_layernorm(h, residual, backend=be, quant=quant)     # y | (y, s), then (q, s) if quant
+        xq = out[-1] if quant else None
         if residual is None:
-            x, residual = self.input_layernorm(h, backend=be), h
+            x, residual = (out[0] if quant else out), h
         else:
-            x, residual = self.input_layernorm(h, residual, backend=be)
-        x, residual = self.post_attention_layernorm(self.mixer(x), residual, backend=be)
+            x, residual = out[0], out[1]
+        x, residual = self.post_attention_layernorm(self.mixer(x, xq=xq), residual, backend=be)
         return self.mlp(x), residual
 
 

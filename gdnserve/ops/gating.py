@@ -10,6 +10,9 @@ Rounding: the PyTorch ops' sequence (HF's modeling code), each step computed in 
 activation dtype: silu, then the product; sigmoid, then the product, then the sum. The PyTorch path is those
 ops themselves; the Triton path rounds at the same points (its exp differs from torch's in the last ulp at
 most, so the two agree to one rounding; eager and graph-replayed steps run the same kernel).
+
+``sigmoid_mul(..., quant=True)`` also returns its output quantized for an FP8 linear (attention's o_proj), as the
+norms do (``ops/norm``).
 """
 from __future__ import annotations
 
@@ -33,9 +36,11 @@ def silu_mul(h: torch.Tensor, backend: Backend = "auto") -> torch.Tensor:
 
 
 def sigmoid_mul(x: torch.Tensor, g: torch.Tensor, add: torch.Tensor | None = None,
-                backend: Backend = "auto") -> torch.Tensor:
+                backend: Backend = "auto", quant: bool = False):
     """x [T, C] (unit last stride); g [T, C], [T, G, C // G] (any strides, unit last) or [T, 1]; add [T, C] or
-    None -> ``add + x * sigmoid(g)`` (``x * sigmoid(g)`` without ``add``) in x.dtype, g as its [T, C] view."""
+    None -> ``add + x * sigmoid(g)`` (``x * sigmoid(g)`` without ``add``) in x.dtype, g as its [T, C] view.
+    ``quant``: ``(y, (q [T, C] e4m3, s [T, ceil(C/128)] float32))`` = ``quantize_act_triton(y)`` (an FP8
+    o_proj's ``xq``; the Triton kernel quantizes in its registers, no extra launch)."""
     if x.dim() != 2:
         raise ValueError(f"sigmoid_mul: x must be [T, C], got {list(x.shape)}")
     T, C = x.shape
@@ -48,10 +53,14 @@ def sigmoid_mul(x: torch.Tensor, g: torch.Tensor, add: torch.Tensor | None = Non
         raise ValueError(f"sigmoid_mul: add must be [{T}, {C}], got {list(add.shape)}")
     if resolve(backend, x) == "torch":
         y = x * torch.sigmoid(g if g.dim() == 2 else g.reshape(T, C))
-        return y if add is None else add + y
+        y = y if add is None else add + y
+        if not quant:
+            return y
+        from gdnserve.ops.quant.quant_out import quantize_out_torch
+        return y, quantize_out_torch(y)
     check_tensor("sigmoid_mul: x", x, (T, C), ACT_DTYPES)
     check_tensor("sigmoid_mul: g", g, (T,) + (None,) * (g.dim() - 1), [x.dtype])
     if add is not None:
         check_tensor("sigmoid_mul: add", add, (T, C), [x.dtype])
     from gdnserve.ops.gating_triton import sigmoid_mul_triton
-    return sigmoid_mul_triton(x, g, add)
+    return sigmoid_mul_triton(x, g, add, quant)

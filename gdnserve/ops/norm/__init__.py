@@ -7,6 +7,10 @@
 
 The PyTorch paths are the HF modeling files' exact sequence of roundings; the Triton kernels round at the
 same points (so a residual sum is bit-equal, a normed row within one rounding of the PyTorch path).
+
+``quant=True`` (both norms): the output also quantized for an FP8 linear, ``(q, s)`` exactly as
+``quantize_act_triton`` of the output gives it — by the Triton kernels in their registers (no launch), by
+``fp8_ref`` on the PyTorch path (docs/kernels.md "Where x is quantized").
 """
 from gdnserve.ops.norm.gated import gated_rms_norm
 from gdnserve.ops.norm.rmsnorm import rms_norm

@@ -16,16 +16,22 @@ from gdnserve.ops.norm.rmsnorm import check_rows
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
-                   backend: Backend = "auto") -> torch.Tensor:
+                   backend: Backend = "auto", quant: bool = False):
     """x, z [..., V] (Triton: [R, V] or [T, G, V], unit last stride, any row strides; z any float dtype);
-    weight [V] -> [..., V] in x's dtype, contiguous."""
+    weight [V] -> [..., V] in x's dtype, contiguous. ``quant``: ``(out, (q, s))`` with (q [T, G·V] e4m3,
+    s [T, ceil(G·V / 128)] float32) = ``quantize_act_triton(out.view(T, G·V))`` (out_proj's ``xq``; the
+    Triton kernel quantizes in its registers where V is a power of two and G·V a multiple of 128)."""
     if resolve(backend, x) == "torch":
-        return gated_rms_norm_torch(x, z, weight, eps)
+        out = gated_rms_norm_torch(x, z, weight, eps)
+        if not quant:
+            return out
+        from gdnserve.ops.quant.quant_out import quantize_out_torch
+        return out, quantize_out_torch(out.reshape(x.shape[0] if x.dim() > 1 else 1, -1))
     from gdnserve.ops.norm.gated_triton import gated_rms_norm_triton
     check_rows("gated_rms_norm: x", x)
     check_tensor("gated_rms_norm: z", z, tuple(x.shape), ACT_DTYPES, x.device)
     check_tensor("gated_rms_norm: weight", weight, (x.shape[-1],), ACT_DTYPES, x.device)
-    return gated_rms_norm_triton(x, z, weight, eps)
+    return gated_rms_norm_triton(x, z, weight, eps, quant=quant)
 
 
 def gated_rms_norm_torch(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -15,19 +15,26 @@ from gdnserve.ops.checks import ACT_DTYPES, check_tensor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             backend: Backend = "auto") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+             backend: Backend = "auto", quant: bool = False) -> torch.Tensor | tuple:
     """x [..., N] (Triton: [R, N] or [T, G, N], unit last stride, any row strides); weight [N]; residual
     None or x's shape and dtype. Returns ``y`` (x's dtype, contiguous) when residual is None, else
-    ``(y, s)`` with ``s = x + residual`` in x's dtype (the new residual stream)."""
+    ``(y, s)`` with ``s = x + residual`` in x's dtype (the new residual stream). ``quant``: one more
+    element appended, ``(q [R, N] e4m3, s [R, ceil(N/128)] float32)`` = ``quantize_act_triton(y [R, N])``
+    (an FP8 linear's ``xq``; the Triton kernel quantizes y in its registers, no extra launch)."""
     if resolve(backend, x) == "torch":
-        return rms_norm_torch(x, weight, eps, residual)
+        out = rms_norm_torch(x, weight, eps, residual)
+        if not quant:
+            return out
+        from gdnserve.ops.quant.quant_out import quantize_out_torch
+        y = out if residual is None else out[0]
+        return (out if residual is not None else (out,)) + (quantize_out_torch(y.reshape(-1, y.shape[-1])),)
     from gdnserve.ops.norm.rmsnorm_triton import rms_norm_triton
     check_rows("rms_norm: x", x)
     N = x.shape[-1]
     check_tensor("rms_norm: weight", weight, (N,), ACT_DTYPES, x.device)
     if residual is not None:
         check_tensor("rms_norm: residual", residual, tuple(x.shape), (x.dtype,), x.device)
-    return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_triton(x, weight, eps, residual, quant)
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -15,6 +15,14 @@ the weight-only variant (x unquantized), on every backend alike.
 
 ``tail``: an optional dense (unquantized) weight [N2, K] whose rows follow W's in the output — a fused
 projection whose last blocks the checkpoint keeps in bf16 (Qwen3.5's GDN ``in_proj_b`` / ``in_proj_a``).
+
+``xq``: x's quantization ``(q [M, K] e4m3, s [M, ceil(K/128)] float32)``, both contiguous, exactly what
+``quantize_act_triton(x)`` returns — handed over by the kernel that produced x (the decoder's add + RMSNorm,
+the GDN gated norm, attention's sigmoid gate quantize their own output in registers: ``quant=True`` of those
+ops), so the Triton GEMV and GEMM skip their quantization launch. The cuBLAS path (which wants its scales
+transposed), the skinny kernel and the PyTorch reference ignore it (they quantize x themselves: the same
+numbers). ``quantizes_input`` says, from shapes and devices alone, whether a call would run that launch (so
+a producer quantizes only where it saves one).
 """
 from __future__ import annotations
 
@@ -62,14 +70,19 @@ def quant_act_default(M: int) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, tail: torch.Tensor | None = None,
-               backend: Backend = "auto", quant_act: bool | None = None) -> torch.Tensor:
+               backend: Backend = "auto", quant_act: bool | None = None,
+               xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N (+ N2)] in x.dtype. qw [N, K] float8_e4m3fn, sw [ceil(N/128), ceil(K/128)]
     (float32 on the Triton path), tail [N2, K] in x.dtype or None. ``quant_act``: quantize x per
-    token-group of 128 (None: ``quant_act_default``)."""
+    token-group of 128 (None: ``quant_act_default``). ``xq``: None or x's quantization (q [M, K] e4m3,
+    s [M, ceil(K/128)] float32, contiguous, M = x's rows: ``quantize_act_triton(x)``'s numbers), used by
+    the Triton GEMV / GEMM instead of their own quantization launch."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     M, N, N2 = x2.shape[0], qw.shape[0], 0 if tail is None else tail.shape[0]
     qa = quant_act_default(M) if quant_act is None else quant_act
+    if xq is not None:
+        check_quantized_input(xq, M, K, x.device)
     if not use_triton(x, backend):
         y = fp8_linear_torch(x2, qw, sw, quant_act=qa)
         if N2:
@@ -88,15 +101,49 @@ def fp8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, tail: torch.
         from gdnserve.ops.quant.fp8_gemm_triton import quantize_act_triton
         from gdnserve.ops.quant.fp8_gemv_triton import fp8_gemv
         qx = N * K <= QX_MAX_WEIGHTS if GEMV_QUANT_IN_KERNEL is None else GEMV_QUANT_IN_KERNEL
-        xq, xs = (None, None) if M == 1 and qx else quantize_act_triton(x2)
+        xq, xs = xq if xq is not None else (None, None) if M == 1 and qx else quantize_act_triton(x2)
         fp8_gemv(x2, xq, xs, qw, sw, y, tail=tail)
         return y.view(*lead, N + N2)
     from gdnserve.ops.quant.fp8_scaled_mm import scaled_mm_linear, use_scaled_mm
     if use_scaled_mm(x2, N):
         scaled_mm_linear(x2, qw, sw, out=y[:, :N])
+    elif xq is not None:
+        from gdnserve.ops.quant.fp8_gemm_triton import fp8_gemm_quantized
+        fp8_gemm_quantized(xq[0], xq[1], qw, sw, y[:, :N])
     else:
         from gdnserve.ops.quant.fp8_gemm_triton import fp8_gemm_triton
         fp8_gemm_triton(x2, qw, sw, out=y[:, :N])
     if N2:
         y[:, N:] = F.linear(x2, tail)
     return y.view(*lead, N + N2)
+
+
+def check_quantized_input(xq: tuple[torch.Tensor, torch.Tensor], M: int, K: int, device: torch.device) -> None:
+    """ValueError unless xq is (q [M, K] float8_e4m3fn, s [M, ceil(K/128)] float32), contiguous, on x's device."""
+    if not isinstance(xq, (tuple, list)) or len(xq) != 2:
+        raise ValueError(f"fp8_linear: xq must be a (q, s) pair, got {type(xq).__name__}")
+    q, s = xq
+    for name, t, shape, dt in (("q", q, (M, K), torch.float8_e4m3fn), ("s", s, (M, cdiv(K, BLOCK)), torch.float32)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dt or not t.is_contiguous() \
+                or t.device != device:
+            got = f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"fp8_linear: xq's {name} must be contiguous {dt} {list(shape)} on {device}, got {got}")
+
+
+def quantizes_input(x: torch.Tensor, N: int, backend: Backend = "auto",
+                    quant_act: bool | None = None) -> bool:
+    """Whether ``fp8_linear(x, qw [N, K], ...)`` would quantize x by a launch of its own (the Triton GEMV at
+    M = 1 with a weight too large for in-kernel quantization, M = 2 ... GEMV_MAX_M, the Triton GEMM where cuBLAS
+    does not take the call), i.e. whether handing it ``xq`` saves a launch. x: a tensor of the shape, dtype
+    and device the linear will get (its producer's input serves). Shapes, devices and flags only: no host
+    sync, the same answer on every replay of a captured graph."""
+    K = x.shape[-1]
+    M = x.numel() // K if K else 0
+    qa = quant_act_default(M) if quant_act is None else quant_act
+    if M == 0 or K == 0 or not qa or M <= SKINNY_MAX_M or not use_triton(x, backend):
+        return False
+    if M <= GEMV_MAX_M:
+        qx = N * K <= QX_MAX_WEIGHTS if GEMV_QUANT_IN_KERNEL is None else GEMV_QUANT_IN_KERNEL
+        return not (M == 1 and qx)
+    from gdnserve.ops.quant.fp8_scaled_mm import use_scaled_mm
+    return not use_scaled_mm(x.reshape(M, K), N)
