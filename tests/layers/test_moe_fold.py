@@ -183,7 +183,12 @@ def test_bench_shape_folded_equals_unfolded_on_gpu(T, device):
         unfolded = moe(x)
         moe.fold_shared()
         folded = moe(x)
-    assert rel_rms(folded, unfolded) < 1e-2
+    # tokens whose 8th and 9th router logits are clearly apart (float64): the two paths' logits differ by bf16
+    # roundings (~4e-3 at this scale), so a near-tie may pick another expert, a whole expert's difference (at
+    # 9edd96b, T = 64: one such token made the block 3.2e-2 apart)
+    top = (x.double() @ moe.gate.weight[:256].double().T).topk(9, dim=-1).values
+    keep = (top[:, 7] - top[:, 8]) > 0.02
+    assert rel_rms(folded[keep], unfolded[keep]) < 1e-2
 
 
 # ---- FP8 blocks: the shared expert's e4m3 weights and block scales as row E of the experts' ----

@@ -65,4 +65,6 @@ def test_handover_is_bit_identical(fp8_folder, device, monkeypatch):
     n_off = len(calls) - n_on
     print(f"quantization launches: {n_on} with the handover, {n_off} without")
     assert torch.equal(on, off)
-    assert n_on == 0 and n_off == 8        # 2 layers x 2 mixer projections x 2 steps: every one handed over
+    # 2 layers x 2 mixer projections x 2 steps: every one handed over (on CUDA the runner captures its steps in
+    # graphs, and capturing calls the ops' Python again: 16 without, at 9edd96b on the H200)
+    assert n_on == 0 and n_off in ((8, 16) if device.type == "cuda" else (8,))
