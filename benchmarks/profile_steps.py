@@ -23,7 +23,7 @@ from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
 
 # (part, regex on the kernel name), first match wins
 PARTS = (
-    ("experts (grouped GEMM)", r"_gate_up_kernel|_gate_up_one_dot|_down_kernel|grouped"),
+    ("experts (grouped GEMM)", r"_gate_up_kernel|_gate_up_one_dot|_down_kernel|_down_par_kernel|grouped"),
     ("router + alignment", r"router|_align|topk|sort|softmax"),
     ("GDN kernels", r"gdn_|chunk_|conv_|recurrent|kkt|solve|wy_"),
     ("attention kernels", r"attention|store_kv|flash|fmha|rope"),
