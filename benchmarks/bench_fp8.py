@@ -257,6 +257,14 @@ GEMV_M1_SWEEP = [(bn, bk, 4, st) for bn in (4, 8, 16) for bk in (1024, 2048, 409
                                       (8, 4096, 8, 1), (16, 1024, 8, 2), (4, 512, 4, 1), (16, 512, 4, 1)]
 
 
+def _weight_sets(N: int, K: int, tail_rows: int, dev: torch.device) -> list[tuple]:
+    """Copies of one random projection's (e4m3 weight, block scales, bf16 tail or None), enough to rotate past L2."""
+    w = torch.randn(N + tail_rows, K, device=dev) * 0.02
+    q, s = quantize_weight(w[:N])
+    tail = w[N:].bfloat16() if tail_rows else None
+    return [(q.clone(), s.clone(), None if tail is None else tail.clone()) for _ in range(_copies(N * K, dev))]
+
+
 def sweep_m1_rows(dev: torch.device, log: Callable[[str], None]) -> list[dict[str, Any]]:
     """The M = 1 GEMV alone on x quantized beforehand (what a producer that quantizes its output hands it):
     ``gemv-cols`` (``_gemv_kernel``) per config, and ``gemv-qx`` (x quantized inside) at its table config. (At
@@ -267,10 +275,7 @@ def sweep_m1_rows(dev: torch.device, log: Callable[[str], None]) -> list[dict[st
     from gdnserve.ops.quant.fp8_gemv_triton import GemvConfig, fp8_gemv
     rows: list[dict[str, Any]] = []
     for shape, (N, K, tail_rows) in LINEARS.items():
-        w = torch.randn(N + tail_rows, K, device=dev) * 0.02
-        q, s = quantize_weight(w[:N])
-        tail = w[N:].bfloat16() if tail_rows else None
-        sets = [(q.clone(), s.clone(), None if tail is None else tail.clone()) for _ in range(_copies(N * K, dev))]
+        sets = _weight_sets(N, K, tail_rows, dev)
         x = torch.randn(1, K, device=dev).bfloat16()
         xq, xs = quantize_act_triton(x)
         y = torch.empty(1, N + tail_rows, dtype=x.dtype, device=dev)
@@ -299,10 +304,7 @@ def sweep_rows(dev: torch.device, log: Callable[[str], None], moe: bool = False)
     gemv_max = op.GEMV_MAX_M
     rows: list[dict[str, Any]] = []
     for shape, (N, K, tail_rows) in LINEARS.items():
-        w = torch.randn(N + tail_rows, K, device=dev) * 0.02
-        q, s = quantize_weight(w[:N])
-        tail = w[N:].bfloat16() if tail_rows else None
-        sets = [(q.clone(), s.clone(), None if tail is None else tail.clone()) for _ in range(_copies(N * K, dev))]
+        sets = _weight_sets(N, K, tail_rows, dev)
         small = [c for c in GEMV_SWEEP if c[0] <= 4 and c[1] <= 1024]
         plan = [(1, "gemv", GEMV_SWEEP), (1, "gemm", GEMM16_SWEEP), (2, "gemv", small), (4, "gemv", small),
                 (4, "gemm", GEMM16_SWEEP[::2]), (16, "gemm", GEMM16_SWEEP)]

@@ -42,33 +42,28 @@ def tiny_qwen35_aligned(folder):
     return _save(Qwen3_5ForCausalLM(cfg), folder)
 
 
-def tiny_qwen3_next_moe(folder):
-    """Qwen3-Next with MoE: in_proj_qkvz de-interleaved by whole blocks (K = V = 128), experts with a partial
-    block (moe_intermediate 192), a shared expert of 96 (gate | up not block-aligned: loaded dequantized;
-    its down_proj, one partial K block, runs FP8)."""
+def _tiny_qwen3_next(folder, **moe):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
     cfg = Qwen3NextConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                           layer_types=["linear_attention", "full_attention"], num_attention_heads=2,
                           num_key_value_heads=1, head_dim=128, linear_num_key_heads=2, linear_num_value_heads=2,
                           linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-                          num_experts=4, num_experts_per_tok=2, moe_intermediate_size=192,
-                          shared_expert_intermediate_size=96, decoder_sparse_step=1, tie_word_embeddings=True,
-                          rms_norm_eps=1e-6, max_position_embeddings=256)
+                          num_experts_per_tok=2, decoder_sparse_step=1, tie_word_embeddings=True,
+                          rms_norm_eps=1e-6, max_position_embeddings=256, **moe)
     return _save(Qwen3NextForCausalLM(cfg), folder)
+
+
+def tiny_qwen3_next_moe(folder):
+    """Qwen3-Next with MoE: in_proj_qkvz de-interleaved by whole blocks (K = V = 128), experts with a partial
+    block (moe_intermediate 192), a shared expert of 96 (gate | up not block-aligned: loaded dequantized;
+    its down_proj, one partial K block, runs FP8)."""
+    return _tiny_qwen3_next(folder, num_experts=4, moe_intermediate_size=192, shared_expert_intermediate_size=96)
 
 
 def tiny_qwen3_next_fold(folder):
     """Qwen3-Next with experts and shared expert of one 128-block each: every MoE layer FP8, and the shared
     expert folds into the FP8 experts as expert E (layers/moe.py)."""
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-    cfg = Qwen3NextConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                          layer_types=["linear_attention", "full_attention"], num_attention_heads=2,
-                          num_key_value_heads=1, head_dim=128, linear_num_key_heads=2, linear_num_value_heads=2,
-                          linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-                          num_experts=5, num_experts_per_tok=2, moe_intermediate_size=128,
-                          shared_expert_intermediate_size=128, decoder_sparse_step=1, tie_word_embeddings=True,
-                          rms_norm_eps=1e-6, max_position_embeddings=256)
-    return _save(Qwen3NextForCausalLM(cfg), folder)
+    return _tiny_qwen3_next(folder, num_experts=5, moe_intermediate_size=128, shared_expert_intermediate_size=128)
 
 
 def _save(model, folder):
