@@ -73,6 +73,21 @@ def _sequence_history(cu_seqlens, src_slots, parents, i_n, W: tl.constexpr, HAS_
 
 
 @triton.jit
+def _write_history(x, conv_pool, dst_slots, i_n, bos, L, hx_end, hlen, hsrc, o_d, mask_d, stride_x,
+                   D: tl.constexpr, W: tl.constexpr, BH: tl.constexpr):
+    """The sequence's last W - 1 ext rows (its channels o_d) into pool slot dst_slots[i_n] (-1: none)."""
+    i_dst = tl.load(dst_slots + i_n)
+    if i_dst >= 0:
+        o_h = tl.arange(0, BH)
+        b_s = conv_load_ext(x, conv_pool, L - (W - 1) + o_h, bos, L, hx_end, hlen, hsrc, o_d, mask_d,
+                            stride_x, D, W)
+        # src == dst: every thread must have read the old history before any thread overwrites it.
+        tl.debug_barrier()
+        p_s = conv_pool + (i_dst.to(tl.int64) * (W - 1) + o_h)[:, None] * D + o_d[None, :]
+        tl.store(p_s, b_s, mask=(o_h < W - 1)[:, None] & mask_d[None, :])
+
+
+@triton.jit
 def conv_prefill_tile_kernel(x, weight, conv_pool, y, cu_seqlens, chunk_indices, src_slots, dst_slots, parents,
                         stride_x, stride_w, stride_y, D: tl.constexpr, W: tl.constexpr, BT: tl.constexpr,
                         BD: tl.constexpr, BH: tl.constexpr, HAS_PARENTS: tl.constexpr, SILU: tl.constexpr):
@@ -101,15 +116,7 @@ def conv_prefill_tile_kernel(x, weight, conv_pool, y, cu_seqlens, chunk_indices,
 
     # Only the chunk-0 program writes the new history, so a zero-length sequence still copies src -> dst.
     if i_c == 0:
-        i_dst = tl.load(dst_slots + i_n)
-        if i_dst >= 0:
-            o_h = tl.arange(0, BH)
-            b_s = conv_load_ext(x, conv_pool, L - (W - 1) + o_h, bos, L, hx_end, hlen, hsrc, o_d, mask_d,
-                                stride_x, D, W)
-            # src == dst: every thread must have read the old history before any thread overwrites it.
-            tl.debug_barrier()
-            p_s = conv_pool + (i_dst.to(tl.int64) * (W - 1) + o_h)[:, None] * D + o_d[None, :]
-            tl.store(p_s, b_s, mask=(o_h < W - 1)[:, None] & mask_d[None, :])
+        _write_history(x, conv_pool, dst_slots, i_n, bos, L, hx_end, hlen, hsrc, o_d, mask_d, stride_x, D, W, BH)
 
 
 @triton.jit
@@ -170,15 +177,7 @@ def conv_prefill_rows_kernel(x, weight, conv_pool, y, cu_seqlens, chunk_indices,
 
     # Only the chunk-0 program writes the new history, so a zero-length sequence still copies src -> dst.
     if i_c == 0:
-        i_dst = tl.load(dst_slots + i_n)
-        if i_dst >= 0:
-            o_h = tl.arange(0, BH)
-            b_s = conv_load_ext(x, conv_pool, L - (W - 1) + o_h, bos, L, hx_end, hlen, hsrc, o_d, mask_d,
-                                stride_x, D, W)
-            # src == dst: every thread must have read the old history before any thread overwrites it.
-            tl.debug_barrier()
-            p_s = conv_pool + (i_dst.to(tl.int64) * (W - 1) + o_h)[:, None] * D + o_d[None, :]
-            tl.store(p_s, b_s, mask=(o_h < W - 1)[:, None] & mask_d[None, :])
+        _write_history(x, conv_pool, dst_slots, i_n, bos, L, hx_end, hlen, hsrc, o_d, mask_d, stride_x, D, W, BH)
 
 
 ConvTile = tuple[int, int, int]   # (BD channels per program, num_warps, U rows per unrolled group)
