@@ -71,6 +71,19 @@ def inputs(lens, k_dim=None, regime_alog=(1, 16)):
     return q, k, v, a, b, A_log, dt_bias
 
 
+def _case(lens):
+    """One tuning case: (T, the inputs, a random state pool of 2N + 2 slots, its VarlenMeta, source slots 0..N-1,
+    destination slots N..2N-1, a workspace and the output buffer)."""
+    T, N = sum(lens), len(lens)
+    tensors = inputs(lens)
+    pool = torch.randn(2 * N + 2, HV, V, K, device=dev) * 0.1
+    meta = VarlenMeta.build(lens, dev)
+    src = torch.arange(N, dtype=torch.int32, device=dev)
+    dst = torch.arange(N, 2 * N, dtype=torch.int32, device=dev)
+    ws = ChunkWorkspace.empty(T, meta.num_chunk_rows, HV, K, V, torch.bfloat16, dev)
+    return T, tensors, pool, meta, src, dst, ws, torch.empty(T, HV, V, device=dev, dtype=torch.bfloat16)
+
+
 def fla_fn():
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
@@ -141,14 +154,8 @@ def tune(quick: bool) -> list[dict]:
     make_fla = fla_fn()
     shapes = {k: SHAPES[k] for k in (["1x32768", "64x256"] if quick else SHAPES)}
     for label, lens in shapes.items():
-        T, N = sum(lens), len(lens)
-        q, k, v, a, b, A_log, dt_bias = inputs(lens)
-        pool = torch.randn(2 * N + 2, HV, V, K, device=dev) * 0.1
-        meta = VarlenMeta.build(lens, dev)
-        src = torch.arange(N, dtype=torch.int32, device=dev)
-        dst = torch.arange(N, 2 * N, dtype=torch.int32, device=dev)
-        ws = ChunkWorkspace.empty(T, meta.num_chunk_rows, HV, K, V, torch.bfloat16, dev)
-        o = torch.empty(T, HV, V, device=dev, dtype=torch.bfloat16)
+        T, (q, k, v, a, b, A_log, dt_bias), pool, meta, src, dst, ws, o = _case(lens)
+        N = len(lens)
         ref_pool = pool.clone()
         ref_o = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ref_pool, meta, src, dst, backend="torch")
         names = list(VARIANTS)
@@ -234,15 +241,9 @@ def stages(names: list[str] | None = None, shapes: dict | None = None) -> list[d
         rfc, rfc_par = rfc_group_lens()
         shapes = {"1x4096": ([4096], None), "8x1024": ([1024] * 8, None), "rfc 16x(P600+10C16-32)": (rfc, rfc_par)}
     for label, (lens, par) in shapes.items():
-        T, N = sum(lens), len(lens)
-        q, k, v, a, b, A_log, dt_bias = inputs(lens)
-        pool = torch.randn(2 * N + 2, HV, V, K, device=dev) * 0.1
-        meta = VarlenMeta.build(lens, dev)
-        src = torch.arange(N, dtype=torch.int32, device=dev)
-        dst = torch.arange(N, 2 * N, dtype=torch.int32, device=dev)
+        T, (q, k, v, a, b, A_log, dt_bias), pool, meta, src, dst, ws, o = _case(lens)
+        N = len(lens)
         pa = None if par is None else torch.tensor(par, dtype=torch.int32, device=dev)
-        ws = ChunkWorkspace.empty(T, meta.num_chunk_rows, HV, K, V, torch.bfloat16, dev)
-        o = torch.empty(T, HV, V, device=dev, dtype=torch.bfloat16)
         ref_pool = pool.clone()
         ref_o = chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ref_pool, meta, src, dst, pa, backend="torch")
         scale = K ** -0.5
