@@ -78,7 +78,9 @@ def local_blocks(blocks: tuple[int, ...] | list[int], tp_size: int, owner: str) 
 
 def take_shard(full: torch.Tensor, shard: Shard, rank: int, size: int) -> torch.Tensor:
     """Rank ``rank``'s part of ``full`` (a new contiguous tensor): part ``rank`` of each block along
-    ``shard.dim``, concatenated in block order."""
+    ``shard.dim``, concatenated in block order. No blocks (an FP8 layer's empty dense tail): an empty part."""
+    if not shard.blocks:
+        return full.narrow(shard.dim, 0, 0).contiguous()
     parts = torch.split(full, list(shard.blocks), dim=shard.dim)
     return torch.cat([p.narrow(shard.dim, rank * (p.shape[shard.dim] // size), p.shape[shard.dim] // size)
                       for p in parts], dim=shard.dim)

@@ -42,15 +42,14 @@ def tiny_qwen35_aligned(folder):
     return _save(Qwen3_5ForCausalLM(cfg), folder)
 
 
-def _tiny_qwen3_next(folder, **moe):
+def _tiny_qwen3_next(folder, **kw):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-    cfg = Qwen3NextConfig(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                          layer_types=["linear_attention", "full_attention"], num_attention_heads=2,
-                          num_key_value_heads=1, head_dim=128, linear_num_key_heads=2, linear_num_value_heads=2,
-                          linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-                          num_experts_per_tok=2, decoder_sparse_step=1, tie_word_embeddings=True,
-                          rms_norm_eps=1e-6, max_position_embeddings=256, **moe)
-    return _save(Qwen3NextForCausalLM(cfg), folder)
+    base = dict(vocab_size=97, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                layer_types=["linear_attention", "full_attention"], num_attention_heads=2, num_key_value_heads=1,
+                head_dim=128, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=128,
+                linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                tie_word_embeddings=True, rms_norm_eps=1e-6, max_position_embeddings=256)
+    return _save(Qwen3NextForCausalLM(Qwen3NextConfig(**{**base, **kw})), folder)
 
 
 def tiny_qwen3_next_moe(folder):
@@ -156,8 +155,15 @@ def _logits(model, ids):
     return torch.stack(rows)
 
 
+def tiny_qwen3_next_fold_tp(folder):
+    """As tiny_qwen3_next_fold with two 128-blocks per expert: at TP = 2 each rank keeps one of each, FP8, folded."""
+    return _tiny_qwen3_next(folder, num_experts=4, moe_intermediate_size=256, shared_expert_intermediate_size=256,
+                            num_key_value_heads=2)
+
+
 FAMILIES = {"qwen3_5": tiny_qwen35_aligned, "qwen3_next_moe": tiny_qwen3_next_moe,
             "qwen3_next_fold": tiny_qwen3_next_fold}
+EXTRA = {"qwen3_next_fold_tp": tiny_qwen3_next_fold_tp}        # built only by the tests that ask for them
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +174,7 @@ def checkpoints(tmp_path_factory):
     def get(family):
         if family not in made:
             root = tmp_path_factory.mktemp(family)
-            hf = FAMILIES[family](root / "bf16")
+            hf = {**FAMILIES, **EXTRA}[family](root / "bf16")
             made[family] = (root, hf, quantize_checkpoint(root / "bf16", root / "fp8"))
         return made[family]
     return get
@@ -266,3 +272,30 @@ def test_fp8_tensor_parallel_shards(checkpoints):
         assert torch.equal(o.qweight.float(), o_full.qweight[:, 128 * r:128 * (r + 1)].float())
         assert torch.equal(o.weight_scale_inv, o_full.weight_scale_inv[:, r:r + 1])
         assert shard.layers[2].mixer.qkv_proj.qweight is None            # dense fallback
+
+
+def test_fp8_fold_tensor_parallel(checkpoints, monkeypatch):
+    """At TP = 2 each rank folds its shard of the FP8 shared expert (its gate and up block, its down K block, their
+    scales) as expert E, and the two ranks' block outputs (the all-reduce replaced by a sum) give TP = 1's. (This
+    checkpoint also found that a fused FP8 layer with no dense tail — qkv_proj here — failed to load at TP = 2.)"""
+    from gdnserve.layers import moe as moe_mod
+    monkeypatch.setattr(moe_mod, "all_reduce", lambda t, tp_size: t)
+    tmp_path = checkpoints("qwen3_next_fold_tp")[0]
+    full, _ = load_model(tmp_path / "fp8", dtype=torch.float32)
+    E = 4
+    x = torch.randn(5, 128)
+    parts = []
+    for r in range(2):
+        shard, _ = load_model(tmp_path / "fp8", dtype=torch.float32, tp_rank=r, tp_size=2)
+        qkv = shard.layers[1].mixer.qkv_proj          # all FP8 at 256 / 128 rows per rank: an empty dense tail
+        assert qkv.qweight is not None and qkv.weight.shape[0] == 0
+        m, mf = shard.layers[0].mlp, full.layers[0].mlp
+        assert m.shared_folded and mf.shared_folded and m.experts_gate_up.shape == (E + 1, 256, 128)
+        want = torch.cat([mf.experts_gate_up[E, 128 * r:128 * (r + 1)], mf.experts_gate_up[E, 256 + 128 * r:256 + 128 * (r + 1)]])
+        assert torch.equal(m.experts_gate_up[E].view(torch.uint8), want.view(torch.uint8))
+        assert torch.equal(m.experts_scales[0][E], mf.experts_scales[0][E][[r, 2 + r]])
+        assert torch.equal(m.experts_scales[1][E], mf.experts_scales[1][E][:, r:r + 1])
+        with torch.no_grad():
+            parts.append(m(x))
+    with torch.no_grad():
+        assert rel_rms(parts[0] + parts[1], full.layers[0].mlp(x)) < 1e-5
