@@ -153,7 +153,7 @@ def _alt_row(row: dict[str, Any], x: torch.Tensor, q: torch.Tensor, s: torch.Ten
             op.GEMV_MAX_M = saved
         if M == 1:
             saved = op.GEMV_QUANT_IN_KERNEL
-            fused = q.numel() <= op.QX_MAX_WEIGHTS if saved is None else saved
+            fused = op.gemv_quantizes_inside(M, *q.shape)
             row["alt2"] = "GEMV, x quantized " + ("by its own launch" if fused else "in the GEMV (1 launch)")
             op.GEMV_QUANT_IN_KERNEL = not fused
             try:

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from gdnserve.ops.launch import cdiv, launch, pow2
+from gdnserve.ops.quant.fp8_ref import BLOCK as QGROUP
 from gdnserve.ops.quant.quant_out import empty_quant
 from gdnserve.ops.quant.tl_fp8 import quant_tile
 from gdnserve.ops.tl_compat import cast
@@ -86,6 +87,6 @@ def sigmoid_mul_triton(x: torch.Tensor, g: torch.Tensor, add: torch.Tensor | Non
         GD, sg_t, sg_h, sg_c = C, g.stride(0), 0, 1
     BT, BC = _tile(T, C)
     launch(_sigmoid_mul_kernel, (cdiv(T, BT), cdiv(C, BC)),
-           (x, g, x if add is None else add, out, oq, osc, T, C, cdiv(C, 128), GD, x.stride(0), sg_t, sg_h, sg_c,
-            0 if add is None else add.stride(0), add is not None, BT, BC, quant, min(BC, 128)), num_warps=4)
+           (x, g, x if add is None else add, out, oq, osc, T, C, cdiv(C, QGROUP), GD, x.stride(0), sg_t, sg_h,
+            sg_c, 0 if add is None else add.stride(0), add is not None, BT, BC, quant, min(BC, QGROUP)), num_warps=4)
     return (out, (oq, osc)) if quant else out

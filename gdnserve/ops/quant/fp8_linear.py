@@ -69,6 +69,12 @@ def quant_act_default(M: int) -> bool:
     return DECODE_QUANT_ACT or M > SKINNY_MAX_M
 
 
+def gemv_quantizes_inside(M: int, N: int, K: int) -> bool:
+    """Whether the M = 1 GEMV quantizes x inside its programs for an [N, K] weight (``GEMV_QUANT_IN_KERNEL``;
+    None: by size, ``QX_MAX_WEIGHTS``), rather than taking it from a quantization launch or the producer."""
+    return M == 1 and (N * K <= QX_MAX_WEIGHTS if GEMV_QUANT_IN_KERNEL is None else GEMV_QUANT_IN_KERNEL)
+
+
 def fp8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, tail: torch.Tensor | None = None,
                backend: Backend = "auto", quant_act: bool | None = None,
                xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -100,9 +106,9 @@ def fp8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, tail: torch.
     if M <= GEMV_MAX_M:
         from gdnserve.ops.quant.fp8_gemm_triton import quantize_act_triton
         from gdnserve.ops.quant.fp8_gemv_triton import fp8_gemv
-        qx = N * K <= QX_MAX_WEIGHTS if GEMV_QUANT_IN_KERNEL is None else GEMV_QUANT_IN_KERNEL
-        xq, xs = xq if xq is not None else (None, None) if M == 1 and qx else quantize_act_triton(x2)
-        fp8_gemv(x2, xq, xs, qw, sw, y, tail=tail)
+        if xq is None:
+            xq = (None, None) if gemv_quantizes_inside(M, N, K) else quantize_act_triton(x2)
+        fp8_gemv(x2, *xq, qw, sw, y, tail=tail)
         return y.view(*lead, N + N2)
     from gdnserve.ops.quant.fp8_scaled_mm import scaled_mm_linear, use_scaled_mm
     if use_scaled_mm(x2, N):
@@ -143,7 +149,6 @@ def quantizes_input(x: torch.Tensor, N: int, backend: Backend = "auto",
     if M == 0 or K == 0 or not qa or M <= SKINNY_MAX_M or not use_triton(x, backend):
         return False
     if M <= GEMV_MAX_M:
-        qx = N * K <= QX_MAX_WEIGHTS if GEMV_QUANT_IN_KERNEL is None else GEMV_QUANT_IN_KERNEL
-        return not (M == 1 and qx)
+        return not gemv_quantizes_inside(M, N, K)
     from gdnserve.ops.quant.fp8_scaled_mm import use_scaled_mm
     return not use_scaled_mm(x.reshape(M, K), N)
