@@ -6,9 +6,10 @@ import json
 from benchmarks import bench_moe_shared
 
 
-def test_smoke(tmp_path):
+def test_smoke(tmp_path, device):
+    # the Triton backend needs the interpreter on CPU tensors: on a GPU machine (no TRITON_INTERPRET) run on CUDA
     out = tmp_path / "moe_shared.md"
-    assert bench_moe_shared.main(["--device", "cpu", "--tokens", "3", "--experts", "9", "--hidden", "32",
+    assert bench_moe_shared.main(["--device", device.type, "--tokens", "3", "--experts", "9", "--hidden", "32",
                                   "--intermediate", "16", "--iters", "1", "--out", str(out), "--commit", "x"]) == 0
     rows = json.loads(out.with_suffix(".json").read_text())["rows"]
     assert [(r["T"], r["variant"]) for r in rows] == [(3, "unfolded"), (3, "folded")]

@@ -13,7 +13,9 @@ from gdnserve.ops.moe.router_naive import naive_route
 from gdnserve.ops.numerics import rel_rms
 
 pytestmark = pytest.mark.usefixtures("seed")
-W_TOL = {torch.float32: 4e-6, torch.bfloat16: 2.0 ** -8}     # weights vs the PyTorch path (relative; GPU exp approx)
+# weights vs the PyTorch path (relative; GPU exp approx). bf16: one ulp, 2^-7 relative at worst (just above a power
+# of two; 2^-8 failed the H200 on a 1-ulp difference, test_bench_shapes_against_cuda_topk[256-512] at 2971824)
+W_TOL = {torch.float32: 4e-6, torch.bfloat16: 2.0 ** -7}
 
 
 @pytest.fixture(params=["small", "one_launch", "row_blocks"])
@@ -97,7 +99,7 @@ def test_bench_shapes_against_cuda_topk(T, E, device):
     srt = torch.sort(logits.float(), dim=1, descending=True).values
     clean = srt[:, 7] != srt[:, 8]
     assert torch.equal(got.experts.long()[clean].sort(1).values, idx[clean].sort(1).values)
-    torch.testing.assert_close(got.weights.float(), w.float(), rtol=2.0 ** -8, atol=0)
+    torch.testing.assert_close(got.weights.float(), w.float(), rtol=W_TOL[torch.bfloat16], atol=0)
     check_alignment(got, E)
 
 
