@@ -4,7 +4,8 @@ bf16 parity gap between the two.
 
 Run ``gdnserve bench model`` or ``python -m benchmarks.bench_model`` (options: --device, --quick, --out,
 --no-hf, --layers, --experts, --time-budget; ``python -m`` also takes --diagnosis on|off|only, --shape
-auto|bench, --vocab). Writes ``model_<device>_<date>.json`` and ``.md``.
+auto|bench, --vocab). Writes ``model_<device>_<date>.json`` and ``.md``. The HF rows need transformers (the
+``bench`` extra: ``pip install -e '.[bench]'``); without it they are skipped with a note and ours still run.
 
 Model: ``benchmarks/random_model.py``. On CUDA by default the full-size Qwen3.5-35B-A3B (all 40 layers, 256
 experts, its 3 GDN : 1 attention pattern; random bf16 weights drawn on the device, 70 GB); ``--quick`` (or
@@ -103,6 +104,17 @@ def cases_in_order(plan: Plan) -> list[tuple[str, str, int, int]]:
     """(kind, shape, N, L): decode first (small batches first), then prefill."""
     return ([("decode", f"B={B}", B, 1) for B in plan.batches]
             + [("prefill", f"{N}x{L}", N, L) for N, L in plan.prefill])
+
+
+def transformers_missing() -> str | None:
+    """Why HF's rows cannot run (transformers not importable: it comes with the ``bench`` and ``test`` extras, not
+    with the package), or None. A fresh install has no transformers, and its ``gdnserve bench model`` must still
+    time ours."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as e:
+        return str(e) or type(e).__name__
+    return None
 
 
 def hf_gdn_path() -> dict[str, str]:
@@ -516,11 +528,13 @@ def hf_decode(hf, B: int, plan: Plan, dev: torch.device, vocab: int, deadline: f
     return _capped_loop(step, plan, dev, deadline, hard_end)
 
 
-def _row(kind: str, shape: str, tokens: int, impl: str, m: dict[str, Any], floor_s: float | None,
+def _row(kind: str, shape: str, tokens: int, impl: str, fmt: str, m: dict[str, Any], floor_s: float | None,
          share_s: float | None = None) -> dict[str, Any]:
+    """One JSON row: the markdown table's columns (case = kind + shape, ours/HF from two rows' tokens_per_s) and
+    ``format``, the weights' number format (bf16, fp32)."""
     times = m["times"]
     p = pct([t * 1e3 for t in times])
-    return {"kind": kind, "shape": shape, "impl": impl, "tokens": tokens, "ms": p, "n": len(times),
+    return {"kind": kind, "shape": shape, "impl": impl, "format": fmt, "tokens": tokens, "ms": p, "n": len(times),
             "tokens_per_s": tokens / (p["p50"] / 1e3), "floor_ms": None if floor_s is None else floor_s * 1e3,
             "pct_of_floor": None if floor_s is None else 100 * floor_s * 1e3 / p["p50"], "capped": m["capped"],
             "first_call_s": m.get("first_call_s"), "share_s": share_s}
@@ -588,7 +602,7 @@ def run_cases(rep: Report, plan: Plan, ours, runner: ModelRunner, hf, vocab: int
         try:
             m = ours_prefill(runner, ids, plan, device, deadline) if kind == "prefill" else \
                 ours_decode(runner, N, plan, device, deadline)
-            rep.add(_row(kind, shape, N * L, "gdnserve", m, floor, share))
+            rep.add(_row(kind, shape, N * L, "gdnserve", _tag(dtype), m, floor, share))
         except Exception as e:  # noqa: BLE001
             rep.error(f"{case} gdnserve", e)
         _free(device)
@@ -602,7 +616,7 @@ def run_cases(rep: Report, plan: Plan, ours, runner: ModelRunner, hf, vocab: int
             m = (hf_prefill(hf, ids, plan, device, deadline, hard_end) if kind == "prefill"
                  else hf_decode(hf, N, plan, device, vocab, deadline, hard_end))
             if m["times"]:
-                rep.add(_row(kind, shape, N * L, "hf", m, floor, share))
+                rep.add(_row(kind, shape, N * L, "hf", _tag(dtype), m, floor, share))
             else:
                 _skip(rep, f"{case} HF", "over the time budget after its untimed first call"
                       + (f" ({m['first_call_s']:.1f} s)" if m.get("first_call_s") else ""))
@@ -695,6 +709,11 @@ def run(device: torch.device, quick: bool, out_dir: Path, use_hf: bool, layers: 
             hf_cfg["vocab_size"] = vocab
     dtype = torch.bfloat16 if cuda else torch.float32
     notes = []
+    missing = transformers_missing() if use_hf else None
+    if missing is not None:
+        use_hf = False
+        notes.append(f"HF rows skipped: transformers is not importable ({missing}); "
+                     "`pip install -e '.[bench]'` adds it.")
     if full and use_hf:
         use_hf, diagnosis = False, ("off" if diagnosis == "on" else diagnosis)
         notes.append("Full-size model: no HF rows and no bf16 diagnosis (HF's copy of the 70 GB weights does not "

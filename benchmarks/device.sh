@@ -6,7 +6,9 @@
 # Suites (run in the order given; SECONDS = the suite's budget, a default otherwise):
 #   tests[:s]    every test file in its own process (a CUDA fault stays in its file), JOBS (4) at a time, each
 #                under a timeout of s (<= 420; tests/ops/test_gdn_chunk.py alone needs ~250 s on the H200);
-#                TESTS="tests/ops tests/layers" narrows it. One summary line per file in gpu_tests.log.
+#                TESTS="tests/ops tests/layers" narrows it. One summary line per file in gpu_tests.log (a full run
+#                is committed as benchmarks/results/gpu_tests_h200.log; a narrowed one is cited by its commit and
+#                command, not committed).
 #   ops[:s]      python -m benchmarks.bench_ops            (kernels vs fla, one run; OPS_ARGS="--quick
 #                --only decode:1,256 --only verify:256" narrows it)
 #   grouped[:s]  python -m benchmarks.bench_grouped_prefill (four executors vs fla two-phase)
@@ -33,7 +35,8 @@
 # the first one's files are gone unless copied out first),
 # so a call cut short by its time limit still returns what was written (bench ops rewrites its tables after
 # every case); unpack it into benchmarks/results/ under the stable names (newest result per benchmark, no run
-# numbers; git keeps the history).
+# numbers; git keeps the history): its .md and .json only, not the <suite>.log run logs, pip.log or env.txt
+# (tests/test_docs_results.py).
 set -u
 cd "$(dirname "$0")/.."
 FINAL=${OUT:-/tmp/out}; mkdir -p "$FINAL"

@@ -1,8 +1,12 @@
 """``gdnserve bench model``: a quick CPU run on the tiny random model writes its JSON and markdown, with
 gdnserve's and HF's rows on the same weights (logits equal) for every decode and prefill case (decode first),
 and the bf16 parity diagnosis (ours / HF x bf16 / fp32: the fp32 pair equal, routing included); a spent time
-budget skips every case with a note instead of failing."""
+budget skips every case with a note instead of failing; without transformers ours still run (HF skipped with a
+note); each JSON row carries its markdown line's columns, also in the committed H200 result."""
 import json
+import re
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,6 +79,53 @@ def test_spent_budget_skips_every_case_with_a_note(tmp_path):
     assert rc == 0 and res["errors"] == [] and res["complete"] and res["rows"] == []
     assert [s.split(" (")[0] for s in res["skipped"]] == res["case_order"]
     assert all("budget spent" in s for s in res["skipped"])
+
+
+def test_without_transformers_ours_run_and_hf_is_skipped_with_a_note(tmp_path, monkeypatch, capsys):
+    """A fresh install has no transformers (the bench and test extras bring it): the run times ours, exits 0 and
+    says in one line why there are no HF rows, so the documented `gdnserve bench model --quick && ...` chain goes
+    on (it stopped at an error 'building the HF model' and exit code 1)."""
+    monkeypatch.setitem(sys.modules, "transformers", None)           # `import transformers` raises ImportError
+    rc = cli.main(["bench", "model", "--device", "cpu", "--quick", "--layers", "2", "--out", str(tmp_path)])
+    res = json.loads(next(tmp_path.glob("model_cpu_*.json")).read_text())
+    assert rc == 0 and res["errors"] == [] and res["complete"]
+    assert [f"{r['kind']} {r['shape']}" for r in res["rows"]] == res["case_order"]
+    assert {r["impl"] for r in res["rows"]} == {"gdnserve"}
+    note = [n for n in res["notes"] if n.startswith("HF rows skipped: transformers is not importable")]
+    assert len(note) == 1 and "'.[bench]'" in note[0]
+    assert note[0] in capsys.readouterr().err
+
+
+def test_json_rows_carry_the_markdown_columns():
+    """A JSON row holds what its markdown line shows (case = kind + shape, impl, ms, tokens/s, floor ms, % floor,
+    n, 1st call s; ours/HF from the two rows) and the weights' ``format``, under the names tools read."""
+    bm = cli.load_benchmark("bench_model")
+    m = {"times": [0.002, 0.002, 0.002], "capped": False, "first_call_s": 0.5}
+    ours = bm._row("decode", "B=4", 4, "gdnserve", "bf16", m, 0.0005)
+    hf = bm._row("decode", "B=4", 4, "hf", "bf16", {**m, "times": [0.004]}, 0.0005)
+    assert {k: ours[k] for k in ("kind", "shape", "impl", "format", "tokens", "n")} == \
+        {"kind": "decode", "shape": "B=4", "impl": "gdnserve", "format": "bf16", "tokens": 4, "n": 3}
+    assert ours["ms"]["p50"] == pytest.approx(2.0) and ours["tokens_per_s"] == pytest.approx(2000)
+    assert ours["floor_ms"] == pytest.approx(0.5) and ours["pct_of_floor"] == pytest.approx(25.0)
+    lines = bm.table({"rows": [ours, hf]})
+    assert "| decode B=4 | gdnserve | 2.00 [2.00–2.00] | 2,000 | 0.50 | 25 % |  | 3 | 0.50 |" in lines
+    assert "| decode B=4 | hf | 4.00 [4.00–4.00] | 1,000 | 0.50 | 12 % | 2.00 | 1 | 0.50 |" in lines
+
+
+def test_committed_h200_json_matches_its_markdown():
+    """benchmarks/results/model_h200.json (converted from the run's table) has a row per markdown line, with the
+    same numbers, and the run's config in ``model_config``."""
+    results = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    res = json.loads((results / "model_h200.json").read_text())
+    md = (results / "model_h200.md").read_text()
+    assert res["bench"] == "model" and res["model_config"]["num_hidden_layers"] == 40 and res["git"]["commit"]
+    lines = [line for line in md.splitlines() if re.match(r"\| (decode|prefill) ", line)]
+    assert len(lines) == len(res["rows"]) > 0
+    for line, r in zip(lines, res["rows"]):
+        assert set(r) >= {"kind", "shape", "impl", "format", "ms", "pct_of_floor", "tokens_per_s", "floor_ms", "n"}
+        assert line.startswith(f"| {r['kind']} {r['shape']} | {r['impl']}")
+        assert f"| {r['ms']['p50']:.2f} [{r['ms']['p10']:.2f}–{r['ms']['p90']:.2f}] | {r['tokens_per_s']:,} | " \
+               f"{r['floor_ms']:.2f} | {r['pct_of_floor']} % |" in line
 
 
 @pytest.mark.parametrize("a, b, d, word", [
