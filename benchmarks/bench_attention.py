@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import json
 import math
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from benchmarks.timing import measure_ceilings, percentiles
 from gdnserve.ops.attention.flash_triton import Config, choose_config, flash_attention_triton, sm_count
 from gdnserve.ops.attention.paged_triton import paged_attention_rowwise_triton
 from gdnserve.ops.numerics import rel_rms
+from benchmarks import jsonfmt
 
 QH, KVH, DH, PS = 16, 2, 256, 16
 DT = torch.bfloat16
@@ -190,7 +190,7 @@ def main() -> None:
                   f"{r['tflops']:7.1f} TFLOP/s {r['tbps']:6.3f} TB/s err {err:.2e}", flush=True)
         del sets, base, ref
         torch.cuda.empty_cache()
-        (a.out / "attention_h200.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+        (a.out / "attention_h200.json").write_text(jsonfmt.dumps(dict(meta=meta, rows=rows)))
         (a.out / "attention_h200.md").write_text(markdown(meta, rows))   # after every case: partial runs count
 
 

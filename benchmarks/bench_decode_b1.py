@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from gdnserve.ops.gemv import SkinnyConfig, skinny_linear
 from gdnserve.ops.gemv import skinny_triton
 from gdnserve.ops.moe import router_triton
 from gdnserve.ops.numerics import rel_rms
+from benchmarks import jsonfmt
 
 SHAPES = ((2048, 4096, "GDN out_proj / attention o_proj"), (12352, 2048, "GDN in_proj"),
           (9216, 2048, "attention qkv_proj"), (257, 2048, "router gate (+ the shared expert's row)"))
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         logf.flush()
 
     def save() -> None:
-        (out / "bench_decode_b1.json").write_text(json.dumps(res, indent=1, default=str))
+        (out / "bench_decode_b1.json").write_text(jsonfmt.dumps(res))
     table = dict(skinny_triton.TABLE)
 
     def guarded(name, fn):

@@ -51,6 +51,7 @@ from benchmarks.timing import time_call
 from gdnserve.ops.numerics import rel_rms
 from gdnserve.ops.quant import fp8_linear, quantize_weight
 from gdnserve.ops.quant.fp8_ref import fp8_linear_torch
+from benchmarks import jsonfmt
 
 H = 2048
 # name -> (FP8 rows N, K, dense tail rows): one Qwen3.5-35B-A3B layer's projections
@@ -510,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
-        (out / f"fp8_{_tag(dev)}.json").write_text(json.dumps(rep, indent=1))
+        (out / f"fp8_{_tag(dev)}.json").write_text(jsonfmt.dumps(rep))
         (out / f"fp8_{_tag(dev)}.md").write_text(markdown(rep))
     if dev.type == "cuda":
         from benchmarks.timing import measure_ceilings

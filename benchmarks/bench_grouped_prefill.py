@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
-import json
 import math
 import os
 import sys
@@ -70,6 +69,7 @@ from benchmarks.bench_ops import (QWEN35_GDN, Dims, Fla, _err, _git, _layer_para
                                   conv_cost, device_name, device_slug, load_fla, rel_rms, resolve_device,
                                   split_qkv)
 from benchmarks.timing import host_time, measure_ceilings, time_call
+from benchmarks import jsonfmt
 
 ACT, STATE, CONV = torch.bfloat16, torch.float32, torch.bfloat16
 CPU_DIMS = Dims(H=2, HV=4, K=16, V=16, W=4)
@@ -684,7 +684,7 @@ def _measure_and_write(device: torch.device, setup: Setup, quick: bool, out_dir:
         notes.append(why)
         res["paths"].pop("png")
         log(why)
-    Path(res["paths"]["json"]).write_text(json.dumps(res, indent=1, default=str) + "\n")
+    Path(res["paths"]["json"]).write_text(jsonfmt.dumps(res))
     md = to_markdown(res)
     Path(res["paths"]["md"]).write_text(md)
     print(md)

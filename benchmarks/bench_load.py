@@ -36,6 +36,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gdnserve.entrypoints.cli import DEFAULT_RESULTS
+from benchmarks import jsonfmt
 
 MARK = "<|state_checkpoint|>"
 MODEL = "gdnserve-embedded"
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     res["loadavg_after"] = os.getloadavg()
-    (args.out / "load_cpu.json").write_text(json.dumps(res, indent=1))
+    (args.out / "load_cpu.json").write_text(jsonfmt.dumps(res))
     md = markdown(res)
     (args.out / "load_cpu.md").write_text(md)
     print(md)

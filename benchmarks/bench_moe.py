@@ -31,6 +31,7 @@ from gdnserve.ops.moe import grouped_triton as gt
 from gdnserve.ops.moe.grouped_triton import Config, Tiles, block_rows
 from gdnserve.ops.moe.naive import naive_moe_experts
 from gdnserve.ops.numerics import rel_rms
+from benchmarks import jsonfmt
 
 H, I, K = 2048, 512, 8
 
@@ -153,7 +154,7 @@ def main() -> None:
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
             "ceilings": ceil,
             "shape": {"hidden": H, "moe_intermediate": I, "top_k": K, "dtype": "bfloat16"}}
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    stem.with_suffix(".json").write_text(jsonfmt.dumps({"meta": meta, "rows": rows}))
     lines = [f"# Routed experts (H={H}, I={I}, top-{K}, bf16) — {meta['device']}", "",
              f"torch {torch.__version__}; ceilings: copy {ceil['copy_TBps']:.2f} TB/s, bf16 matmul "
              f"{ceil['bf16_matmul_TFLOPs']:.0f} TFLOP/s. GPU µs median [P10–P90] (CUDA-graph replay, "

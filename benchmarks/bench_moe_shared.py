@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import platform
 import subprocess
 from pathlib import Path
@@ -25,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.timing import time_call
 from gdnserve.layers.moe import SparseMoE
 from gdnserve.ops.numerics import rel_rms
+from benchmarks import jsonfmt
 
 H, I, K = 2048, 512, 8
 
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
-    out.with_suffix(".json").write_text(json.dumps({"commit": commit, "rows": rows}, indent=1))
+    out.with_suffix(".json").write_text(jsonfmt.dumps({"commit": commit, "rows": rows}))
     print("\n".join(lines))
     return 0
 

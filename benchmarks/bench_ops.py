@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
-import json
 import math
 import os
 import platform
@@ -61,6 +60,7 @@ from typing import Any, Callable
 import torch
 
 from benchmarks.timing import host_time, measure_ceilings, time_call
+from benchmarks import jsonfmt
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CHUNK = 64
@@ -914,7 +914,7 @@ def write_results(res: dict[str, Any], out_dir: Path, final: bool) -> dict[str, 
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"ops_{res['device_slug']}_{res['date']}"
     res["paths"] = {"json": str(stem.with_suffix(".json")), "md": str(stem.with_suffix(".md"))}
-    Path(res["paths"]["json"]).write_text(json.dumps(res, indent=1, default=str) + "\n")
+    Path(res["paths"]["json"]).write_text(jsonfmt.dumps(res))
     res["_md"] = to_markdown(res)
     Path(res["paths"]["md"]).write_text(res["_md"])
     return res

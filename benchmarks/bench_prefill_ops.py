@@ -14,7 +14,6 @@ Writes prefill_ops_<dev>.json / .md under --out and prints the table; also times
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from gdnserve.ops.norm.gated_triton import gated_rms_norm_triton, norm_tile
 from gdnserve.ops.norm.naive import naive_gated_rms_norm
 from gdnserve.ops.numerics import rel_rms
 from gdnserve.ops.varlen import VarlenMeta
+from benchmarks import jsonfmt
 
 D, W, COLS, HV, V, QH, KH, DH, ROT = 8192, 4, 12352, 32, 128, 16, 2, 256, 64
 L2_BYTES = 60 << 20
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tag = ("h200" if "H200" in name else "cuda") if dev.type == "cuda" else "cpu"
     (out / f"prefill_ops_{tag}.md").write_text("\n".join(head + [_line(r) for r in rows]) + "\n")
-    (out / f"prefill_ops_{tag}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (out / f"prefill_ops_{tag}.json").write_text(jsonfmt.dumps({"meta": meta, "rows": rows}))
     return 0
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -27,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from benchmarks import jsonfmt
 
 ROWS = (("one replica", 1, "affinity"), ("default router", None, "default"), ("affinity router", None, "affinity"))
 
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"replicas_{'cpu' if args.device == 'cpu' else 'gpu'}"
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    (args.out / f"{name}.json").write_text(jsonfmt.dumps(result))
     (args.out / f"{name}.md").write_text(report(result, args))
     print(report(result, args))
     return 0

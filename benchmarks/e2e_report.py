@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import json
 import sys
 import time
 import traceback
@@ -18,6 +17,7 @@ import torch
 
 from benchmarks.bench_ops import _err, _git, _versions, device_name, device_slug
 from benchmarks.timing import percentiles
+from benchmarks import jsonfmt
 
 
 def pct(values: list[float]) -> dict[str, float]:
@@ -126,7 +126,7 @@ class Report:
 
     def write(self) -> None:
         self.res["elapsed_s"] = round(self.elapsed, 1)
-        Path(self.res["paths"]["json"]).write_text(json.dumps(self.res, indent=1, default=str) + "\n")
+        Path(self.res["paths"]["json"]).write_text(jsonfmt.dumps(self.res))
         Path(self.res["paths"]["md"]).write_text(self.markdown())
 
     def finish(self) -> dict[str, Any]:

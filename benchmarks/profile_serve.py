@@ -25,6 +25,7 @@ import torch
 from benchmarks.bench_serve import drive, make_engine, make_plan
 from benchmarks.random_model import build_random_model, config_for
 from gdnserve.engine.sampling_params import SamplingParams
+from benchmarks import jsonfmt
 
 
 def _sync() -> None:
@@ -173,7 +174,7 @@ def stub_main(a) -> int:
         print(buf.getvalue() if a.host else "", json.dumps({"tag": a.tag, "mode": mode, "wall_ms": round(r["wall_ms"], 1),
               "steps_ms": r["steps_ms"], "calls": r["calls"], "graph_stats": r["graph_stats"]}), flush=True)
     with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+        f.write(jsonfmt.dumps(res))
     return 0
 
 
@@ -232,7 +233,7 @@ def main() -> int:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     with open(a.out, "w") as f:
-        json.dump(res, f, indent=1)
+        f.write(jsonfmt.dumps(res))
     return 0
 
 

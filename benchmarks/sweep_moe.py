@@ -34,6 +34,7 @@ from gdnserve.ops.moe.combine_triton import combine
 from gdnserve.ops.moe.grouped_triton import Config, Tiles
 from gdnserve.ops.moe.naive import naive_moe_experts
 from gdnserve.ops.numerics import rel_rms
+from benchmarks import jsonfmt
 
 T_ = Tiles
 F, Y = False, True
@@ -381,7 +382,7 @@ def main() -> None:
             f.write("\n".join(lines) + "\n")
     if a.best:
         with open(a.best, "w") as f:
-            json.dump(best_configs(rows, sh.K), f, indent=1)
+            f.write(jsonfmt.dumps(best_configs(rows, sh.K)))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, default=lambda o: list(o) if isinstance(o, tuple) else str(o))

@@ -30,6 +30,7 @@ from gdnserve.ops.moe import decode_fp8_triton as d
 from gdnserve.ops.moe import moe_experts
 from gdnserve.ops.numerics import rel_rms
 from gdnserve.ops.quant import quantize_weight
+from benchmarks import jsonfmt
 
 C = d.DecodeConfig
 DEFAULT_MAX = d.DECODE_MAX_PAIRS
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     d.CONFIG_OVERRIDE = None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"moe_fp8_decode_sweep_{_tag(dev)}.json").write_text(json.dumps(rep, indent=1))
+    (out / f"moe_fp8_decode_sweep_{_tag(dev)}.json").write_text(jsonfmt.dumps(rep))
     f = lambda t: f"{t['us']:.1f} [{t['p10_p90'][0]:.1f}–{t['p10_p90'][1]:.1f}]" if "us" in t else t.get("error", "—")  # noqa: E731
     md = [f"# FP8 decode experts sweep ({rep['device']})", "", "| T | decode (T=1 best) | decode (T=16 best) | default "
           "(config(); decode path?) | grouped fp8 | bf16 |", "|---|---|---|---|---|---|"]

@@ -26,6 +26,7 @@ from gdnserve.ops.gdn.chunk_configs import chunk_config, override
 from gdnserve.ops.gdn.chunk_workspace import ChunkWorkspace
 from gdnserve.ops.numerics import rel_rms
 from gdnserve.ops.varlen import VarlenMeta
+from benchmarks import jsonfmt
 
 H, HV, K, V = 16, 32, 128, 128
 dev = "cuda"
@@ -372,18 +373,18 @@ def main(argv=None) -> int:
             res["stages"] = stages([list(STAGE_VARIANTS)[int(i)] for i in pick.split(",")] if pick else None)
             res["best"] = best_variant(res["stages"])
             print(f"best: {res['best']} {STAGE_VARIANTS[res['best']]}", flush=True)
-            (out / f"tune_chunk_stages_{slug}.json").write_text(json.dumps(res, indent=1) + "\n")
+            (out / f"tune_chunk_stages_{slug}.json").write_text(jsonfmt.dumps(res))
             if args.bench:   # bench_ops' rows at the profile's shapes with the best variant as "ours"
                 bench_prefill(out, ((1, 4096), (8, 1024)), STAGE_VARIANTS[res["best"]])
             return 0
         elif args.accuracy:
             res["accuracy"] = accuracy(args.quick)
-            (out / f"tune_chunk_accuracy_{slug}.json").write_text(json.dumps(res, indent=1) + "\n")
+            (out / f"tune_chunk_accuracy_{slug}.json").write_text(jsonfmt.dumps(res))
         elif not args.no_tune:
             for key, fn in (("variants", lambda: tune(args.quick)), ("conv", conv_times),
                             ("accuracy", lambda: accuracy(args.quick))):
                 res[key] = fn()
-                (out / f"tune_chunk_{slug}.json").write_text(json.dumps(res, indent=1) + "\n")
+                (out / f"tune_chunk_{slug}.json").write_text(jsonfmt.dumps(res))
         if args.bench:
             bench_prefill(out)
     return 0

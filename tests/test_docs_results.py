@@ -4,6 +4,7 @@ in it, ``COMMIT:benchmarks/results/FILE`` in git's history (docs/benchmarks.md, 
 from __future__ import annotations
 
 import itertools
+import json
 import re
 import subprocess
 from pathlib import Path
@@ -117,3 +118,17 @@ def test_the_patterns_find_what_docs_write():
     have = {"ops_h200.md", "ops_h200.json", "decode_b1_h200.json"}
     assert not missing("ops_h200.{md,json}", have) and not missing("decode_b1_h200.*", have)
     assert missing("ops_h200.{md,log}", have) and missing("moe_h200.*", have) and missing("tune_chunk_h200.log", have)
+
+
+def test_result_json_is_one_row_per_line_and_round_trips():
+    """benchmarks.jsonfmt: the text loads back to the object json.dumps would give; a row of scalars (and lists
+    of scalars) is one line; every committed result JSON is written that way."""
+    from benchmarks import jsonfmt
+    obj = {"meta": {"device": "x", "ceilings": {"copy": 4.2, "mm": [1, 2]}}, "rows": [
+        {"T": 1, "us": 1.5, "p10_p90": [1.4, 1.6], "ok": True, "name": "é"}, {"T": 65, "us": None, "p10_p90": []}],
+        "empty": {}, "n": 3}
+    text = jsonfmt.dumps(obj)
+    assert json.loads(text) == obj and text.endswith("}\n")
+    assert '  {"T": 1, "us": 1.5, "p10_p90": [1.4, 1.6], "ok": true, "name": "é"},' in text.splitlines()
+    for f in sorted(RESULTS.glob("*.json")):
+        assert f.read_text() == jsonfmt.dumps(json.loads(f.read_text()), default=None), f"{f.name}: not jsonfmt's form"
