@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gdnserve.engine.checkpoint_index import boundary_prefix, score_prefix
+from gdnserve.engine.checkpoint_index import boundary_prefix, checkpoint_key, score_prefix
 from gdnserve.engine.engine_api import CheckpointInfo
 from gdnserve.engine.model_runner import PrefillItem
 from gdnserve.engine.request import Job, Producer, Request, ScoreJob
@@ -51,6 +51,7 @@ class AdmitPass:
     partial: int = 0            # chunked prefills in progress (before the second pass: still chunked after this step)
     held: int = 0               # budget held for the oldest long prompt until the second pass
     longs: bool = False         # the second pass: chunked starts allowed
+    ready: frozenset[bytes] | None = None       # READY checkpoint keys when first needed (a pass only evicts)
 
     def hold(self) -> None:
         """Aging: MIN_CHUNK for the oldest long prompt, first from what the running chunks' share has beyond
@@ -176,15 +177,42 @@ def _chunking(s: Scheduler, req: Request, pl: _Plan, p: AdmitPass) -> None:
         pl.pages = s.kv.pages_for(pl.split)      # admitted only when the whole prefix fits: not preempted for it
 
 
+def _known_long(s: Scheduler, req: Request, p: AdmitPass) -> bool:
+    """A plain prompt planned as too long for the step before, and no READY checkpoint since is a prefix of it:
+    long again without a plan. A plan looks a prefix up per READY checkpoint length (~150 us each at 4k tokens),
+    and the first pass meets every waiting long prompt in every step; this hashes one prefix per checkpoint
+    added since. The memo: the keys known not to be its prefix, and its cost."""
+    memo = s.long_memo.get(req)
+    if memo is None or memo[1] <= max(p.budget, MIN_CHUNK):
+        return False
+    pages = s.kv.checkpoints.pages
+    if p.ready is None:
+        p.ready = frozenset(pages)
+    new = [k for k in p.ready - memo[0] if k in pages]
+    for k in new:
+        n = pages[k].length
+        if n < len(req.prompt_ids) and (req.prefix_key(n) or checkpoint_key(req.prompt_ids[:n])) == k:
+            return False
+    if new:
+        s.long_memo[req] = (memo[0] | frozenset(new), memo[1])
+    return True
+
+
 def admit_fresh(s: Scheduler, req: Request, batch: StepBatch, p: AdmitPass) -> str:
+    limit = s.cfg.max_partial_prefills
+    if (not p.longs or p.partial >= limit) and _known_long(s, req, p):
+        return SKIP if p.longs else LONG
     pl = _plan(s, req, p)
     if pl is None:
         return SKIP
+    cost = pl.cost
     _chunking(s, req, pl, p)
+    if pl.chunk is not None:
+        s.long_memo[req] = (frozenset(s.kv.checkpoints.pages), cost)
     if pl.chunk is not None or pl.prod_chunk is not None:     # a long prompt (no hit to release)
         if not p.longs:
             return LONG
-        if p.partial >= s.cfg.max_partial_prefills:
+        if p.partial >= limit:
             return SKIP
     if pl.hit is not None:
         s.kv.checkpoints.acquire(pl.hit)          # pinned now, so the evictions below cannot take it

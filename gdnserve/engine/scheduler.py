@@ -20,6 +20,8 @@ are done. The scheduler owns the KV cache (pools and checkpoints).
 """
 from __future__ import annotations
 
+from weakref import WeakKeyDictionary
+
 from gdnserve.engine.admission import MIN_CHUNK, AdmitPass, admit_long, admit_waiting
 from gdnserve.engine.checkpoint_index import CheckpointStatus
 from gdnserve.engine.config import EngineConfig
@@ -37,6 +39,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.producing: dict[tuple[int, ...], Job] = {}    # PENDING prefix -> its chunked producer
         self.allowed: set[Job] | None = None              # while isolating a failure: only these run
+        self.long_memo: WeakKeyDictionary = WeakKeyDictionary()   # admission.py _known_long
 
     # ------------------------------------------------------------------ queues
     def add(self, job: Job) -> None:

@@ -23,8 +23,8 @@ DECODE_P = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
 
 def engine(**kw):
-    return LLM(device="cpu", max_num_seqs=16, num_pages=256, auto_checkpoints=False, **{"max_step_tokens": BUDGET, **kw}
-               ).engine
+    return LLM(device="cpu", max_num_seqs=16, num_pages=256, **{"auto_checkpoints": False, "max_step_tokens": BUDGET,
+                                                                **kw}).engine
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +119,51 @@ def test_a_stream_of_short_requests_does_not_starve_a_long_prompt(solo):
         d.step()
     assert d.done["L"][1] == solo(LONGS[1], LONG_P)
     assert all(d.done[f"s{i}"][1] == solo(SHORTS[1 + i % 3], ONE) for i in range(k))
+
+
+def test_waiting_long_prompts_are_not_planned_again_every_step():
+    """While a long prompt is chunked, the ones waiting behind it are known to be long (a plan looks a prefix up per
+    READY checkpoint length): each is planned about twice (on arrival, and when it may start), not in every step."""
+    e = engine(auto_checkpoints=True)
+    e.add_request("c", SHORTS[0], SHORT_P)           # READY checkpoints exist: plans look them up
+    while e.has_unfinished():
+        e.step()
+    calls = []
+    real = e.kv.checkpoints.longest_hit
+    e.kv.checkpoints.longest_hit = lambda ids: calls.append(len(ids)) or real(ids)
+    for i in range(4):
+        e.add_request(f"L{i}", LONGS[i], LONG_P)
+    steps = 0
+    while e.has_unfinished():
+        e.step()
+        steps += 1
+    assert steps > 12 and len(calls) <= 3 * 4, (steps, calls)
+
+
+def test_a_waiting_long_prompt_hits_a_checkpoint_published_meanwhile(solo):
+    """A prompt known to be long waits while another is chunked; a request that finishes meanwhile publishes the
+    automatic checkpoint of most of it: the waiting prompt is admitted as a READY hit at once (the memo of long
+    prompts checks every checkpoint added since), before the chunked one is done, with the solo output."""
+    e = engine(auto_checkpoints=True)
+    w_prompt = LONGS[5][:50]
+    conv = w_prompt + solo(w_prompt, SHORT_P)[:-1]                     # what w's checkpoint will hold
+    y_prompt = conv + SHORTS[0][:6]
+    e.add_request("w", w_prompt, SHORT_P)
+    e.add_request("x", LONGS[0] + LONGS[1], LONG_P)                   # ~370 tokens: chunked for many steps
+    e.step()
+    e.add_request("y", y_prompt, LONG_P)
+    first, done = {}, {}
+    while e.has_unfinished():
+        for o in e.step():
+            if o.outputs[0].token_ids:
+                first.setdefault(o.request_id, o)
+            if o.finished:
+                done[o.request_id] = o
+        if "y" in first:
+            assert "x" not in first, "y waited for the chunked prompt"
+            break
+    assert done["w"].checkpoint.published and first["y"].checkpoint.hit_length == len(conv)
+    while e.has_unfinished():
+        done.update({o.request_id: o for o in e.step() if o.finished})
+    assert done["y"].outputs[0].token_ids == solo(y_prompt, LONG_P)
+    assert done["x"].outputs[0].token_ids == solo(LONGS[0] + LONGS[1], LONG_P)
