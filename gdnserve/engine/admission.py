@@ -23,7 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gdnserve.engine.checkpoint_index import boundary_prefix, checkpoint_key, score_prefix
+from gdnserve.engine.checkpoint_index import (
+    boundary_prefix,
+    checkpoint_key,
+    score_prefix,
+)
 from gdnserve.engine.engine_api import CheckpointInfo
 from gdnserve.engine.model_runner import PrefillItem
 from gdnserve.engine.request import Job, Producer, Request, ScoreJob

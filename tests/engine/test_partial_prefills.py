@@ -5,6 +5,7 @@ not starve a waiting long prompt; every greedy output equals the request's solo 
 from __future__ import annotations
 
 import random
+from itertools import pairwise
 
 import pytest
 
@@ -37,7 +38,9 @@ def solo():
         if key not in cache:
             rid = ref.add_request(None, prompt, params)
             while ref.has_unfinished():
-                cache.update({key: o.outputs[0].token_ids for o in ref.step() if o.request_id == rid and o.finished})
+                for o in ref.step():
+                    if o.request_id == rid and o.finished:
+                        cache[key] = o.outputs[0].token_ids
         return cache[key]
     return run
 
@@ -86,7 +89,7 @@ def test_a_short_request_passes_waiting_long_prompts(solo, n_long, limit, budget
         if "d" in e.requests:
             decoded.append(len(e.requests["d"].samples[0].token_ids))
     assert d.first["s"] == arrival + 1 and d.done["s"][0] == arrival + SHORT_P.max_tokens
-    assert all(b == a + 1 for a, b in zip(decoded, decoded[1:])), decoded           # one token every step
+    assert all(b == a + 1 for a, b in pairwise(decoded)), decoded           # one token every step
     assert max(d.steps) <= budget and max(map(len, d.partial)) == limit, (d.steps, d.partial)
     assert all(any(f"L{i}" in ids for ids in d.partial) for i in range(n_long)), d.partial   # each one chunked
     ends = [d.done[f"L{i}"][0] for i in range(n_long)]
