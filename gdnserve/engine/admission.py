@@ -4,51 +4,89 @@ readmission, a score job's wave. Each case plans its cost (budget tokens, state 
 formula ``KVCache.pages_for``), makes room by evicting READY checkpoints, and commits or reports why not.
 
 Outcomes: ADMITTED (out of the queue, into the step), SKIP (waits in place without blocking the jobs behind:
-no slot, page or sequence room now, or its checkpoint prefix is PENDING), STOP (the step's budget is spent).
+no slot, page or sequence room now, its checkpoint prefix is PENDING, or ``max_partial_prefills`` prompts are
+already chunked), STOP (the step's budget is spent), LONG (set aside for the second pass).
+
+Two passes, so that long prompts never hold up short ones queued behind them (head-of-line blocking: each long
+prompt's first chunk used to take the admission budget in arrival order, so a short request waited until every
+long prompt ahead of it had started). ``admit_waiting``, in arrival order, admits what fits the step whole and
+sets aside (LONG) every job whose admission would start a chunked prefill, and every score prefix in production;
+then the scheduler continues the running chunks; ``admit_long`` gives what is left to the set-aside jobs, oldest
+first: score prefixes in production continue, and new chunked prefills start while fewer than
+``max_partial_prefills`` are in progress. Aging: while fewer are, MIN_CHUNK is held for the oldest set-aside
+prompt — out of the running chunks' share where they can spare it, else out of the admission budget before the
+jobs behind it take it — so a stream of short requests cannot starve it (once started, the chunked prompts share at
+least half of every step until they are done).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from gdnserve.engine.checkpoint_index import boundary_prefix, score_prefix
+from gdnserve.engine.checkpoint_index import (
+    boundary_prefix,
+    checkpoint_key,
+    score_prefix,
+)
 from gdnserve.engine.engine_api import CheckpointInfo
 from gdnserve.engine.model_runner import PrefillItem
-from gdnserve.engine.request import Producer, Request, ScoreJob
+from gdnserve.engine.request import Job, Producer, Request, ScoreJob
 from gdnserve.engine.step_batch import ScoreWave, StepBatch
 
 if TYPE_CHECKING:
     from gdnserve.engine.scheduler import Scheduler
 
-ADMITTED, SKIP, STOP = "admitted", "skip", "stop"
+ADMITTED, SKIP, STOP, LONG = "admitted", "skip", "stop", "long"
 MIN_CHUNK = 32   # smallest prefill chunk of a long prompt, so a busy step still makes progress on it
 
 
 @dataclass(eq=False)
 class AdmitPass:
-    """One admission pass's accounting: the budget left, pages promised (running requests' next step and this
-    pass's admissions), whether the step already has prefill work, the live samples of the running requests
+    """One step's admission accounting: the budget left, pages promised (running requests' next step and this
+    step's admissions), whether the step already has prefill work, the live samples of the running requests
     (``Scheduler.live_seqs`` at the start, counted up as requests are admitted: nothing finishes during a pass),
-    and this pass's same-step producers."""
+    and this step's same-step producers; then the two passes' fields."""
     budget: int
     reserved: int
     busy: bool
     live: int = 0
     producers: dict[tuple[int, ...], int] = field(default_factory=dict)
+    reserve: int = 0            # budget kept for the running chunks (they also get what the first pass leaves)
+    partial: int = 0            # chunked prefills in progress (before the second pass: still chunked after this step)
+    held: int = 0               # budget held for the oldest long prompt until the second pass
+    longs: bool = False         # the second pass: chunked starts allowed
+    ready: frozenset[bytes] | None = None       # READY checkpoint keys when first needed (a pass only evicts)
+
+    def hold(self) -> None:
+        """Aging: MIN_CHUNK for the oldest long prompt, first from what the running chunks' share has beyond
+        MIN_CHUNK each."""
+        chunks = min(MIN_CHUNK, max(self.reserve - MIN_CHUNK * self.partial, 0))
+        rest = min(MIN_CHUNK - chunks, max(self.budget, 0))
+        self.reserve -= chunks
+        self.budget -= rest
+        self.held = chunks + rest
 
     def over(self, batch: StepBatch, cost: int) -> bool:
         """The first prefill of an otherwise idle step may exceed the budget (a long prompt must start)."""
         return bool(batch.items or self.busy) and cost > self.budget
 
 
-def admit_waiting(s: Scheduler, batch: StepBatch, p: AdmitPass) -> None:
-    pos = 0
+def _in_production(job: Job) -> bool:
+    return isinstance(job, ScoreJob) and job.prod is not None
+
+
+def admit_waiting(s: Scheduler, batch: StepBatch, p: AdmitPass) -> list[Job]:
+    """The first pass, in arrival order: jobs that fit the step whole. Returns the jobs set aside for
+    ``admit_long`` (chunked starts and score prefixes in production), oldest first."""
+    pos, longs = 0, []
     while pos < len(s.waiting):
         job = s.waiting[pos]
         if not s.runnable(job):
             pos += 1
             continue
-        if isinstance(job, ScoreJob):
+        if _in_production(job):
+            r = LONG
+        elif isinstance(job, ScoreJob):
             r = admit_score(s, job, batch, p)
         elif job.preempted:
             r = readmit(s, job, batch, p)
@@ -56,10 +94,32 @@ def admit_waiting(s: Scheduler, batch: StepBatch, p: AdmitPass) -> None:
                 r = STOP          # a preempted request goes first: nothing overtakes it
         else:
             r = admit_fresh(s, job, batch, p)
+        if r == LONG:
+            if not p.held and not _in_production(job) and p.partial < s.cfg.max_partial_prefills:
+                p.hold()
+            longs.append(job)
         if r == STOP:
             break
-        if r == SKIP:
+        if r != ADMITTED:
             pos += 1
+    return longs
+
+
+def admit_long(s: Scheduler, batch: StepBatch, p: AdmitPass, longs: list[Job]) -> None:
+    """The second pass, after the running chunks took their share: score prefixes in production continue, then
+    the set-aside jobs start in arrival order (chunked while fewer than ``max_partial_prefills`` are)."""
+    p.longs = True
+    for job in longs:
+        if _in_production(job):
+            admit_score(s, job, batch, p)
+    p.budget += p.held
+    p.held = 0
+    for job in longs:
+        if _in_production(job):
+            continue
+        r = admit_score(s, job, batch, p) if isinstance(job, ScoreJob) else admit_fresh(s, job, batch, p)
+        if r == STOP:
+            break
 
 
 # ---------------------------------------------------------------------------- fresh requests
@@ -121,14 +181,46 @@ def _chunking(s: Scheduler, req: Request, pl: _Plan, p: AdmitPass) -> None:
         pl.pages = s.kv.pages_for(pl.split)      # admitted only when the whole prefix fits: not preempted for it
 
 
+def _known_long(s: Scheduler, req: Request, p: AdmitPass) -> bool:
+    """A plain prompt planned as too long for the step before, and no READY checkpoint since is a prefix of it:
+    long again without a plan. A plan looks a prefix up per READY checkpoint length (~150 us each at 4k tokens),
+    and the first pass meets every waiting long prompt in every step; this hashes one prefix per checkpoint
+    added since. The memo: the keys known not to be its prefix, and its cost."""
+    memo = s.long_memo.get(req)
+    if memo is None or memo[1] <= max(p.budget, MIN_CHUNK):
+        return False
+    pages = s.kv.checkpoints.pages
+    if p.ready is None:
+        p.ready = frozenset(pages)
+    new = [k for k in p.ready - memo[0] if k in pages]
+    for k in new:
+        n = pages[k].length
+        if n < len(req.prompt_ids) and (req.prefix_key(n) or checkpoint_key(req.prompt_ids[:n])) == k:
+            return False
+    if new:
+        s.long_memo[req] = (memo[0] | frozenset(new), memo[1])
+    return True
+
+
 def admit_fresh(s: Scheduler, req: Request, batch: StepBatch, p: AdmitPass) -> str:
+    limit = s.cfg.max_partial_prefills
+    if (not p.longs or p.partial >= limit) and _known_long(s, req, p):
+        return SKIP if p.longs else LONG
     pl = _plan(s, req, p)
     if pl is None:
         return SKIP
+    cost = pl.cost
+    _chunking(s, req, pl, p)
+    if pl.chunk is not None:
+        s.long_memo[req] = (frozenset(s.kv.checkpoints.pages), cost)
+    if pl.chunk is not None or pl.prod_chunk is not None:     # a long prompt (no hit to release)
+        if not p.longs:
+            return LONG
+        if p.partial >= limit:
+            return SKIP
     if pl.hit is not None:
         s.kv.checkpoints.acquire(pl.hit)          # pinned now, so the evictions below cannot take it
     s.kv.make_room(pl.need, pl.pages, p.reserved)
-    _chunking(s, req, pl, p)
     why = None
     if not s.kv.fits(pl.need, pl.pages, p.reserved) or p.live + len(req.samples) > s.cfg.max_num_seqs:
         why = SKIP
@@ -202,6 +294,7 @@ def _commit_fresh(s: Scheduler, req: Request, pl: _Plan, batch: StepBatch, p: Ad
     p.budget -= pl.cost
     p.reserved += pl.pages
     p.live += len(req.samples)
+    p.partial += pl.chunk is not None or pl.prod_chunk is not None
     s.counters["prompt_tokens"] += len(ids)
 
 
@@ -284,6 +377,10 @@ def _score_source(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass):
     # a prefix that fits a step waits for one (as a checkpoint producer does) to run with its candidates;
     # one too long for any step (or a step busy with chunks) is produced chunk by chunk
     chunked = first > max(p.budget, MIN_CHUNK) and (p.busy or first > s.cfg.max_step_tokens)
+    if chunked and not p.longs:
+        return LONG
+    if chunked and p.partial >= s.cfg.max_partial_prefills:
+        return None
     if not chunked and p.over(batch, first):
         return STOP
     s.kv.make_room(1, s.kv.pages_for(len(key)), p.reserved)
@@ -294,6 +391,7 @@ def _score_source(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass):
     if chunked:
         job.entry, job.prod = entry, prod         # a long prefix: chunk by chunk into the PENDING checkpoint
         s.producing[key] = job
+        p.partial += 1
         return _score_source(s, job, batch, p)
     batch.pending.append((entry, prod))
     idx = batch.add(PrefillItem(prod, list(key)))
@@ -307,8 +405,8 @@ def admit_score(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass) -> 
     """As many of the job's candidates as fit this step (slots, pages, budget), each a consumer of the prefix
     minus its last token fed ``[last prefix token] + candidate`` with every row's logits."""
     src = _score_source(s, job, batch, p)
-    if src is None or src == STOP:
-        return SKIP if src is None else STOP
+    if src is None or src in (STOP, LONG):
+        return SKIP if src is None else src
     kind, ref = src
     shared = len(job.prefix_ids) - 1
     wave = ScoreWave(job)

@@ -13,7 +13,10 @@ PREFILL_MODES = ("serial", "two_phase", "two_phase_indexed", "fused")
 class EngineConfig:
     """``num_slots`` None = ``2 * max_num_seqs + 2`` (running samples, their fork producers and checkpoints).
     ``cuda_graphs`` None = on for CUDA devices (decode-only and verify-only steps replay bucketed graphs).
-    ``tensor_parallel_size`` N > 1: N processes, one GPU each (engine/tp_workers.py); steps run eagerly."""
+    ``tensor_parallel_size`` N > 1: N processes, one GPU each (engine/tp_workers.py); steps run eagerly.
+    ``max_partial_prefills``: prompts (or checkpoint / score prefixes) prefilled chunk by chunk at once; a prompt
+    that needs chunking waits while this many are in progress, without holding up shorter jobs behind it (vLLM's
+    ``max_long_partial_prefills``; docs/serving.md "Chunked prefill")."""
     max_num_seqs: int = 64
     max_step_tokens: int = 4096
     max_model_len: int = 4096
@@ -31,9 +34,11 @@ class EngineConfig:
     seed: int | None = None
     model_name: str = "gdnserve"
     tensor_parallel_size: int = 1
+    max_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_step_tokens", "max_model_len", "num_pages", "page_size"):
+        for name in ("max_num_seqs", "max_step_tokens", "max_model_len", "num_pages", "page_size",
+                     "max_partial_prefills"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")

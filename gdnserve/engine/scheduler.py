@@ -2,18 +2,27 @@
 
 1. make room: if the running requests cannot get their next KV pages, evict unreferenced READY checkpoints,
    then preempt the newest requests (state dropped, requeued first, recomputed on readmission) — one policy;
-2. every running sample's decode token or verify tokens (k drafts), the READY prefix of a finished chunked
-   producer, and the next chunk of each long prompt;
-3. admission of waiting jobs in arrival order within the step's token budget (``admission.py``: plain,
-   producer, READY hit, chunk, readmission, score wave). A job that does not fit for lack of slots or pages
-   waits without blocking the jobs behind it; the pass stops when the budget is spent.
+2. every running sample's decode token or verify tokens (k drafts) and the READY prefix of a finished chunked
+   producer: running decodes get their tokens every step;
+3. admission of the waiting jobs that fit the step whole, in arrival order within the step's token budget
+   (``admission.py``: plain, producer, READY hit, readmission, score wave). A job that does not fit for lack of
+   slots or pages waits without blocking the jobs behind it, and so does a long one (set aside for 5.); the
+   pass stops when the budget is spent;
+4. the next chunk of each long prompt in progress (its state in its own slot, or a checkpoint prefix into the
+   PENDING checkpoint), sharing what the admissions left;
+5. the long jobs set aside in 3., oldest first, with what the chunks left: score prefixes in production
+   continue, and new chunked prefills start while fewer than ``max_partial_prefills`` are in progress.
 
-While chunks continue, admissions stay within the step budget: new requests may take up to half of it, the
-chunks get the rest (at least MIN_CHUNK each). The scheduler owns the KV cache (pools and checkpoints).
+While chunks continue, admissions may take up to half of the budget and the chunks get the rest (at least
+MIN_CHUNK each): a short request queued behind long prompts is admitted in the next step, however many wait,
+and the chunked prompts, at most ``max_partial_prefills`` of them, share at least half of every step until they
+are done. The scheduler owns the KV cache (pools and checkpoints).
 """
 from __future__ import annotations
 
-from gdnserve.engine.admission import MIN_CHUNK, AdmitPass, admit_waiting
+from weakref import WeakKeyDictionary
+
+from gdnserve.engine.admission import MIN_CHUNK, AdmitPass, admit_long, admit_waiting
 from gdnserve.engine.checkpoint_index import CheckpointStatus
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.engine_api import CheckpointInfo
@@ -30,6 +39,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.producing: dict[tuple[int, ...], Job] = {}    # PENDING prefix -> its chunked producer
         self.allowed: set[Job] | None = None              # while isolating a failure: only these run
+        self.long_memo: WeakKeyDictionary = WeakKeyDictionary()   # admission.py _known_long
 
     # ------------------------------------------------------------------ queues
     def add(self, job: Job) -> None:
@@ -55,11 +65,15 @@ class Scheduler:
                   - sum(len(it.tokens) for it, _ in ready))
         rem = [self._chunk_end(r) - r.num_computed for r in chunks]
         reserve = min(sum(rem), max(budget // 2, MIN_CHUNK * len(chunks))) if chunks else 0
-        p = AdmitPass(budget=budget - reserve, reserved=reserved, busy=bool(chunks or ready), live=self.live_seqs())
-        admit_waiting(self, batch, p)
+        scores = sum(1 for j in self.waiting if isinstance(j, ScoreJob) and j.prod is not None and self.runnable(j))
+        p = AdmitPass(budget=budget - reserve, reserved=reserved, busy=bool(chunks or ready), live=self.live_seqs(),
+                      reserve=reserve, partial=len(chunks) + scores)
+        longs = admit_waiting(self, batch, p)
         for it, o in ready:                       # after the admissions' items: producer indices unchanged
             batch.add(it, o)
-        self._continue_chunks(batch, chunks, rem, p.budget + reserve)
+        p.budget = self._continue_chunks(batch, chunks, rem, p.budget + p.reserve)
+        p.partial = scores + sum(r.num_computed < self._chunk_end(r) for r in chunks)   # still chunked after it
+        admit_long(self, batch, p, longs)
 
     @staticmethod
     def _chunk_end(req: Request) -> int:
@@ -106,14 +120,18 @@ class Scheduler:
                 and not p.stop and p.max_tokens - len(s.token_ids) > 1
                 and len(req.prompt_ids) + len(s.token_ids) + k + 1 < self.cfg.max_model_len)
 
-    def _continue_chunks(self, batch: StepBatch, chunks: list[Request], rem: list[int], left: int) -> None:
+    def _continue_chunks(self, batch: StepBatch, chunks: list[Request], rem: list[int], left: int) -> int:
         """The next chunk of each long prompt (an OWN_SLOT continuation), or of a checkpoint prefix (into the
-        PENDING checkpoint's slot)."""
-        for req, r in zip(chunks, rem):
+        PENDING checkpoint's slot); returns the budget left. ``left`` is shared fairly (water-filling: each
+        chunk gets its remainder or an equal part of what the smaller ones left, at least MIN_CHUNK), so that
+        with ``max_partial_prefills`` > 1 a shorter long prompt is not stuck behind a much longer one."""
+        take = [0] * len(chunks)
+        for i, j in enumerate(sorted(range(len(rem)), key=rem.__getitem__)):
+            take[j] = min(rem[j], max(left // (len(rem) - i), MIN_CHUNK))
+            left -= take[j]
+        for req, r, n in zip(chunks, rem, take):
             start = req.num_computed
-            n = min(r, max(left, MIN_CHUNK))
             req.num_computed += n
-            left -= n
             if req.prod is not None:
                 batch.add(PrefillItem(req.prod.seq, req.prompt_ids[start:start + n]))
                 batch.prod_chunks.append((req, n == r))
@@ -121,6 +139,7 @@ class Scheduler:
             smp = req.samples[0]
             last = req.num_computed == len(req.prompt_ids)
             batch.add(PrefillItem(smp.seq, req.prompt_ids[start:start + n]), (req, smp) if last else None)
+        return left
 
     # ------------------------------------------------------------------ pages and preemption
     def pages_for_running(self) -> int:

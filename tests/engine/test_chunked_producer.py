@@ -130,21 +130,22 @@ def test_producer_is_chunked_and_waiters_hit_it(want, mode):
 
 
 def test_waiters_do_not_block_requests_behind_them(want):
-    """An unrelated short request queued behind a waiting consumer is admitted while the prefix is still PENDING,
-    and finishes before the waiter gets a token; the producer's chunks shrink to make room for it."""
+    """An unrelated short request queued behind a long producer and a waiting consumer is admitted in the first
+    step (a chunked start goes after the jobs that fit whole) while the prefix is still PENDING, and finishes
+    before the waiter gets a token; the producer's first chunk shrinks to make room for it."""
     d = Driver(engine())
     d.add("p", PRE + TAILS["p"])
     d.add("w1", PRE + TAILS["w1"])
     d.add("short", SHORT, QUICK, at=None)
     d.step()
-    assert [r.request_id for r in d.e.waiting] == ["w1", "short"]       # the first chunk took the whole budget
+    assert [r.request_id for r in d.e.waiting] == ["w1"]                # short passed the long producer
     while "short" not in d.done:
         d.step()
         assert "w1" not in d.first_token
     assert d.pending()                                     # done before the producer's prefix is
     d.drain()
     d.check_budget()
-    assert d.steps[1][0] == BUDGET                         # short (10) + the prefix's chunk (54) share step 2
+    assert d.steps[0][0] == BUDGET                         # short (10) + the prefix's first chunk (54) share step 1
     for name in ("p", "w1", "short"):
         assert [c.token_ids for c in d.done[name].outputs] == want[name], name
     assert d.first_token["short"] < d.first_token["p"] and d.first_token["w1"] == d.first_token["p"]

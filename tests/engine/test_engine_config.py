@@ -28,7 +28,8 @@ def test_frozen_validated_and_the_cli_defaults_are_its_own():
     c = EngineConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.max_num_seqs = 3
-    for field, bad in [("max_num_seqs", 0), ("prefill_mode", "x"), ("spec_k", -1), ("spec_draft", "eagle")]:
+    for field, bad in [("max_num_seqs", 0), ("prefill_mode", "x"), ("spec_k", -1), ("spec_draft", "eagle"),
+                       ("max_partial_prefills", 0), ("max_partial_prefills", True)]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(**{field: bad})
     p = argparse.ArgumentParser()

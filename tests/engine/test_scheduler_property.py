@@ -25,7 +25,8 @@ _ref_cache: dict = {}
 @pytest.fixture(scope="module")
 def engines():
     kw = dict(device="cpu", max_num_seqs=6, num_pages=20, page_size=8, max_step_tokens=64)
-    return {"plain": LLM(**kw).engine, "spec": LLM(spec_k=2, **kw).engine,
+    # the spec engine also runs two prompts in partial prefill at once (fair chunk shares), plain one at a time
+    return {"plain": LLM(**kw).engine, "spec": LLM(spec_k=2, max_partial_prefills=2, **kw).engine,
             "ref": LLM(device="cpu", max_num_seqs=8, num_pages=512, auto_checkpoints=False).engine}
 
 
