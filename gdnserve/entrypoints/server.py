@@ -411,7 +411,7 @@ class _Server:
             await outputs.aclose()
         yield "data: [DONE]\n\n"
 
-    async def score(self, req: ScoreRequest) -> dict[str, Any]:
+    async def score(self, request: Request, req: ScoreRequest) -> dict[str, Any]:
         prefix, cands = req.check(self.limits)
         cname = "candidates" if req.items is None else "items"
         pname = "prefix" if req.query is None else "query"
@@ -426,8 +426,8 @@ class _Server:
         labels = req.label_token_ids
         if labels is not None:
             self.check_ids(labels, "label_token_ids")
-        try:
-            result = await self.engine.score(prefix_ids, cand_ids, labels)
+        try:  # a client that goes away cancels the wait, and that aborts the engine's score job
+            result = await _unless_disconnected(request, self.engine.score(prefix_ids, cand_ids, labels))
         except ValueError as e:
             raise APIError(str(e), getattr(e, "param", None)) from None
         data, scores = [], []
@@ -527,7 +527,7 @@ def build_app(engine: AsyncEngineClient, api_key: str | None = None, config: Ser
         srv.auth(request)
         req = await srv.read(request, ScoreRequest)
         srv.check_model(req.model)
-        return await _guarded(_json(srv.score(req)), "score request")
+        return await _guarded(_json(srv.score(request, req)), "score request")
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
