@@ -33,19 +33,15 @@ def _fail(message: str, code: int = 2) -> int:
 
 
 def run_replicas(args: argparse.Namespace) -> int:
-    from gdnserve.engine.config import EngineConfig
     from gdnserve.entrypoints.preflight import PreflightError, bind_socket, check_device, check_model_folder
-    from gdnserve.entrypoints.serve import server_config
+    from gdnserve.entrypoints.serve import engine_config, server_config
     if args.replicas < 1:
         return _fail(f"--replicas must be >= 1, got {args.replicas}")
     if args.replica_cpus <= 0:
         return _fail(f"--replica-cpus must be > 0, got {args.replica_cpus}")
     try:
         config = server_config(args)
-        engine = EngineConfig(model_name=args.model or "gdnserve-embedded", prefill_mode=args.prefill_mode,
-                              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                              num_pages=args.num_pages, spec_k=args.spec_k, spec_mode=args.spec_mode,
-                              spec_draft=args.spec_draft, cuda_graphs=args.cuda_graphs)
+        engine = engine_config(args)
     except ValueError as e:
         return _fail(str(e))
     try:

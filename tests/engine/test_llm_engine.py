@@ -133,7 +133,8 @@ def test_a_failed_step_publishes_nothing(llm):
 
 def test_prompt_logprobs_plain_grouped_and_from_checkpoint(llm):
     """prompt_logprobs equal a plain full-prompt forward: for a plain prompt, for a same-step group (prefix rows
-    from the producer), and None for positions a READY checkpoint covers."""
+    from the producer), and for a prompt whose marked prefix is READY (a checkpoint keeps no logits: the request
+    ignores it and computes the whole prompt)."""
     from gdnserve.engine.model_runner import PrefillItem
     e = llm.engine
     e.evict_checkpoints(len(e.index))
@@ -154,9 +155,53 @@ def test_prompt_logprobs_plain_grouped_and_from_checkpoint(llm):
     marked = llm.generate([PREFIX + "<|state_checkpoint|>tail words"] * 2, p)     # producer + consumers
     check(marked[0])
     check(marked[1])
-    hit = llm.generate(PREFIX + "<|state_checkpoint|>tail words", p)[0]            # READY checkpoint
-    assert hit.checkpoint.hit_length > 0
-    check(hit, covered=hit.checkpoint.hit_length)      # the checkpoint keeps no logits: None up to its first token after
+    again = llm.generate(PREFIX + "<|state_checkpoint|>tail words", p)[0]          # READY checkpoint: not used
+    assert (again.checkpoint.hit_length, again.checkpoint.miss_reason, again.checkpoint.published) == \
+        (0, "prompt_logprobs", False)
+    check(again)
+    hit = llm.generate(PREFIX + "<|state_checkpoint|>tail words", GREEDY)[0]       # without prompt logprobs: a hit
+    assert hit.checkpoint.hit_length == len(e.tokenizer.encode(PREFIX))
+
+
+def full_prompt_logprobs(e, ids: list[int]) -> list[float | None]:
+    """The reference: one plain forward of the whole prompt, every row's logits."""
+    from gdnserve.engine.model_runner import PrefillItem
+    seq = e.runner.new_seq()
+    lp = e.runner.step([PrefillItem(seq, ids, all_logits=True)], []).log_softmax(-1)
+    e.runner.free_seq(seq)
+    return [None] + [float(lp[j - 1, ids[j]]) for j in range(1, len(ids))]
+
+
+def test_prompt_logprobs_skip_automatic_and_marker_checkpoints():
+    """A request that asks for prompt logprobs (echo + logprobs in /v1/completions) gets one at every position but
+    the first, also when an earlier prompt's automatic checkpoint covers its prefix (it was 11 None's after
+    "Hello world") or its marker's checkpoint is READY; it still publishes a marker checkpoint that was absent."""
+    llm = LLM(device="cpu", max_num_seqs=8, num_pages=256)         # automatic checkpoints on
+    e = llm.engine
+    p = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+
+    def check(out):
+        ids = out.prompt_token_ids
+        want, got = full_prompt_logprobs(e, ids), out.prompt_logprobs
+        assert len(got) == len(ids) and got[0] is None and all(got[1:]), got
+        assert all(abs(got[j][ids[j]] - want[j]) < 1e-4 for j in range(1, len(ids)))
+    first = llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=1))[0]
+    assert first.checkpoint.published and len(e.index) == 1           # the automatic checkpoint of "Hello world"
+    again = llm.generate("Hello world, again", p)[0]
+    assert (again.checkpoint.hit_length, again.checkpoint.miss_reason) == (0, "prompt_logprobs")
+    check(again)
+    assert llm.generate("Hello world, again", GREEDY)[0].checkpoint.hit_length == 11   # the cache is still there
+    marked = PREFIX + "<|state_checkpoint|>tail words"
+    a = llm.generate(marked, p)[0]                                     # absent: computed and published
+    assert a.checkpoint.published and a.checkpoint.miss_reason == "absent"
+    check(a)
+    for n in (1, 3):                                                   # READY: ignored, for a fork of n too
+        b = llm.generate(marked, SamplingParams(temperature=0.0, max_tokens=1, n=n, prompt_logprobs=1))[0]
+        assert (b.checkpoint.hit_length, b.checkpoint.miss_reason, b.checkpoint.published) == \
+            (0, "prompt_logprobs", False)
+        check(b)
+    assert e.index.check_integrity() == [] and e.runner.state.check_integrity() == []
+    assert all(c.refcount == 0 for c in e.index._entries.values())
 
 
 def test_automatic_checkpoints_serve_the_next_turn():

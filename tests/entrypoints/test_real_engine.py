@@ -112,6 +112,23 @@ def test_metrics_on_the_real_engine(server, client):
     assert m["process_resident_memory_bytes"] > 0
 
 
+def test_echo_logprobs_after_an_automatic_checkpoint(server):
+    """lm-evaluation-harness scores choices with echo + logprobs: every prompt position but the first has a
+    logprob, also when an earlier request's automatic checkpoint covers the prompt's prefix (the request ignores
+    it; it gave 12 nulls after "Hello world")."""
+    def post(body):
+        r = httpx.post(server + "/v1/completions", json={"max_tokens": 1, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+    post({"prompt": "Hello world"})
+    assert post({"prompt": "Hello world, again"})["gdnserve"]["prompts"][0]["hit_length"] == 11    # the cache hits
+    r = post({"prompt": "Hello world, again", "echo": True, "logprobs": 1})
+    lps, n = r["choices"][0]["logprobs"]["token_logprobs"], r["usage"]["prompt_tokens"]
+    assert len(lps) == n + 1 and lps[0] is None and all(x is not None for x in lps[1:]), lps
+    prov = r["gdnserve"]["prompts"][0]
+    assert (prov["hit_length"], prov["miss_reason"]) == (0, "prompt_logprobs")
+
+
 def test_special_tokens_plain_on_the_real_engine(client):
     r = client.completions.create(model="gdnserve-embedded", prompt="a<|im_end|>b", max_tokens=1)
     assert r.usage.prompt_tokens == 12                                  # the bytes it spells
