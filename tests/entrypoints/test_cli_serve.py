@@ -116,6 +116,17 @@ def test_no_auto_checkpoints_reaches_the_engine():
     assert len(engine.index) == 0
 
 
+def test_replicas_without_ray_names_the_extra(monkeypatch, capsys):
+    """``serve --replicas 2`` where Ray is not installed: one line naming the ``[replicas]`` extra, exit 2 (it was
+    a raw ``No module named 'ray'`` traceback)."""
+    monkeypatch.setitem(sys.modules, "ray", None)          # what a missing package looks like to ``import``
+    monkeypatch.setitem(sys.modules, "ray.serve", None)
+    assert cli.main(["serve", "--replicas", "2", "--device", "cpu", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("gdnserve serve: --replicas needs Ray Serve"), err
+    assert 'pip install "gdnserve[replicas]"' in err
+
+
 def test_score_command(capsys):
     assert cli.main(["score", "Is it good? Answer:", " yes", " no", "--device", "cpu", "--labels", "121,110",
                      "--softmax", "--json"]) == 0
