@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from gdnserve.engine.checkpoint_index import boundary_prefix, score_prefix
 from gdnserve.engine.engine_api import CheckpointInfo
+from gdnserve.engine.intake import fork_pages
 from gdnserve.engine.model_runner import PrefillItem
 from gdnserve.engine.request import Producer, Request, ScoreJob
 from gdnserve.engine.step_batch import ScoreWave, StepBatch
@@ -89,6 +90,9 @@ def _plan(s: Scheduler, req: Request, p: AdmitPass) -> _Plan | None:
     ck, n, ids, c = s.kv.checkpoints, len(req.samples), req.prompt_ids, req.checkpoint_at
     fresh = req.params.prompt_logprobs is not None
     auto = ck.longest_hit(ids) if c is None and s.cfg.auto_checkpoints and not fresh else None
+    if auto is not None and n > 1 and fork_pages(s.cfg, len(ids), req.params.max_tokens, n, auto.length) > \
+            s.cfg.num_pages:             # intake counted a fork at the prompt minus its last token, not this one
+        auto = None
     if auto is not None:                 # an earlier request's state covers a prefix of this prompt
         pl = _Plan(auto.length, tuple(ids[:auto.length]), hit=auto)
     else:

@@ -14,7 +14,12 @@ from gdnserve.engine.sampling_params import SamplingParams
 
 
 class RequestError(ValueError):
-    """A request the engine refuses; the message names the problem (the server answers 400)."""
+    """A request the engine refuses; the message names the problem (the server answers 400), ``param`` the request
+    field to blame when there is one (the server's error ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(eq=False)

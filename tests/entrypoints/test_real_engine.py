@@ -129,6 +129,18 @@ def test_echo_logprobs_after_an_automatic_checkpoint(server):
     assert (prov["hit_length"], prov["miss_reason"]) == (0, "prompt_logprobs")
 
 
+def test_n_samples_of_a_long_marked_prefix_fit(server):
+    """n = 32 samples of an 800-token marked prefix share its pages (~82 of the 1024, not 32 x 51 = 1632: it was
+    refused); a request that really does not fit is refused naming n."""
+    r = httpx.post(server + "/v1/completions", json={"prompt": "p" * 800 + MARK + " tail", "n": 32, "max_tokens": 2},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 32 and r.json()["gdnserve"]["prompts"][0]["published"]
+    r = httpx.post(server + "/v1/completions", json={"prompt": "x", "n": 32, "max_tokens": 4000}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert "KV pages" in r.json()["error"]["message"]
+
+
 def test_special_tokens_plain_on_the_real_engine(client):
     r = client.completions.create(model="gdnserve-embedded", prompt="a<|im_end|>b", max_tokens=1)
     assert r.usage.prompt_tokens == 12                                  # the bytes it spells
