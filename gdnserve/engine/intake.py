@@ -101,20 +101,24 @@ def make_score_job(cfg: EngineConfig, tokenizer, vocab_size: int, request_id: st
     p_ids = enc(prefix)
     c_ids = [enc(c) for c in candidates]
     if not p_ids:
-        raise RequestError("prefix is empty")
+        raise RequestError("prefix is empty", "prefix")
     if not c_ids:
-        raise RequestError("candidates is empty")
+        raise RequestError("candidates is empty", "candidates")
     for i, c in enumerate(c_ids):
         if not c:
-            raise RequestError(f"candidates[{i}] is empty")
-        if len(p_ids) + len(c) + 1 > cfg.max_model_len:
-            raise RequestError(f"candidates[{i}]: prefix + candidate exceed the context length {cfg.max_model_len}")
+            raise RequestError(f"candidates[{i}] is empty", f"candidates[{i}]")
+        if len(p_ids) + len(c) + 1 > cfg.max_model_len:   # + the next token, whose label probabilities it gives
+            raise RequestError(f"candidates[{i}]: prefix + candidate ({len(p_ids)} + {len(c)} tokens) and the next "
+                               f"token exceed the context length {cfg.max_model_len}", f"candidates[{i}]")
         need = _pages(cfg, len(p_ids) + len(c) + 1) + 1
         if need > cfg.num_pages:
             raise RequestError(f"candidates[{i}]: prefix ({len(p_ids)} tokens) + candidate ({len(c)}) need {need} KV "
-                               f"pages of {cfg.page_size}, the pool has {cfg.num_pages}")
+                               f"pages of {cfg.page_size}, the pool has {cfg.num_pages}", f"candidates[{i}]")
     labels = list(label_token_ids or [])
     bad = [t for t in labels if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad or any(not 0 <= t < vocab_size for c in [p_ids, *c_ids] for t in c):
-        raise RequestError(f"label_token_ids / token ids outside the vocabulary 0..{vocab_size - 1}: {bad[:4]}")
+        raise RequestError(f"label_token_ids / token ids outside the vocabulary 0..{vocab_size - 1}: {bad[:4]}",
+                           "label_token_ids" if bad else None)
+    if len(set(labels)) != len(labels):     # one probability per label: label_probs would silently merge them
+        raise RequestError(f"label_token_ids holds a token id twice: {labels}", "label_token_ids")
     return ScoreJob(request_id, p_ids, c_ids, labels or None, list(range(len(c_ids))), [None] * len(c_ids))

@@ -237,8 +237,9 @@ class _Server:
         return self.checked(ids, None, checkpoint_at, param, None)
 
     def chat_prompt(self, req: ChatCompletionRequest) -> _Prompt:
+        messages = req.plain_messages()  # outside the try: a content part it refuses names itself, not the template
         try:
-            ids, offset, _ = self.tok.encode_chat(req.plain_messages(), special=self.special(req))
+            ids, offset, _ = self.tok.encode_chat(messages, special=self.special(req))
         except ValueError as e:  # MarkerError (a marker in a message): the client's
             raise APIError(f"messages: {e}", "messages") from None
         except Exception as e:  # a template that refuses the messages (raise_exception) is the client's fault
@@ -420,16 +421,21 @@ class _Server:
         cand_ids = [self.score_ids(c, f"{cname}[{j}]", special) for j, c in enumerate(cands)]
         limit = self.engine.max_model_len
         for j, c in enumerate(cand_ids):
-            if len(prefix_ids) + len(c) > limit:
+            # the engine's rule: the context holds prefix + candidate and the next token (label_token_ids score it)
+            if len(prefix_ids) + len(c) + 1 > limit:
                 raise APIError(f"{pname} + {cname}[{j}] is {len(prefix_ids) + len(c)} tokens; this model's "
-                               f"context length is {limit}", f"{cname}[{j}]")
+                               f"context length is {limit}, so at most {limit - 1} (room for the next token)",
+                               f"{cname}[{j}]")
         labels = req.label_token_ids
         if labels is not None:
             self.check_ids(labels, "label_token_ids")
         try:  # a client that goes away cancels the wait, and that aborts the engine's score job
             result = await _unless_disconnected(request, self.engine.score(prefix_ids, cand_ids, labels))
         except ValueError as e:
-            raise APIError(str(e), getattr(e, "param", None)) from None
+            param = getattr(e, "param", None)     # the engine's names; the client's may be query / items
+            if param is not None:
+                param = param.replace("candidates", cname, 1).replace("prefix", pname, 1)
+            raise APIError(str(e), param) from None
         data, scores = [], []
         for c in result.candidates:
             probs = None

@@ -111,6 +111,12 @@ def test_score_equals_full_sequence_logprobs(llm):
         assert got.checkpoint.hit_length == len(p)
     with pytest.raises(RequestError, match="candidates\\[1\\] is empty"):
         e.score(prefix, ["a", ""])
+    with pytest.raises(RequestError, match="context length") as err:   # the context must hold the next token too
+        e.score(prefix, ["a", "b" * (e.max_model_len - len(p))])
+    assert err.value.param == "candidates[1]"
+    with pytest.raises(RequestError, match="twice") as err:
+        e.score(prefix, ["a"], label_token_ids=[3, 5, 3])
+    assert err.value.param == "label_token_ids"
     assert len(e.index) == 1                     # the prefix stays cached as a READY checkpoint, evictable
     e.evict_checkpoints(len(e.index))
     assert e.runner.state.num_free == e.runner.state.num_slots

@@ -68,6 +68,12 @@ def test_score_endpoint(server):
     assert len(body["data"]) == 2 and abs(sum(body["scores"][0]) - 1) < 1e-5
     bad = httpx.post(server + "/v1/score", json={"prefix": PREFIX, "candidates": []}, timeout=10)
     assert bad.status_code == 400 and "candidates" in bad.text
+    # prefix + candidate exactly at the context length: the server refuses as the engine would, naming the item
+    edge = httpx.post(server + "/v1/score", json={"query": [5] * 4000, "items": [[6], [7] * 96]}, timeout=10)
+    assert edge.status_code == 400 and edge.json()["error"]["param"] == "items[1]", edge.text
+    dup = httpx.post(server + "/v1/score", json={"prefix": PREFIX, "candidates": [" yes"],
+                                                 "label_token_ids": [121, 110, 121]}, timeout=10)
+    assert dup.status_code == 400 and dup.json()["error"]["param"] == "label_token_ids", dup.text
 
 
 def test_concurrent_streams_mixing_groups_and_plain_prompts(client, server):

@@ -225,6 +225,13 @@ BAD = [
     (S, {"candidates": ["b"]}, 400, "prefix"),
     (S, {"prefix": "a", "query": "a", "candidates": ["b"]}, 400, "prefix"),
     (S, {"prefix": "a" * 250, "candidates": ["b" * 10]}, 400, "candidates[0]"),
+    (S, {"prefix": "a" * 250, "candidates": ["b" * 6]}, 400, "candidates[0]"),      # exactly the context: no room
+    (S, {"query": "a" * 250, "items": ["b", "b" * 6]}, 400, "items[1]"),            # for the next token
+    (S, {"prefix": "a", "candidates": ["b"], "label_token_ids": [5, 7, 5]}, 400, "label_token_ids"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                    {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     400, "messages[0].content[1].type"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].content[0].text"),
     (C, {"prompt": "a" * (MAX_LEN + 5)}, 400, "prompt"),
     (CH, {"messages": [{"role": "user", "content": "a" * MAX_LEN}]}, 400, "messages"),
     (C, {"prompt": "a" * 100, "max_tokens": 200}, 400, "max_tokens"),
