@@ -84,7 +84,8 @@ class _Job:
 async def _outputs(engine: AsyncEngineClient, gens: list[GenerateRequest],
                    timer: RequestTimer) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The engine's outputs of several requests, merged as they come. Leaving early (an error, a client
-    that went away, a cancelled task) aborts every request that has not finished."""
+    that went away, a cancelled task) aborts every request that has not finished; unless the engine refused the
+    HTTP request (a 400), their samples count as finished by ``abort`` in the metrics."""
     queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
     async def pump(i: int, req: GenerateRequest) -> None:
@@ -101,10 +102,12 @@ async def _outputs(engine: AsyncEngineClient, gens: list[GenerateRequest],
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
     live, finished = set(range(len(gens))), set()
+    refused = False
     try:
         while live:
             i, item = await queue.get()
             if isinstance(item, ValueError):
+                refused = True
                 raise APIError(str(item), getattr(item, "param", None)) from item
             if isinstance(item, Exception):
                 raise item
@@ -127,6 +130,8 @@ async def _outputs(engine: AsyncEngineClient, gens: list[GenerateRequest],
             for i, g in enumerate(gens):
                 if i not in finished:
                     await engine.abort(g.request_id)
+                    if not refused:
+                        timer.aborted(i, g.params.n)
 
 
 async def _wait_disconnect(request: Request) -> None:
