@@ -165,6 +165,14 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def max_n(engine, limit: int) -> int:
+    """The most samples per prompt a request can get: ``--max-n``, the engine's SamplingParams cap, its
+    ``max_num_seqs`` and its state slots (the n samples and their fork)."""
+    from gdnserve.engine.sampling_params import MAX_N
+    cfg = getattr(engine, "config", None)
+    return min(limit, MAX_N, *((cfg.max_num_seqs, cfg.slots - 1) if isinstance(cfg, EngineConfig) else ()))
+
+
 def banner(engine, args: argparse.Namespace, config: ServerConfig, port: int, load_s: float) -> str:
     """What is being served, how, and where: printed once the model is loaded."""
     st = engine.stats() if hasattr(engine, "stats") else {}
@@ -172,6 +180,7 @@ def banner(engine, args: argparse.Namespace, config: ServerConfig, port: int, lo
     device, dtype = getattr(runner, "device", "?"), str(getattr(runner, "dtype", "?")).removeprefix("torch.")
     page = getattr(getattr(runner, "rc", None), "page_size", 16)
     lim = config.limits
+    n_cap = max_n(engine, lim.max_n)
     what = "embedded tiny model, random weights: its text is noise" if args.model is None else args.model
     lines = [
         f"gdnserve: serving {getattr(engine, 'model_name', '?')} ({what}); loaded in {load_s:.1f} s",
@@ -180,7 +189,8 @@ def banner(engine, args: argparse.Namespace, config: ServerConfig, port: int, lo
         f"{'on' if getattr(getattr(engine, 'config', None), 'auto_checkpoints', args.auto_checkpoints) else 'off'}"
         f"{f', tensor parallel {args.tensor_parallel_size} ranks' if getattr(args, 'tensor_parallel_size', 1) > 1 else ''}",
         f"  pools: {st.get('state_pool_total')} state slots, {st.get('page_pool_total')} KV pages x {page} tokens",
-        f"  limits: body {lim.max_body_bytes} B, {lim.max_prompts} prompts/request, n <= {lim.max_n}, "
+        f"  limits: body {lim.max_body_bytes} B, {lim.max_prompts} prompts/request, n <= {n_cap}"
+        f"{f' (--max-n {lim.max_n}, capped by the engine)' if n_cap < lim.max_n else ''}, "
         f"{lim.max_stop} stop strings x {lim.max_stop_chars} chars, JSON depth {lim.max_json_depth}, "
         f"{lim.max_candidates} score candidates",
         f"  access: API key {'required' if config.api_key else 'none'}"

@@ -102,7 +102,10 @@ def test_no_auto_checkpoints_reaches_the_engine():
     args = parse("--no-auto-checkpoints", "--max-num-seqs", "4", "--num-pages", "64")
     engine = load_engine(device="cpu", config=serve.engine_config(args))
     assert engine.config.auto_checkpoints is False
-    assert "automatic checkpoints off" in serve.banner(engine, args, serve.server_config(args), 8000, 0.1)
+    text = serve.banner(engine, args, serve.server_config(args), 8000, 0.1)
+    assert "automatic checkpoints off" in text and "n <= 4 (--max-n 64, capped by the engine)" in text
+    args.max_n = 3
+    assert ", n <= 3, " in serve.banner(engine, args, serve.server_config(args), 8000, 0.1)
     served = Served(AsyncEngine(engine))
     try:
         with httpx.Client(base_url=served.url, timeout=60) as c:

@@ -104,6 +104,7 @@ def test_banner(server):
     banner = text[text.index("gdnserve: serving"):]
     assert "gdnserve-embedded" in banner and "device cpu, dtype float32" in banner
     assert "66 state slots, 1024 KV pages x 16 tokens" in banner  # 2 * max_num_seqs + 2 slots
+    assert "n <= 32 (--max-n 64, capped by the engine)" in banner  # what the engine holds, not the flag's 64
     assert f"listening on {server}" in banner and "API key none" in banner
 
 
