@@ -292,7 +292,9 @@ def _score_source(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass):
         return None
     if job.entry is not None:
         return "ready", ck.kv_of(job.entry)
+    hit = CheckpointInfo(hit_length=len(job.prefix_ids))
     if key in p.producers:
+        job.checkpoint = job.checkpoint or hit
         return "producer", p.producers[key]
     if key in s.producing:
         return None
@@ -300,7 +302,7 @@ def _score_source(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass):
     if look.hit:
         ck.acquire(look.entry)
         batch.acquired.append(look.entry)
-        job.hit = True
+        job.checkpoint = job.checkpoint or hit    # a later wave of a job that published it keeps saying so
         return "ready", ck.kv_of(look.entry)
     if look.entry is not None:                    # PENDING under another producer
         return None
@@ -315,6 +317,10 @@ def _score_source(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass):
         return None
     entry, prod = ck.reserve(key, s.kv.pages)
     p.reserved += s.kv.pages_for(len(key))
+    miss = look.reason.value                      # counted as a marker's producer counts its publication
+    job.checkpoint = CheckpointInfo(miss_reason=miss, published=True)
+    s.counters["checkpoints_published"] += 1
+    s.counters["checkpoint_misses"][miss] = s.counters["checkpoint_misses"].get(miss, 0) + 1
     if chunked:
         job.entry, job.prod = entry, prod         # a long prefix: chunk by chunk into the PENDING checkpoint
         s.producing[key] = job
@@ -355,7 +361,10 @@ def admit_score(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass) -> 
     if wave.cands:
         batch.waves.append(wave)
         s.counters["prompt_tokens"] += sum(len(job.candidates[i]) for i in wave.cands)
-        s.counters["checkpoint_hits"] += len(wave.cands)
+        info = job.checkpoint or CheckpointInfo()
+        if info.published or info.hit_length:     # (a one-token prefix starts from zeros: no checkpoint)
+            publisher = info.published and job.publisher in (None, *wave.cands)   # reports the publication
+            s.counters["checkpoint_hits"] += len(wave.cands) - publisher
     if not job.todo:
         s.waiting.remove(job)
         return ADMITTED

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from gdnserve.engine.engine_api import CheckpointInfo
 from gdnserve.engine.llm_engine import RequestError
 from gdnserve.engine.sampling_params import SamplingParams
 from gdnserve.entrypoints.llm import LLM
@@ -108,7 +109,7 @@ def test_score_equals_full_sequence_logprobs(llm):
         assert abs(got.sum_logprob - want) < 1e-4 and got.num_tokens == len(ids) - len(p)
         probs = logits[-1].softmax(-1)
         assert abs(got.label_probs[2] - float(probs[2])) < 1e-5
-        assert got.checkpoint.hit_length == len(p)
+        assert got.checkpoint == (CheckpointInfo(0, "absent", True) if i == 0 else CheckpointInfo(len(p)))
     with pytest.raises(RequestError, match="candidates\\[1\\] is empty"):
         e.score(prefix, ["a", ""])
     with pytest.raises(RequestError, match="context length") as err:   # the context must hold the next token too
@@ -167,6 +168,35 @@ def test_prompt_logprobs_plain_grouped_and_from_checkpoint(llm):
     check(again)
     hit = llm.generate(PREFIX + "<|state_checkpoint|>tail words", GREEDY)[0]       # without prompt logprobs: a hit
     assert hit.checkpoint.hit_length == len(e.tokenizer.encode(PREFIX))
+
+
+def test_score_provenance_as_completions_report_it(llm):
+    """A score job reports its prefix checkpoint as a request reports its marker's: the first candidate scored
+    after the job published the prefix says so (hit_length 0, miss_reason "absent", published, like the marked
+    request that publishes), the others started from it (like same-step consumers), also across waves and for a
+    prefix produced chunk by chunk; a later job hits it with every candidate; the counters count the publication,
+    its miss and the hits. (Every candidate said hit_length = the prefix and published false.)"""
+    e = llm.engine
+    e.evict_checkpoints(len(e.index))
+    prefix = "Provenance check: which one fits best? Answer:"
+    p = len(e.tokenizer.encode(prefix))
+    c0 = dict(e.counters, checkpoint_misses=dict(e.counters["checkpoint_misses"]))
+    first = e.score(prefix, [f" c{i}" for i in range(40)])            # 40 candidates > 34 slots: two waves or more
+    assert [c.checkpoint for c in first.candidates] == [CheckpointInfo(0, "absent", True)] + [CheckpointInfo(p)] * 39
+    assert e.counters["checkpoints_published"] == c0["checkpoints_published"] + 1
+    assert e.counters["checkpoint_misses"]["absent"] == c0["checkpoint_misses"].get("absent", 0) + 1
+    assert e.counters["checkpoint_hits"] == c0["checkpoint_hits"] + 39
+    again = e.score(prefix, [" a", " b"])
+    assert [c.checkpoint for c in again.candidates] == [CheckpointInfo(p)] * 2
+    marked = llm.generate("Provenance of a marked prompt: <|state_checkpoint|>tail", GREEDY)[0].checkpoint
+    assert marked == CheckpointInfo(0, "absent", True) == first.candidates[0].checkpoint
+    assert [c.checkpoint for c in e.score("Q", [" a", " b"]).candidates] == [CheckpointInfo()] * 2   # zeros
+    chunked = LLM(device="cpu", max_num_seqs=4, num_pages=128, max_step_tokens=64, auto_checkpoints=False).engine
+    long_prefix = "A long prefix, produced chunk by chunk over several steps. " * 3
+    got = chunked.score(long_prefix, [" x", " y", " z"])
+    q = len(chunked.tokenizer.encode(long_prefix))
+    assert [c.checkpoint for c in got.candidates] == [CheckpointInfo(0, "absent", True)] + [CheckpointInfo(q)] * 2
+    assert chunked.counters["checkpoints_published"] == 1 and chunked.index.check_integrity() == []
 
 
 def full_prompt_logprobs(e, ids: list[int]) -> list[float | None]:

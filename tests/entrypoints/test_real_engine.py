@@ -66,6 +66,14 @@ def test_score_endpoint(server):
     assert r.status_code == 200, r.text
     body = r.json()
     assert len(body["data"]) == 2 and abs(sum(body["scores"][0]) - 1) < 1e-5
+    # provenance as completions report a marker's checkpoint: the job publishes its prefix (the first candidate
+    # says so), the other candidates and a later job's start from it
+    fresh = {"prefix": "A prefix no request has used yet: is it good? Answer:", "candidates": [" yes", " no"]}
+    first, again = (httpx.post(server + "/v1/score", json=fresh, timeout=60).json() for _ in range(2))
+    n = first["gdnserve"]["prefix_tokens"]
+    assert [(d["gdnserve"]["hit_length"], d["gdnserve"]["miss_reason"], d["gdnserve"]["published"])
+            for d in first["data"]] == [(0, "absent", True), (n, None, False)]
+    assert [(d["gdnserve"]["hit_length"], d["gdnserve"]["published"]) for d in again["data"]] == [(n, False)] * 2
     bad = httpx.post(server + "/v1/score", json={"prefix": PREFIX, "candidates": []}, timeout=10)
     assert bad.status_code == 400 and "candidates" in bad.text
     # prefix + candidate exactly at the context length: the server refuses as the engine would, naming the item
