@@ -29,6 +29,7 @@ from gdnserve.engine.checkpoint_index import (
     score_prefix,
 )
 from gdnserve.engine.engine_api import CheckpointInfo
+from gdnserve.engine.intake import fork_pages
 from gdnserve.engine.model_runner import PrefillItem
 from gdnserve.engine.request import Job, Producer, Request, ScoreJob
 from gdnserve.engine.step_batch import ScoreWave, StepBatch
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from gdnserve.engine.scheduler import Scheduler
 
 ADMITTED, SKIP, STOP, LONG = "admitted", "skip", "stop", "long"
+NO_CACHE = "prompt_logprobs"   # miss_reason of a request that asked for prompt logprobs: it used no cached state
 MIN_CHUNK = 32   # smallest prefill chunk of a long prompt, so a busy step still makes progress on it
 
 
@@ -136,25 +138,39 @@ class _Plan:
     chunk: int | None = None
     prod_chunk: int | None = None
     hkey: bytes | None = None        # checkpoint_key(key) when computed from the request's intake bytes
+    publish: bool = False            # a new producer publishes the prefix as a checkpoint (else: a fork temporary)
 
 
 def _plan(s: Scheduler, req: Request, p: AdmitPass) -> _Plan | None:
     """Where the request's state starts (a READY checkpoint, a same-step producer, its own producer, zeros)
-    and what it costs. None: its checkpoint prefix is PENDING under a chunked producer (wait for READY)."""
+    and what it costs. None: its checkpoint prefix is PENDING under a chunked producer (wait for READY).
+    A request that wants prompt logprobs starts from no cached state (a checkpoint keeps no logits; vLLM skips
+    its prefix cache for these too): no automatic hit, and a marker whose checkpoint is READY or PENDING is
+    ignored (the whole prompt computed, nothing published); a marker whose checkpoint is absent publishes it."""
     ck, n, ids, c = s.kv.checkpoints, len(req.samples), req.prompt_ids, req.checkpoint_at
-    auto = ck.longest_hit(ids) if c is None and s.cfg.auto_checkpoints else None
+    fresh = req.params.prompt_logprobs is not None
+    auto = ck.longest_hit(ids) if c is None and s.cfg.auto_checkpoints and not fresh else None
+    if auto is not None and n > 1 and fork_pages(s.cfg, len(ids), req.params.max_tokens, n, auto.length) > \
+            s.cfg.num_pages:             # intake counted a fork at the prompt minus its last token, not this one
+        auto = None
     if auto is not None:                 # an earlier request's state covers a prefix of this prompt
         pl = _Plan(auto.length, tuple(ids[:auto.length]), hit=auto)
     else:
-        split = c if c is not None else (len(ids) - 1 if n > 1 and len(ids) > 1 else None)
-        pl = _Plan(split, boundary_prefix(ids, split))
+        pl = _unshared(ids, n) if c is None else _Plan(c, boundary_prefix(ids, c), publish=True)
+        if c is None and fresh and s.cfg.auto_checkpoints:
+            pl.miss = NO_CACHE
     if c is not None and pl.key not in p.producers:
-        if pl.key in s.producing:
+        pending = pl.key in s.producing          # under a chunked producer
+        if pending and not fresh:
             return None
         pl.hkey = req.prefix_key(pl.split)
-        look = ck.lookup(pl.key, pl.hkey)
-        pl.hit = look.entry if look.hit else None
-        pl.miss = None if look.hit else look.reason.value
+        look = None if pending else ck.lookup(pl.key, pl.hkey)
+        if fresh and (pending or look.hit):
+            pl = _unshared(ids, n)
+            pl.miss = NO_CACHE
+        else:
+            pl.hit = look.entry if look.hit else None
+            pl.miss = None if look.hit else look.reason.value
     pl.new_producer = pl.key is not None and pl.key not in p.producers and pl.hit is None
     tail = len(ids) if pl.split is None else len(ids) - pl.split
     pl.cost = tail * n + (pl.split if pl.new_producer else 0)
@@ -164,6 +180,12 @@ def _plan(s: Scheduler, req: Request, p: AdmitPass) -> _Plan | None:
     else:
         pl.pages = n * s.kv.pages_for(tail, shared=pl.split) + (s.kv.pages_for(pl.split) if pl.new_producer else 0)
     return pl
+
+
+def _unshared(ids: list[int], n: int) -> _Plan:
+    """No checkpoint: one plain prefill, or n > 1 samples forked from the prompt minus its last token."""
+    split = len(ids) - 1 if n > 1 and len(ids) > 1 else None
+    return _Plan(split, boundary_prefix(ids, split))
 
 
 def _chunking(s: Scheduler, req: Request, pl: _Plan, p: AdmitPass) -> None:
@@ -242,7 +264,7 @@ def admit_fresh(s: Scheduler, req: Request, batch: StepBatch, p: AdmitPass) -> s
 
 
 def _producer_item(s: Scheduler, req: Request, pl: _Plan, batch: StepBatch, p: AdmitPass) -> None:
-    if req.checkpoint_at is not None:     # publish the prefix as a checkpoint: PENDING now, READY after the step
+    if pl.publish:                        # publish the prefix as a checkpoint: PENDING now, READY after the step
         entry, prod = s.kv.checkpoints.reserve(pl.key, s.kv.pages, pl.hkey)
         req.checkpoint = CheckpointInfo(hit_length=0, miss_reason=pl.miss, published=True)
         s.counters["checkpoints_published"] += 1
@@ -267,6 +289,8 @@ def _commit_fresh(s: Scheduler, req: Request, pl: _Plan, batch: StepBatch, p: Ad
     batch.join(req, admitted=True)
     ids, want_all = req.prompt_ids, req.params.prompt_logprobs is not None
     ckpt = None
+    if pl.miss == NO_CACHE:
+        req.checkpoint = CheckpointInfo(miss_reason=NO_CACHE)
     if pl.new_producer:
         _producer_item(s, req, pl, batch, p)
     elif pl.hit is not None:              # acquired; released after the step
@@ -361,7 +385,9 @@ def _score_source(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass):
         return None
     if job.entry is not None:
         return "ready", ck.kv_of(job.entry)
+    hit = CheckpointInfo(hit_length=len(job.prefix_ids))
     if key in p.producers:
+        job.checkpoint = job.checkpoint or hit
         return "producer", p.producers[key]
     if key in s.producing:
         return None
@@ -369,7 +395,7 @@ def _score_source(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass):
     if look.hit:
         ck.acquire(look.entry)
         batch.acquired.append(look.entry)
-        job.hit = True
+        job.checkpoint = job.checkpoint or hit    # a later wave of a job that published it keeps saying so
         return "ready", ck.kv_of(look.entry)
     if look.entry is not None:                    # PENDING under another producer
         return None
@@ -388,6 +414,10 @@ def _score_source(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass):
         return None
     entry, prod = ck.reserve(key, s.kv.pages)
     p.reserved += s.kv.pages_for(len(key))
+    miss = look.reason.value                      # counted as a marker's producer counts its publication
+    job.checkpoint = CheckpointInfo(miss_reason=miss, published=True)
+    s.counters["checkpoints_published"] += 1
+    s.counters["checkpoint_misses"][miss] = s.counters["checkpoint_misses"].get(miss, 0) + 1
     if chunked:
         job.entry, job.prod = entry, prod         # a long prefix: chunk by chunk into the PENDING checkpoint
         s.producing[key] = job
@@ -429,7 +459,10 @@ def admit_score(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass) -> 
     if wave.cands:
         batch.waves.append(wave)
         s.counters["prompt_tokens"] += sum(len(job.candidates[i]) for i in wave.cands)
-        s.counters["checkpoint_hits"] += len(wave.cands)
+        info = job.checkpoint or CheckpointInfo()
+        if info.published or info.hit_length:     # (a one-token prefix starts from zeros: no checkpoint)
+            publisher = info.published and job.publisher in (None, *wave.cands)   # reports the publication
+            s.counters["checkpoint_hits"] += len(wave.cands) - publisher
     if not job.todo:
         s.waiting.remove(job)
         return ADMITTED

@@ -75,7 +75,8 @@ class AsyncEngine:
         try:
             return await fut
         finally:
-            if self._futures.pop(job.request_id, None) is not None and not fut.done():
+            # a cancelled caller (its client went away) cancels ``fut`` too: abort unless a result came
+            if self._futures.pop(job.request_id, None) is not None and (fut.cancelled() or not fut.done()):
                 self._post(("abort", job.request_id))
 
     def stats(self) -> dict[str, Any]:

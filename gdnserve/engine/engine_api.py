@@ -36,7 +36,8 @@ class EngineDeadError(RuntimeError):
 class CheckpointInfo:
     """Where a request's state came from. ``hit_length``: prompt tokens covered by the checkpoint it
     started from (0 on a miss); ``miss_reason``: why the lookup missed (``MissReason`` values: absent,
-    pending, evicted, collision; or e.g. "disabled"), None on a hit; ``published``: whether this
+    pending, evicted, collision; "prompt_logprobs": not looked up, the request wants every prompt position's
+    logits), None on a hit; ``published``: whether this
     request published a checkpoint (at its marker / ``checkpoint_at``, or the automatic one at its end)."""
     hit_length: int = 0
     miss_reason: str | None = None

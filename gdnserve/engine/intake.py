@@ -1,7 +1,8 @@
 """Requests at the public boundary: tokenized, validated and checked against the engine's capacity before they
-are queued. A request that can never fit (``n`` samples beyond ``max_num_seqs`` or the state slots, or
-``n × (prompt + max_tokens)`` tokens of KV pages beyond the pool) is refused here with the numbers, never
-admitted to wait forever. Pure functions of the frozen config: safe to call from any thread."""
+are queued. A request that can never fit (``n`` samples beyond ``max_num_seqs`` or the state slots, or the KV
+pages of ``n × (prompt + max_tokens)`` tokens, the prompt's shared pages counted once, beyond the pool) is refused
+here with the numbers, never admitted to wait forever. Pure functions of the frozen config: safe to call from any
+thread."""
 from __future__ import annotations
 
 from array import array
@@ -35,6 +36,25 @@ def _pages(cfg: EngineConfig, tokens: int) -> int:
     return -(-tokens // cfg.page_size)
 
 
+def fork_pages(cfg: EngineConfig, prompt: int, max_tokens: int, n: int, shared: int) -> int:
+    """KV pages, at most, of n samples forked from a producer of the first ``shared`` prompt tokens: the producer
+    holds the prefix's pages, the samples share its full ones and each holds the rest of its own sequence (the
+    partial page copied) up to prompt + max_tokens tokens. (Admission takes an automatic hit for n > 1 samples
+    only where this fits the pool: a short shared prefix can need more than the request was admitted for.)"""
+    return _pages(cfg, shared) + n * (_pages(cfg, prompt + max_tokens) - shared // cfg.page_size)
+
+
+def _sample_pages(cfg: EngineConfig, prompt: int, max_tokens: int, n: int, checkpoint_at: int | None
+                  ) -> tuple[int, int]:
+    """(KV pages the n samples of a request need at most, the prompt tokens whose pages they share). n > 1 samples
+    fork at its marker or, without one (or when they ignore it for prompt logprobs, or are recomputed after a
+    preemption), at the prompt minus its last token: the larger need counts."""
+    if n == 1 or prompt == 1:
+        return n * _pages(cfg, prompt + max_tokens), 0
+    forks = {prompt - 1} | ({checkpoint_at} if checkpoint_at else set())
+    return max((fork_pages(cfg, prompt, max_tokens, n, s), s) for s in forks)
+
+
 def make_request(cfg: EngineConfig, tokenizer, vocab_size: int, request_id: str, prompt: str | list[int],
                  params: SamplingParams, checkpoint_at: int | None = None) -> Request:
     if not isinstance(params, SamplingParams):
@@ -61,14 +81,16 @@ def make_request(cfg: EngineConfig, tokenizer, vocab_size: int, request_id: str,
     n = params.n
     if n > cfg.max_num_seqs:
         raise RequestError(f"n: {n} samples exceed max_num_seqs = {cfg.max_num_seqs} (the engine's concurrently "
-                           "running sequences)")
+                           "running sequences)", "n")
     if n + 1 > cfg.slots:
-        raise RequestError(f"n: {n} samples (+1 for their fork) need {n + 1} state slots, the pool has {cfg.slots}")
-    need = n * _pages(cfg, len(ids) + params.max_tokens)
+        raise RequestError(f"n: {n} samples (+1 for their fork) need {n + 1} state slots, the pool has {cfg.slots}",
+                           "n")
+    need, shared = _sample_pages(cfg, len(ids), params.max_tokens, n, checkpoint_at)
     if need > cfg.num_pages:
         raise RequestError(f"n x (prompt + max_tokens) = {n} x ({len(ids)} + {params.max_tokens}) tokens need "
-                           f"{need} KV pages of {cfg.page_size}, the pool has {cfg.num_pages}; send fewer samples "
-                           "or a smaller max_tokens")
+                           f"{need} KV pages of {cfg.page_size}"
+                           f"{f' (sharing the first {shared} prompt tokens)' if shared else ''}, the pool has "
+                           f"{cfg.num_pages}; send fewer samples or a smaller max_tokens", "n")
     return Request(request_id, ids, params, checkpoint_at,
                    [Sample(i, IncrementalDetokenizer(tokenizer)) for i in range(n)], prompt_i32=i32)
 
@@ -79,20 +101,24 @@ def make_score_job(cfg: EngineConfig, tokenizer, vocab_size: int, request_id: st
     p_ids = enc(prefix)
     c_ids = [enc(c) for c in candidates]
     if not p_ids:
-        raise RequestError("prefix is empty")
+        raise RequestError("prefix is empty", "prefix")
     if not c_ids:
-        raise RequestError("candidates is empty")
+        raise RequestError("candidates is empty", "candidates")
     for i, c in enumerate(c_ids):
         if not c:
-            raise RequestError(f"candidates[{i}] is empty")
-        if len(p_ids) + len(c) + 1 > cfg.max_model_len:
-            raise RequestError(f"candidates[{i}]: prefix + candidate exceed the context length {cfg.max_model_len}")
+            raise RequestError(f"candidates[{i}] is empty", f"candidates[{i}]")
+        if len(p_ids) + len(c) + 1 > cfg.max_model_len:   # + the next token, whose label probabilities it gives
+            raise RequestError(f"candidates[{i}]: prefix + candidate ({len(p_ids)} + {len(c)} tokens) and the next "
+                               f"token exceed the context length {cfg.max_model_len}", f"candidates[{i}]")
         need = _pages(cfg, len(p_ids) + len(c) + 1) + 1
         if need > cfg.num_pages:
             raise RequestError(f"candidates[{i}]: prefix ({len(p_ids)} tokens) + candidate ({len(c)}) need {need} KV "
-                               f"pages of {cfg.page_size}, the pool has {cfg.num_pages}")
+                               f"pages of {cfg.page_size}, the pool has {cfg.num_pages}", f"candidates[{i}]")
     labels = list(label_token_ids or [])
     bad = [t for t in labels if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad or any(not 0 <= t < vocab_size for c in [p_ids, *c_ids] for t in c):
-        raise RequestError(f"label_token_ids / token ids outside the vocabulary 0..{vocab_size - 1}: {bad[:4]}")
+        raise RequestError(f"label_token_ids / token ids outside the vocabulary 0..{vocab_size - 1}: {bad[:4]}",
+                           "label_token_ids" if bad else None)
+    if len(set(labels)) != len(labels):     # one probability per label: label_probs would silently merge them
+        raise RequestError(f"label_token_ids holds a token id twice: {labels}", "label_token_ids")
     return ScoreJob(request_id, p_ids, c_ids, labels or None, list(range(len(c_ids))), [None] * len(c_ids))

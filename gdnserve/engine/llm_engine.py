@@ -131,6 +131,7 @@ class LLMEngine:
             return
         job.fail(None if isinstance(job, Request) else "aborted")
         self._retire(job)
+        self.scores.pop(request_id, None)     # whoever aborts a score job does not take its result
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._backlog)

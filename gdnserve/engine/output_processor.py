@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gdnserve.engine.engine_api import CandidateScore, CheckpointInfo, CompletionOutput, RequestOutput
+from gdnserve.engine.engine_api import CandidateScore, CompletionOutput, RequestOutput
 from gdnserve.engine.request import Request, Sample
 from gdnserve.engine.sampler import Sampler, SamplingTensors, stop_check, stop_holdback, token_logprobs
 from gdnserve.engine.step_batch import StepBatch
@@ -188,7 +188,6 @@ class OutputProcessor:
                 if ids:
                     lab = dict(zip(ids, flat[off + j * len(ids):off + (j + 1) * len(ids)]))
                 s = flat[k + j]
-                w.job.results[i] = CandidateScore(i, s, s / len(c), len(c), lab,
-                                                  CheckpointInfo(hit_length=len(w.job.prefix_ids)))
+                w.job.results[i] = CandidateScore(i, s, s / len(c), len(c), lab, w.job.provenance(i))
             if ids:
                 off += n * len(ids)

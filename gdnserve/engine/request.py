@@ -14,7 +14,12 @@ from gdnserve.engine.sampling_params import SamplingParams
 
 
 class RequestError(ValueError):
-    """A request the engine refuses; the message names the problem (the server answers 400)."""
+    """A request the engine refuses; the message names the problem (the server answers 400), ``param`` the request
+    field to blame when there is one (the server's error ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(eq=False)
@@ -99,11 +104,24 @@ class ScoreJob:
     entry: Checkpoint | None = None               # the prefix checkpoint while the job holds a reference
     prod: SeqState | None = None                  # the PENDING prefix's sequence while it is being produced
     error: str | None = None
-    hit: bool = False                             # the prefix came from an earlier checkpoint
+    checkpoint: CheckpointInfo | None = None      # where its prefix state came from (set when first known)
+    publisher: int | None = None                  # the candidate that reports the prefix's publication
 
     @property
     def finished(self) -> bool:
         return self.error is not None or not self.todo
+
+    def provenance(self, i: int) -> CheckpointInfo:
+        """Candidate i's record, as a completion request's: when the job published its prefix checkpoint, the
+        first candidate scored from it says so (hit_length 0, why the lookup missed, published) as a producer
+        does, and the others started from it (hit_length = the prefix, as same-step consumers); when the prefix
+        was READY (or another job's producer in the same step), every candidate hit it; a one-token prefix has
+        no checkpoint."""
+        ck = self.checkpoint or CheckpointInfo()
+        if ck.published and self.publisher in (None, i):
+            self.publisher = i
+            return ck
+        return CheckpointInfo(hit_length=len(self.prefix_ids)) if ck.published or ck.hit_length else ck
 
     def progress(self) -> tuple[int, int]:
         return len(self.candidates) - len(self.todo), self.num_computed

@@ -221,6 +221,10 @@ class Scheduler:
         if job.prod is not None and job.entry is not None and ck.is_pending(job.entry):
             self.producing.pop(job.entry.token_ids, None)
             ck.abort(job.entry, job.prod.pages)
+            miss, job.checkpoint = job.checkpoint.miss_reason, None     # never published: undo its counts
+            self.counters["checkpoints_published"] -= 1
+            if self.counters["checkpoint_misses"].get(miss):
+                self.counters["checkpoint_misses"][miss] -= 1
         elif job.entry is not None and job.entry.status is CheckpointStatus.READY:
             ck.release(job.entry)
         job.prod, job.entry, job.num_computed = None, None, 0

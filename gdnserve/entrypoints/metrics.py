@@ -124,6 +124,8 @@ class ServerMetrics:
                               registry=r)
         self.success = Counter(P + "request_success", "Finished samples (choices), by finish reason.",
                                ["finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort"):   # exported from the start, at 0
+            self.success.labels(reason)
         self.http = Counter(P + "http_requests", "HTTP responses, by route and status code.", ["route", "status"],
                             registry=r)
         self.arrivals: dict[str, float] = {}  # engine request id -> when it was submitted (until admitted)
@@ -142,6 +144,7 @@ class RequestTimer:
     def __init__(self, metrics: ServerMetrics, arrival: float, request_ids: Sequence[str]) -> None:
         self.m, self.arrival, self.rids = metrics, arrival, list(request_ids)
         self.last: dict[int, float] = {}
+        self.reasons: dict[int, dict[int, str | None]] = {}   # prompt -> sample index -> its finish reason so far
 
     def submitted(self, i: int) -> None:
         self.m.arrivals[self.rids[i]] = time.monotonic()
@@ -158,6 +161,15 @@ class RequestTimer:
             self.m.e2e.observe(now - self.arrival)
             for c in out.outputs:
                 self.m.success.labels(c.finish_reason or "abort").inc()
+        else:
+            self.reasons[i] = {c.index: c.finish_reason for c in out.outputs}
+
+    def aborted(self, i: int, n: int) -> None:
+        """Prompt ``i``'s request was aborted before its finished output (its client went away, the engine failed
+        it): its ``n`` samples count as finished, by their reason where one had already stopped, else ``abort``."""
+        reasons = self.reasons.pop(i, {})
+        for j in range(n):
+            self.m.success.labels(reasons.get(j) or "abort").inc()
 
     def close(self) -> None:
         for rid in self.rids:

@@ -212,9 +212,12 @@ class ChatMessage(_Strict):
         if isinstance(self.content, str):
             return self.content
         for j, part in enumerate(self.content):
-            if part.type != "text" or part.text is None:
-                raise APIError(f"content part of type {part.type!r} is not supported (text only)",
-                               f"messages[{i}].content[{j}].type")
+            where = f"messages[{i}].content[{j}]"
+            if part.type != "text":
+                raise APIError(f"{where} is a part of type {part.type!r}: only text parts ({{\"type\": \"text\", \"text\": "
+                               f"...}}) are supported", f"{where}.type")
+            if part.text is None:
+                raise APIError(f"{where} is a text part without its text", f"{where}.text")
         return "".join(part.text for part in self.content)  # type: ignore[misc]
 
 
@@ -286,6 +289,12 @@ class ScoreRequest(_Strict):
                 raise APIError(f"{cands_name}[{i}] is empty", f"{cands_name}[{i}]")
         if self.label_token_ids is not None and not self.label_token_ids:
             raise APIError("label_token_ids must be a non-empty list or absent", "label_token_ids")
+        seen: set[int] = set()
+        for j, t in enumerate(self.label_token_ids or ()):   # one probability per label: a repeat is a mistake
+            if t in seen:
+                raise APIError(f"label_token_ids holds token id {t} twice (again at label_token_ids[{j}]); give "
+                               "each label once", "label_token_ids")
+            seen.add(t)
         if self.apply_softmax and self.label_token_ids is None:
             raise APIError("apply_softmax needs label_token_ids", "apply_softmax")
         return prefix, cands

@@ -50,6 +50,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--tensor-parallel-size", type=int, default=_D.tensor_parallel_size, metavar="N",
                    help="shard the model over N processes, one GPU each (cuda:0..N-1; gloo processes on CPU); N "
                         "must divide the model's attention, KV and GDN heads (default 1)")
+    m.add_argument("--no-auto-checkpoints", dest="auto_checkpoints", action="store_false",
+                   help="publish no automatic checkpoints (a finished request's state, which the next turn of a chat "
+                        "or an extended prompt starts from; vLLM's --no-enable-prefix-caching); checkpoints at a "
+                        "marker or checkpoint_at stay on (default: on)")
     m.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                    help="run decode and verify steps eagerly (default: bucketed CUDA graphs on a CUDA device)")
     n = p.add_argument_group("network and access")
@@ -102,6 +106,15 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         chat_default_max_tokens=args.chat_default_max_tokens, limits=limits)
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's config from the flags (``gdnserve serve`` and ``--replicas``); ValueError names a bad one."""
+    return EngineConfig(model_name=args.model or "gdnserve-embedded", prefill_mode=args.prefill_mode,
+                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_pages=args.num_pages,
+                        spec_k=args.spec_k, spec_mode=args.spec_mode, spec_draft=args.spec_draft,
+                        cuda_graphs=args.cuda_graphs, auto_checkpoints=args.auto_checkpoints,
+                        tensor_parallel_size=args.tensor_parallel_size)
+
+
 def _fail(message: str, code: int = 2) -> int:
     print(f"gdnserve serve: {message}", file=sys.stderr, flush=True)
     return code
@@ -127,12 +140,7 @@ def run_serve(args: argparse.Namespace) -> int:
         from gdnserve.entrypoints.server import run_server
         t0 = time.perf_counter()
         try:
-            cfg = EngineConfig(model_name=args.model or "gdnserve-embedded", prefill_mode=args.prefill_mode,
-                               max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                               num_pages=args.num_pages, spec_k=args.spec_k, spec_mode=args.spec_mode,
-                               spec_draft=args.spec_draft, cuda_graphs=args.cuda_graphs,
-                               tensor_parallel_size=args.tensor_parallel_size)
-            engine = load_engine(args.model, dtype=args.dtype, device=args.device, config=cfg)
+            engine = load_engine(args.model, dtype=args.dtype, device=args.device, config=engine_config(args))
         except (OSError, ValueError, EngineDeadError) as e:  # CheckpointError, a config the model cannot take,
             # a missing file, a tensor-parallel worker that could not start
             return _fail(f"cannot load {'the embedded model' if args.model is None else args.model}: {e}", 1)
@@ -157,6 +165,14 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def max_n(engine, limit: int) -> int:
+    """The most samples per prompt a request can get: ``--max-n``, the engine's SamplingParams cap, its
+    ``max_num_seqs`` and its state slots (the n samples and their fork)."""
+    from gdnserve.engine.sampling_params import MAX_N
+    cfg = getattr(engine, "config", None)
+    return min(limit, MAX_N, *((cfg.max_num_seqs, cfg.slots - 1) if isinstance(cfg, EngineConfig) else ()))
+
+
 def banner(engine, args: argparse.Namespace, config: ServerConfig, port: int, load_s: float) -> str:
     """What is being served, how, and where: printed once the model is loaded."""
     st = engine.stats() if hasattr(engine, "stats") else {}
@@ -164,14 +180,17 @@ def banner(engine, args: argparse.Namespace, config: ServerConfig, port: int, lo
     device, dtype = getattr(runner, "device", "?"), str(getattr(runner, "dtype", "?")).removeprefix("torch.")
     page = getattr(getattr(runner, "rc", None), "page_size", 16)
     lim = config.limits
+    n_cap = max_n(engine, lim.max_n)
     what = "embedded tiny model, random weights: its text is noise" if args.model is None else args.model
     lines = [
         f"gdnserve: serving {getattr(engine, 'model_name', '?')} ({what}); loaded in {load_s:.1f} s",
         f"  device {device}, dtype {dtype}, prefill {args.prefill_mode}, max_model_len {args.max_model_len}, "
-        f"max_num_seqs {args.max_num_seqs}, spec_k {args.spec_k}"
+        f"max_num_seqs {args.max_num_seqs}, spec_k {args.spec_k}, automatic checkpoints "
+        f"{'on' if getattr(getattr(engine, 'config', None), 'auto_checkpoints', args.auto_checkpoints) else 'off'}"
         f"{f', tensor parallel {args.tensor_parallel_size} ranks' if getattr(args, 'tensor_parallel_size', 1) > 1 else ''}",
         f"  pools: {st.get('state_pool_total')} state slots, {st.get('page_pool_total')} KV pages x {page} tokens",
-        f"  limits: body {lim.max_body_bytes} B, {lim.max_prompts} prompts/request, n <= {lim.max_n}, "
+        f"  limits: body {lim.max_body_bytes} B, {lim.max_prompts} prompts/request, n <= {n_cap}"
+        f"{f' (--max-n {lim.max_n}, capped by the engine)' if n_cap < lim.max_n else ''}, "
         f"{lim.max_stop} stop strings x {lim.max_stop_chars} chars, JSON depth {lim.max_json_depth}, "
         f"{lim.max_candidates} score candidates",
         f"  access: API key {'required' if config.api_key else 'none'}"

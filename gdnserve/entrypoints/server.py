@@ -84,7 +84,8 @@ class _Job:
 async def _outputs(engine: AsyncEngineClient, gens: list[GenerateRequest],
                    timer: RequestTimer) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The engine's outputs of several requests, merged as they come. Leaving early (an error, a client
-    that went away, a cancelled task) aborts every request that has not finished."""
+    that went away, a cancelled task) aborts every request that has not finished; unless the engine refused the
+    HTTP request (a 400), their samples count as finished by ``abort`` in the metrics."""
     queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
     async def pump(i: int, req: GenerateRequest) -> None:
@@ -101,10 +102,12 @@ async def _outputs(engine: AsyncEngineClient, gens: list[GenerateRequest],
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
     live, finished = set(range(len(gens))), set()
+    refused = False
     try:
         while live:
             i, item = await queue.get()
             if isinstance(item, ValueError):
+                refused = True
                 raise APIError(str(item), getattr(item, "param", None)) from item
             if isinstance(item, Exception):
                 raise item
@@ -127,6 +130,8 @@ async def _outputs(engine: AsyncEngineClient, gens: list[GenerateRequest],
             for i, g in enumerate(gens):
                 if i not in finished:
                     await engine.abort(g.request_id)
+                    if not refused:
+                        timer.aborted(i, g.params.n)
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -237,8 +242,9 @@ class _Server:
         return self.checked(ids, None, checkpoint_at, param, None)
 
     def chat_prompt(self, req: ChatCompletionRequest) -> _Prompt:
+        messages = req.plain_messages()  # outside the try: a content part it refuses names itself, not the template
         try:
-            ids, offset, _ = self.tok.encode_chat(req.plain_messages(), special=self.special(req))
+            ids, offset, _ = self.tok.encode_chat(messages, special=self.special(req))
         except ValueError as e:  # MarkerError (a marker in a message): the client's
             raise APIError(f"messages: {e}", "messages") from None
         except Exception as e:  # a template that refuses the messages (raise_exception) is the client's fault
@@ -411,7 +417,7 @@ class _Server:
             await outputs.aclose()
         yield "data: [DONE]\n\n"
 
-    async def score(self, req: ScoreRequest) -> dict[str, Any]:
+    async def score(self, request: Request, req: ScoreRequest) -> dict[str, Any]:
         prefix, cands = req.check(self.limits)
         cname = "candidates" if req.items is None else "items"
         pname = "prefix" if req.query is None else "query"
@@ -420,16 +426,21 @@ class _Server:
         cand_ids = [self.score_ids(c, f"{cname}[{j}]", special) for j, c in enumerate(cands)]
         limit = self.engine.max_model_len
         for j, c in enumerate(cand_ids):
-            if len(prefix_ids) + len(c) > limit:
+            # the engine's rule: the context holds prefix + candidate and the next token (label_token_ids score it)
+            if len(prefix_ids) + len(c) + 1 > limit:
                 raise APIError(f"{pname} + {cname}[{j}] is {len(prefix_ids) + len(c)} tokens; this model's "
-                               f"context length is {limit}", f"{cname}[{j}]")
+                               f"context length is {limit}, so at most {limit - 1} (room for the next token)",
+                               f"{cname}[{j}]")
         labels = req.label_token_ids
         if labels is not None:
             self.check_ids(labels, "label_token_ids")
-        try:
-            result = await self.engine.score(prefix_ids, cand_ids, labels)
+        try:  # a client that goes away cancels the wait, and that aborts the engine's score job
+            result = await _unless_disconnected(request, self.engine.score(prefix_ids, cand_ids, labels))
         except ValueError as e:
-            raise APIError(str(e), getattr(e, "param", None)) from None
+            param = getattr(e, "param", None)     # the engine's names; the client's may be query / items
+            if param is not None:
+                param = param.replace("candidates", cname, 1).replace("prefix", pname, 1)
+            raise APIError(str(e), param) from None
         data, scores = [], []
         for c in result.candidates:
             probs = None
@@ -527,7 +538,7 @@ def build_app(engine: AsyncEngineClient, api_key: str | None = None, config: Ser
         srv.auth(request)
         req = await srv.read(request, ScoreRequest)
         srv.check_model(req.model)
-        return await _guarded(_json(srv.score(req)), "score request")
+        return await _guarded(_json(srv.score(request, req)), "score request")
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

@@ -84,13 +84,14 @@ def build_app(args: dict[str, Any]) -> Any:
     ``model`` (an HF folder on every node; default the embedded model), ``device`` (auto), ``dtype``,
     ``num_cpus`` (1) / ``num_gpus`` (0) per replica, ``torch_threads``, ``max_ongoing_requests``,
     ``stats_period_s`` (1), ``app_name`` (gdnserve: the name you deploy it under), engine fields
-    (``max_num_seqs``, ``max_model_len``, ``num_pages``, ``max_step_tokens``, ``spec_k``, ``prefill_mode``), and
+    (``max_num_seqs``, ``max_model_len``, ``num_pages``, ``max_step_tokens``, ``spec_k``, ``prefill_mode``,
+    ``auto_checkpoints``), and
     access: ``api_key``, ``public_metrics``, ``host`` (the address the proxy binds, for the Host check;
     default 0.0.0.0: no check), ``allowed_origins`` (comma-separated)."""
     a = dict(args)
     known = {"replicas", "router", "model", "device", "dtype", "num_cpus", "num_gpus", "torch_threads",
              "max_ongoing_requests", "stats_period_s", "app_name", "prefill_mode", "api_key", "public_metrics",
-             "host", "allowed_origins", *_ENGINE_INTS}
+             "host", "allowed_origins", "auto_checkpoints", *_ENGINE_INTS}
     bad = sorted(set(a) - known)
     if bad:
         raise ValueError(f"unknown argument(s) {bad} for gdnserve.replicas.app:build_app; known: {sorted(known)}")
@@ -98,6 +99,8 @@ def build_app(args: dict[str, Any]) -> Any:
     eng = {k: int(a[k]) for k in _ENGINE_INTS if k in a}
     if "prefill_mode" in a:
         eng["prefill_mode"] = a["prefill_mode"]
+    if "auto_checkpoints" in a:
+        eng["auto_checkpoints"] = _flag(a["auto_checkpoints"])
     spec = ReplicaSpec(model=model, device=a.get("device", "auto"), dtype=a.get("dtype") or None,
                        engine=EngineConfig(model_name=model or "gdnserve-embedded", **eng),
                        torch_threads=int(a["torch_threads"]) if a.get("torch_threads") else None)

@@ -1,7 +1,8 @@
 """``gdnserve serve --replicas N``: the same server flags, N engine replicas on a local Ray (or ``--ray-address``)
 behind the checkpoint-affinity router, the OpenAI-compatible app on ``--host:--port`` (Ray Serve's proxy binds
-it). The model folder, the device and the port are checked before Ray starts (exit 2, one line). Ray is imported
-only here, when the flag is given: without it ``gdnserve serve`` runs one engine in-process as before."""
+it). Ray (the ``[replicas]`` extra), the model folder, the device and the port are checked before Ray starts (exit 2,
+one line). Ray is imported only here, when the flag is given: without it ``gdnserve serve`` runs one engine
+in-process as before."""
 from __future__ import annotations
 
 import argparse
@@ -33,19 +34,21 @@ def _fail(message: str, code: int = 2) -> int:
 
 
 def run_replicas(args: argparse.Namespace) -> int:
-    from gdnserve.engine.config import EngineConfig
     from gdnserve.entrypoints.preflight import PreflightError, bind_socket, check_device, check_model_folder
-    from gdnserve.entrypoints.serve import server_config
+    from gdnserve.entrypoints.serve import engine_config, server_config
     if args.replicas < 1:
         return _fail(f"--replicas must be >= 1, got {args.replicas}")
     if args.replica_cpus <= 0:
         return _fail(f"--replica-cpus must be > 0, got {args.replica_cpus}")
     try:
+        import ray
+        from ray import serve
+    except ImportError as e:     # an optional dependency: name the extra that brings it, not a traceback
+        return _fail(f"--replicas needs Ray Serve, which cannot be imported ({e}); install the replicas extra: "
+                     "pip install \"gdnserve[replicas]\"")
+    try:
         config = server_config(args)
-        engine = EngineConfig(model_name=args.model or "gdnserve-embedded", prefill_mode=args.prefill_mode,
-                              max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                              num_pages=args.num_pages, spec_k=args.spec_k, spec_mode=args.spec_mode,
-                              spec_draft=args.spec_draft, cuda_graphs=args.cuda_graphs)
+        engine = engine_config(args)
     except ValueError as e:
         return _fail(str(e))
     try:
@@ -57,9 +60,6 @@ def run_replicas(args: argparse.Namespace) -> int:
     import torch
     cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     gpus = args.replica_gpus if args.replica_gpus is not None else (1.0 if cuda else 0.0)
-    import ray
-    from ray import serve
-
     from gdnserve.replicas.app import make_app
     from gdnserve.replicas.engine_replica import ReplicaSpec
     env = {k: os.environ[k] for k in ("TRITON_INTERPRET",) if k in os.environ}

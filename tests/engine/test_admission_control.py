@@ -61,10 +61,12 @@ def test_one_token_prompt_with_prompt_logprobs(llm, kw):
 def test_requests_that_never_fit_are_refused_with_the_numbers(llm):
     e = llm.engine
     big = SamplingParams(n=4, max_tokens=3000, ignore_eos=True)
-    with pytest.raises(RequestError, match=r"4 x \(1 \+ 3000\).*KV pages"):
+    with pytest.raises(RequestError, match=r"4 x \(1 \+ 3000\).*KV pages") as err:
         e.add_request(None, "x", big)
-    with pytest.raises(RequestError, match="n: 5 samples exceed max_num_seqs = 4"):
+    assert err.value.param == "n"                                     # the server's error names the field
+    with pytest.raises(RequestError, match="n: 5 samples exceed max_num_seqs = 4") as err:
         e.add_request(None, "x", SamplingParams(n=5))
+    assert err.value.param == "n"
     assert not e.has_unfinished()
     # one that fits later waits without blocking the requests behind it
     rid = e.add_request(None, "a" * 40, SamplingParams(n=4, max_tokens=8, ignore_eos=True, temperature=0.0))
@@ -73,6 +75,25 @@ def test_requests_that_never_fit_are_refused_with_the_numbers(llm):
     while e.has_unfinished():
         done.update({o.request_id: o for o in e.step() if o.finished})
     assert set(done) == {rid, *small}
+    no_leak(e)
+
+
+def test_n_samples_share_their_prompt_pages(llm):
+    """n > 1 samples share the prompt's pages below their fork: a 400-token marked prefix with n = 4 needs ~30 of
+    the 96 pages, not 4 x 26 = 104 (it was refused); it runs to the end. Without a marker they fork at the prompt
+    minus its last token, and an automatic checkpoint of a short prefix is not taken where its fork would
+    outgrow the pool while decoding (it would fail the request alone)."""
+    e = llm.engine
+    p = SamplingParams(n=4, max_tokens=4, ignore_eos=True, temperature=0.0)
+    out = llm.generate("d" * 400 + "<|state_checkpoint|>tail.", p)[0]
+    assert out.error is None and all(len(c.token_ids) == 4 for c in out.outputs) and out.checkpoint.published
+    no_leak(e)
+    llm.generate("Hi", SamplingParams(max_tokens=1, temperature=0.0))            # the automatic checkpoint of "Hi"
+    assert len(e.index) == 1
+    long = SamplingParams(n=4, max_tokens=30, ignore_eos=True, temperature=0.0)  # 4 x 25 pages from "Hi" > 96
+    out = llm.generate("Hi" + "y" * 358, long)[0]
+    assert out.error is None and all(len(c.token_ids) == 30 for c in out.outputs)
+    assert out.checkpoint.hit_length == 0
     no_leak(e)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from gdnserve.engine.engine_api import CheckpointInfo
 from gdnserve.engine.llm_engine import RequestError
 from gdnserve.engine.sampling_params import SamplingParams
 from gdnserve.entrypoints.llm import LLM
@@ -108,9 +109,15 @@ def test_score_equals_full_sequence_logprobs(llm):
         assert abs(got.sum_logprob - want) < 1e-4 and got.num_tokens == len(ids) - len(p)
         probs = logits[-1].softmax(-1)
         assert abs(got.label_probs[2] - float(probs[2])) < 1e-5
-        assert got.checkpoint.hit_length == len(p)
+        assert got.checkpoint == (CheckpointInfo(0, "absent", True) if i == 0 else CheckpointInfo(len(p)))
     with pytest.raises(RequestError, match="candidates\\[1\\] is empty"):
         e.score(prefix, ["a", ""])
+    with pytest.raises(RequestError, match="context length") as err:   # the context must hold the next token too
+        e.score(prefix, ["a", "b" * (e.max_model_len - len(p))])
+    assert err.value.param == "candidates[1]"
+    with pytest.raises(RequestError, match="twice") as err:
+        e.score(prefix, ["a"], label_token_ids=[3, 5, 3])
+    assert err.value.param == "label_token_ids"
     assert len(e.index) == 1                     # the prefix stays cached as a READY checkpoint, evictable
     e.evict_checkpoints(len(e.index))
     assert e.runner.state.num_free == e.runner.state.num_slots
@@ -133,7 +140,8 @@ def test_a_failed_step_publishes_nothing(llm):
 
 def test_prompt_logprobs_plain_grouped_and_from_checkpoint(llm):
     """prompt_logprobs equal a plain full-prompt forward: for a plain prompt, for a same-step group (prefix rows
-    from the producer), and None for positions a READY checkpoint covers."""
+    from the producer), and for a prompt whose marked prefix is READY (a checkpoint keeps no logits: the request
+    ignores it and computes the whole prompt)."""
     from gdnserve.engine.model_runner import PrefillItem
     e = llm.engine
     e.evict_checkpoints(len(e.index))
@@ -154,9 +162,82 @@ def test_prompt_logprobs_plain_grouped_and_from_checkpoint(llm):
     marked = llm.generate([PREFIX + "<|state_checkpoint|>tail words"] * 2, p)     # producer + consumers
     check(marked[0])
     check(marked[1])
-    hit = llm.generate(PREFIX + "<|state_checkpoint|>tail words", p)[0]            # READY checkpoint
-    assert hit.checkpoint.hit_length > 0
-    check(hit, covered=hit.checkpoint.hit_length)      # the checkpoint keeps no logits: None up to its first token after
+    again = llm.generate(PREFIX + "<|state_checkpoint|>tail words", p)[0]          # READY checkpoint: not used
+    assert (again.checkpoint.hit_length, again.checkpoint.miss_reason, again.checkpoint.published) == \
+        (0, "prompt_logprobs", False)
+    check(again)
+    hit = llm.generate(PREFIX + "<|state_checkpoint|>tail words", GREEDY)[0]       # without prompt logprobs: a hit
+    assert hit.checkpoint.hit_length == len(e.tokenizer.encode(PREFIX))
+
+
+def test_score_provenance_as_completions_report_it(llm):
+    """A score job reports its prefix checkpoint as a request reports its marker's: the first candidate scored
+    after the job published the prefix says so (hit_length 0, miss_reason "absent", published, like the marked
+    request that publishes), the others started from it (like same-step consumers), also across waves and for a
+    prefix produced chunk by chunk; a later job hits it with every candidate; the counters count the publication,
+    its miss and the hits. (Every candidate said hit_length = the prefix and published false.)"""
+    e = llm.engine
+    e.evict_checkpoints(len(e.index))
+    prefix = "Provenance check: which one fits best? Answer:"
+    p = len(e.tokenizer.encode(prefix))
+    c0 = dict(e.counters, checkpoint_misses=dict(e.counters["checkpoint_misses"]))
+    first = e.score(prefix, [f" c{i}" for i in range(40)])            # 40 candidates > 34 slots: two waves or more
+    assert [c.checkpoint for c in first.candidates] == [CheckpointInfo(0, "absent", True)] + [CheckpointInfo(p)] * 39
+    assert e.counters["checkpoints_published"] == c0["checkpoints_published"] + 1
+    assert e.counters["checkpoint_misses"]["absent"] == c0["checkpoint_misses"].get("absent", 0) + 1
+    assert e.counters["checkpoint_hits"] == c0["checkpoint_hits"] + 39
+    again = e.score(prefix, [" a", " b"])
+    assert [c.checkpoint for c in again.candidates] == [CheckpointInfo(p)] * 2
+    marked = llm.generate("Provenance of a marked prompt: <|state_checkpoint|>tail", GREEDY)[0].checkpoint
+    assert marked == CheckpointInfo(0, "absent", True) == first.candidates[0].checkpoint
+    assert [c.checkpoint for c in e.score("Q", [" a", " b"]).candidates] == [CheckpointInfo()] * 2   # zeros
+    chunked = LLM(device="cpu", max_num_seqs=4, num_pages=128, max_step_tokens=64, auto_checkpoints=False).engine
+    long_prefix = "A long prefix, produced chunk by chunk over several steps. " * 3
+    got = chunked.score(long_prefix, [" x", " y", " z"])
+    q = len(chunked.tokenizer.encode(long_prefix))
+    assert [c.checkpoint for c in got.candidates] == [CheckpointInfo(0, "absent", True)] + [CheckpointInfo(q)] * 2
+    assert chunked.counters["checkpoints_published"] == 1 and chunked.index.check_integrity() == []
+
+
+def full_prompt_logprobs(e, ids: list[int]) -> list[float | None]:
+    """The reference: one plain forward of the whole prompt, every row's logits."""
+    from gdnserve.engine.model_runner import PrefillItem
+    seq = e.runner.new_seq()
+    lp = e.runner.step([PrefillItem(seq, ids, all_logits=True)], []).log_softmax(-1)
+    e.runner.free_seq(seq)
+    return [None] + [float(lp[j - 1, ids[j]]) for j in range(1, len(ids))]
+
+
+def test_prompt_logprobs_skip_automatic_and_marker_checkpoints():
+    """A request that asks for prompt logprobs (echo + logprobs in /v1/completions) gets one at every position but
+    the first, also when an earlier prompt's automatic checkpoint covers its prefix (it was 11 None's after
+    "Hello world") or its marker's checkpoint is READY; it still publishes a marker checkpoint that was absent."""
+    llm = LLM(device="cpu", max_num_seqs=8, num_pages=256)         # automatic checkpoints on
+    e = llm.engine
+    p = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+
+    def check(out):
+        ids = out.prompt_token_ids
+        want, got = full_prompt_logprobs(e, ids), out.prompt_logprobs
+        assert len(got) == len(ids) and got[0] is None and all(got[1:]), got
+        assert all(abs(got[j][ids[j]] - want[j]) < 1e-4 for j in range(1, len(ids)))
+    first = llm.generate("Hello world", SamplingParams(temperature=0.0, max_tokens=1))[0]
+    assert first.checkpoint.published and len(e.index) == 1           # the automatic checkpoint of "Hello world"
+    again = llm.generate("Hello world, again", p)[0]
+    assert (again.checkpoint.hit_length, again.checkpoint.miss_reason) == (0, "prompt_logprobs")
+    check(again)
+    assert llm.generate("Hello world, again", GREEDY)[0].checkpoint.hit_length == 11   # the cache is still there
+    marked = PREFIX + "<|state_checkpoint|>tail words"
+    a = llm.generate(marked, p)[0]                                     # absent: computed and published
+    assert a.checkpoint.published and a.checkpoint.miss_reason == "absent"
+    check(a)
+    for n in (1, 3):                                                   # READY: ignored, for a fork of n too
+        b = llm.generate(marked, SamplingParams(temperature=0.0, max_tokens=1, n=n, prompt_logprobs=1))[0]
+        assert (b.checkpoint.hit_length, b.checkpoint.miss_reason, b.checkpoint.published) == \
+            (0, "prompt_logprobs", False)
+        check(b)
+    assert e.index.check_integrity() == [] and e.runner.state.check_integrity() == []
+    assert all(c.refcount == 0 for c in e.index._entries.values())
 
 
 def test_automatic_checkpoints_serve_the_next_turn():

@@ -88,6 +88,48 @@ def test_help_shows_defaults_and_every_limit():
                 assert f"`{opt}" in docs, f"{opt} is not documented in docs/serving.md"
 
 
+def test_no_auto_checkpoints_reaches_the_engine():
+    """``--no-auto-checkpoints``: the engine publishes no automatic checkpoint, so over HTTP a prompt that extends
+    an earlier one starts cold; the banner says so. Default: on."""
+    httpx = pytest.importorskip("httpx")
+    from gdnserve.engine.async_engine import AsyncEngine
+    from gdnserve.entrypoints.llm import load_engine
+    from tests.entrypoints.fake_engine import Served
+
+    def parse(*argv):
+        return cli.build_parser().parse_args(["serve", *argv])
+    assert serve.engine_config(parse()).auto_checkpoints is True
+    args = parse("--no-auto-checkpoints", "--max-num-seqs", "4", "--num-pages", "64")
+    engine = load_engine(device="cpu", config=serve.engine_config(args))
+    assert engine.config.auto_checkpoints is False
+    text = serve.banner(engine, args, serve.server_config(args), 8000, 0.1)
+    assert "automatic checkpoints off" in text and "n <= 4 (--max-n 64, capped by the engine)" in text
+    args.max_n = 3
+    assert ", n <= 3, " in serve.banner(engine, args, serve.server_config(args), 8000, 0.1)
+    served = Served(AsyncEngine(engine))
+    try:
+        with httpx.Client(base_url=served.url, timeout=60) as c:
+            for prompt in ("Hello world", "Hello world, again"):
+                r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                prov = r.json()["gdnserve"]["prompts"][0]
+                assert prov["hit_length"] == 0 and not prov["published"], prov
+    finally:
+        served.stop()
+    assert len(engine.index) == 0
+
+
+def test_replicas_without_ray_names_the_extra(monkeypatch, capsys):
+    """``serve --replicas 2`` where Ray is not installed: one line naming the ``[replicas]`` extra, exit 2 (it was
+    a raw ``No module named 'ray'`` traceback)."""
+    monkeypatch.setitem(sys.modules, "ray", None)          # what a missing package looks like to ``import``
+    monkeypatch.setitem(sys.modules, "ray.serve", None)
+    assert cli.main(["serve", "--replicas", "2", "--device", "cpu", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("gdnserve serve: --replicas needs Ray Serve"), err
+    assert 'pip install "gdnserve[replicas]"' in err
+
+
 def test_score_command(capsys):
     assert cli.main(["score", "Is it good? Answer:", " yes", " no", "--device", "cpu", "--labels", "121,110",
                      "--softmax", "--json"]) == 0

@@ -66,8 +66,22 @@ def test_score_endpoint(server):
     assert r.status_code == 200, r.text
     body = r.json()
     assert len(body["data"]) == 2 and abs(sum(body["scores"][0]) - 1) < 1e-5
+    # provenance as completions report a marker's checkpoint: the job publishes its prefix (the first candidate
+    # says so), the other candidates and a later job's start from it
+    fresh = {"prefix": "A prefix no request has used yet: is it good? Answer:", "candidates": [" yes", " no"]}
+    first, again = (httpx.post(server + "/v1/score", json=fresh, timeout=60).json() for _ in range(2))
+    n = first["gdnserve"]["prefix_tokens"]
+    assert [(d["gdnserve"]["hit_length"], d["gdnserve"]["miss_reason"], d["gdnserve"]["published"])
+            for d in first["data"]] == [(0, "absent", True), (n, None, False)]
+    assert [(d["gdnserve"]["hit_length"], d["gdnserve"]["published"]) for d in again["data"]] == [(n, False)] * 2
     bad = httpx.post(server + "/v1/score", json={"prefix": PREFIX, "candidates": []}, timeout=10)
     assert bad.status_code == 400 and "candidates" in bad.text
+    # prefix + candidate exactly at the context length: the server refuses as the engine would, naming the item
+    edge = httpx.post(server + "/v1/score", json={"query": [5] * 4000, "items": [[6], [7] * 96]}, timeout=10)
+    assert edge.status_code == 400 and edge.json()["error"]["param"] == "items[1]", edge.text
+    dup = httpx.post(server + "/v1/score", json={"prefix": PREFIX, "candidates": [" yes"],
+                                                 "label_token_ids": [121, 110, 121]}, timeout=10)
+    assert dup.status_code == 400 and dup.json()["error"]["param"] == "label_token_ids", dup.text
 
 
 def test_concurrent_streams_mixing_groups_and_plain_prompts(client, server):
@@ -98,6 +112,7 @@ def test_banner(server):
     banner = text[text.index("gdnserve: serving"):]
     assert "gdnserve-embedded" in banner and "device cpu, dtype float32" in banner
     assert "66 state slots, 1024 KV pages x 16 tokens" in banner  # 2 * max_num_seqs + 2 slots
+    assert "n <= 32 (--max-n 64, capped by the engine)" in banner  # what the engine holds, not the flag's 64
     assert f"listening on {server}" in banner and "API key none" in banner
 
 
@@ -110,6 +125,35 @@ def test_metrics_on_the_real_engine(server, client):
     assert m["gdnserve:request_queue_time_seconds_count"] >= 1
     assert m["gdnserve:time_to_first_token_seconds_count"] >= 1 and m["gdnserve:generation_tokens_total"] >= 3
     assert m["process_resident_memory_bytes"] > 0
+
+
+def test_echo_logprobs_after_an_automatic_checkpoint(server):
+    """lm-evaluation-harness scores choices with echo + logprobs: every prompt position but the first has a
+    logprob, also when an earlier request's automatic checkpoint covers the prompt's prefix (the request ignores
+    it; it gave 12 nulls after "Hello world")."""
+    def post(body):
+        r = httpx.post(server + "/v1/completions", json={"max_tokens": 1, **body}, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+    post({"prompt": "Hello world"})
+    assert post({"prompt": "Hello world, again"})["gdnserve"]["prompts"][0]["hit_length"] == 11    # the cache hits
+    r = post({"prompt": "Hello world, again", "echo": True, "logprobs": 1})
+    lps, n = r["choices"][0]["logprobs"]["token_logprobs"], r["usage"]["prompt_tokens"]
+    assert len(lps) == n + 1 and lps[0] is None and all(x is not None for x in lps[1:]), lps
+    prov = r["gdnserve"]["prompts"][0]
+    assert (prov["hit_length"], prov["miss_reason"]) == (0, "prompt_logprobs")
+
+
+def test_n_samples_of_a_long_marked_prefix_fit(server):
+    """n = 32 samples of an 800-token marked prefix share its pages (~82 of the 1024, not 32 x 51 = 1632: it was
+    refused); a request that really does not fit is refused naming n."""
+    r = httpx.post(server + "/v1/completions", json={"prompt": "p" * 800 + MARK + " tail", "n": 32, "max_tokens": 2},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 32 and r.json()["gdnserve"]["prompts"][0]["published"]
+    r = httpx.post(server + "/v1/completions", json={"prompt": "x", "n": 32, "max_tokens": 4000}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert "KV pages" in r.json()["error"]["message"]
 
 
 def test_special_tokens_plain_on_the_real_engine(client):

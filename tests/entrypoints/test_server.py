@@ -225,6 +225,13 @@ BAD = [
     (S, {"candidates": ["b"]}, 400, "prefix"),
     (S, {"prefix": "a", "query": "a", "candidates": ["b"]}, 400, "prefix"),
     (S, {"prefix": "a" * 250, "candidates": ["b" * 10]}, 400, "candidates[0]"),
+    (S, {"prefix": "a" * 250, "candidates": ["b" * 6]}, 400, "candidates[0]"),      # exactly the context: no room
+    (S, {"query": "a" * 250, "items": ["b", "b" * 6]}, 400, "items[1]"),            # for the next token
+    (S, {"prefix": "a", "candidates": ["b"], "label_token_ids": [5, 7, 5]}, 400, "label_token_ids"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                    {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     400, "messages[0].content[1].type"),
+    (CH, {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 400, "messages[0].content[0].text"),
     (C, {"prompt": "a" * (MAX_LEN + 5)}, 400, "prompt"),
     (CH, {"messages": [{"role": "user", "content": "a" * MAX_LEN}]}, 400, "messages"),
     (C, {"prompt": "a" * 100, "max_tokens": 200}, 400, "max_tokens"),
@@ -332,6 +339,26 @@ def test_non_streaming_disconnect_aborts(served):
             c.post(C, json={"prompt": "SLOW and silent", "max_tokens": 200})
     rid = engine.seen[before].request_id
     assert wait_for(lambda: rid in engine.aborted), "disconnect did not abort the request"
+
+
+def test_aborted_requests_count_in_request_success(served, http):
+    """A client that goes away: its samples count under request_success_total{finished_reason="abort"} (the
+    documented series never appeared), streamed or not; the series is exported from the start."""
+    def aborts() -> float:
+        fams = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+        return next(s.value for s in fams["gdnserve:request_success"].samples
+                    if s.labels.get("finished_reason") == "abort")
+    before = aborts()
+    with httpx.Client(base_url=served.url, timeout=10) as c:
+        with c.stream("POST", C, json={"prompt": "SLOW stream", "max_tokens": 200, "n": 2, "stream": True}) as r:
+            next(line for line in r.iter_lines() if line)
+    assert wait_for(lambda: aborts() == before + 2), aborts()
+    with httpx.Client(base_url=served.url, timeout=0.3) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post(C, json={"prompt": "SLOW and silent", "max_tokens": 200})
+    assert wait_for(lambda: aborts() == before + 3), aborts()
+    http.post(C, json={"prompt": ["fine", "BADVALUE"], "max_tokens": 3})        # a 400: nothing counted
+    assert aborts() == before + 3
 
 
 def test_api_key():
