@@ -15,13 +15,16 @@ from gdnserve.engine.async_engine import AsyncEngine  # noqa: E402
 from gdnserve.entrypoints.llm import load_engine  # noqa: E402
 from tests.entrypoints.fake_engine import Served, wait_for  # noqa: E402
 
-# a small step budget: a 256-candidate job takes ~50 steps (10+ s on a CPU), one step a fraction of a second
-N_CANDS, CAND_LEN = 256, 12
+# a small step budget: a 256-candidate job takes ~50 steps (10+ s on a CPU), one step a fraction of a second.
+# What is asserted is that the work stops once the client is gone (at most a few steps' tokens after it), not how
+# much was done before: that depends on the machine's speed (a busy 2-core CI machine, a faster scheduler).
+N_CANDS, CAND_LEN, STEP_TOKENS = 256, 12, 64
+AFTER_GONE = 5 * STEP_TOKENS    # the step in flight and the few that start before the abort reaches the engine
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return AsyncEngine(load_engine(device="cpu", max_num_seqs=8, num_pages=512, max_step_tokens=64))
+    return AsyncEngine(load_engine(device="cpu", max_num_seqs=8, num_pages=512, max_step_tokens=STEP_TOKENS))
 
 
 def big_job(seed: int) -> tuple[list[int], list[list[int]]]:
@@ -51,12 +54,13 @@ def test_disconnect_aborts_the_score_job(engine):
         with httpx.Client(base_url=served.url, timeout=1.5) as c:
             with pytest.raises(httpx.ReadTimeout):       # the client gives up and closes the connection
                 c.post("/v1/score", json={"prefix": prefix, "candidates": cands})
-        gone = time.monotonic()
+        gone, at_gone = time.monotonic(), engine.stats()["prompt_tokens"]
         assert wait_for(lambda: engine.stats()["running"] == engine.stats()["queue_depth"] == 0
                         and not engine.engine.requests, timeout=20), "the score job kept running"
         print(f"idle {time.monotonic() - gone:.1f} s after the disconnect")
-        done = engine.stats()["prompt_tokens"] - tokens_before
-        assert done < N_CANDS * CAND_LEN // 2, f"{done} of {N_CANDS * CAND_LEN} candidate tokens computed"
+        done, after = engine.stats()["prompt_tokens"] - tokens_before, engine.stats()["prompt_tokens"] - at_gone
+        assert done < N_CANDS * CAND_LEN and after <= AFTER_GONE, (
+            f"{done} of {N_CANDS * CAND_LEN} candidate tokens computed, {after} after the client left")
         assert_clean(engine)
     finally:
         served.stop()
@@ -67,14 +71,17 @@ def test_cancelled_score_call_aborts_the_job(engine):
     prefix, cands = big_job(1)
     tokens_before = engine.stats()["prompt_tokens"]
 
-    async def main():
+    async def main() -> int:
         task = asyncio.ensure_future(engine.score(prefix, cands))
         await asyncio.sleep(1.0)
+        at_cancel = engine.stats()["prompt_tokens"]
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    asyncio.run(main())
+        return at_cancel
+    at_cancel = asyncio.run(main())
     assert wait_for(lambda: engine.stats()["running"] == engine.stats()["queue_depth"] == 0
                     and not engine.engine.requests, timeout=20), "the score job kept running"
-    assert engine.stats()["prompt_tokens"] - tokens_before < N_CANDS * CAND_LEN // 2
+    assert engine.stats()["prompt_tokens"] - tokens_before < N_CANDS * CAND_LEN
+    assert engine.stats()["prompt_tokens"] - at_cancel <= AFTER_GONE
     assert_clean(engine)
