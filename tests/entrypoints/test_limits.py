@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 
@@ -152,7 +153,8 @@ def _depth(x) -> int:
 def _random_json(rng: random.Random, depth: int):
     r = rng.random()
     if depth <= 0 or r < 0.25:
-        return rng.choice([1, -2.5, None, True, "s", 'q"[{', "\\", "]}\\\"", "é[", ""])
+        return rng.choice([1, -2.5, None, True, "s", 'q"[{', "\\", "]}\\\"", "é[", "", "\\" * rng.randrange(1, 9) + '"[',
+                           '\\"' * rng.randrange(1, 70) + "{"])
     if r < 0.6:
         return [_random_json(rng, depth - 1) for _ in range(rng.randrange(4))]
     return {rng.choice(["a", "[b", "c}", '"d']) + str(i): _random_json(rng, depth - 1) for i in range(rng.randrange(4))}
@@ -164,6 +166,61 @@ def test_json_depth_matches_a_parser_on_random_json():
         x = _random_json(rng, rng.randrange(12))
         raw = json.dumps(x, ensure_ascii=rng.random() < 0.5).encode()
         assert json_depth(raw) == _depth(x), raw
+
+
+def _scan_depth(body: bytes) -> int:
+    """The reference, a byte at a time: a quote after an odd run of backslashes is escaped (in a string or
+    not: there JSON has none), brackets count outside strings only, an unterminated string runs to the end."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for c in body:
+        if c == ord('"') and not escaped:
+            in_string = not in_string
+        elif not in_string and c in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif not in_string and c in b"]}":
+            depth -= 1
+        escaped = c == ord("\\") and not escaped
+    return deepest
+
+
+def test_json_depth_matches_a_scanner_on_random_bytes():
+    rng = random.Random()  # fresh every run
+    for _ in range(400):  # lengths across the 64-bit words of the bitmaps; runs of each byte
+        body = b"".join(rng.choice([b"[", b"]", b"{", b"}", b'"', b"\\", b"a", b" "]) * rng.choice([1, 1, 1, 2, 3, 7, 64])
+                        for _ in range(rng.randrange(0, 200)))
+        assert json_depth(body) == _scan_depth(body), body
+
+
+def test_json_depth_of_malformed_bodies():
+    assert json_depth(b'{"prompt": "' + b'\\"' * 50 + b"[[[") == 1   # unterminated: the rest is its text
+    assert json_depth(b'[["a\\\\"], [[') == 3                      # an escaped backslash ends no string
+    assert json_depth(b'[["a\\\\\\"], [[') == 2                  # an escaped quote does not close it
+    assert json_depth(b"") == json_depth(b"]]]") == json_depth(b'"') == 0
+
+
+N8 = 8 * 1024 * 1024
+ADVERSARIAL = {  # 8 MiB bodies: each costs milliseconds (the old string regex: days for the first)
+    "escaped quotes, unterminated": b'{"prompt":"' + b'\\"' * (N8 // 2 - 8),
+    "backslash runs": b"[" + (b'"' + b"\\" * 7 + b'"[' + b"\\" * 8 + b'",') * (N8 // 20 - 1) + b"1]",
+    "brackets in a string": b'{"p":"' + b"[{" * (N8 // 2 - 8) + b'"}',
+    "brackets": b"[" * (N8 // 2) + b"]" * (N8 // 2),
+    "quotes": b'"' * N8,
+    "text": b'{"prompt":"' + b"a" * (N8 - 16) + b'"}',
+}
+
+
+def test_json_depth_is_linear_time():
+    small = b'{"prompt":"' + b'\\"' * 10_000  # the old regex: about 3 s (quadratic in the length)
+    t0 = time.perf_counter()
+    assert json_depth(small) == 1
+    assert time.perf_counter() - t0 < 0.2
+    for name, body in ADVERSARIAL.items():
+        t0 = time.perf_counter()
+        json_depth(body)
+        assert time.perf_counter() - t0 < 1.0, name  # tens of ms; generous for a loaded CI machine
+    assert json_depth(ADVERSARIAL["brackets"]) == N8 // 2 and json_depth(ADVERSARIAL["backslash runs"]) == 1
 
 
 def test_invalid_unicode_paths():
