@@ -13,6 +13,9 @@ key, a JSON content type (415), the body size (413) and the limits of ``limits.p
 carries a ``gdnserve`` field at its top level (streamed: on the chunk that finishes a choice): per prompt,
 the checkpoint it started from (``hit_length``) or why it missed, and whether it published one. A client
 that goes away (streaming or not) has its requests aborted, which frees their slots and pages.
+
+At shutdown (``shutdown.py``) the server gets ``close()`` once its grace period is over: every open request
+then ends itself (streams: an error event and ``data: [DONE]``; others: a 503), its engine requests aborted.
 """
 from __future__ import annotations
 
@@ -81,10 +84,16 @@ class _Job:
     arrival: float = field(default_factory=time.monotonic)
 
 
-async def _outputs(engine: AsyncEngineClient, gens: list[GenerateRequest],
-                   timer: RequestTimer) -> AsyncIterator[tuple[int, RequestOutput]]:
+def _shutdown_error() -> APIError:
+    return APIError("the server is shutting down and this request was still open at the end of the grace period "
+                    "(--shutdown-timeout); its generation was aborted", None, 503, "server_error", "server_shutdown")
+
+
+async def _outputs(engine: AsyncEngineClient, gens: list[GenerateRequest], timer: RequestTimer,
+                   closing: asyncio.Event) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The engine's outputs of several requests, merged as they come. Leaving early (an error, a client
-    that went away, a cancelled task) aborts every request that has not finished."""
+    that went away, a cancelled task, ``closing`` set: a 503 ``server_shutdown`` error) aborts every request
+    that has not finished."""
     queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
     async def pump(i: int, req: GenerateRequest) -> None:
@@ -99,7 +108,12 @@ async def _outputs(engine: AsyncEngineClient, gens: list[GenerateRequest],
         except Exception as e:  # handed to the consumer; a failure stays within this HTTP request
             queue.put_nowait((i, e))
 
+    async def stop_when_closing() -> None:
+        await closing.wait()
+        queue.put_nowait((-1, _shutdown_error()))
+
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    tasks.append(asyncio.create_task(stop_when_closing()))
     live, finished = set(range(len(gens))), set()
     try:
         while live:
@@ -150,6 +164,22 @@ async def _unless_disconnected(request: Request, coro: Any) -> Any:
     return work.result()
 
 
+async def _unless_closing(closing: asyncio.Event, coro: Any) -> Any:
+    """``await coro``, cancelled (→ a 503 ``server_shutdown``) if the server closes first."""
+    work, stop = asyncio.ensure_future(coro), asyncio.ensure_future(closing.wait())
+    try:
+        await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not work.done():
+            work.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        raise _shutdown_error()
+    return work.result()
+
+
 class _SSEResponse(StreamingResponse):
     """Closes its stream however the response ends. Starlette cancels the sending task when the client
     disconnects and may leave the body generator suspended (or never started); closing the engine outputs
@@ -178,6 +208,13 @@ class _Server:
         self.engine, self.tok, self.cfg = engine, engine.tokenizer, config
         self.api_key, self.limits = config.api_key, config.limits
         self.metrics = ServerMetrics(engine)
+        self.closing = asyncio.Event()  # set by close(): every open request ends with a 503
+
+    def close(self) -> None:
+        """End every open and new generation or score request now: streams with a 503 ``server_shutdown`` error
+        event and ``data: [DONE]``, the others with that 503; their engine requests are aborted. Called on the
+        event loop when the shutdown grace period is over (``shutdown.GracefulServer``)."""
+        self.closing.set()
 
     # ---- request checks ----------------------------------------------------------------------------
 
@@ -365,7 +402,8 @@ class _Server:
     # ---- driving the engine ------------------------------------------------------------------------------
 
     async def run(self, request: Request, job: _Job, stream: bool) -> Response:
-        outputs = _outputs(self.engine, job.gens, self.metrics.track(job.arrival, [g.request_id for g in job.gens]))
+        outputs = _outputs(self.engine, job.gens, self.metrics.track(job.arrival, [g.request_id for g in job.gens]),
+                           self.closing)
         try:
             first = await _unless_disconnected(request, anext(outputs, None))
         except BaseException:
@@ -427,7 +465,7 @@ class _Server:
         if labels is not None:
             self.check_ids(labels, "label_token_ids")
         try:
-            result = await self.engine.score(prefix_ids, cand_ids, labels)
+            result = await _unless_closing(self.closing, self.engine.score(prefix_ids, cand_ids, labels))
         except ValueError as e:
             raise APIError(str(e), getattr(e, "param", None)) from None
         data, scores = [], []
@@ -575,12 +613,16 @@ def run_server(engine: AsyncEngineClient, config: ServerConfig | None = None, po
                sock: Any = None, log_level: str = "info", shutdown_timeout: float | None = 10.0) -> None:
     """Serve ``engine`` until interrupted, on ``sock`` (a bound socket: the caller checked the port before
     loading the model) or on ``config.host:port``. Binds loopback by default: pass ``ServerConfig(host=
-    "0.0.0.0", api_key=...)`` to expose it. On shutdown, open requests get ``shutdown_timeout`` seconds. An engine
-    that dies (``on_dead``) shuts the server down the same way (its requests have already failed)."""
+    "0.0.0.0", api_key=...)`` to expose it. On shutdown, open requests get ``shutdown_timeout`` seconds, then are
+    answered 503 (``shutdown.py``). An engine that dies (``on_dead``) shuts the server down the same way (its
+    requests have already failed)."""
     import uvicorn
+
+    from gdnserve.entrypoints.shutdown import GracefulServer
     config = config or ServerConfig()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, config=config), host=config.host, port=port,
-                                           log_level=log_level, timeout_graceful_shutdown=shutdown_timeout))
+    app = build_app(engine, config=config)
+    server = GracefulServer(uvicorn.Config(app, host=config.host, port=port, log_level=log_level),
+                            app.state.server.close, shutdown_timeout)
     if hasattr(engine, "on_dead"):      # an engine that can die (AsyncEngine: a tensor-parallel worker gone) stops
         engine.on_dead = lambda message: setattr(server, "should_exit", True)   # the server; its caller exits 1
     server.run(sockets=None if sock is None else [sock])
