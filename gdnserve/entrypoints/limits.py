@@ -87,6 +87,14 @@ def _prefix_xor(mask: np.ndarray) -> np.ndarray:
     return np.unpackbits(words.view(np.uint8), count=n, bitorder="little").view(bool)
 
 
+def may_hold_surrogates(body: bytes) -> bool:
+    """False when no string parsed from ``body`` can hold a lone surrogate: it has neither an escape
+    ``\\uD8xx``-``\\uDFxx`` nor the byte 0xED that leads U+D800-U+DFFF in UTF-8 (``json.loads`` decodes
+    bytes with ``surrogatepass``). A byte search: the walk of ``invalid_unicode`` takes seconds over
+    millions of values and runs only for the bodies that pass this."""
+    return b"\\ud" in body or b"\\uD" in body or b"\xed" in body
+
+
 def invalid_unicode(data: Any, path: str = "") -> str | None:
     """The field path (``messages[0].content``) of the first string (or object key) in parsed JSON that
     is not valid Unicode (a lone surrogate such as ``"\\ud800"``); None when all are valid."""

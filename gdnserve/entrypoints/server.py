@@ -14,21 +14,25 @@ carries a ``gdnserve`` field at its top level (streamed: on the chunk that finis
 the checkpoint it started from (``hit_length``) or why it missed, and whether it published one. A client
 that goes away (streaming or not) has its requests aborted, which frees their slots and pages.
 
-At shutdown (``shutdown.py``) the server gets ``close()`` once its grace period is over: every open request
-then ends itself (streams: an error event and ``data: [DONE]``; others: a 503), its engine requests aborted.
+The event loop serves every request, stream and /health at once, so no step may hold it for long: parsing,
+tokenizing and formatting more than ``OFF_LOOP_AT`` bytes / characters / token entries runs in a worker thread
+(``_Server.off_loop``). At shutdown (``shutdown.py``) the server gets ``close()`` once its grace period is over:
+every open request then ends itself (streams: an error event and ``data: [DONE]``; others: a 503), its engine
+requests aborted.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import inspect
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
@@ -40,12 +44,19 @@ from gdnserve.engine.engine_api import (AsyncEngineClient, CompletionOutput, Gen
                                         make_sampling_params)
 from gdnserve.entrypoints.config import ServerConfig
 from gdnserve.entrypoints.metrics import CONTENT_TYPE, HTTPCounter, RequestTimer, ServerMetrics
-from gdnserve.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ScoreRequest,
-                                           chat_logprobs, completion_logprobs, parse_request, provenance, usage)
+from gdnserve.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ContentPart,
+                                           ScoreRequest, chat_logprobs, completion_logprobs, parse_request,
+                                           provenance, usage)
 from gdnserve.entrypoints.security import AccessGuard
 from gdnserve.models.tokenizer import DEFAULT_MARKER
 
 log = logging.getLogger("gdnserve.server")
+T = TypeVar("T")
+
+# Work on more bytes (a body), characters (a prompt) or token entries (a response's tokens times their top
+# logprobs) runs in a worker thread: megabytes take seconds. Below, the thread hop (~0.1 ms) costs more than the
+# work (a few ms at most).
+OFF_LOOP_AT = 8192
 
 
 class _ClientGone(Exception):
@@ -180,6 +191,19 @@ async def _unless_closing(closing: asyncio.Event, coro: Any) -> Any:
     return work.result()
 
 
+def _chat_size(req: ChatCompletionRequest) -> int:
+    """What rendering and tokenizing the chat costs, for ``off_loop``: its characters, and 64 per message or
+    content part (a template turn). Counted up to the threshold only: a million messages are a cost too."""
+    size = 0
+    for m in req.messages:
+        for part in m.content if isinstance(m.content, list) else [m.content]:
+            text = part.text if isinstance(part, ContentPart) else part
+            size += 64 + len(text or "")
+            if size > OFF_LOOP_AT:
+                return size
+    return size
+
+
 class _SSEResponse(StreamingResponse):
     """Closes its stream however the response ends. Starlette cancels the sending task when the client
     disconnects and may leave the body generator suspended (or never started); closing the engine outputs
@@ -199,6 +223,14 @@ class _SSEResponse(StreamingResponse):
                 await self._outputs.aclose()
 
 
+def _json_bytes(body: dict[str, Any]) -> bytes:
+    """``body`` as JSONResponse renders it, each choice dumped on its own: one json.dumps of megabytes holds the
+    GIL throughout, and so the event loop, even from a worker thread."""
+    dump = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    head, tail = dump({**body, "choices": []}).split('"choices":[]', 1)  # the key: quotes in values are escaped
+    return "".join([head, '"choices":[', ",".join(map(dump, body["choices"])), "]", tail]).encode()
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -209,12 +241,23 @@ class _Server:
         self.api_key, self.limits = config.api_key, config.limits
         self.metrics = ServerMetrics(engine)
         self.closing = asyncio.Event()  # set by close(): every open request ends with a 503
+        # a few threads: work on megabytes holds the GIL in turns anyway, and leaves anyio's default threads to
+        # /health and /metrics
+        self.workers = anyio.CapacityLimiter(4)
 
     def close(self) -> None:
         """End every open and new generation or score request now: streams with a 503 ``server_shutdown`` error
         event and ``data: [DONE]``, the others with that 503; their engine requests are aborted. Called on the
         event loop when the shutdown grace period is over (``shutdown.GracefulServer``)."""
         self.closing.set()
+
+    async def off_loop(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``: inline when ``size`` (the bytes, characters or token entries it works on) is at most
+        ``OFF_LOOP_AT``, else in a worker thread, so that parsing, tokenizing or formatting megabytes never holds
+        the event loop (every other request and stream, /health) longer than a GIL switch interval."""
+        if size <= OFF_LOOP_AT:
+            return fn(*args)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.workers)
 
     # ---- request checks ----------------------------------------------------------------------------
 
@@ -236,7 +279,7 @@ class _Server:
             body += chunk
             if len(body) > limit:
                 raise too_big
-        return parse_request(bytes(body), model, self.limits)
+        return await self.off_loop(len(body), parse_request, bytes(body), model, self.limits)
 
     def special(self, req: Any) -> bool:
         flag = getattr(req, "parse_special_tokens", None)
@@ -423,7 +466,25 @@ class _Server:
             last = await _unless_disconnected(request, rest())
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]
-        return JSONResponse(self.final(job, last))
+        return await self.off_loop(self.entries(job, last.values()), self.response, job, last)
+
+    def response(self, job: _Job, outs: dict[int, RequestOutput]) -> Response:
+        return Response(_json_bytes(self.final(job, outs)), media_type="application/json")
+
+    def entries(self, job: _Job, outs: Any, sent: dict[tuple[int, int], _Sent] | None = None,
+                i: int = 0) -> int:
+        """The token entries (tokens, echoed prompts' included, times 1 + top logprobs) a response formats from
+        ``outs``; with ``sent``, those of prompt ``i``'s next stream chunks only."""
+        tokens = 0
+        for o in outs:
+            for c in o.outputs:
+                s = None if sent is None else sent.get((i, c.index))
+                new = len(c.token_ids) - (s.tokens if s else 0)
+                tokens += new + (len(o.prompt_token_ids) if job.echo and not (s and s.started) else 0)
+        return tokens * (1 + (job.k or 0))
+
+    def events(self, job: _Job, i: int, out: RequestOutput, sent: dict[tuple[int, int], _Sent]) -> list[str]:
+        return [_sse(chunk) for chunk in self.chunks(job, i, out, sent)]
 
     async def stream(self, job: _Job, outputs: Any, first: Any) -> AsyncIterator[str]:
         sent: dict[tuple[int, int], _Sent] = {}
@@ -433,8 +494,8 @@ class _Server:
             while item is not None:
                 i, out = item
                 prompt_tokens[i] = len(out.prompt_token_ids)
-                for chunk in self.chunks(job, i, out, sent):
-                    yield _sse(chunk)
+                for event in await self.off_loop(self.entries(job, [out], sent, i), self.events, job, i, out, sent):
+                    yield event
                 item = await anext(outputs, None)
             if job.include_usage:
                 done = sum(s.tokens for s in sent.values())
@@ -454,8 +515,9 @@ class _Server:
         cname = "candidates" if req.items is None else "items"
         pname = "prefix" if req.query is None else "query"
         special = self.special(req)
-        prefix_ids = self.score_ids(prefix, pname, special)
-        cand_ids = [self.score_ids(c, f"{cname}[{j}]", special) for j, c in enumerate(cands)]
+        prefix_ids = await self.off_loop(len(prefix), self.score_ids, prefix, pname, special)
+        cand_ids = await self.off_loop(sum(map(len, cands)), lambda: [
+            self.score_ids(c, f"{cname}[{j}]", special) for j, c in enumerate(cands)])
         limit = self.engine.max_model_len
         for j, c in enumerate(cand_ids):
             if len(prefix_ids) + len(c) > limit:
@@ -539,7 +601,8 @@ def build_app(engine: AsyncEngineClient, api_key: str | None = None, config: Ser
         srv.check_model(req.model)
         req.check(limits)
         special = srv.special(req)
-        prompts = [srv.prepare(p, req.checkpoint_at, "prompt", special) for p in req.prompts()]
+        prompts = [await srv.off_loop(len(p), srv.prepare, p, req.checkpoint_at, "prompt", special)
+                   for p in req.prompts()]
         max_tokens = srv.max_tokens(req.max_tokens, config.default_max_tokens, prompts, "max_tokens")
         job = srv.job("completion", req, prompts, max_tokens, req.logprobs, req.echo)
         job.arrival = arrival
@@ -552,7 +615,7 @@ def build_app(engine: AsyncEngineClient, api_key: str | None = None, config: Ser
         req = await srv.read(request, ChatCompletionRequest)
         srv.check_model(req.model)
         req.check(limits)
-        prompts = [srv.chat_prompt(req)]
+        prompts = [await srv.off_loop(_chat_size(req), srv.chat_prompt, req)]
         requested, param = req.token_limit()
         max_tokens = srv.max_tokens(requested, config.chat_default_max_tokens, prompts, param)
         k = (req.top_logprobs or 0) if req.logprobs else None

@@ -5,7 +5,8 @@ The fake "model" cycles through the prompt's plain (non-special) tokens: sample 
 bytes are ``b`` generates ``b[j], b[j+1], ...``, so every expected text is known. Token logprobs are
 ``-0.5 - 0.01 * step`` with alternatives one nat apart. A prompt holding SLOW generates slowly, RAISE
 fails after two tokens, ENDEARLY ends without a finished output, HANG never finishes (one token, then
-nothing until it is aborted; a score prefix too), BADVALUE is refused with a ValueError as the real engine refuses bad markers.
+nothing until it is aborted; a score prefix too), BADVALUE is refused with a ValueError as the real engine
+refuses bad markers.
 
 ``python -m tests.entrypoints.fake_engine --port P [--shutdown-timeout S]`` serves it through ``run_server``
 in a process of its own (printing ``aborted <request id>`` for each abort), for the tests that need the server
