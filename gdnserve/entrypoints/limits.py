@@ -1,5 +1,5 @@
 """Request limits: what one HTTP request may ask of the server, and the checks that run on the raw body
-before (nesting depth) and after (invalid Unicode) it is parsed. Each limit has a ``gdnserve serve`` flag
+before (nesting depth, number of arrays and objects) and after (invalid Unicode) it is parsed. Each limit has a ``gdnserve serve`` flag
 (``docs/serving.md`` lists them with their defaults); a request over a limit is answered with an
 OpenAI-style error that names the field, never a 500.
 """
@@ -18,6 +18,7 @@ class Limits:
     max_stop: int = 16                      # stop strings per request
     max_stop_chars: int = 256               # characters per stop string
     max_json_depth: int = 32                # nested arrays / objects in a body
+    max_json_containers: int = 16384        # arrays + objects in a body (each costs pydantic ~5 µs, GIL held)
     max_candidates: int = 1024              # candidates (items) in one /v1/score request
     max_n: int = 64                         # samples per prompt
     max_logprobs: int = 20                  # logprobs / top_logprobs
@@ -35,9 +36,13 @@ _U64 = np.dtype("<u8")
 
 
 def json_depth(body: bytes) -> int:
-    """The deepest nesting of arrays and objects in a JSON text, without parsing it: a few vectorised
-    passes over the bytes and their bitmaps, so any body within the size limit costs milliseconds (no
-    RecursionError, no backtracking). Exact for valid JSON.
+    return json_shape(body)[0]
+
+
+def json_shape(body: bytes) -> tuple[int, int]:
+    """``(depth, containers)`` of a JSON text, without parsing it: the deepest nesting of arrays and objects,
+    and how many there are. A few vectorised passes over the bytes and their bitmaps, so any body within the
+    size limit costs milliseconds (no RecursionError, no backtracking). Exact for valid JSON.
 
     A quote delimits a string unless an odd run of backslashes precedes it (in valid JSON backslashes only
     occur in strings); brackets after an odd number of delimiting quotes are text. An unterminated string
@@ -49,9 +54,9 @@ def json_depth(body: bytes) -> int:
     opens = (folded == ord("[")) & outside
     brackets = opens | ((folded == ord("]")) & outside)
     if not brackets.any():
-        return 0
+        return 0, 0
     steps = opens[brackets].view(np.int8) * np.int8(2) - np.int8(1)
-    return max(0, int(np.cumsum(steps, dtype=np.int32).max()))
+    return max(0, int(np.cumsum(steps, dtype=np.int32).max())), int(np.count_nonzero(opens))
 
 
 def _delimiting_quotes(b: np.ndarray) -> np.ndarray:

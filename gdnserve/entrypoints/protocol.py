@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gdnserve.engine.engine_api import CheckpointInfo, TokenizerLike
-from gdnserve.entrypoints.limits import Limits, invalid_unicode, json_depth, may_hold_surrogates
+from gdnserve.entrypoints.limits import Limits, invalid_unicode, json_shape, may_hold_surrogates
 
 DEFAULT_LIMITS = Limits()
 
@@ -47,13 +47,16 @@ def _loc_to_param(loc: Sequence[int | str]) -> str:
 
 
 def parse_request(body: bytes, model: type[BaseModel], limits: Limits = DEFAULT_LIMITS) -> Any:
-    """``model`` from a JSON body; malformed JSON, nesting deeper than ``limits.max_json_depth``, a string
-    that is not valid Unicode (a lone surrogate), a non-object and every pydantic error become a 400 that
-    names the (first) offending field."""
-    depth = json_depth(body)
+    """``model`` from a JSON body; malformed JSON, nesting deeper than ``limits.max_json_depth``, more arrays
+    and objects than ``limits.max_json_containers``, a string that is not valid Unicode (a lone surrogate), a
+    non-object and every pydantic error become a 400 that names the (first) offending field."""
+    depth, containers = json_shape(body)
     if depth > limits.max_json_depth:
         raise APIError(f"the request body nests arrays/objects {depth} deep; at most {limits.max_json_depth} "
                        "(--max-json-depth)", code="json_too_deep")
+    if containers > limits.max_json_containers:  # before pydantic builds (and holds the GIL for) each of them
+        raise APIError(f"the request body holds {containers} arrays/objects; at most {limits.max_json_containers} "
+                       "(--max-json-containers)", code="json_too_many_containers")
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

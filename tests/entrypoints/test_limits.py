@@ -14,12 +14,12 @@ from pydantic import ValidationError
 httpx = pytest.importorskip("httpx")
 
 from gdnserve.entrypoints.config import ServerConfig
-from gdnserve.entrypoints.limits import Limits, invalid_unicode, json_depth, may_hold_surrogates
+from gdnserve.entrypoints.limits import Limits, invalid_unicode, json_depth, json_shape, may_hold_surrogates
 from gdnserve.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, ScoreRequest, parse_request
 from tests.entrypoints.fake_engine import MAX_LEN, FakeEngine, Served
 
 LIM = Limits(max_body_bytes=20_000, max_prompts=5, max_stop=3, max_stop_chars=7, max_json_depth=6, max_candidates=4,
-             max_n=3, max_logprobs=2)
+             max_n=3, max_logprobs=2, max_json_containers=20)
 C, CH, S = "/v1/completions", "/v1/chat/completions", "/v1/score"
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -100,6 +100,15 @@ def test_nesting_depth_400(http):
     assert r.status_code == 200, r.text
 
 
+def test_too_many_arrays_and_objects_400(http):
+    # counted before parsing: before the (later) check of the number of prompts
+    err = error(http.post(C, json={"prompt": [[1]] * 20}), 400, None, "json_too_many_containers")
+    assert "22" in err["message"] and "--max-json-containers" in err["message"]
+    err = error(http.post(CH, json={"messages": MSG * 19 + [{"role": "user", "content": [{"type": "text"}]}]}), 400,
+                None, "json_too_many_containers")
+    assert http.post(C, json={"prompt": [[1]] * 5, "stop": ["{[", "]"], "max_tokens": 1}).status_code == 200
+
+
 LONE = "\ud800"
 SURROGATES = [  # (path, body, param)
     (C, {"model": "a" + LONE, "prompt": "x"}, "model"),
@@ -162,12 +171,20 @@ def _random_json(rng: random.Random, depth: int):
     return {rng.choice(["a", "[b", "c}", '"d']) + str(i): _random_json(rng, depth - 1) for i in range(rng.randrange(4))}
 
 
+def _containers(x) -> int:
+    if isinstance(x, list):
+        return 1 + sum(map(_containers, x))
+    if isinstance(x, dict):
+        return 1 + sum(map(_containers, x.values()))
+    return 0
+
+
 def test_json_depth_matches_a_parser_on_random_json():
     rng = random.Random()  # fresh every run
     for _ in range(300):
         x = _random_json(rng, rng.randrange(12))
         raw = json.dumps(x, ensure_ascii=rng.random() < 0.5).encode()
-        assert json_depth(raw) == _depth(x), raw
+        assert json_shape(raw) == (_depth(x), _containers(x)), raw
 
 
 def _scan_depth(body: bytes) -> int:
@@ -264,7 +281,7 @@ def test_validation_stops_at_the_first_bad_item(model, body, param):
         model.model_validate(body)
     assert time.perf_counter() - t0 < 0.3  # 0.5-3 s before (errors for every item and union member)
     with pytest.raises(APIError) as e:
-        parse_request(json.dumps(body).encode(), model)
+        parse_request(json.dumps(body).encode(), model, Limits(max_json_containers=2 * BAD_ITEMS))
     assert e.value.param == param, e.value.message
 
 

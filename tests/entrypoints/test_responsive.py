@@ -66,6 +66,7 @@ LARGE = {  # a body or response of megabytes: (path, body, expected status, what
     "chat content": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * MB8}]}, 400,
                      "context length"),
     "token ids": ("/v1/completions", {"prompt": [7] * (MB8 // 3)}, 400, "context length"),
+    "400 K messages": ("/v1/chat/completions", {"messages": [{"role": "user"}] * 400_000}, 400, "arrays/objects"),
     "echo + logprobs response": ("/v1/completions", {"prompt": ["x" * 120] * 64, "echo": True, "logprobs": 20,
                                                      "n": 6, "max_tokens": 100}, 200, None),
 }
@@ -77,9 +78,9 @@ def test_megabytes_to_parse_tokenize_or_format_do_not_stall(url, case):
     raw = json.dumps(body).encode()
     slowest, probes, (got, content) = _slowest_health_during(url, lambda: _post(url, path, raw))
     assert got == status, content[:300]
-    if says is not None:  # parsed and tokenized in full, then refused: the prompt is longer than the context
+    assert probes >= 2 and slowest < HEALTH_S, (slowest, probes)
+    if says is not None:  # parsed (and tokenized) in full, or counted before parsing, then refused
         assert says in json.loads(content)["error"]["message"]
     else:  # 384 choices, each the echoed prompt and 100 tokens with 20 top logprobs each
         choices = json.loads(content)["choices"]
         assert len(choices) == 384 and all(len(c["logprobs"]["tokens"]) == 220 for c in choices)
-    assert probes >= 2 and slowest < HEALTH_S, (slowest, probes)
