@@ -11,12 +11,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from gdnserve.engine.engine_api import CheckpointInfo, TokenizerLike
-from gdnserve.entrypoints.limits import Limits, invalid_unicode, json_depth
+from gdnserve.entrypoints.limits import Limits, invalid_unicode, json_shape, may_hold_surrogates
 
 DEFAULT_LIMITS = Limits()
 
@@ -47,13 +47,16 @@ def _loc_to_param(loc: Sequence[int | str]) -> str:
 
 
 def parse_request(body: bytes, model: type[BaseModel], limits: Limits = DEFAULT_LIMITS) -> Any:
-    """``model`` from a JSON body; malformed JSON, nesting deeper than ``limits.max_json_depth``, a string
-    that is not valid Unicode (a lone surrogate), a non-object and every pydantic error become a 400 that
-    names the (first) offending field."""
-    depth = json_depth(body)
+    """``model`` from a JSON body; malformed JSON, nesting deeper than ``limits.max_json_depth``, more arrays
+    and objects than ``limits.max_json_containers``, a string that is not valid Unicode (a lone surrogate), a
+    non-object and every pydantic error become a 400 that names the (first) offending field."""
+    depth, containers = json_shape(body)
     if depth > limits.max_json_depth:
         raise APIError(f"the request body nests arrays/objects {depth} deep; at most {limits.max_json_depth} "
                        "(--max-json-depth)", code="json_too_deep")
+    if containers > limits.max_json_containers:  # before pydantic builds (and holds the GIL for) each of them
+        raise APIError(f"the request body holds {containers} arrays/objects; at most {limits.max_json_containers} "
+                       "(--max-json-containers)", code="json_too_many_containers")
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -62,7 +65,7 @@ def parse_request(body: bytes, model: type[BaseModel], limits: Limits = DEFAULT_
         raise APIError("the request body is not valid JSON: nested too deep", code="json_too_deep") from None
     if not isinstance(data, dict):
         raise APIError(f"the request body must be a JSON object, got {type(data).__name__}")
-    bad = invalid_unicode(data)
+    bad = invalid_unicode(data) if may_hold_surrogates(body) else None
     if bad is not None:
         raise APIError(f"{bad} is not valid Unicode (it holds a lone surrogate escape such as \\ud800)", bad,
                        code="invalid_unicode")
@@ -83,6 +86,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+# Lists stop at their first invalid item (only the first error is reported): a body of a million bad items
+# would build a million errors, for every member of a union, in seconds that hold the GIL.
+_Texts = Annotated[list[str], Field(fail_fast=True)]
+_Ids = Annotated[list[int], Field(fail_fast=True)]
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -95,7 +104,7 @@ class _SamplingRequest(_Strict):
     top_p: float | None = None
     top_k: int | None = None
     n: int = 1
-    stop: str | list[str] | None = None
+    stop: str | _Texts | None = None
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -164,7 +173,7 @@ class _SamplingRequest(_Strict):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | _Texts | _Ids | Annotated[list[_Ids], Field(fail_fast=True)]
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
@@ -203,7 +212,7 @@ class ContentPart(_Strict):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(fail_fast=True)] | None = None
     name: str | None = None
 
     def text(self, i: int) -> str:
@@ -222,7 +231,7 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Field(fail_fast=True)]
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
@@ -259,11 +268,11 @@ class ChatCompletionRequest(_SamplingRequest):
 class ScoreRequest(_Strict):
     """``{prefix | query, candidates | items, label_token_ids?, apply_softmax?}`` (SGLang's names or ours)."""
     model: str | None = None
-    prefix: str | list[int] | None = None
-    query: str | list[int] | None = None
-    candidates: list[str | list[int]] | None = None
-    items: list[str | list[int]] | None = None
-    label_token_ids: list[int] | None = None
+    prefix: str | _Ids | None = None
+    query: str | _Ids | None = None
+    candidates: Annotated[list[str | _Ids], Field(fail_fast=True)] | None = None
+    items: Annotated[list[str | _Ids], Field(fail_fast=True)] | None = None
+    label_token_ids: _Ids | None = None
     apply_softmax: bool = False
     parse_special_tokens: bool | None = None
 

@@ -89,6 +89,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"characters per stop string (default {_L.max_stop_chars})")
     r.add_argument("--max-json-depth", type=int, default=_L.max_json_depth,
                    help=f"nesting of arrays/objects in a request body (default {_L.max_json_depth})")
+    r.add_argument("--max-json-containers", type=int, default=_L.max_json_containers,
+                   help=f"arrays + objects in a request body (default {_L.max_json_containers})")
     r.add_argument("--max-candidates", type=int, default=_L.max_candidates,
                    help=f"candidates in one /v1/score request (default {_L.max_candidates})")
     r.add_argument("--max-n", type=int, default=_L.max_n, help=f"samples per prompt, n (default {_L.max_n})")
@@ -99,6 +101,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def server_config(args: argparse.Namespace) -> ServerConfig:
     limits = Limits(max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts, max_stop=args.max_stop,
                     max_stop_chars=args.max_stop_chars, max_json_depth=args.max_json_depth,
+                    max_json_containers=args.max_json_containers,
                     max_candidates=args.max_candidates, max_n=args.max_n, max_logprobs=args.max_logprobs)
     return ServerConfig(api_key=args.api_key, host=args.host, allowed_hosts=tuple(args.allowed_hosts),
                         allowed_origins=tuple(args.allowed_origins), public_metrics=args.public_metrics,
@@ -191,7 +194,8 @@ def banner(engine, args: argparse.Namespace, config: ServerConfig, port: int, lo
         f"  pools: {st.get('state_pool_total')} state slots, {st.get('page_pool_total')} KV pages x {page} tokens",
         f"  limits: body {lim.max_body_bytes} B, {lim.max_prompts} prompts/request, n <= {n_cap}"
         f"{f' (--max-n {lim.max_n}, capped by the engine)' if n_cap < lim.max_n else ''}, "
-        f"{lim.max_stop} stop strings x {lim.max_stop_chars} chars, JSON depth {lim.max_json_depth}, "
+        f"{lim.max_stop} stop strings x {lim.max_stop_chars} chars, JSON depth {lim.max_json_depth} and "
+        f"{lim.max_json_containers} arrays/objects, "
         f"{lim.max_candidates} score candidates",
         f"  access: API key {'required' if config.api_key else 'none'}"
         f"{' (/metrics open)' if config.api_key and config.public_metrics else ''}; Host "

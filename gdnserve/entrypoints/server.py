@@ -13,19 +13,26 @@ key, a JSON content type (415), the body size (413) and the limits of ``limits.p
 carries a ``gdnserve`` field at its top level (streamed: on the chunk that finishes a choice): per prompt,
 the checkpoint it started from (``hit_length``) or why it missed, and whether it published one. A client
 that goes away (streaming or not) has its requests aborted, which frees their slots and pages.
+
+The event loop serves every request, stream and /health at once, so no step may hold it for long: parsing,
+tokenizing and formatting more than ``OFF_LOOP_AT`` bytes / characters / token entries runs in a worker thread
+(``_Server.off_loop``). At shutdown (``shutdown.py``) the server gets ``close()`` once its grace period is over:
+every open request then ends itself (streams: an error event and ``data: [DONE]``; others: a 503), its engine
+requests aborted.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import inspect
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 from fastapi import FastAPI, Request
@@ -37,12 +44,19 @@ from gdnserve.engine.engine_api import (AsyncEngineClient, CompletionOutput, Gen
                                         make_sampling_params)
 from gdnserve.entrypoints.config import ServerConfig
 from gdnserve.entrypoints.metrics import CONTENT_TYPE, HTTPCounter, RequestTimer, ServerMetrics
-from gdnserve.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ScoreRequest,
-                                           chat_logprobs, completion_logprobs, parse_request, provenance, usage)
+from gdnserve.entrypoints.protocol import (APIError, ChatCompletionRequest, CompletionRequest, ContentPart,
+                                           ScoreRequest, chat_logprobs, completion_logprobs, parse_request,
+                                           provenance, usage)
 from gdnserve.entrypoints.security import AccessGuard
 from gdnserve.models.tokenizer import DEFAULT_MARKER
 
 log = logging.getLogger("gdnserve.server")
+T = TypeVar("T")
+
+# Work on more bytes (a body), characters (a prompt) or token entries (a response's tokens times their top
+# logprobs) runs in a worker thread: megabytes take seconds. Below, the thread hop (~0.1 ms) costs more than the
+# work (a few ms at most).
+OFF_LOOP_AT = 8192
 
 
 class _ClientGone(Exception):
@@ -81,11 +95,17 @@ class _Job:
     arrival: float = field(default_factory=time.monotonic)
 
 
-async def _outputs(engine: AsyncEngineClient, gens: list[GenerateRequest],
-                   timer: RequestTimer) -> AsyncIterator[tuple[int, RequestOutput]]:
+def _shutdown_error() -> APIError:
+    return APIError("the server is shutting down and this request was still open at the end of the grace period "
+                    "(--shutdown-timeout); its generation was aborted", None, 503, "server_error", "server_shutdown")
+
+
+async def _outputs(engine: AsyncEngineClient, gens: list[GenerateRequest], timer: RequestTimer,
+                   closing: asyncio.Event) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The engine's outputs of several requests, merged as they come. Leaving early (an error, a client
-    that went away, a cancelled task) aborts every request that has not finished; unless the engine refused the
-    HTTP request (a 400), their samples count as finished by ``abort`` in the metrics."""
+    that went away, a cancelled task, ``closing`` set: a 503 ``server_shutdown`` error) aborts every request
+    that has not finished; unless the engine refused the HTTP request (a 400), their samples count as finished by
+    ``abort`` in the metrics."""
     queue: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
 
     async def pump(i: int, req: GenerateRequest) -> None:
@@ -100,7 +120,12 @@ async def _outputs(engine: AsyncEngineClient, gens: list[GenerateRequest],
         except Exception as e:  # handed to the consumer; a failure stays within this HTTP request
             queue.put_nowait((i, e))
 
+    async def stop_when_closing() -> None:
+        await closing.wait()
+        queue.put_nowait((-1, _shutdown_error()))
+
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    tasks.append(asyncio.create_task(stop_when_closing()))
     live, finished = set(range(len(gens))), set()
     refused = False
     try:
@@ -155,6 +180,35 @@ async def _unless_disconnected(request: Request, coro: Any) -> Any:
     return work.result()
 
 
+async def _unless_closing(closing: asyncio.Event, coro: Any) -> Any:
+    """``await coro``, cancelled (→ a 503 ``server_shutdown``) if the server closes first."""
+    work, stop = asyncio.ensure_future(coro), asyncio.ensure_future(closing.wait())
+    try:
+        await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+        if not work.done():
+            work.cancel()
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        raise _shutdown_error()
+    return work.result()
+
+
+def _chat_size(req: ChatCompletionRequest) -> int:
+    """What rendering and tokenizing the chat costs, for ``off_loop``: its characters, and 64 per message or
+    content part (a template turn). Counted up to the threshold only: a million messages are a cost too."""
+    size = 0
+    for m in req.messages:
+        for part in m.content if isinstance(m.content, list) else [m.content]:
+            text = part.text if isinstance(part, ContentPart) else part
+            size += 64 + len(text or "")
+            if size > OFF_LOOP_AT:
+                return size
+    return size
+
+
 class _SSEResponse(StreamingResponse):
     """Closes its stream however the response ends. Starlette cancels the sending task when the client
     disconnects and may leave the body generator suspended (or never started); closing the engine outputs
@@ -174,6 +228,14 @@ class _SSEResponse(StreamingResponse):
                 await self._outputs.aclose()
 
 
+def _json_bytes(body: dict[str, Any]) -> bytes:
+    """``body`` as JSONResponse renders it, each choice dumped on its own: one json.dumps of megabytes holds the
+    GIL throughout, and so the event loop, even from a worker thread."""
+    dump = functools.partial(json.dumps, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    head, tail = dump({**body, "choices": []}).split('"choices":[]', 1)  # the key: quotes in values are escaped
+    return "".join([head, '"choices":[', ",".join(map(dump, body["choices"])), "]", tail]).encode()
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -183,6 +245,24 @@ class _Server:
         self.engine, self.tok, self.cfg = engine, engine.tokenizer, config
         self.api_key, self.limits = config.api_key, config.limits
         self.metrics = ServerMetrics(engine)
+        self.closing = asyncio.Event()  # set by close(): every open request ends with a 503
+        # a few threads: work on megabytes holds the GIL in turns anyway, and leaves anyio's default threads to
+        # /health and /metrics
+        self.workers = anyio.CapacityLimiter(4)
+
+    def close(self) -> None:
+        """End every open and new generation or score request now: streams with a 503 ``server_shutdown`` error
+        event and ``data: [DONE]``, the others with that 503; their engine requests are aborted. Called on the
+        event loop when the shutdown grace period is over (``shutdown.GracefulServer``)."""
+        self.closing.set()
+
+    async def off_loop(self, size: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``: inline when ``size`` (the bytes, characters or token entries it works on) is at most
+        ``OFF_LOOP_AT``, else in a worker thread, so that parsing, tokenizing or formatting megabytes never holds
+        the event loop (every other request and stream, /health) longer than a GIL switch interval."""
+        if size <= OFF_LOOP_AT:
+            return fn(*args)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self.workers)
 
     # ---- request checks ----------------------------------------------------------------------------
 
@@ -204,7 +284,7 @@ class _Server:
             body += chunk
             if len(body) > limit:
                 raise too_big
-        return parse_request(bytes(body), model, self.limits)
+        return await self.off_loop(len(body), parse_request, bytes(body), model, self.limits)
 
     def special(self, req: Any) -> bool:
         flag = getattr(req, "parse_special_tokens", None)
@@ -371,7 +451,8 @@ class _Server:
     # ---- driving the engine ------------------------------------------------------------------------------
 
     async def run(self, request: Request, job: _Job, stream: bool) -> Response:
-        outputs = _outputs(self.engine, job.gens, self.metrics.track(job.arrival, [g.request_id for g in job.gens]))
+        outputs = _outputs(self.engine, job.gens, self.metrics.track(job.arrival, [g.request_id for g in job.gens]),
+                           self.closing)
         try:
             first = await _unless_disconnected(request, anext(outputs, None))
         except BaseException:
@@ -391,7 +472,25 @@ class _Server:
             last = await _unless_disconnected(request, rest())
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]
-        return JSONResponse(self.final(job, last))
+        return await self.off_loop(self.entries(job, last.values()), self.response, job, last)
+
+    def response(self, job: _Job, outs: dict[int, RequestOutput]) -> Response:
+        return Response(_json_bytes(self.final(job, outs)), media_type="application/json")
+
+    def entries(self, job: _Job, outs: Any, sent: dict[tuple[int, int], _Sent] | None = None,
+                i: int = 0) -> int:
+        """The token entries (tokens, echoed prompts' included, times 1 + top logprobs) a response formats from
+        ``outs``; with ``sent``, those of prompt ``i``'s next stream chunks only."""
+        tokens = 0
+        for o in outs:
+            for c in o.outputs:
+                s = None if sent is None else sent.get((i, c.index))
+                new = len(c.token_ids) - (s.tokens if s else 0)
+                tokens += new + (len(o.prompt_token_ids) if job.echo and not (s and s.started) else 0)
+        return tokens * (1 + (job.k or 0))
+
+    def events(self, job: _Job, i: int, out: RequestOutput, sent: dict[tuple[int, int], _Sent]) -> list[str]:
+        return [_sse(chunk) for chunk in self.chunks(job, i, out, sent)]
 
     async def stream(self, job: _Job, outputs: Any, first: Any) -> AsyncIterator[str]:
         sent: dict[tuple[int, int], _Sent] = {}
@@ -401,8 +500,8 @@ class _Server:
             while item is not None:
                 i, out = item
                 prompt_tokens[i] = len(out.prompt_token_ids)
-                for chunk in self.chunks(job, i, out, sent):
-                    yield _sse(chunk)
+                for event in await self.off_loop(self.entries(job, [out], sent, i), self.events, job, i, out, sent):
+                    yield event
                 item = await anext(outputs, None)
             if job.include_usage:
                 done = sum(s.tokens for s in sent.values())
@@ -422,8 +521,9 @@ class _Server:
         cname = "candidates" if req.items is None else "items"
         pname = "prefix" if req.query is None else "query"
         special = self.special(req)
-        prefix_ids = self.score_ids(prefix, pname, special)
-        cand_ids = [self.score_ids(c, f"{cname}[{j}]", special) for j, c in enumerate(cands)]
+        prefix_ids = await self.off_loop(len(prefix), self.score_ids, prefix, pname, special)
+        cand_ids = await self.off_loop(sum(map(len, cands)), lambda: [
+            self.score_ids(c, f"{cname}[{j}]", special) for j, c in enumerate(cands)])
         limit = self.engine.max_model_len
         for j, c in enumerate(cand_ids):
             # the engine's rule: the context holds prefix + candidate and the next token (label_token_ids score it)
@@ -434,8 +534,9 @@ class _Server:
         labels = req.label_token_ids
         if labels is not None:
             self.check_ids(labels, "label_token_ids")
-        try:  # a client that goes away cancels the wait, and that aborts the engine's score job
-            result = await _unless_disconnected(request, self.engine.score(prefix_ids, cand_ids, labels))
+        try:  # a client that goes away cancels the wait, and that aborts the engine's score job; so does shutdown
+            result = await _unless_disconnected(
+                request, _unless_closing(self.closing, self.engine.score(prefix_ids, cand_ids, labels)))
         except ValueError as e:
             param = getattr(e, "param", None)     # the engine's names; the client's may be query / items
             if param is not None:
@@ -512,7 +613,8 @@ def build_app(engine: AsyncEngineClient, api_key: str | None = None, config: Ser
         srv.check_model(req.model)
         req.check(limits)
         special = srv.special(req)
-        prompts = [srv.prepare(p, req.checkpoint_at, "prompt", special) for p in req.prompts()]
+        prompts = [await srv.off_loop(len(p), srv.prepare, p, req.checkpoint_at, "prompt", special)
+                   for p in req.prompts()]
         max_tokens = srv.max_tokens(req.max_tokens, config.default_max_tokens, prompts, "max_tokens")
         job = srv.job("completion", req, prompts, max_tokens, req.logprobs, req.echo)
         job.arrival = arrival
@@ -525,7 +627,7 @@ def build_app(engine: AsyncEngineClient, api_key: str | None = None, config: Ser
         req = await srv.read(request, ChatCompletionRequest)
         srv.check_model(req.model)
         req.check(limits)
-        prompts = [srv.chat_prompt(req)]
+        prompts = [await srv.off_loop(_chat_size(req), srv.chat_prompt, req)]
         requested, param = req.token_limit()
         max_tokens = srv.max_tokens(requested, config.chat_default_max_tokens, prompts, param)
         k = (req.top_logprobs or 0) if req.logprobs else None
@@ -586,12 +688,16 @@ def run_server(engine: AsyncEngineClient, config: ServerConfig | None = None, po
                sock: Any = None, log_level: str = "info", shutdown_timeout: float | None = 10.0) -> None:
     """Serve ``engine`` until interrupted, on ``sock`` (a bound socket: the caller checked the port before
     loading the model) or on ``config.host:port``. Binds loopback by default: pass ``ServerConfig(host=
-    "0.0.0.0", api_key=...)`` to expose it. On shutdown, open requests get ``shutdown_timeout`` seconds. An engine
-    that dies (``on_dead``) shuts the server down the same way (its requests have already failed)."""
+    "0.0.0.0", api_key=...)`` to expose it. On shutdown, open requests get ``shutdown_timeout`` seconds, then are
+    answered 503 (``shutdown.py``). An engine that dies (``on_dead``) shuts the server down the same way (its
+    requests have already failed)."""
     import uvicorn
+
+    from gdnserve.entrypoints.shutdown import GracefulServer
     config = config or ServerConfig()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, config=config), host=config.host, port=port,
-                                           log_level=log_level, timeout_graceful_shutdown=shutdown_timeout))
+    app = build_app(engine, config=config)
+    server = GracefulServer(uvicorn.Config(app, host=config.host, port=port, log_level=log_level),
+                            app.state.server.close, shutdown_timeout)
     if hasattr(engine, "on_dead"):      # an engine that can die (AsyncEngine: a tensor-parallel worker gone) stops
         engine.on_dead = lambda message: setattr(server, "should_exit", True)   # the server; its caller exits 1
     server.run(sockets=None if sock is None else [sock])

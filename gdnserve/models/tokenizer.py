@@ -240,16 +240,24 @@ class Tokenizer(BaseTokenizer):
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         if special:
-            return self._tok.encode(text, add_special_tokens=False).ids
+            return _hf_encode(self._tok, text)
         if self._plain_tok is None:  # a second object: the flag is per tokenizer, and encode may run on two threads
             from tokenizers import Tokenizer as HFTokenizer
             plain = HFTokenizer.from_str(self._tok.to_str())
             plain.encode_special_tokens = True
             self._plain_tok = plain
-        return self._plain_tok.encode(text, add_special_tokens=False).ids
+        return _hf_encode(self._plain_tok, text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def _hf_encode(tok: Any, text: str) -> list[int]:
+    """``tok.encode(text).ids``. A long text goes through ``encode_batch``, which releases the GIL: ``encode``
+    holds it throughout (seconds for megabytes), so the server's worker thread would hold its event loop."""
+    if len(text) > 8192:
+        return tok.encode_batch([text], add_special_tokens=False)[0].ids
+    return tok.encode(text, add_special_tokens=False).ids
 
 
 def _read_json(path: Path) -> dict[str, Any]:

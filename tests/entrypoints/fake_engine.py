@@ -4,11 +4,17 @@ the real uvicorn server in a thread on loopback over an app built on it.
 The fake "model" cycles through the prompt's plain (non-special) tokens: sample j of a prompt whose plain
 bytes are ``b`` generates ``b[j], b[j+1], ...``, so every expected text is known. Token logprobs are
 ``-0.5 - 0.01 * step`` with alternatives one nat apart. A prompt holding SLOW generates slowly, RAISE
-fails after two tokens, ENDEARLY ends without a finished output, BADVALUE is refused with a ValueError
-as the real engine refuses bad markers.
+fails after two tokens, ENDEARLY ends without a finished output, HANG never finishes (one token, then
+nothing until it is aborted; a score prefix too), BADVALUE is refused with a ValueError as the real engine
+refuses bad markers.
+
+``python -m tests.entrypoints.fake_engine --port P [--shutdown-timeout S]`` serves it through ``run_server``
+in a process of its own (printing ``aborted <request id>`` for each abort), for the tests that need the server
+out of the test's GIL or a real shutdown.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import socket
 import threading
@@ -22,7 +28,9 @@ pytest.importorskip("fastapi")
 
 from gdnserve.engine.engine_api import (CandidateScore, CheckpointInfo, CompletionOutput, GenerateRequest,
                                         RequestOutput, ScoreResult)
-from gdnserve.entrypoints.server import build_app
+from gdnserve.entrypoints.config import ServerConfig
+from gdnserve.entrypoints.server import build_app, run_server
+from gdnserve.entrypoints.shutdown import GracefulServer
 from gdnserve.models.tokenizer import ByteTokenizer
 
 MODEL = "fake-gdn"
@@ -101,6 +109,8 @@ class FakeEngine:
                     return
                 if "ENDEARLY" in text:
                     return  # breaks the contract: no finished output
+                if "HANG" in text:
+                    await asyncio.Event().wait()  # until cancelled (the request aborted)
         finally:
             self.active.discard(req.request_id)
 
@@ -110,6 +120,8 @@ class FakeEngine:
         prefix = list(prefix)
         if "BADVALUE" in self.tokenizer.decode(prefix):
             raise ValueError("the engine refuses this prefix (BADVALUE)")
+        if "HANG" in self.tokenizer.decode(prefix):
+            await asyncio.Event().wait()  # until cancelled
         out = []
         for i, c in enumerate(candidates):
             lps = [-0.1 * (1 + t % 7) for t in c]
@@ -137,13 +149,16 @@ def chat_prompt(content: str) -> str:
 
 
 class Served:
-    def __init__(self, engine: FakeEngine, api_key: str | None = None, config=None) -> None:
+    def __init__(self, engine: FakeEngine, api_key: str | None = None, config=None,
+                 shutdown_timeout: float | None = None) -> None:
         self.engine = engine
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(build_app(engine, api_key, config), log_level="warning", lifespan="off"))
+        app = build_app(engine, api_key, config)
+        self.server = GracefulServer(uvicorn.Config(app, log_level="warning", lifespan="off"), app.state.server.close,
+                                     shutdown_timeout)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 10
@@ -165,3 +180,18 @@ def wait_for(cond, timeout: float = 5.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+class _LoggedAborts(FakeEngine):
+    async def abort(self, request_id: str) -> None:
+        print(f"aborted {request_id}", flush=True)
+        await super().abort(request_id)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="the fake engine behind run_server, on loopback")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--shutdown-timeout", type=float, default=10.0)
+    args = p.parse_args()
+    run_server(_LoggedAborts(), ServerConfig(), port=args.port, log_level="warning",
+               shutdown_timeout=args.shutdown_timeout)

@@ -152,26 +152,18 @@ def test_bench_does_not_write_into_the_checkout(monkeypatch, tmp_path):
 
 
 def test_shutdown_timeout_and_config_reach_uvicorn(monkeypatch):
-    import uvicorn
-
     from gdnserve.entrypoints import server
+    from gdnserve.entrypoints.shutdown import ANSWER_S, GracefulServer
     seen = {}
-
-    class FakeServer:
-        def __init__(self, config):
-            seen["config"] = config
-
-        def run(self, sockets=None):
-            seen["sockets"] = sockets
-
-    monkeypatch.setattr(uvicorn, "Server", FakeServer)
+    monkeypatch.setattr(GracefulServer, "run", lambda self, sockets=None: seen.update(server=self, sockets=sockets))
     args = cli.build_parser().parse_args(["serve", "--shutdown-timeout", "3.5", "--max-prompts", "7",
                                           "--allowed-origins", "http://a.example, http://b.example"])
     config = serve.server_config(args)
     assert config.limits.max_prompts == 7 and config.allowed_origins == ("http://a.example", "http://b.example")
     from tests.entrypoints.fake_engine import FakeEngine
     server.run_server(FakeEngine(), config, port=1234, shutdown_timeout=args.shutdown_timeout)
-    assert seen["config"].timeout_graceful_shutdown == 3.5 and seen["config"].port == 1234
+    s = seen["server"]  # the grace is ours (then the app answers 503); uvicorn's own cut comes ANSWER_S later
+    assert s.grace_s == 3.5 and s.config.timeout_graceful_shutdown == 3.5 + ANSWER_S and s.config.port == 1234
 
 
 def test_progress_bar_while_shards_load(tmp_path, capsys):

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
+from pydantic import ValidationError
 
 # test-only dependencies (the [test] extra); a machine without them skips this file with the reason
 httpx = pytest.importorskip("httpx")
 
 from gdnserve.entrypoints.config import ServerConfig
-from gdnserve.entrypoints.limits import Limits, invalid_unicode, json_depth
+from gdnserve.entrypoints.limits import Limits, invalid_unicode, json_depth, json_shape, may_hold_surrogates
+from gdnserve.entrypoints.protocol import APIError, ChatCompletionRequest, CompletionRequest, ScoreRequest, parse_request
 from tests.entrypoints.fake_engine import MAX_LEN, FakeEngine, Served
 
 LIM = Limits(max_body_bytes=20_000, max_prompts=5, max_stop=3, max_stop_chars=7, max_json_depth=6, max_candidates=4,
-             max_n=3, max_logprobs=2)
+             max_n=3, max_logprobs=2, max_json_containers=20)
 C, CH, S = "/v1/completions", "/v1/chat/completions", "/v1/score"
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -97,6 +100,15 @@ def test_nesting_depth_400(http):
     assert r.status_code == 200, r.text
 
 
+def test_too_many_arrays_and_objects_400(http):
+    # counted before parsing: before the (later) check of the number of prompts
+    err = error(http.post(C, json={"prompt": [[1]] * 20}), 400, None, "json_too_many_containers")
+    assert "22" in err["message"] and "--max-json-containers" in err["message"]
+    err = error(http.post(CH, json={"messages": MSG * 19 + [{"role": "user", "content": [{"type": "text"}]}]}), 400,
+                None, "json_too_many_containers")
+    assert http.post(C, json={"prompt": [[1]] * 5, "stop": ["{[", "]"], "max_tokens": 1}).status_code == 200
+
+
 LONE = "\ud800"
 SURROGATES = [  # (path, body, param)
     (C, {"model": "a" + LONE, "prompt": "x"}, "model"),
@@ -152,10 +164,19 @@ def _depth(x) -> int:
 def _random_json(rng: random.Random, depth: int):
     r = rng.random()
     if depth <= 0 or r < 0.25:
-        return rng.choice([1, -2.5, None, True, "s", 'q"[{', "\\", "]}\\\"", "é[", ""])
+        return rng.choice([1, -2.5, None, True, "s", 'q"[{', "\\", "]}\\\"", "é[", "",
+                           "\\" * rng.randrange(1, 9) + '"[', '\\"' * rng.randrange(1, 70) + "{"])
     if r < 0.6:
         return [_random_json(rng, depth - 1) for _ in range(rng.randrange(4))]
     return {rng.choice(["a", "[b", "c}", '"d']) + str(i): _random_json(rng, depth - 1) for i in range(rng.randrange(4))}
+
+
+def _containers(x) -> int:
+    if isinstance(x, list):
+        return 1 + sum(map(_containers, x))
+    if isinstance(x, dict):
+        return 1 + sum(map(_containers, x.values()))
+    return 0
 
 
 def test_json_depth_matches_a_parser_on_random_json():
@@ -163,13 +184,105 @@ def test_json_depth_matches_a_parser_on_random_json():
     for _ in range(300):
         x = _random_json(rng, rng.randrange(12))
         raw = json.dumps(x, ensure_ascii=rng.random() < 0.5).encode()
-        assert json_depth(raw) == _depth(x), raw
+        assert json_shape(raw) == (_depth(x), _containers(x)), raw
+
+
+def _scan_depth(body: bytes) -> int:
+    """The reference, a byte at a time: a quote after an odd run of backslashes is escaped (in a string or
+    not: there JSON has none), brackets count outside strings only, an unterminated string runs to the end."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for c in body:
+        if c == ord('"') and not escaped:
+            in_string = not in_string
+        elif not in_string and c in b"[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif not in_string and c in b"]}":
+            depth -= 1
+        escaped = c == ord("\\") and not escaped
+    return deepest
+
+
+def test_json_depth_matches_a_scanner_on_random_bytes():
+    rng = random.Random()  # fresh every run
+    for _ in range(400):  # lengths across the 64-bit words of the bitmaps; runs of each byte
+        body = b"".join(rng.choice([b"[", b"]", b"{", b"}", b'"', b"\\", b"a", b" "])
+                        * rng.choice([1, 1, 1, 2, 3, 7, 64]) for _ in range(rng.randrange(0, 200)))
+        assert json_depth(body) == _scan_depth(body), body
+
+
+def test_json_depth_of_malformed_bodies():
+    assert json_depth(b'{"prompt": "' + b'\\"' * 50 + b"[[[") == 1   # unterminated: the rest is its text
+    assert json_depth(b'[["a\\\\"], [[') == 3                      # an escaped backslash ends no string
+    assert json_depth(b'[["a\\\\\\"], [[') == 2                  # an escaped quote does not close it
+    assert json_depth(b"") == json_depth(b"]]]") == json_depth(b'"') == 0
+
+
+N8 = 8 * 1024 * 1024
+ADVERSARIAL = {  # 8 MiB bodies: each costs milliseconds (the old string regex: days for the first)
+    "escaped quotes, unterminated": b'{"prompt":"' + b'\\"' * (N8 // 2 - 8),
+    "backslash runs": b"[" + (b'"' + b"\\" * 7 + b'"[' + b"\\" * 8 + b'",') * (N8 // 20 - 1) + b"1]",
+    "brackets in a string": b'{"p":"' + b"[{" * (N8 // 2 - 8) + b'"}',
+    "brackets": b"[" * (N8 // 2) + b"]" * (N8 // 2),
+    "quotes": b'"' * N8,
+    "text": b'{"prompt":"' + b"a" * (N8 - 16) + b'"}',
+}
+
+
+def test_json_depth_is_linear_time():
+    small = b'{"prompt":"' + b'\\"' * 10_000  # the old regex: about 3 s (quadratic in the length)
+    t0 = time.perf_counter()
+    assert json_depth(small) == 1
+    assert time.perf_counter() - t0 < 0.2
+    for name, body in ADVERSARIAL.items():
+        t0 = time.perf_counter()
+        json_depth(body)
+        assert time.perf_counter() - t0 < 1.0, name  # tens of ms; generous for a loaded CI machine
+    assert json_depth(ADVERSARIAL["brackets"]) == N8 // 2 and json_depth(ADVERSARIAL["backslash runs"]) == 1
 
 
 def test_invalid_unicode_paths():
     assert invalid_unicode({"a": [{"b": "ok"}, {"b": "x\ud800"}]}) == "a[1].b"
     assert invalid_unicode({"a": ["fine", "ünïcode 😀"]}) is None
     assert invalid_unicode({"k\udc00": 1}) == "(an object key)"
+
+
+def test_only_bodies_that_may_hold_surrogates_are_walked():
+    for s in ("\ud800", "a\udfff", "\ud83d\ude00"):  # lone or paired, escaped
+        assert may_hold_surrogates(json.dumps({"p": s}).encode())
+    assert may_hold_surrogates('{"p": "\ud800"}'.encode("utf-8", "surrogatepass"))  # raw UTF-8 bytes
+    assert may_hold_surrogates(b'{"p": "\\uD800"}')
+    for x in ({"prompt": [1] * 1000}, {"p": "ünïcode 日本語 \u00e9"}, {"p": "\\u00e9"}):
+        assert not may_hold_surrogates(json.dumps(x, ensure_ascii=False).encode())
+    # a lone surrogate sent as raw bytes is still found and refused
+    with pytest.raises(APIError, match="Unicode") as e:
+        parse_request('{"prompt": "x\udc00"}'.encode("utf-8", "surrogatepass"), CompletionRequest)
+    assert e.value.param == "prompt"
+
+
+BAD_ITEMS = 300_000
+MANY_BAD = [  # a list of many bad items: one error, not one per item and union member (seconds, GIL held)
+    (CompletionRequest, {"prompt": [True] * BAD_ITEMS}, "prompt"),
+    (CompletionRequest, {"prompt": [[1]] + [[None]] * BAD_ITEMS}, "prompt"),
+    (CompletionRequest, {"prompt": "x", "stop": [1] * (3 * BAD_ITEMS)}, "stop"),
+    (ChatCompletionRequest, {"messages": [{}] * BAD_ITEMS}, "messages[0].role"),
+    (ChatCompletionRequest, {"messages": [{"role": "user", "content": [{}] * BAD_ITEMS}]},
+     "messages[0].content"),
+    (ScoreRequest, {"prefix": "a", "candidates": [None] * BAD_ITEMS}, "candidates[0]"),
+    (ScoreRequest, {"prefix": [1] + [None] * BAD_ITEMS, "candidates": ["b"]}, "prefix"),
+]
+
+
+@pytest.mark.parametrize("model,body,param", MANY_BAD, ids=[f"{m.__name__}-{p}" for m, _, p in MANY_BAD])
+def test_validation_stops_at_the_first_bad_item(model, body, param):
+    t0 = time.perf_counter()
+    with pytest.raises(ValidationError):
+        model.model_validate(body)
+    assert time.perf_counter() - t0 < 0.3  # 0.5-3 s before (errors for every item and union member)
+    with pytest.raises(APIError) as e:
+        parse_request(json.dumps(body).encode(), model, Limits(max_json_containers=2 * BAD_ITEMS))
+    assert e.value.param == param, e.value.message
 
 
 def test_limits_validate():

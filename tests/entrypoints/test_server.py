@@ -14,6 +14,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from gdnserve.engine.engine_api import AsyncEngineClient
+from gdnserve.entrypoints.server import OFF_LOOP_AT
 from gdnserve.models.tokenizer import DEFAULT_MARKER
 from tests.entrypoints.fake_engine import MAX_LEN, MODEL, TOK, FakeEngine, Served, chat_prompt, expected, wait_for
 
@@ -97,6 +98,25 @@ def test_completion_stream(client):
     assert texts == {j: expected("stream me", 9, j) for j in range(2)}
     assert finish == {0: "length", 1: "length"}
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 18
+
+
+def test_responses_formatted_off_the_event_loop(client):
+    # 2 choices x (200 echoed + 3 tokens) x (1 + 20 logprobs) token entries, the first stream chunks 2 x 201 x 21:
+    # past OFF_LOOP_AT, so formatted and serialised in a worker thread; the same content either way
+    assert 2 * 201 * 21 > OFF_LOOP_AT
+    prompt = "off the loop " * 15 + "abcde"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=3, n=2, echo=True, logprobs=20)
+    r = client.completions.create(**kw)
+    assert [c.text for c in r.choices] == [prompt + expected(prompt, 3, j) for j in range(2)]
+    assert [len(c.logprobs.tokens) for c in r.choices] == [203, 203]
+    assert len(r.choices[1].logprobs.top_logprobs[-1]) == 20
+    text, tokens = {0: "", 1: ""}, {0: [], 1: []}
+    for ch in client.completions.create(**kw, stream=True):
+        c = ch.choices[0]
+        text[c.index] += c.text
+        tokens[c.index] += c.logprobs.tokens if c.logprobs else []
+    assert text == {j: r.choices[j].text for j in range(2)}
+    assert tokens == {j: r.choices[j].logprobs.tokens for j in range(2)}
 
 
 def test_chat(client):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+import time
 
 import jinja2
 import pytest
@@ -55,6 +57,31 @@ def test_round_trip_and_ids_match_transformers(hf_folder, rng):
     assert tok.encode("a<|im_end|>b").count(im_end) == 1
     assert tok.decode(tok.encode("a<|im_end|>b"), skip_special_tokens=False) == "a<|im_end|>b"
     assert tok.decode(tok.encode("a<|im_end|>b")) == "ab"
+
+
+def test_long_text_encodes_without_holding_the_gil(hf_folder, rng):
+    """The server tokenizes a long prompt in a worker thread; the library's encode holds the GIL throughout,
+    which would stall the event loop just the same."""
+    tok = Tokenizer.from_folder(hf_folder)
+    text = random_text(rng, 60_000)  # 300 KB: 0.5 s of BPE here
+    gaps, done = [], threading.Event()
+
+    def tick() -> None:  # the event loop's stand-in: wakes every millisecond, needs the GIL to
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        ids = tok.encode(text, special=False)
+    finally:
+        done.set()
+        ticker.join()
+    assert max(gaps) < 0.1, max(gaps)  # 0.5 s before (the whole encode)
+    assert ids == tok._plain_tok.encode(text, add_special_tokens=False).ids
 
 
 def test_eos_ids_from_tokenizer_config_and_generation_config(hf_folder):
