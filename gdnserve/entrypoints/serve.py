@@ -187,7 +187,8 @@ def banner(engine, args: argparse.Namespace, config: ServerConfig, port: int, lo
     page = getattr(getattr(runner, "rc", None), "page_size", 16)
     plan = getattr(engine, "memory_plan", None)
     lim = config.limits
-    what = "embedded tiny model, random weights: its text is noise" if args.model is None else args.model
+    what = getattr(args, "model_desc", None) or (  # model_desc: a launcher's own (benchmarks/serve_random.py)
+        "embedded tiny model, random weights: its text is noise" if args.model is None else args.model)
     lines = [
         f"gdnserve: serving {getattr(engine, 'model_name', '?')} ({what}); loaded in {load_s:.1f} s",
         f"  device {device}, dtype {dtype}, prefill {args.prefill_mode}, max_model_len {args.max_model_len}, "
