@@ -26,7 +26,7 @@ import torch
 
 from gdnserve.engine.config import FIXED_PAGES, EngineConfig
 from gdnserve.engine.memory_plan import Budget, Demand, MemoryPlan, MemoryPlanError, fmt_bytes, plan
-from gdnserve.engine.model_runner import RunnerConfig, pool_configs, spec_bytes_per_slot
+from gdnserve.engine.model_runner import pool_configs, spec_bytes_per_slot
 
 RUNTIME_RESERVE = 1 << 30           # CUDA, analytic plans: cuBLAS / Triton workspaces, allocator slack
 MEASURED_RESERVE = 512 << 20        # CUDA, measured plans: the workspaces are in the measurement; slack only
@@ -138,32 +138,31 @@ def estimate_graphs(model_cfg, cfg: EngineConfig, dtype: torch.dtype, device: to
     return estimate_activations(model_cfg, cfg, dtype, logits=False, tokens=T) + keep
 
 
-def _rc(cfg: EngineConfig) -> RunnerConfig:
-    return replace(cfg.runner_config(), num_slots=1, num_pages=1)
-
-
 def resolve_pools(cfg: EngineConfig, model_cfg, dtype: torch.dtype, device: torch.device, *, weights: int,
                   resident: int = 0, model=None) -> tuple[EngineConfig, MemoryPlan]:
     """``cfg`` with ``num_pages`` and ``num_slots`` set by the plan, and the plan. ``weights``: the model's bytes
     (``resident`` of them already on the device); ``model``: the loaded model, whose warm-up step measures the
     activation peak when the pools are sized on CUDA (None: the estimate, e.g. before loading). CPU without
     ``memory_budget_gb``: the fixed sizes, checked. Raises MemoryPlanError naming the field."""
-    tp = cfg.tensor_parallel_size
-    rc = _rc(cfg)
+    tp, cuda = cfg.tensor_parallel_size, device.type == "cuda"
+    rc = replace(cfg.runner_config(), num_slots=1, num_pages=1)       # the bytes of one slot and one page
     sc, pc = pool_configs(model_cfg, rc, dtype, "meta", tp)
     slot_bytes = sc.bytes_per_slot + spec_bytes_per_slot(model_cfg, rc, dtype, tp)
-    budget = device_budget(device, cfg, resident)
     pages, slots = cfg.num_pages, cfg.num_slots
-    if device.type != "cuda" and cfg.memory_budget_gb is None:
+    if not cuda and cfg.memory_budget_gb is None:
         pages, slots = cfg.pages, cfg.slots       # CPU: fixed (zero-filling a share of the RAM helps no test)
-    sizing = pages is None or slots is None
-    cuda = device.type == "cuda"
-    measured = sizing and cuda and model is not None and tp == 1
+    measured = (pages is None or slots is None) and cuda and model is not None and tp == 1
     if measured:
-        activations = measure_activations(model, cfg)
-        budget = device_budget(device, cfg, resident)      # after the warm-up: its workspaces are in use
+        try:
+            activations = measure_activations(model, cfg)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            raise MemoryPlanError("max_step_tokens", f"= {cfg.max_step_tokens}: the warm-up step of that many "
+                                  f"tokens ran out of memory beside the weights ({fmt_bytes(weights)}); lower "
+                                  "--max-step-tokens or load FP8 weights") from None
     else:
         activations = estimate_activations(model_cfg, cfg, dtype, tp)
+    budget = device_budget(device, cfg, resident)    # after the warm-up: its workspaces are in use
     demand = Demand(weights=weights, activations=activations, graphs=estimate_graphs(model_cfg, cfg, dtype, device),
                     runtime=(MEASURED_RESERVE if measured else RUNTIME_RESERVE) if cuda else 0, measured=measured)
     p = plan(budget, demand, page_bytes=pc.bytes_per_page, slot_bytes=slot_bytes, page_size=cfg.page_size,
@@ -213,6 +212,9 @@ def check_before_load(cfg: EngineConfig, model: str | None, dtype: torch.dtype,
     from gdnserve.models.builtin import builtin_config
     from gdnserve.models.config import ModelConfig
     model_cfg = builtin_config() if model is None else ModelConfig.from_hf(Path(model))
+    if cfg.tensor_parallel_size > 1:      # the shard this rank's plan prices must exist: its own message first
+        from gdnserve.engine.tp_launch import check_tensor_parallel
+        check_tensor_parallel(model_cfg, cfg.tensor_parallel_size, device)
     weights = config_weights_bytes(model_cfg, dtype, cfg.tensor_parallel_size, model)
     return resolve_pools(cfg, model_cfg, dtype, device, weights=weights)
 

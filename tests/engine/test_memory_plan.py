@@ -176,3 +176,25 @@ def test_resolve_pools_leaves_given_sizes_and_sizes_the_rest():
     cfg = EngineConfig(memory_budget_gb=0.5, num_pages=300, max_num_seqs=4)
     out, p = resolve_pools(cfg, builtin_config(), torch.float32, torch.device("cpu"), weights=1 << 20)
     assert out.num_pages == 300 and out.num_slots == p.num_slots == 16 * 4 and cfg.num_slots is None
+
+
+def test_the_warm_up_measurement_runs_the_largest_step(monkeypatch):
+    """measure_activations' step on CPU (the CUDA counters faked): max_step_tokens split into sequences of at most
+    max_model_len, every row's logits; the result is the counted peak above the start plus the sampler's sort."""
+    from gdnserve.engine import memory_budget as mb
+    from gdnserve.engine.model_runner import ModelRunner
+    steps = []
+    real_step = ModelRunner.step
+
+    def step(self, prefills, decodes, *a, **k):
+        steps.append([(len(it.tokens), it.all_logits) for it in prefills])
+        return real_step(self, prefills, decodes, *a, **k)
+    monkeypatch.setattr(ModelRunner, "step", step)
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 1000 + 12345)
+    cfg = EngineConfig(max_step_tokens=300, max_model_len=128, max_num_seqs=2)
+    got = mb.measure_activations(build_builtin_model(), cfg)
+    assert steps == [[(128, True), (128, True), (44, True)]]
+    assert got == 12345 + max(0, 2 * 260 * 28 - 300 * 260 * 4)
