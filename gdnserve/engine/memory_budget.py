@@ -143,7 +143,8 @@ def resolve_pools(cfg: EngineConfig, model_cfg, dtype: torch.dtype, device: torc
     """``cfg`` with ``num_pages`` and ``num_slots`` set by the plan, and the plan. ``weights``: the model's bytes
     (``resident`` of them already on the device); ``model``: the loaded model, whose warm-up step measures the
     activation peak when the pools are sized on CUDA (None: the estimate, e.g. before loading). CPU without
-    ``memory_budget_gb``: the fixed sizes, checked. Raises MemoryPlanError naming the field."""
+    ``memory_budget_gb``, and a tensor-parallel engine's rank 0 (``model`` given): the sizes of
+    ``cfg.runner_config()``, checked. Raises MemoryPlanError naming the field."""
     tp, cuda = cfg.tensor_parallel_size, device.type == "cuda"
     rc = replace(cfg.runner_config(), num_slots=1, num_pages=1)       # the bytes of one slot and one page
     sc, pc = pool_configs(model_cfg, rc, dtype, "meta", tp)
@@ -151,6 +152,10 @@ def resolve_pools(cfg: EngineConfig, model_cfg, dtype: torch.dtype, device: torc
     pages, slots = cfg.num_pages, cfg.num_slots
     if not cuda and cfg.memory_budget_gb is None:
         pages, slots = cfg.pages, cfg.slots       # CPU: fixed (zero-filling a share of the RAM helps no test)
+    if tp > 1 and model is not None:
+        # the workers were started with cfg.runner_config()'s sizes (planned in load_engine before they started):
+        # rank 0 must take the same, only checked
+        pages, slots = cfg.pages, cfg.slots
     measured = (pages is None or slots is None) and cuda and model is not None and tp == 1
     if measured:
         try:

@@ -198,3 +198,15 @@ def test_the_warm_up_measurement_runs_the_largest_step(monkeypatch):
     got = mb.measure_activations(build_builtin_model(), cfg)
     assert steps == [[(128, True), (128, True), (44, True)]]
     assert got == 12345 + max(0, 2 * 260 * 28 - 300 * 260 * 4)
+
+
+def test_a_tensor_parallel_rank_0_keeps_the_workers_sizes():
+    """Rank 0's engine is built after the workers started with cfg.runner_config(): it must not re-plan (on CUDA it
+    would have sized unset pools differently from the workers')."""
+    cfg = EngineConfig(memory_budget_gb=0.5, tensor_parallel_size=2, max_num_seqs=4)
+    model = build_builtin_model()
+    out, p = resolve_pools(cfg, builtin_config(), torch.float32, torch.device("cpu"), weights=1 << 20, model=model)
+    assert (out.num_pages, out.num_slots) == (cfg.runner_config().num_pages, cfg.runner_config().num_slots)
+    assert not p.sized
+    before, _ = resolve_pools(cfg, builtin_config(), torch.float32, torch.device("cpu"), weights=1 << 20)
+    assert before.num_slots == 16 * 4           # before the workers start (load_engine): planned
