@@ -341,9 +341,8 @@ def parse_levels(spec: str, cap: int) -> list[int]:
         c = cap if x.strip() == "max" else int(x)
         if c < 1:
             raise ValueError(f"--concurrency: levels must be >= 1 or 'max', got {x!r}")
-        if c not in out:
-            out.append(c)
-    return out
+        out.append(c)
+    return sorted(set(out))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -30,7 +30,7 @@ def test_metric_definitions():
     assert row["itl_p50_ms"] == pytest.approx(100.0)                         # gaps 100, 100, 100 (200 / 2 tokens), 200
     assert row["output_tok_s"] == 3.0 and row["total_tok_s"] == 13.0 and row["requests_per_s"] == 1.0
     assert row["checkpoint_hit_rate"] == 0.5 and row["hit_token_share"] == 0.25 and row["pct_of_ceiling"] == 30.0
-    assert b.parse_levels("1,16,max,64", 64) == [1, 16, 64]
+    assert b.parse_levels("1,16,max,64", 64) == [1, 16, 64] and b.parse_levels("1,256,max", 219) == [1, 219, 256]
     model = {"rows": [{"kind": "decode", "impl": "gdnserve", "shape": "B=16", "format": "fp8", "tokens_per_s": 1600}]}
     assert b.ceiling_for(model, "fp8", 16) == 1600 and b.ceiling_for(model, "bf16", 16) is None
 
