@@ -19,6 +19,10 @@
 #   layers[:s]   python -m benchmarks.profile_layers        (kernels per decoder layer, fused kernels off vs on)
 #   fp8[:s]      python -m benchmarks.bench_fp8             (FP8 block GEMMs/experts/model vs bf16; FP8_ARGS=--sweep)
 #   model[:s] serve[:s] spec[:s] moe[:s]   the end-to-end benchmarks (--time-budget s)
+#   http[:s]     python -m benchmarks.bench_serve_http --random full --device cuda --time-budget s (default 540): the
+#                full-size random model served over HTTP (benchmarks/serve_random.py), random / prefix / chat workloads
+#                at C = 1, 16, 64, 256, max; HTTP_ARGS replaces "--max-num-seqs 256 --model-json
+#                benchmarks/results/model_h200.json" (e.g. add --fp8, --gpu-memory-utilization 0.85)
 #   tp[:s]       tensor parallelism on 2 GPUs (nvidia-h200-x2), NCCL_NVLS_ENABLE=0: python -m benchmarks.bench_tp
 #                --tp 1,2 ${TP_ARGS:---quick} (TP=2 vs TP=1: equality, decode/prefill, all-reduce, serve, Qwen3-Next)
 #                with s/2 - 10 (s default 500) as its --time-budget (killed with SIGINT 60 s past it), then the GPU
@@ -91,6 +95,9 @@ for arg in "$@"; do
     fp8)     timeout $(( ${b:-120} + 60 )) python3 -m benchmarks.bench_fp8 --out "$OUT" --time-budget "${b:-120}" \
                ${FP8_ARGS:-} > "$OUT/bench_fp8.log" 2>&1; echo "bench_fp8 rc=$?"; tail -40 "$OUT/bench_fp8.log" ;;
     model|serve|spec|moe) bench "bench_$suite" "${b:-120}" --time-budget "${b:-120}" ;;
+    http)    http_default="--max-num-seqs 256 --model-json benchmarks/results/model_h200.json"
+             bench bench_serve_http "${b:-540}" --random full --device cuda --time-budget "${b:-540}" \
+               ${HTTP_ARGS:-$http_default} ;;
     tp)      export NCCL_NVLS_ENABLE=0 GDNSERVE_TP_TIMEOUT_S=${GDNSERVE_TP_TIMEOUT_S:-180}
              nvidia-smi topo -m > "$OUT/gpu_topology.txt" 2>&1
              tb=$(( ${b:-500} / 2 - 10 ))

@@ -7,11 +7,15 @@ from dataclasses import dataclass, fields, replace
 from gdnserve.engine.model_runner import RunnerConfig
 
 PREFILL_MODES = ("serial", "two_phase", "two_phase_indexed", "fused")
+FIXED_PAGES = 2048      # num_pages when nothing sizes the pools (CPU without memory_budget_gb)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """``num_slots`` None = ``2 * max_num_seqs + 2`` (running samples, their fork producers and checkpoints).
+    """``num_pages`` / ``num_slots`` None = sized by the memory plan (engine/memory_plan.py) from
+    ``gpu_memory_utilization`` of the device (CUDA) or from ``memory_budget_gb`` (any device); on CPU without
+    ``memory_budget_gb`` they are fixed: ``FIXED_PAGES`` pages and ``2 * max_num_seqs + 2`` slots (running samples,
+    their fork producers and checkpoints), checked against the RAM available. Given sizes are checked, not changed.
     ``cuda_graphs`` None = on for CUDA devices (decode-only and verify-only steps replay bucketed graphs).
     ``tensor_parallel_size`` N > 1: N processes, one GPU each (engine/tp_workers.py); steps run eagerly.
     ``max_partial_prefills``: prompts (or checkpoint / score prefixes) prefilled chunk by chunk at once; a prompt
@@ -20,9 +24,11 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_step_tokens: int = 4096
     max_model_len: int = 4096
-    num_pages: int = 2048
+    num_pages: int | None = None
     page_size: int = 16
     num_slots: int | None = None
+    gpu_memory_utilization: float = 0.9
+    memory_budget_gb: float | None = None
     prefill_mode: str = "fused"
     backend: str = "auto"
     auto_checkpoints: bool = True
@@ -37,11 +43,19 @@ class EngineConfig:
     max_partial_prefills: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_step_tokens", "max_model_len", "num_pages", "page_size",
-                     "max_partial_prefills"):
+        for name in ("max_num_seqs", "max_step_tokens", "max_model_len", "page_size", "max_partial_prefills"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if self.num_pages is not None and (not isinstance(self.num_pages, int) or isinstance(self.num_pages, bool)
+                                           or self.num_pages < 1):
+            raise ValueError(f"num_pages must be null or an int >= 1, got {self.num_pages!r}")
+        u = self.gpu_memory_utilization
+        if not isinstance(u, (int, float)) or isinstance(u, bool) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
+        b = self.memory_budget_gb
+        if b is not None and (not isinstance(b, (int, float)) or isinstance(b, bool) or not b > 0):
+            raise ValueError(f"memory_budget_gb must be null or a number > 0, got {b!r}")
         if self.num_slots is not None and (not isinstance(self.num_slots, int) or self.num_slots < 2):
             raise ValueError(f"num_slots must be null or an int >= 2, got {self.num_slots!r}")
         if self.prefill_mode not in PREFILL_MODES:
@@ -63,9 +77,14 @@ class EngineConfig:
     def slots(self) -> int:
         return self.num_slots if self.num_slots is not None else 2 * self.max_num_seqs + 2
 
+    @property
+    def pages(self) -> int:
+        """``num_pages``, or the fixed size when nothing sized the pools."""
+        return self.num_pages if self.num_pages is not None else FIXED_PAGES
+
     def runner_config(self) -> RunnerConfig:
         k = self.spec_k
-        return RunnerConfig(num_slots=self.slots, num_pages=self.num_pages, page_size=self.page_size,
+        return RunnerConfig(num_slots=self.slots, num_pages=self.pages, page_size=self.page_size,
                             prefill_mode=self.prefill_mode, backend=self.backend,
                             spec_mode=self.spec_mode if k else None, spec_tokens=k + 1 if k else 0,
                             spec_draft=self.spec_draft,

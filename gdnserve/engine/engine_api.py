@@ -144,11 +144,12 @@ class _FallbackSamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    ignore_eos: bool = False
 
 
 def make_sampling_params(**fields: Any) -> Any:
     """The engine's SamplingParams from the fields a client set (unset ones keep the engine's defaults).
-    Field names: n, max_tokens, temperature, top_p, top_k, seed, stop, logprobs, prompt_logprobs."""
+    Field names: n, max_tokens, temperature, top_p, top_k, seed, stop, logprobs, prompt_logprobs, ignore_eos."""
     try:
         from gdnserve.engine.sampling_params import SamplingParams
     except ModuleNotFoundError as e:

@@ -32,6 +32,7 @@ from gdnserve.engine.engine_api import EngineDeadError, RequestOutput, ScoreResu
 from gdnserve.engine.intake import make_request, make_score_job
 from gdnserve.engine.isolation import Isolation
 from gdnserve.engine.kv_cache import KVCache
+from gdnserve.engine.memory_budget import resolve_pools, weights_bytes
 from gdnserve.engine.model_runner import ModelRunner, RunnerConfig, build_pools
 from gdnserve.engine.output_processor import OutputProcessor, Processed
 from gdnserve.engine.request import Job, Request, RequestError, ScoreJob
@@ -54,7 +55,12 @@ class LLMEngine:
             config = EngineConfig.from_runner(runner, **kw) if runner is not None else EngineConfig(**kw)
         elif kw or runner is not None:
             raise TypeError("pass either config or runner / keyword fields, not both")
-        self.config = cfg = config
+        w = model.embed_tokens.weight
+        weights = weights_bytes(model)
+        # the pools sized (or given sizes checked) before they are allocated: a clean error, not an OOM
+        cfg, self.memory_plan = resolve_pools(config, model.cfg, w.dtype, w.device, weights=weights, resident=weights,
+                                              model=model)
+        self.config = cfg
         rc = cfg.runner_config()
         state, pages = build_pools(model, rc)
         self.kv = KVCache(state, pages)

@@ -79,23 +79,45 @@ class RunnerConfig:
 def pool_shapes(model, rc: RunnerConfig) -> tuple[StatePoolConfig, PagePoolConfig]:
     """The state and KV page pools a model needs under ``rc`` (per rank: this rank's GDN value/key heads and
     attention KV heads; the MTP head's KV cache is one more page-pool layer after the target's)."""
-    cfg = model.cfg
     w = model.embed_tokens.weight
-    gdn, attn = model.gdn_layers(), model.attention_layers()
-    g, a = cfg.gdn, cfg.attn
-    tp = getattr(model, "tp_size", 1)
-    H, HV, KVH = g.num_k_heads // tp, g.num_v_heads // tp, a.num_kv_heads // tp
     if rc.spec_draft not in ("ngram", "mtp"):
         raise ValueError(f"spec_draft must be 'ngram' or 'mtp', got {rc.spec_draft!r}")
     use_mtp = rc.spec_mode is not None and rc.spec_draft == "mtp"
     if use_mtp and getattr(model, "mtp", None) is None:    # fail before any pool is allocated
         raise ValueError(f"spec_draft='mtp': this model has no MTP head: {getattr(model, 'mtp_unavailable', '')}")
-    state = StatePoolConfig(num_layers=max(1, len(gdn)), num_slots=rc.num_slots, HV=HV, K=g.head_k_dim,
+    return pool_configs(model.cfg, rc, w.dtype, w.device, getattr(model, "tp_size", 1))
+
+
+def pool_configs(cfg, rc: RunnerConfig, dtype: torch.dtype, device: torch.device | str = "meta",
+                 tp: int = 1) -> tuple[StatePoolConfig, PagePoolConfig]:
+    """:func:`pool_shapes` from the model's config alone (``cfg``: a ModelConfig; nothing is built): what the
+    memory plan prices before a model is loaded (engine/memory_plan.py)."""
+    g, a = cfg.gdn, cfg.attn
+    H, HV, KVH = g.num_k_heads // tp, g.num_v_heads // tp, a.num_kv_heads // tp
+    use_mtp = rc.spec_mode is not None and rc.spec_draft == "mtp"
+    n_gdn, n_attn = cfg.num_linear_layers, cfg.num_layers - cfg.num_linear_layers
+    state = StatePoolConfig(num_layers=max(1, n_gdn), num_slots=rc.num_slots, HV=HV, K=g.head_k_dim,
                             V=g.head_v_dim, conv_dim=2 * H * g.head_k_dim + HV * g.head_v_dim,
-                            conv_width=g.conv_kernel, ssm_dtype=torch.float32, conv_dtype=w.dtype, device=w.device)
-    pages = PagePoolConfig(num_layers=max(1, len(attn)) + use_mtp, num_pages=rc.num_pages, page_size=rc.page_size,
-                           num_kv_heads=KVH, head_dim=a.head_dim, dtype=w.dtype, device=w.device)
+                            conv_width=g.conv_kernel, ssm_dtype=torch.float32, conv_dtype=dtype, device=device)
+    pages = PagePoolConfig(num_layers=max(1, n_attn) + use_mtp, num_pages=rc.num_pages, page_size=rc.page_size,
+                           num_kv_heads=KVH, head_dim=a.head_dim, dtype=dtype, device=device)
     return state, pages
+
+
+def spec_bytes_per_slot(cfg, rc: RunnerConfig, dtype: torch.dtype, tp: int = 1) -> int:
+    """Bytes ``ModelRunner`` allocates per state slot for speculative decoding besides the pools (``_bind_spec``'s
+    buffers of every GDN layer, the MTP drafter's hidden row); 0 without ``spec_mode``."""
+    if rc.spec_mode is None:
+        return 0
+    g, L, act = cfg.gdn, rc.spec_tokens, dtype.itemsize
+    H, HV = g.num_k_heads // tp, g.num_v_heads // tp
+    D = 2 * H * g.head_k_dim + HV * g.head_v_dim
+    if rc.spec_mode == "intermediate":      # conv scratch [S, L, D] + per-token states [S, L, HV, V, K] fp32
+        per_layer = L * D * act + L * HV * g.head_v_dim * g.head_k_dim * 4
+    else:                                   # 2 S ping-pong rows of [L, D] + GDNPending k, v, a, b
+        per_layer = 2 * L * (D * act + (H * g.head_k_dim + HV * g.head_v_dim + 2 * HV) * act)
+    mtp = cfg.hidden_size * act if rc.spec_draft == "mtp" else 0
+    return cfg.num_linear_layers * per_layer + mtp
 
 
 def build_pools(model, rc: RunnerConfig) -> tuple[StatePool, PagePool]:

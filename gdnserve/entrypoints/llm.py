@@ -10,6 +10,7 @@ import torch
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.engine_api import EngineDeadError, RequestOutput, ScoreResult
 from gdnserve.engine.llm_engine import LLMEngine
+from gdnserve.engine.memory_budget import check_before_load
 from gdnserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -18,8 +19,11 @@ logger = logging.getLogger(__name__)
 def load_engine(model: str | None = None, *, dtype: str | None = None, device: str = "auto",
                 config: EngineConfig | None = None, **fields) -> LLMEngine:
     """The engine over the embedded model (None) or an HF checkpoint folder. ``config`` or EngineConfig fields
-    as keywords (max_num_seqs, num_pages, page_size, max_model_len, max_step_tokens, prefill_mode, seed,
-    auto_checkpoints, spec_k, spec_mode, spec_draft, cuda_graphs=False to step eagerly, tensor_parallel_size).
+    as keywords (max_num_seqs, num_pages, num_slots, page_size, max_model_len, max_step_tokens, prefill_mode, seed,
+    auto_checkpoints, spec_k, spec_mode, spec_draft, cuda_graphs=False to step eagerly, tensor_parallel_size,
+    gpu_memory_utilization, memory_budget_gb). The memory plan runs first, from the model's config.json alone:
+    a model or a pool size that cannot fit raises MemoryPlanError (a ValueError naming the field) before anything
+    is loaded or allocated (docs/serving.md § Memory planning).
     ``tensor_parallel_size`` N > 1 starts N - 1 worker processes (one GPU each on CUDA, gloo on CPU); call the
     engine's ``close()`` (``LLM.close``) to stop them (atexit does it otherwise)."""
     from gdnserve.models.builtin import build_builtin_model
@@ -28,9 +32,10 @@ def load_engine(model: str | None = None, *, dtype: str | None = None, device: s
     cfg = (config or EngineConfig(model_name=model or "gdnserve-embedded")).with_(**fields)
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    if cfg.tensor_parallel_size > 1:
+    planned, _ = check_before_load(cfg, model, dt, dev)
+    if cfg.tensor_parallel_size > 1:     # every rank's pools the same size: planned here, once, from rank 0's GPU
         from gdnserve.engine.tp_launch import start_tp_engine
-        return start_tp_engine(model, dt, dev, cfg)
+        return start_tp_engine(model, dt, dev, planned)
     net = build_builtin_model(dtype=dt, device=dev) if model is None else load_model(model, dtype=dt, device=dev)[0]
     return LLMEngine(net, load_tokenizer(model), cfg)
 

@@ -111,6 +111,7 @@ class _SamplingRequest(_Strict):
     user: str | None = None
     checkpoint_at: int | None = None  # gdnserve: publish the state after this many prompt tokens
     parse_special_tokens: bool | None = None  # gdnserve: special-token strings in the text are control tokens
+    ignore_eos: bool = False  # vLLM's extension: generate past the model's EOS tokens (stop strings still apply)
     # OpenAI fields gdnserve does not implement: refused unless neutral, never silently ignored
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -165,6 +166,8 @@ class _SamplingRequest(_Strict):
             f["seed"] = self.seed
         if self.stop is not None:
             f["stop"] = self.stop_list()
+        if self.ignore_eos:
+            f["ignore_eos"] = True
         if logprobs is not None:
             f["logprobs"] = logprobs
         if prompt_logprobs is not None:

@@ -1,7 +1,8 @@
 """``gdnserve serve``: the OpenAI-compatible HTTP server on the embedded default model or an HF checkpoint.
 
-Before the model loads: the model folder, the device and the port are checked (one line naming the flag,
-exit 2). After: a banner (model, device, dtype, pools, limits, URL, access) on stderr, then uvicorn on the
+Before the model loads: the model folder, the device, the port and the memory plan (the model and the pools
+against --gpu-memory-utilization / --memory-budget-gb) are checked (one line naming the flag, exit 2). After: a
+banner (model, device, dtype, memory, pools, capacity, limits, URL, access) on stderr, then uvicorn on the
 socket bound before the load."""
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import argparse
 import sys
 import time
 
-from gdnserve.engine.config import EngineConfig
+from gdnserve.engine.config import FIXED_PAGES, EngineConfig
 from gdnserve.engine.engine_api import EngineDeadError
 from gdnserve.entrypoints.config import ServerConfig, is_loopback_name
 from gdnserve.entrypoints.limits import Limits
@@ -37,8 +38,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"concurrently running sequences (default {_D.max_num_seqs})")
     m.add_argument("--max-model-len", type=int, default=_D.max_model_len,
                    help=f"prompt + generated tokens per sequence (default {_D.max_model_len})")
+    m.add_argument("--gpu-memory-utilization", type=float, default=_D.gpu_memory_utilization, metavar="F",
+                   help=f"share of the GPU's memory the engine may use: weights, activations, CUDA graphs, and KV "
+                        f"pages + state slots sized to fill the rest (default {_D.gpu_memory_utilization}; on CPU the "
+                        "share of the available RAM the fixed pools are checked against)")
+    m.add_argument("--memory-budget-gb", type=float, default=None, metavar="GB",
+                   help="bytes the engine may use, in GiB, instead of --gpu-memory-utilization (any device; on CPU it "
+                        "sizes the pools, which are otherwise fixed)")
     m.add_argument("--num-pages", type=int, default=_D.num_pages,
-                   help=f"KV pages of {_D.page_size} tokens per attention layer (default {_D.num_pages})")
+                   help=f"KV pages of {_D.page_size} tokens per attention layer (default: sized from the memory "
+                        f"budget on CUDA, {FIXED_PAGES} on CPU); checked against the budget")
+    m.add_argument("--num-slots", type=int, default=_D.num_slots,
+                   help="recurrent-state slots: running requests, fork producers and checkpoints (default: sized "
+                        "from the memory budget on CUDA, 2 x --max-num-seqs + 2 on CPU); checked against the budget")
     m.add_argument("--spec-k", type=int, default=_D.spec_k,
                    help=f"speculative decoding: drafts verified per step (default {_D.spec_k}; 0 = off)")
     m.add_argument("--spec-draft", default=_D.spec_draft, choices=["ngram", "mtp"],
@@ -115,7 +127,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_pages=args.num_pages,
                         spec_k=args.spec_k, spec_mode=args.spec_mode, spec_draft=args.spec_draft,
                         cuda_graphs=args.cuda_graphs, auto_checkpoints=args.auto_checkpoints,
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size, num_slots=args.num_slots,
+                        gpu_memory_utilization=args.gpu_memory_utilization, memory_budget_gb=args.memory_budget_gb)
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -141,9 +154,18 @@ def run_serve(args: argparse.Namespace) -> int:
         from gdnserve.engine.async_engine import AsyncEngine
         from gdnserve.entrypoints.llm import load_engine
         from gdnserve.entrypoints.server import run_server
+        from gdnserve.engine.memory_plan import MemoryPlanError
         t0 = time.perf_counter()
         try:
-            engine = load_engine(args.model, dtype=args.dtype, device=args.device, config=engine_config(args))
+            cfg = engine_config(args)
+        except ValueError as e:            # a flag out of range: the message names the field
+            return _fail(str(e))
+        try:
+            # args.load_engine: a launcher's own loader (benchmarks/serve_random.py: a random-weight model)
+            engine = (getattr(args, "load_engine", None) or load_engine)(args.model, dtype=args.dtype,
+                                                                         device=args.device, config=cfg)
+        except MemoryPlanError as e:       # refused before loading: the numbers and the flag to change
+            return _fail(str(e))
         except (OSError, ValueError, EngineDeadError) as e:  # CheckpointError, a config the model cannot take,
             # a missing file, a tensor-parallel worker that could not start
             return _fail(f"cannot load {'the embedded model' if args.model is None else args.model}: {e}", 1)
@@ -182,16 +204,19 @@ def banner(engine, args: argparse.Namespace, config: ServerConfig, port: int, lo
     runner = getattr(engine, "runner", None)
     device, dtype = getattr(runner, "device", "?"), str(getattr(runner, "dtype", "?")).removeprefix("torch.")
     page = getattr(getattr(runner, "rc", None), "page_size", 16)
+    plan = getattr(engine, "memory_plan", None)
     lim = config.limits
     n_cap = max_n(engine, lim.max_n)
-    what = "embedded tiny model, random weights: its text is noise" if args.model is None else args.model
+    what = getattr(args, "model_desc", None) or (  # model_desc: a launcher's own (benchmarks/serve_random.py)
+        "embedded tiny model, random weights: its text is noise" if args.model is None else args.model)
     lines = [
         f"gdnserve: serving {getattr(engine, 'model_name', '?')} ({what}); loaded in {load_s:.1f} s",
         f"  device {device}, dtype {dtype}, prefill {args.prefill_mode}, max_model_len {args.max_model_len}, "
         f"max_num_seqs {args.max_num_seqs}, spec_k {args.spec_k}, automatic checkpoints "
         f"{'on' if getattr(getattr(engine, 'config', None), 'auto_checkpoints', args.auto_checkpoints) else 'off'}"
         f"{f', tensor parallel {args.tensor_parallel_size} ranks' if getattr(args, 'tensor_parallel_size', 1) > 1 else ''}",
-        f"  pools: {st.get('state_pool_total')} state slots, {st.get('page_pool_total')} KV pages x {page} tokens",
+        *(plan.describe() if plan is not None else
+          [f"  pools: {st.get('state_pool_total')} state slots, {st.get('page_pool_total')} KV pages x {page} tokens"]),
         f"  limits: body {lim.max_body_bytes} B, {lim.max_prompts} prompts/request, n <= {n_cap}"
         f"{f' (--max-n {lim.max_n}, capped by the engine)' if n_cap < lim.max_n else ''}, "
         f"{lim.max_stop} stop strings x {lim.max_stop_chars} chars, JSON depth {lim.max_json_depth} and "

@@ -351,8 +351,8 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: 
     from gdnserve.models.qwen3_5 import HybridLM
     tensors = checkpoint_tensors(folder)
     cfg, why = resolve_mtp(ModelConfig.from_hf(Path(folder)), tensors)
-    with torch.device("meta"):
-        model = HybridLM(cfg, tp_rank, tp_size)
+    with torch.device("meta"):     # in ``dtype`` before allocating: an fp32 to_empty would need twice the weights
+        model = HybridLM(cfg, tp_rank, tp_size).to(dtype)
     prepare_fp8(model, cfg, checkpoint_source(cfg, tensors, model.mtp is not None))   # before allocating
     model = model.to_empty(device=device)
     model.mtp_unavailable = why

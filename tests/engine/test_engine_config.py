@@ -35,7 +35,8 @@ def test_frozen_validated_and_the_cli_defaults_are_its_own():
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
     args = p.parse_args([])
-    for name in ("max_num_seqs", "max_model_len", "num_pages", "prefill_mode", "spec_k", "spec_mode", "spec_draft"):
+    for name in ("max_num_seqs", "max_model_len", "num_pages", "num_slots", "prefill_mode", "spec_k", "spec_mode",
+                 "spec_draft", "gpu_memory_utilization", "memory_budget_gb"):
         assert getattr(args, name) == getattr(c, name), name
 
 

@@ -111,7 +111,8 @@ def test_banner(server):
     text = open(LOG["path"]).read()
     banner = text[text.index("gdnserve: serving"):]
     assert "gdnserve-embedded" in banner and "device cpu, dtype float32" in banner
-    assert "66 state slots, 1024 KV pages x 16 tokens" in banner  # 2 * max_num_seqs + 2 slots
+    assert "pools: 66 state slots x 210.0 KiB (66 working + 0 for checkpoints), 1024 KV pages x 16.0 KiB" in banner
+    assert "memory: budget" in banner and "capacity: 4 concurrent requests at max_model_len 4096" in banner
     assert "n <= 32 (--max-n 64, capped by the engine)" in banner  # what the engine holds, not the flag's 64
     assert f"listening on {server}" in banner and "API key none" in banner
 

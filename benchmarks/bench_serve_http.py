@@ -1,0 +1,462 @@
+"""Serving benchmark over HTTP: our own load generator (not vLLM's script), with the metric definitions of vLLM's
+``benchmarks/benchmark_serving.py`` / ``vllm bench serve``, driving a real ``gdnserve serve`` process through the
+OpenAI streaming protocol (httpx, asyncio: a semaphore keeps C requests in flight until N have run).
+
+Server: started here (``gdnserve serve`` on the embedded model or ``--model DIR``; ``--random full|bench|tiny``:
+``benchmarks/serve_random.py``, the random-weight Qwen3.5-35B-A3B shapes, ``--fp8`` for block-FP8 weights), with
+``--device``, ``--dtype``, ``--gpu-memory-utilization``, ``--memory-budget-gb``, ``--max-num-seqs``,
+``--max-model-len``, ``--num-pages``, ``--num-slots`` and ``--serve-args "..."`` passed through; its banner (the
+memory plan) goes into the JSON. Or ``--url`` of a running server.
+
+Workloads, each at every concurrency level of ``--concurrency`` (default 1,16,64,256,max; max = the server's
+banner "capacity: N concurrent requests", else --max-num-seqs):
+
+- **random**: the peers' workload: I random token ids in, O tokens out (``ignore_eos``), N = 4 x C requests.
+- **prefix**: the RFC shared-prefix workload: groups of one P-token prefix and G candidates of 16-32 tokens, each
+  prompt ``prefix <|state_checkpoint|> candidate`` (text), O tokens out; the group's requests are sent together.
+- **chat**: C conversations of T turns; turn t + 1's prompt is turn t's prompt + its answer + new user text, so it
+  resumes from turn t's automatic checkpoint (text; the random model's tokenizer round-trips its answers exactly,
+  the embedded byte tokenizer does not, so its chat rows hit less).
+
+Metrics per row (vLLM's definitions): TTFT = request sent -> first chunk carrying text; TPOT = (end-to-end - TTFT)
+/ (output tokens - 1) per request (output tokens from the stream's ``usage``); ITL = the gaps between successive
+text chunks, a chunk of k tokens counting k gaps of 1/k each (k = its characters with a one-character-per-token
+tokenizer, ``--random``; else 1, one chunk per engine step); p50 and p99 over requests (TTFT, TPOT) or gaps
+(ITL); total and output tokens/s and requests/s over the level's wall time; errors (non-200, an error event, no
+``[DONE]``, a client exception); checkpoint hit rate (requests whose ``gdnserve`` provenance has hit_length > 0) and
+the share of prompt tokens served from checkpoints; the client's CPU share (near 1: the client limits the row);
+``ceiling_tok_s``: the bare decode step's tokens/s at batch C from a ``bench model`` JSON (``--model-json``).
+
+Writes ``serve_http_<tag>.json`` and ``.md`` to ``--out`` after every row (tag: the device slug, + ``_fp8``).
+
+    python -m benchmarks.bench_serve_http --random full --device cuda --out benchmarks/results
+    python -m benchmarks.bench_serve_http --quick          # CPU smoke: embedded model, tiny I/O, C = 1, 4
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import json
+import os
+import random
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from benchmarks import jsonfmt
+from gdnserve.entrypoints.cli import DEFAULT_RESULTS
+
+MARK = "<|state_checkpoint|>"
+WORKLOADS = ("random", "prefix", "chat")
+ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789"   # one token per character for the byte and char tokenizers
+
+
+# ---- workloads ------------------------------------------------------------------------------------------------
+
+@dataclass
+class Sizes:
+    input_len: int = 1024        # random: I
+    output_len: int = 128        # random: O
+    prefix_len: int = 600        # prefix: P
+    group: int = 10              # prefix: G candidates per prefix
+    cand_len: tuple[int, int] = (16, 32)
+    prefix_output: int = 16
+    chat_system: int = 512       # chat: the first turn's shared context
+    chat_user: int = 64
+    chat_answer: int = 128
+    chat_turns: int = 4
+    per_level: int = 4           # random / prefix: N = per_level x C requests (at least min_requests)
+    min_requests: int = 16
+    num_requests: int | None = None    # a fixed N instead
+
+
+QUICK = Sizes(input_len=8, output_len=4, prefix_len=24, group=3, cand_len=(3, 5), prefix_output=4, chat_system=16,
+              chat_user=4, chat_answer=4, chat_turns=2, per_level=2, min_requests=4)
+
+
+def text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(ALPHABET) for _ in range(n))
+
+
+def random_requests(rng: random.Random, n: int, s: Sizes, vocab: int) -> list[dict[str, Any]]:
+    return [{"prompt": [rng.randrange(vocab) for _ in range(s.input_len)], "max_tokens": s.output_len}
+            for _ in range(n)]
+
+
+def prefix_requests(rng: random.Random, n: int, s: Sizes) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    while len(out) < n:
+        prefix = text(rng, s.prefix_len)
+        out += [{"prompt": f"{prefix}{MARK}{text(rng, rng.randint(*s.cand_len))}", "max_tokens": s.prefix_output}
+                for _ in range(s.group)]
+    return out[:n]
+
+
+# ---- one request ------------------------------------------------------------------------------------------------
+
+@dataclass
+class Record:
+    ok: bool = False
+    error: str | None = None
+    sent: float = 0.0
+    ttft: float | None = None
+    e2e: float | None = None
+    chunks: list[tuple[float, int]] = field(default_factory=list)    # (time since sent, tokens) per text chunk
+    text: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    hit_length: int = 0
+
+
+async def stream(client: httpx.AsyncClient, model: str, body: dict[str, Any], chars: bool) -> Record:
+    """One streamed /v1/completions request (``ignore_eos``, greedy, usage at the end)."""
+    rec = Record(sent=time.perf_counter())
+    req = {"model": model, "temperature": 0, "ignore_eos": True, "stream": True,
+           "stream_options": {"include_usage": True}, **body}
+    done, finish = False, None
+    try:
+        async with client.stream("POST", "/v1/completions", json=req) as r:
+            if r.status_code != 200:
+                rec.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return rec
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    break
+                now, obj = time.perf_counter() - rec.sent, json.loads(line[6:])
+                if "error" in obj:
+                    rec.error = str(obj["error"].get("message"))[:200]
+                    continue
+                if obj.get("usage"):
+                    rec.prompt_tokens, rec.output_tokens = obj["usage"]["prompt_tokens"], obj["usage"]["completion_tokens"]
+                for p in obj.get("gdnserve", {}).get("prompts", []):
+                    rec.hit_length = p.get("hit_length") or 0
+                for ch in obj.get("choices", []):
+                    if ch.get("text"):
+                        rec.chunks.append((now, len(ch["text"]) if chars else 1))
+                        rec.text += ch["text"]
+                    finish = ch.get("finish_reason") or finish
+    except Exception as e:  # noqa: BLE001  counted as the row's error
+        rec.error = f"{type(e).__name__}: {e}"[:200]
+        return rec
+    rec.e2e = time.perf_counter() - rec.sent
+    rec.ttft = rec.chunks[0][0] if rec.chunks else None
+    rec.ok = done and finish is not None and rec.error is None and rec.ttft is not None
+    if not rec.ok and rec.error is None:
+        rec.error = f"done={done} finish={finish} chunks={len(rec.chunks)}"
+    return rec
+
+
+# ---- one level --------------------------------------------------------------------------------------------------
+
+async def run_level(url: str, model: str, workload: str, C: int, s: Sizes, vocab: int, chars: bool,
+                    seed: int) -> tuple[list[Record], float, float]:
+    """The level's records, wall seconds and client CPU seconds."""
+    rng = random.Random(f"{seed}-{workload}-{C}")
+    limits = httpx.Limits(max_connections=C + 8, max_keepalive_connections=C + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600.0), limits=limits) as client:
+        t0, c0 = time.perf_counter(), time.process_time()
+        if workload == "chat":
+            recs = [r for conv in await asyncio.gather(*[conversation(client, model, rng, s, chars) for _ in range(C)])
+                    for r in conv]
+        else:
+            n = s.num_requests or max(s.min_requests, s.per_level * C)
+            bodies = random_requests(rng, n, s, vocab) if workload == "random" else prefix_requests(rng, n, s)
+            gate = asyncio.Semaphore(C)
+
+            async def one(body: dict[str, Any]) -> Record:
+                async with gate:
+                    return await stream(client, model, body, chars)
+            recs = list(await asyncio.gather(*[one(b) for b in bodies]))
+        return recs, time.perf_counter() - t0, time.process_time() - c0
+
+
+async def conversation(client: httpx.AsyncClient, model: str, rng: random.Random, s: Sizes, chars: bool) -> list[Record]:
+    prompt, recs = text(rng, s.chat_system), []
+    for _ in range(s.chat_turns):
+        prompt += f"\nuser: {text(rng, s.chat_user)}\nassistant:"
+        rec = await stream(client, model, {"prompt": prompt, "max_tokens": s.chat_answer}, chars)
+        recs.append(rec)
+        if not rec.ok:
+            break
+        prompt += rec.text        # the answer as generated: the next turn starts from its automatic checkpoint
+    return recs
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    return round(float(np.percentile(xs, q)) * 1e3, 2) if xs else None
+
+
+def summarize(workload: str, fmt: str, C: int, recs: list[Record], wall: float, cpu: float,
+              ceiling: float | None) -> dict[str, Any]:
+    ok = [r for r in recs if r.ok]
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl: list[float] = []
+    for r in ok:
+        for (t_prev, _), (t, k) in zip(r.chunks, r.chunks[1:]):
+            itl += [(t - t_prev) / k] * k
+    prompt, out = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
+    hits = [r for r in ok if r.hit_length > 0]
+    out_s = out / wall if wall > 0 else 0.0
+    return {"workload": workload, "format": fmt, "concurrency": C, "requests": len(recs), "completed": len(ok),
+            "errors": len(recs) - len(ok), "error_samples": [r.error for r in recs if not r.ok][:3],
+            "duration_s": round(wall, 3), "requests_per_s": round(len(ok) / wall, 3) if wall > 0 else None,
+            "total_tok_s": round((prompt + out) / wall, 1) if wall > 0 else None, "output_tok_s": round(out_s, 1),
+            "prompt_tokens": prompt, "output_tokens": out,
+            "ttft_p50_ms": pct([r.ttft for r in ok], 50), "ttft_p99_ms": pct([r.ttft for r in ok], 99),
+            "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
+            "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+            "checkpoint_hit_rate": round(len(hits) / len(ok), 3) if ok else None,
+            "hit_token_share": round(sum(r.hit_length for r in ok) / prompt, 3) if prompt else None,
+            "client_cpu_share": round(cpu / wall, 2) if wall > 0 else None,
+            "ceiling_tok_s": ceiling, "pct_of_ceiling": round(100 * out_s / ceiling, 1) if ceiling else None}
+
+
+# ---- the server -------------------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """``gdnserve serve`` (or ``benchmarks.serve_random``) in a subprocess, its output in a log file."""
+
+    def __init__(self, args: argparse.Namespace, log: Path) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        mod = ["-m", "benchmarks.serve_random", "--shape", args.random] if args.random else \
+            ["-m", "gdnserve.entrypoints.cli", "serve"]
+        flags = ["--port", str(port), "--device", args.device]
+        for name in ("model", "dtype", "gpu_memory_utilization", "memory_budget_gb", "max_num_seqs", "max_model_len",
+                     "num_pages", "num_slots"):
+            v = getattr(args, name)
+            if v is not None:
+                flags += [f"--{name.replace('_', '-')}", str(v)]
+        flags += ["--fp8"] * bool(args.fp8) + args.serve_args.split()
+        self.command = [sys.executable, *mod, *flags]
+        self.log_path, self.log = log, open(log, "w")
+        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=Path(__file__).parents[1])
+        deadline = time.monotonic() + args.startup_timeout
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server did not start ({' '.join(self.command)}):\n"
+                                   + log.read_text(errors="replace")[-3000:])
+            time.sleep(0.5)
+
+    def banner(self) -> list[str]:
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return [x for x in lines if x.startswith(("gdnserve:", "  "))][:12]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def server_facts(url: str) -> str:
+    return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def max_concurrency(banner: list[str], fallback: int) -> int:
+    m = next((re.search(r"capacity: (\d+) concurrent requests", x) for x in banner if "capacity:" in x), None)
+    return int(m.group(1)) if m else fallback
+
+
+def vocab_of(args: argparse.Namespace) -> int:
+    if args.vocab_size:
+        return args.vocab_size
+    if args.random:
+        from benchmarks.serve_random import random_hf_config
+        return random_hf_config(args.random)["vocab_size"]
+    if args.model:
+        return json.loads((Path(args.model) / "config.json").read_text()).get("vocab_size", 256)
+    return 256        # the embedded model's bytes (and a safe floor for --url)
+
+
+def ceiling_for(model_json: dict[str, Any] | None, fmt: str, C: int) -> float | None:
+    """The bare decode step's tokens/s at batch C (gdnserve's row of the format) from a bench_model JSON."""
+    for r in (model_json or {}).get("rows", []):
+        if (r.get("kind") == "decode" and r.get("impl") == "gdnserve" and r.get("shape") == f"B={C}"
+                and r.get("format", "bf16") == fmt):
+            return r.get("tokens_per_s")
+    return None
+
+
+# ---- report -----------------------------------------------------------------------------------------------------
+
+COLUMNS = ("workload", "format", "C", "requests", "errors", "req/s", "total tok/s", "output tok/s", "TTFT p50/p99 ms",
+           "TPOT p50/p99 ms", "ITL p50/p99 ms", "hit rate", "hit tokens", "ceiling tok/s (%)", "client CPU")
+
+
+def markdown(res: dict[str, Any]) -> str:
+    f = lambda x: "—" if x is None else f"{x:g}" if isinstance(x, (int, float)) else str(x)  # noqa: E731
+    L = [f"# Serving over HTTP (`benchmarks/bench_serve_http.py`) — {res['device']}, {res['date']}", "",
+         f"Server: `{res['server']}`; git {res['git']}; {'quick' if res['quick'] else 'full'} run, "
+         f"{res.get('elapsed_s', 0):.0f} s" + ("" if res["complete"] else " — **partial**") + ".", ""]
+    if res.get("banner"):
+        L += ["```", *res["banner"], "```", ""]
+    L += [f"Sizes: {res['sizes']}. Definitions: docs/benchmarks.md § HTTP serving.", "",
+          "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in res["rows"]:
+        ceil = "—" if r["ceiling_tok_s"] is None else f"{r['ceiling_tok_s']:g} ({f(r['pct_of_ceiling'])} %)"
+        L.append("| " + " | ".join([r["workload"], r["format"], str(r["concurrency"]), str(r["requests"]),
+                                    str(r["errors"]), f(r["requests_per_s"]), f(r["total_tok_s"]), f(r["output_tok_s"]),
+                                    f"{f(r['ttft_p50_ms'])} / {f(r['ttft_p99_ms'])}",
+                                    f"{f(r['tpot_p50_ms'])} / {f(r['tpot_p99_ms'])}",
+                                    f"{f(r['itl_p50_ms'])} / {f(r['itl_p99_ms'])}", f(r["checkpoint_hit_rate"]),
+                                    f(r["hit_token_share"]), ceil, f(r["client_cpu_share"])]) + " |")
+    for key, title in (("skipped", "Skipped (time budget)"), ("errors", "Errors"), ("notes", "Notes")):
+        if res[key]:
+            L += ["", f"## {title}", ""] + [f"- {x}" for x in res[key]]
+    return "\n".join(L) + "\n"
+
+
+def parse_levels(spec: str, cap: int) -> list[int]:
+    out = []
+    for x in spec.split(","):
+        c = cap if x.strip() == "max" else int(x)
+        if c < 1:
+            raise ValueError(f"--concurrency: levels must be >= 1 or 'max', got {x!r}")
+        out.append(c)
+    return sorted(set(out))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_serve_http", description=__doc__.split("\n\n")[0])
+    s = ap.add_argument_group("server (started here unless --url)")
+    s.add_argument("--url", default=None, help="a running server's base URL instead of starting one")
+    s.add_argument("--model", default=None, help="HF checkpoint folder (default: the embedded model)")
+    s.add_argument("--random", choices=["full", "bench", "tiny"], default=None,
+                   help="serve the random-weight model of these shapes (benchmarks/serve_random.py)")
+    s.add_argument("--fp8", action="store_true", help="with --random: block-FP8 weights")
+    s.add_argument("--device", default="auto")
+    s.add_argument("--dtype", default=None)
+    s.add_argument("--gpu-memory-utilization", type=float, default=None)
+    s.add_argument("--memory-budget-gb", type=float, default=None)
+    s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--num-pages", type=int, default=None)
+    s.add_argument("--num-slots", type=int, default=None)
+    s.add_argument("--serve-args", default="", help="more server flags, verbatim (e.g. \"--spec-k 2\")")
+    s.add_argument("--startup-timeout", type=float, default=900.0)
+    w = ap.add_argument_group("workloads")
+    w.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: random,prefix,chat")
+    w.add_argument("--concurrency", default="1,16,64,256,max", help="levels C ('max': the server's capacity)")
+    w.add_argument("--input-len", type=int, default=None, help="random: input tokens (default 1024)")
+    w.add_argument("--output-len", type=int, default=None, help="random: output tokens (default 128)")
+    w.add_argument("--num-requests", type=int, default=None,
+                   help="random / prefix: requests per level (default 4 x C, at least 16)")
+    w.add_argument("--vocab-size", type=int, default=None, help="random token ids below this (default: the model's)")
+    w.add_argument("--seed", type=int, default=0)
+    o = ap.add_argument_group("output")
+    o.add_argument("--quick", action="store_true", help="CPU smoke: embedded model, tiny I/O, concurrency 1,4")
+    o.add_argument("--model-json", type=Path, default=None, help="a bench model JSON: its decode rows fill the "
+                   "ceiling column")
+    o.add_argument("--tag", default=None, help="file tag (default: the device slug, + _fp8)")
+    o.add_argument("--time-budget", type=float, default=1e9, help="seconds after which remaining levels are skipped")
+    o.add_argument("--out", type=Path, default=DEFAULT_RESULTS, help=f"output folder (default {DEFAULT_RESULTS})")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    sizes = QUICK if args.quick else Sizes()
+    if args.quick:
+        args.device = "cpu" if args.device == "auto" else args.device
+        if args.concurrency == build_parser().get_default("concurrency"):
+            args.concurrency = "1,4"
+    given = {"input_len": args.input_len, "output_len": args.output_len, "num_requests": args.num_requests}
+    sizes = Sizes(**{**vars(sizes), **{k: v for k, v in given.items() if v is not None}})
+    workloads = [x.strip() for x in args.workloads.split(",") if x.strip()]
+    bad = sorted(set(workloads) - set(WORKLOADS))
+    if bad or (args.fp8 and not args.random) or (args.url and (args.random or args.model)):
+        print(f"bench_serve_http: unknown workloads {bad}" if bad else "bench_serve_http: --fp8 needs --random; "
+              "--url takes neither --random nor --model", file=sys.stderr)
+        return 2
+    from benchmarks.bench_ops import _git, _versions, device_name, device_slug, resolve_device
+    dev = None if args.url else resolve_device(args.device)
+    args.device = str(dev) if dev is not None else args.device
+    dtype = args.dtype or ("bfloat16" if dev is not None and dev.type == "cuda" else "float32")
+    fmt = "fp8" if args.fp8 else {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}.get(dtype, dtype)
+    tag = args.tag or (device_slug(dev) if dev is not None else "remote") + ("_fp8" if args.fp8 else "")
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"serve_http_{tag}"
+    model_json = json.loads(args.model_json.read_text()) if args.model_json else None
+    git = _git() or {}
+    res: dict[str, Any] = {"schema": 1, "bench": "serve_http", "device": device_name(dev) if dev else args.url,
+                           "date": _dt.date.today().isoformat(), **_versions(),
+                           "git": f"{git.get('commit', '?')}{' dirty' if git.get('dirty') else ''}",
+                           "argv": sys.argv if argv is None else ["bench_serve_http", *argv], "quick": args.quick,
+                           "sizes": vars(sizes) | {"cand_len": list(sizes.cand_len)}, "server": args.url or "",
+                           "banner": [], "rows": [], "skipped": [], "errors": [], "notes": [], "complete": False}
+    t_start = time.perf_counter()
+
+    def write() -> None:
+        res["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+        stem.with_suffix(".json").write_text(jsonfmt.dumps(res))
+        stem.with_suffix(".md").write_text(markdown(res))
+
+    server = None
+    try:
+        if args.url is None:
+            log = Path(tempfile.gettempdir()) / f"gdnserve_bench_serve_http_{os.getpid()}.log"
+            print(f"[serve_http] starting the server (log {log})", file=sys.stderr, flush=True)
+            server = Server(args, log)
+            res["server"], res["banner"] = " ".join(["python", *server.command[1:]]), server.banner()
+        url = args.url or server.url
+        model = server_facts(url)
+        cap = max_concurrency(res["banner"], args.max_num_seqs or 64)
+        levels = parse_levels(args.concurrency, cap)
+        chars = args.random is not None
+        vocab = vocab_of(args)
+        asyncio.run(run_level(url, model, "random", 1, QUICK, vocab, chars, args.seed))    # warm-up: not a row
+        for workload in workloads:
+            for C in levels:
+                what = f"{workload} C={C}"
+                if time.perf_counter() - t_start > args.time_budget:
+                    res["skipped"].append(what)
+                    continue
+                recs, wall, cpu = asyncio.run(run_level(url, model, workload, C, sizes, vocab, chars, args.seed))
+                row = summarize(workload, fmt, C, recs, wall, cpu, ceiling_for(model_json, fmt, C))
+                res["rows"].append(row)
+                print(f"[serve_http {time.perf_counter() - t_start:6.0f}s] {what}: {row['output_tok_s']} out tok/s, "
+                      f"TTFT p50 {row['ttft_p50_ms']} ms, TPOT p50 {row['tpot_p50_ms']} ms, {row['errors']} errors",
+                      file=sys.stderr, flush=True)
+                write()
+        res["complete"] = True
+    except Exception as e:  # noqa: BLE001  recorded; the partial result is written
+        res["errors"].append(f"{type(e).__name__}: {e}"[:2000])
+    finally:
+        if server is not None:
+            server.stop()
+        write()
+    print(markdown(res))
+    return 1 if res["errors"] or any(r["errors"] for r in res["rows"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""The numbers the memory plan decides from (engine/memory_plan.py), and EngineConfig's pools resolved from them.
+
+- **Budget**: on CUDA ``gpu_memory_utilization x`` the device's memory minus what is in use besides our weights
+  (other processes, the CUDA context); on CPU that fraction of the RAM available (``MemAvailable`` in
+  /proc/meminfo, plus the weights already loaded from it); ``memory_budget_gb`` replaces either.
+- **Weights**: the model's parameters and buffers, counted on the loaded model, or before loading on the meta
+  device (nothing allocated; an FP8 checkpoint's layers become FP8 first, as the loader makes them).
+- **Activations**: the peak of the largest step, a prefill of ``max_step_tokens`` tokens with every row's logits
+  (prompt logprobs and scoring ask for them) and their log-sum-exp, plus sampling. On CUDA, when the pools are
+  sized, it is measured as nano-vllm does (a warm-up step on small temporary pools, ``max_memory_allocated``);
+  otherwise :func:`estimate_activations` bounds it from the config, conservatively (tests/engine compare the two
+  on the GPU).
+- **CUDA graphs**: their private pool holds the largest captured step's intermediates (graphs are captured on first
+  use, after the pools exist), estimated the same way without the logits.
+
+:func:`resolve_pools` returns the EngineConfig with ``num_pages`` / ``num_slots`` filled in and the plan (for the
+banner); a model or a size that does not fit raises ``MemoryPlanError`` naming the field.
+"""
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import replace
+
+import torch
+
+from gdnserve.engine.config import FIXED_PAGES, EngineConfig
+from gdnserve.engine.memory_plan import Budget, Demand, MemoryPlan, MemoryPlanError, fmt_bytes, plan
+from gdnserve.engine.model_runner import pool_configs, spec_bytes_per_slot
+
+RUNTIME_RESERVE = 1 << 30           # CUDA, analytic plans: cuBLAS / Triton workspaces, allocator slack
+MEASURED_RESERVE = 512 << 20        # CUDA, measured plans: the workspaces are in the measurement; slack only
+SAFETY = 1.25                       # on the analytic estimates: allocator rounding, temporaries not modelled
+CHUNK = 64                          # the chunked GDN prefill's chunk (a state per chunk in fp32)
+
+
+def meminfo_available() -> int:
+    """Bytes of RAM available to a new process (``MemAvailable``; free pages where /proc/meminfo is absent)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_budget(device: torch.device, cfg: EngineConfig, resident: int = 0) -> Budget:
+    """What the engine may use on ``device``. ``resident``: bytes of ours already on it (the loaded weights),
+    which are counted in the plan's demand rather than as in use."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()        # cached blocks of freed tensors are not in use
+        free, total = torch.cuda.mem_get_info(device)
+        in_use, name = max(0, total - free - resident), f"{device} ({torch.cuda.get_device_name(device)})"
+        capacity, what = total, f"of {name}"
+    else:
+        capacity, in_use, what = meminfo_available() + resident, 0, "RAM available (/proc/meminfo MemAvailable)"
+    gb = cfg.memory_budget_gb
+    if gb is not None:
+        usable = int(gb * (1 << 30))
+        if usable > capacity - in_use:
+            raise MemoryPlanError("memory_budget_gb", f"= {gb} asks for {fmt_bytes(usable)} ({usable} bytes), "
+                                  f"more than the {fmt_bytes(capacity - in_use)} free {what}")
+        return Budget(capacity, in_use, usable, f"--memory-budget-gb {gb:g}", "memory_budget_gb")
+    u = cfg.gpu_memory_utilization
+    usable = int(u * capacity) - in_use
+    source = f"{u:.2f} x {fmt_bytes(capacity)} {what}" + (f" - {fmt_bytes(in_use)} in use" if in_use else "")
+    return Budget(capacity, in_use, usable, source, "gpu_memory_utilization")
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (a tensor shared by two modules counted once)."""
+    seen, n = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.device.type != "meta" and t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        n += t.numel() * t.element_size()
+    return n
+
+
+def config_weights_bytes(model_cfg, dtype: torch.dtype, tp: int = 1, folder: str | None = None) -> int:
+    """:func:`weights_bytes` of the model ``model_cfg`` describes, in ``dtype``, built on the meta device (this rank's
+    shard at ``tp``); ``folder``: an FP8 checkpoint's layers are made FP8 as the loader makes them."""
+    from gdnserve.models.qwen3_5 import HybridLM
+    with torch.device("meta"):
+        model = HybridLM(model_cfg, 0, tp)
+    if folder is not None and model_cfg.quant is not None:
+        from gdnserve.models.loader import checkpoint_source, checkpoint_tensors, prepare_fp8
+        prepare_fp8(model, model_cfg, checkpoint_source(model_cfg, checkpoint_tensors(folder), model.mtp is not None))
+    n = 0
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        size = 1 if t.element_size() == 1 else 4 if name.endswith(("A_log", "scale_inv", "inv_freq")) else dtype.itemsize
+        n += t.numel() * size
+    return n
+
+
+def estimate_activations(model_cfg, cfg: EngineConfig, dtype: torch.dtype, tp: int = 1, *, logits: bool = True,
+                         tokens: int | None = None) -> int:
+    """A conservative bound on the peak bytes of the largest step (every term its layer's largest temporaries,
+    times ``SAFETY``): ``tokens`` (default max_step_tokens) prefill rows; with ``logits`` every row's fp32 logits
+    and their log-sum-exp, and the sampler's sort over max_num_seqs x (spec_k + 1) rows. Attention's scores are
+    bounded by its kernels' blocks (flash attention on CUDA, query blocks in the PyTorch path): no T^2 term."""
+    c, a, g, m = model_cfg, model_cfg.attn, model_cfg.gdn, model_cfg.mlp
+    T, act, h = tokens if tokens is not None else cfg.max_step_tokens, dtype.itemsize, c.hidden_size
+    H, HV, NH, KVH = g.num_k_heads // tp, g.num_v_heads // tp, a.num_heads // tp, max(1, a.num_kv_heads // tp)
+    K, V, D = g.head_k_dim, g.head_v_dim, a.head_dim
+    proj = 2 * H * K + 2 * HV * V + 2 * HV            # in_proj: q k v z | b a
+    conv = 2 * H * K + HV * V
+    seqs = -(-T // cfg.max_model_len)
+    gdn = T * (proj * act * 2 + conv * act + HV * (K + V) * 4 * 2 + HV * V * act * 2) \
+        + (-(-T // CHUNK) + seqs) * HV * K * V * 4 * 2      # fp32 chunk states, and their prefix pass
+    attn = T * ((NH + 2 * KVH) * D * act * 2 + NH * D * act * 3)
+    if m.num_experts:
+        k, inter = m.num_experts_per_tok, m.moe_intermediate_size // tp
+        mlp = T * k * (h * act * 2 + 3 * inter * act) + T * m.num_experts * 4 * 2 \
+            + T * 3 * (m.shared_expert_intermediate_size // tp) * act
+    else:
+        mlp = T * 3 * (m.intermediate_size // tp) * act
+    peak = max(gdn, attn, mlp)
+    if logits:
+        R, vocab = T, c.vocab_size
+        sampled = cfg.max_num_seqs * (cfg.spec_k + 1)
+        peak = max(peak, R * vocab * (act + 4), R * vocab * 4 + max(R * vocab * 4, sampled * vocab * 28))
+    return int((3 * T * h * act + peak) * SAFETY)
+
+
+def estimate_graphs(model_cfg, cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """The CUDA graphs' pool: the largest captured step's intermediates without the logits (prefill / mixed graphs
+    reach max_step_tokens; decode graphs max_num_seqs x (spec_k + 1) rows), plus the hidden outputs the captured
+    graphs keep (an allowance of 16 of the largest). 0 where no graphs are captured."""
+    if device.type != "cuda" or cfg.cuda_graphs is False or cfg.tensor_parallel_size > 1:
+        return 0
+    mixed = cfg.prefill_mode == "fused" and not (cfg.spec_k and cfg.spec_draft == "mtp")
+    T = cfg.max_step_tokens if mixed else cfg.max_num_seqs * (cfg.spec_k + 1)
+    keep = 16 * T * model_cfg.hidden_size * dtype.itemsize
+    return estimate_activations(model_cfg, cfg, dtype, logits=False, tokens=T) + keep
+
+
+def resolve_pools(cfg: EngineConfig, model_cfg, dtype: torch.dtype, device: torch.device, *, weights: int,
+                  resident: int = 0, model=None) -> tuple[EngineConfig, MemoryPlan]:
+    """``cfg`` with ``num_pages`` and ``num_slots`` set by the plan, and the plan. ``weights``: the model's bytes
+    (``resident`` of them already on the device); ``model``: the loaded model, whose warm-up step measures the
+    activation peak when the pools are sized on CUDA (None: the estimate, e.g. before loading). CPU without
+    ``memory_budget_gb``, and a tensor-parallel engine's rank 0 (``model`` given): the sizes of
+    ``cfg.runner_config()``, checked. Raises MemoryPlanError naming the field."""
+    tp, cuda = cfg.tensor_parallel_size, device.type == "cuda"
+    rc = replace(cfg.runner_config(), num_slots=1, num_pages=1)       # the bytes of one slot and one page
+    sc, pc = pool_configs(model_cfg, rc, dtype, "meta", tp)
+    slot_bytes = sc.bytes_per_slot + spec_bytes_per_slot(model_cfg, rc, dtype, tp)
+    pages, slots = cfg.num_pages, cfg.num_slots
+    if not cuda and cfg.memory_budget_gb is None:
+        pages, slots = cfg.pages, cfg.slots       # CPU: fixed (zero-filling a share of the RAM helps no test)
+    if tp > 1 and model is not None:
+        # the workers were started with cfg.runner_config()'s sizes (planned in load_engine before they started):
+        # rank 0 must take the same, only checked
+        pages, slots = cfg.pages, cfg.slots
+    measured = (pages is None or slots is None) and cuda and model is not None and tp == 1
+    if measured:
+        try:
+            activations = measure_activations(model, cfg)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            raise MemoryPlanError("max_step_tokens", f"= {cfg.max_step_tokens}: the warm-up step of that many "
+                                  f"tokens ran out of memory beside the weights ({fmt_bytes(weights)}); lower "
+                                  "--max-step-tokens or load FP8 weights") from None
+    else:
+        activations = estimate_activations(model_cfg, cfg, dtype, tp)
+    budget = device_budget(device, cfg, resident)    # after the warm-up: its workspaces are in use
+    demand = Demand(weights=weights, activations=activations, graphs=estimate_graphs(model_cfg, cfg, dtype, device),
+                    runtime=(MEASURED_RESERVE if measured else RUNTIME_RESERVE) if cuda else 0, measured=measured)
+    p = plan(budget, demand, page_bytes=pc.bytes_per_page, slot_bytes=slot_bytes, page_size=cfg.page_size,
+             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, num_pages=pages, num_slots=slots)
+    return replace(cfg, num_pages=p.num_pages, num_slots=p.num_slots), p
+
+
+@torch.inference_mode()
+def measure_activations(model, cfg: EngineConfig) -> int:
+    """Peak bytes of the largest step above what is allocated before it (nano-vllm's warm-up): one eager prefill
+    of max_step_tokens random tokens (sequences of at most max_model_len) with every row's logits, then their
+    log-sum-exp (what prompt logprobs compute), on temporary pools just large enough; plus the sampler's sort
+    over max_num_seqs x (spec_k + 1) rows beyond that log-sum-exp (its temporaries are not in the forward)."""
+    from gdnserve.engine.model_runner import ModelRunner, PrefillItem, build_pools
+    dev = model.embed_tokens.weight.device
+    T, L, ps = cfg.max_step_tokens, cfg.max_model_len, cfg.page_size
+    lens = [min(L, T - i) for i in range(0, T, L)]
+    rc = replace(cfg.runner_config(), num_slots=len(lens) + 1, num_pages=sum(-(-n // ps) for n in lens) + 1,
+                 cuda_graphs=False, graph_capture=False, spec_mode=None, spec_tokens=0)
+    gc.collect()
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()
+    runner = ModelRunner(model, rc, build_pools(model, rc))
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.cfg.vocab_size
+    items = [PrefillItem(runner.new_seq(), torch.randint(0, vocab, (n,), generator=gen).tolist(), all_logits=True)
+             for n in lens]
+    logits = runner.step(items, [])
+    torch.logsumexp(logits, -1)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    del logits, items, runner
+    gc.collect()
+    torch.cuda.empty_cache()
+    sampled = cfg.max_num_seqs * (cfg.spec_k + 1) * vocab * 28
+    return peak + max(0, sampled - T * vocab * 4)
+
+
+def check_before_load(cfg: EngineConfig, model: str | None, dtype: torch.dtype,
+                      device: torch.device) -> tuple[EngineConfig, MemoryPlan]:
+    """The plan from the model's config alone, before anything is loaded (``model``: an HF folder or None for the
+    embedded model): raises MemoryPlanError for a model or a pool size that cannot fit."""
+    from pathlib import Path
+
+    from gdnserve.models.builtin import builtin_config
+    from gdnserve.models.config import ModelConfig
+    model_cfg = builtin_config() if model is None else ModelConfig.from_hf(Path(model))
+    if cfg.tensor_parallel_size > 1:      # the shard this rank's plan prices must exist: its own message first
+        from gdnserve.engine.tp_launch import check_tensor_parallel
+        check_tensor_parallel(model_cfg, cfg.tensor_parallel_size, device)
+    weights = config_weights_bytes(model_cfg, dtype, cfg.tensor_parallel_size, model)
+    return resolve_pools(cfg, model_cfg, dtype, device, weights=weights)
+

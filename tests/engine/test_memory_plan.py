@@ -1,0 +1,212 @@
+"""The memory plan (issue 27): the bytes of a page and a slot at the full-size Qwen3.5-35B-A3B shapes, the sizing
+rule on an H200-sized budget (no allocation), refusals that name the field with the bytes, and on CPU the engine's
+pools equal to what the plan priced (the real tensors counted)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from benchmarks.random_model import full_hf_config, param_bytes, tiny_hf_config
+from gdnserve.engine.config import EngineConfig
+from gdnserve.engine.llm_engine import LLMEngine
+from gdnserve.engine.memory_budget import (config_weights_bytes, device_budget, estimate_activations, resolve_pools,
+                                           weights_bytes)
+from gdnserve.engine.memory_plan import Budget, Demand, MemoryPlanError, plan, working_slots
+from gdnserve.engine.model_runner import pool_configs, spec_bytes_per_slot
+from gdnserve.models.builtin import build_builtin_model, builtin_config
+from gdnserve.models.config import ModelConfig
+from gdnserve.models.tokenizer import ByteTokenizer
+
+GiB = 1 << 30
+FULL = ModelConfig.from_hf(full_hf_config())
+H200 = Budget(capacity=150_000_000_000, in_use=600 << 20, usable=int(0.9 * 150_000_000_000) - (600 << 20),
+              source="0.90 x H200", field="gpu_memory_utilization")
+
+
+def full_costs(cfg: EngineConfig = EngineConfig(), dtype: torch.dtype = torch.bfloat16) -> dict:
+    sc, pc = pool_configs(FULL, cfg.runner_config(), dtype)
+    return dict(page_bytes=pc.bytes_per_page, slot_bytes=sc.bytes_per_slot, page_size=cfg.page_size,
+                max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs)
+
+
+def test_full_size_page_and_slot_bytes():
+    """30 GDN layers x (conv 3 x 8192 bf16 + SSM 32 x 128 x 128 fp32); 10 attention layers x K+V x 16 tokens x
+    2 KV heads x 256 bf16. One slot costs as much as ~3000 tokens of KV."""
+    c = full_costs()
+    assert c["slot_bytes"] == 30 * (3 * 8192 * 2 + 32 * 128 * 128 * 4) == 64_389_120
+    assert c["page_bytes"] == 10 * 2 * 16 * 2 * 256 * 2 == 327_680
+    _, pc = pool_configs(FULL, EngineConfig(spec_k=2, spec_draft="mtp").runner_config(), torch.bfloat16)
+    assert pc.bytes_per_page == 11 * 2 * 16 * 2 * 256 * 2          # the MTP head's KV: one more layer
+    assert config_weights_bytes(FULL, torch.bfloat16) - param_bytes(full_hf_config())[1] == 10 * 32 * 4  # inv_freq
+
+
+def test_h200_bf16_and_fp8_plans_follow_the_rule():
+    c = full_costs()
+    weights = param_bytes(full_hf_config())[1]
+    act = estimate_activations(FULL, EngineConfig(), torch.bfloat16)
+    assert 4 * GiB < act < 16 * GiB       # the [4096, 248320] fp32 logits of a prompt-logprobs step dominate
+    demand = Demand(weights=weights, activations=act, graphs=GiB, runtime=GiB)
+    p = plan(H200, demand, **c)
+    seat = c["slot_bytes"] + 256 * c["page_bytes"]
+    assert p.num_slots == max(working_slots(64), min(p.room // seat, 16 * 64)) and p.num_slots > 130
+    assert p.num_pages == min((p.room - p.num_slots * c["slot_bytes"]) // c["page_bytes"], p.num_slots * 256)
+    assert p.pool_bytes <= p.room < p.pool_bytes + seat and p.sized
+    assert p.max_concurrency() == 64 and p.checkpoint_capacity(2048, 64) > 100
+    fp8 = plan(H200, Demand(weights=weights // 2, activations=act, graphs=GiB, runtime=GiB), **c)
+    assert fp8.num_slots > p.num_slots and fp8.room - fp8.pool_bytes < seat       # FP8: every byte goes to seats
+    huge = plan(Budget(1 << 50, 0, 1 << 50, "a huge device"), demand, **c)
+    assert huge.num_slots == 16 * 64 and huge.num_pages == huge.num_slots * 256   # both caps reached
+    text = "\n".join(p.describe())
+    assert f"{p.num_slots} state slots" in text and f"{p.num_pages} KV pages" in text
+    assert "64 concurrent requests at max_model_len 4096" in text and "checkpoints of a 2048-token prefix" in text
+
+
+def test_refusals_name_the_field_and_the_bytes():
+    c = full_costs()
+    demand = Demand(weights=70 * GiB, activations=10 * GiB)
+    with pytest.raises(MemoryPlanError) as e:
+        plan(H200, demand, num_pages=100_000_000, **c)
+    need = 100_000_000 * c["page_bytes"] + working_slots(64) * c["slot_bytes"]
+    assert e.value.field == "num_pages" and isinstance(e.value, ValueError)
+    assert str(e.value).startswith("num_pages (--num-pages) = 100000000") and str(need) in str(e.value)
+    assert str(H200.usable - demand.total) in str(e.value)                  # the bytes the pools have
+    with pytest.raises(MemoryPlanError, match=r"^num_slots \(--num-slots\) = 100000") as e:
+        plan(H200, demand, num_slots=100_000, **c)
+    with pytest.raises(MemoryPlanError, match=r"^gpu_memory_utilization .* leaves no memory for the pools"):
+        plan(H200, Demand(weights=140 * GiB, activations=0), **c)
+    small = Budget(80 * GiB, 0, 72 * GiB, "--memory-budget-gb 72", "memory_budget_gb")
+    with pytest.raises(MemoryPlanError, match=r"^memory_budget_gb .* less than their minimum"):
+        plan(small, Demand(weights=70 * GiB, activations=GiB), **c)        # 1 GiB left: 130 slots need 7.8
+    given = plan(H200, demand, num_pages=4096, num_slots=300, **c)
+    assert (given.num_pages, given.num_slots, given.sized) == (4096, 300, False)
+    rest = plan(H200, demand, num_pages=4096, **c)                           # the slots take the rest, capped
+    assert rest.num_pages == 4096 and rest.num_slots == (rest.room - 4096 * c["page_bytes"]) // c["slot_bytes"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(usable=st.integers(1 << 20, 1 << 42), weights=st.integers(0, 1 << 41), seqs=st.integers(1, 300),
+       length=st.integers(1, 1 << 17), page=st.sampled_from([1, 16, 64]), slot=st.integers(1, 1 << 28),
+       page_bytes=st.integers(1, 1 << 21))
+def test_plan_invariants(usable, weights, seqs, length, page, slot, page_bytes):
+    """Whatever fits is within the room, keeps the working slots and one max_model_len sequence, and holds no
+    page that no slot could hold; whatever does not fit is a MemoryPlanError."""
+    budget = Budget(usable, 0, usable, "test")
+    try:
+        p = plan(budget, Demand(weights=weights, activations=0), page_bytes=page_bytes, slot_bytes=slot,
+                 page_size=page, max_model_len=length, max_num_seqs=seqs)
+    except MemoryPlanError as e:
+        assert e.field == "gpu_memory_utilization"
+        return
+    pps = -(-length // page)
+    assert p.pool_bytes <= p.room
+    assert working_slots(seqs) <= p.num_slots <= max(working_slots(seqs), 16 * seqs)
+    assert pps <= p.num_pages <= p.num_slots * pps
+
+
+def pool_tensors_bytes(e: LLMEngine) -> int:
+    s, pg = e.kv.state, e.kv.pages
+    return sum(t.numel() * t.element_size() for t in (s.conv_pools, s.ssm_pools, pg.k_pools, pg.v_pools))
+
+
+def test_engine_pools_are_what_the_plan_priced_on_cpu():
+    """memory_budget_gb sizes the pools on CPU; the allocated tensors are the plan's bytes exactly."""
+    e = LLMEngine(build_builtin_model(), ByteTokenizer(), EngineConfig(memory_budget_gb=0.25, max_num_seqs=8,
+                                                                      max_model_len=512))
+    p = e.memory_plan
+    assert p.sized and p.budget.field == "memory_budget_gb" and p.budget.usable == GiB // 4
+    assert (e.kv.pages.num_pages, e.kv.state.num_slots) == (p.num_pages, p.num_slots) == \
+        (e.config.num_pages, e.config.num_slots)
+    assert p.num_slots == 16 * 8 and p.num_pages == p.num_slots * 32      # a tiny model: the caps bind
+    assert pool_tensors_bytes(e) == p.pool_bytes <= p.room
+    fixed = LLMEngine(build_builtin_model(), ByteTokenizer(), EngineConfig())   # CPU default: fixed, checked
+    assert (fixed.kv.pages.num_pages, fixed.kv.state.num_slots) == (2048, 130) and not fixed.memory_plan.sized
+    assert fixed.memory_plan.budget.field == "gpu_memory_utilization"
+
+
+@pytest.mark.parametrize("mode,draft", [("intermediate", "ngram"), ("replay", "ngram"), ("replay", "mtp")])
+def test_speculative_buffers_per_slot_are_priced(mode, draft):
+    e = LLMEngine(build_builtin_model(), ByteTokenizer(), EngineConfig(num_slots=6, num_pages=64, max_num_seqs=2,
+                                                                      spec_k=2, spec_mode=mode, spec_draft=draft))
+    bound = 0
+    for layer in e.runner.model.gdn_layers():
+        pending = [] if layer.pending is None else [getattr(layer.pending, f) for f in "kvab"]
+        ts = [layer.conv_scratch, layer.ssm_scratch, *pending]
+        bound += sum(t.numel() * t.element_size() for t in ts if t is not None)
+    if e.runner.mtp is not None:
+        bound += e.runner.mtp.hidden.numel() * e.runner.mtp.hidden.element_size()
+    per = spec_bytes_per_slot(builtin_config(), e.runner.rc, torch.float32)
+    assert per > 0 and bound == 6 * per
+    assert e.memory_plan.slot_bytes == e.kv.state.bytes_per_slot + per
+
+
+def test_weights_counted_before_loading_match_the_loaded_model():
+    assert config_weights_bytes(builtin_config(), torch.float32) == weights_bytes(build_builtin_model())
+    tiny = ModelConfig.from_hf(tiny_hf_config())
+    from benchmarks.random_model import build_random_model
+    built = build_random_model(tiny_hf_config(), torch.device("cpu"), torch.bfloat16)
+    assert config_weights_bytes(tiny, torch.bfloat16) == weights_bytes(built)
+
+
+def test_llm_refuses_before_loading(monkeypatch):
+    """The Python API: a ValueError naming the field, raised before the model is built or a pool allocated."""
+    import gdnserve.models.builtin as builtin
+    from gdnserve.entrypoints.llm import LLM
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was built before the memory check")
+    monkeypatch.setattr(builtin, "build_builtin_model", no_load)
+    with pytest.raises(ValueError, match=r"^num_pages \(--num-pages\) = 100000000 asks for"):
+        LLM(num_pages=100_000_000, device="cpu")
+    with pytest.raises(ValueError, match=r"^memory_budget_gb .* more than the"):
+        LLM(memory_budget_gb=1e9, device="cpu")
+    for field, bad in (("gpu_memory_utilization", 0), ("gpu_memory_utilization", 1.5), ("memory_budget_gb", -1)):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(**{field: bad})
+
+
+def test_cpu_budget_counts_loaded_weights_as_available():
+    """After loading, MemAvailable no longer includes the weights: they are added back (else counted twice)."""
+    a = device_budget(torch.device("cpu"), EngineConfig(), resident=0)
+    b = device_budget(torch.device("cpu"), EngineConfig(), resident=10 * GiB)
+    assert b.capacity - a.capacity == pytest.approx(10 * GiB, abs=256 << 20) and b.in_use == 0
+
+
+def test_resolve_pools_leaves_given_sizes_and_sizes_the_rest():
+    cfg = EngineConfig(memory_budget_gb=0.5, num_pages=300, max_num_seqs=4)
+    out, p = resolve_pools(cfg, builtin_config(), torch.float32, torch.device("cpu"), weights=1 << 20)
+    assert out.num_pages == 300 and out.num_slots == p.num_slots == 16 * 4 and cfg.num_slots is None
+
+
+def test_the_warm_up_measurement_runs_the_largest_step(monkeypatch):
+    """measure_activations' step on CPU (the CUDA counters faked): max_step_tokens split into sequences of at most
+    max_model_len, every row's logits; the result is the counted peak above the start plus the sampler's sort."""
+    from gdnserve.engine import memory_budget as mb
+    from gdnserve.engine.model_runner import ModelRunner
+    steps = []
+    real_step = ModelRunner.step
+
+    def step(self, prefills, decodes, *a, **k):
+        steps.append([(len(it.tokens), it.all_logits) for it in prefills])
+        return real_step(self, prefills, decodes, *a, **k)
+    monkeypatch.setattr(ModelRunner, "step", step)
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 1000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 1000 + 12345)
+    cfg = EngineConfig(max_step_tokens=300, max_model_len=128, max_num_seqs=2)
+    got = mb.measure_activations(build_builtin_model(), cfg)
+    assert steps == [[(128, True), (128, True), (44, True)]]
+    assert got == 12345 + max(0, 2 * 260 * 28 - 300 * 260 * 4)
+
+
+def test_a_tensor_parallel_rank_0_keeps_the_workers_sizes():
+    """Rank 0's engine is built after the workers started with cfg.runner_config(): it must not re-plan (on CUDA it
+    would have sized unset pools differently from the workers')."""
+    cfg = EngineConfig(memory_budget_gb=0.5, tensor_parallel_size=2, max_num_seqs=4)
+    model = build_builtin_model()
+    out, p = resolve_pools(cfg, builtin_config(), torch.float32, torch.device("cpu"), weights=1 << 20, model=model)
+    assert (out.num_pages, out.num_slots) == (cfg.runner_config().num_pages, cfg.runner_config().num_slots)
+    assert not p.sized
+    before, _ = resolve_pools(cfg, builtin_config(), torch.float32, torch.device("cpu"), weights=1 << 20)
+    assert before.num_slots == 16 * 4           # before the workers start (load_engine): planned

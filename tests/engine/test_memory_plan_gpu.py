@@ -1,0 +1,52 @@
+"""The memory plan on the GPU (issue 27; skipped without CUDA): the analytic activation estimate bounds the peak the
+warm-up step measures, and pools sized to fill a budget leave room for the largest step and the CUDA graphs (the
+process's peak reserved memory stays within the budget)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.random_model import NullTokenizer, bench_hf_config, build_random_model
+from gdnserve.engine.config import EngineConfig
+from gdnserve.engine.llm_engine import LLMEngine
+from gdnserve.engine.memory_budget import estimate_activations, measure_activations, weights_bytes
+from gdnserve.engine.sampling_params import SamplingParams
+from gdnserve.models.config import ModelConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+GiB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def bench_model():
+    model = build_random_model(bench_hf_config(), torch.device("cuda"), torch.bfloat16)
+    yield model
+    del model
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("step_tokens,seqs", [(4096, 64), (1024, 256)])
+def test_the_estimate_bounds_the_measured_peak(bench_model, step_tokens, seqs):
+    cfg = EngineConfig(max_step_tokens=step_tokens, max_num_seqs=seqs)
+    measured = measure_activations(bench_model, cfg)
+    estimate = estimate_activations(ModelConfig.from_hf(bench_hf_config()), cfg, torch.bfloat16)
+    assert measured <= estimate <= 4 * measured, (measured, estimate)
+
+
+def test_sized_pools_leave_room_for_the_largest_step(bench_model):
+    dev = torch.device("cuda")
+    budget_gb = (weights_bytes(bench_model) + 14 * GiB) / GiB
+    e = LLMEngine(bench_model, NullTokenizer(), EngineConfig(memory_budget_gb=budget_gb, max_num_seqs=64))
+    p = e.memory_plan
+    assert p.sized and p.demand.measured and p.demand.graphs > 0
+    assert p.room - p.pool_bytes < p.slot_bytes + p.pages_per_seq * p.page_bytes      # the room is used
+    torch.cuda.reset_peak_memory_stats(dev)
+    gen = torch.Generator().manual_seed(0)
+    long = torch.randint(0, 248320, (4000,), generator=gen).tolist()
+    e.add_request(None, long, SamplingParams(max_tokens=4, prompt_logprobs=0, temperature=0, ignore_eos=True))
+    for _ in range(63):      # the decode batch, with its graph
+        e.add_request(None, torch.randint(0, 248320, (64,), generator=gen).tolist(),
+                      SamplingParams(max_tokens=16, temperature=0.7, top_p=0.9, ignore_eos=True))
+    while e.has_unfinished():
+        e.step()
+    assert torch.cuda.max_memory_reserved(dev) <= p.budget.usable, (torch.cuda.max_memory_reserved(dev), p)

@@ -1,0 +1,26 @@
+"""Loading allocates the weights once, in their dtype (issue 27: the memory plan counts them so): the meta model
+is cast before ``to_empty``. Before, a bf16 load allocated every parameter in fp32 first and then replaced it, a
+peak of twice the weights (140 GB for Qwen3.5-35B-A3B, more than an H200)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from gdnserve.engine.memory_budget import config_weights_bytes, weights_bytes  # noqa: E402
+from gdnserve.models.loader import load_model  # noqa: E402
+from tests.models.test_hf_parity import tiny_qwen35  # noqa: E402
+
+
+def test_to_empty_allocates_the_target_dtype(tmp_path, monkeypatch):
+    tiny_qwen35(tmp_path).save_pretrained(tmp_path, safe_serialization=True)
+    allocated = []
+    to_empty = torch.nn.Module.to_empty
+
+    def spy(self, *, device, recurse=True):
+        allocated.append(weights_bytes(self))        # meta tensors: their dtype's bytes, nothing allocated yet
+        return to_empty(self, device=device, recurse=recurse)
+    monkeypatch.setattr(torch.nn.Module, "to_empty", spy)
+    model, cfg = load_model(tmp_path, dtype=torch.bfloat16)
+    assert allocated[0] <= config_weights_bytes(cfg, torch.bfloat16) == weights_bytes(model)
