@@ -131,6 +131,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         gpu_memory_utilization=args.gpu_memory_utilization, memory_budget_gb=args.memory_budget_gb)
 
 
+def _flagged(message: str) -> str:
+    """``EngineConfig``'s error ("max_num_seqs must be ...") prefixed with the flag that set the field."""
+    field = message.split(" ", 1)[0]
+    return f"--{field.replace('_', '-')}: {message}" if field.isidentifier() and field.islower() else message
+
+
 def _fail(message: str, code: int = 2) -> int:
     print(f"gdnserve serve: {message}", file=sys.stderr, flush=True)
     return code
@@ -158,8 +164,8 @@ def run_serve(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         try:
             cfg = engine_config(args)
-        except ValueError as e:            # a flag out of range: the message names the field
-            return _fail(str(e))
+        except ValueError as e:            # a flag out of range: the message names the field, we name its flag
+            return _fail(_flagged(str(e)))
         try:
             # args.load_engine: a launcher's own loader (benchmarks/serve_random.py: a random-weight model)
             engine = (getattr(args, "load_engine", None) or load_engine)(args.model, dtype=args.dtype,

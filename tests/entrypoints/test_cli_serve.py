@@ -176,3 +176,11 @@ def test_progress_bar_while_shards_load(tmp_path, capsys):
     assert "loading" in err and "1 shard" in err and "tensor" in err
     load_model(tmp_path, dtype=torch.float32, progress=False)
     assert capsys.readouterr().err == ""
+
+
+def test_engine_flags_out_of_range_name_the_flag():
+    """A flag the engine config refuses: one line naming the flag (and the config field), exit 2 (exit 1 and the
+    field alone before), before any model load."""
+    for flags, flag in [(["--max-num-seqs", "0"], "--max-num-seqs"), (["--spec-k", "-1"], "--spec-k"),
+                        (["--max-model-len", "0"], "--max-model-len")]:
+        one_line_error(run_cli("serve", "--device", "cpu", "--port", "0", *flags), 2, f"gdnserve serve: {flag}: ")
