@@ -104,8 +104,9 @@ def test_decode_replay_equals_graph_shaped_eager(sizes, seed):
     assert g.graphs.stats["fallback"] == 0
 
 
-@pytest.mark.parametrize("mode", ["intermediate", "replay"])
-@pytest.mark.parametrize("k", [1, 3])
+# each mode with one draft count (k changes the verify kernels' specialisation: every variant compiles): k = 2 runs
+# in both modes below (test_graph_steps_accept_and_flush_do_not_sync), replay also in test_capture_all / MoE
+@pytest.mark.parametrize("mode,k", [("intermediate", 1), ("replay", 3)])
 def test_verify_replay_equals_graph_shaped_eager(mode, k, seed):
     g = lockstep(mode, k, [1, 5])
     assert g.graphs.stats["capture"] == 2 and g.graphs.stats["replay"] == 8
