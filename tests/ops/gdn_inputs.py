@@ -25,6 +25,13 @@ def gate_params(HV: int, regime: str, device) -> tuple[torch.Tensor, torch.Tenso
     return A_log.float().to(device), dt_bias.float().to(device)
 
 
+def mixed_gate_params(heads_per_regime: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_log, dt_bias of len(GATE_REGIMES) * heads_per_regime value heads, regime i on heads i*n .. (i+1)*n - 1:
+    value heads are independent in every kernel, so one call covers all regimes."""
+    parts = [gate_params(heads_per_regime, r, device) for r in GATE_REGIMES]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
 def gdn_inputs(T: int, H: int, HV: int, K: int, V: int, dtype: torch.dtype, device, regime: str = "strong"):
     q = torch.randn(T, H, K, device=device).to(dtype)
     k = torch.randn(T, H, K, device=device).to(dtype)

@@ -1,5 +1,6 @@
-"""The MoE router (ops/moe/router): the Triton kernels (both launch shapes; CPU interpreter in CI) against the
-PyTorch path (HF's ops), the float64 reference and ``align.align_pairs``; ties go to the lower expert id."""
+"""The MoE router (ops/moe/router): the Triton kernels (the three launch shapes; CPU interpreter in CI) against the
+PyTorch path (HF's ops), the float64 reference and ``align.align_pairs``; ties go to the lower expert id. The
+benchmark's shapes against CUDA's top-k: test_router_gpu.py."""
 from __future__ import annotations
 
 import pytest
@@ -18,19 +19,19 @@ pytestmark = pytest.mark.usefixtures("seed")
 W_TOL = {torch.float32: 4e-6, torch.bfloat16: 2.0 ** -7}
 
 
-@pytest.fixture(params=["small", "one_launch", "row_blocks"])
-def launch_shape(request, monkeypatch):
+LAUNCH_SHAPES = ("small", "one_launch", "row_blocks")
+# One (T, E, k, renorm) per launch shape, shared by the fp32, bf16-ties and shared-column tests so that a GPU run
+# compiles each launch shape's kernels once per dtype (the former shapes x launch shapes cross products compiled
+# ~60 variants, 426 s on the H200). small: one row block, E no power of two, top-8, no renormalisation;
+# one_launch: two row blocks of 64 (renormalised); row_blocks: two row programs (E a power of two).
+CASES = {"small": (3, 60, 8, False), "one_launch": (65, 60, 3, True), "row_blocks": (65, 64, 2, False)}
+
+
+def force(launch_shape: str, monkeypatch) -> None:
     """Force the one-program in-register alignment (where the rows fit one row block), the single-program
     fused kernel, or the row-parallel kernel + alignment launch."""
-    monkeypatch.setattr(router_triton, "SMALL_PAIRS", 1 << 20 if request.param == "small" else 0)
-    monkeypatch.setattr(router_triton, "FUSED_MAX_TOKENS", 1 << 20 if request.param == "one_launch" else 0)
-    return request.param
-
-
-def skip_unless_small_applies(launch_shape: str, T: int) -> None:
-    """The in-register path serves one row block only; past it "small" would rerun the one_launch case."""
-    if launch_shape == "small" and T > 8:
-        pytest.skip("more rows than one row block of the in-register path")
+    monkeypatch.setattr(router_triton, "SMALL_PAIRS", 1 << 20 if launch_shape == "small" else 0)
+    monkeypatch.setattr(router_triton, "FUSED_MAX_TOKENS", 1 << 20 if launch_shape == "one_launch" else 0)
 
 
 def check_alignment(r, E: int) -> None:
@@ -39,11 +40,12 @@ def check_alignment(r, E: int) -> None:
     assert torch.equal(r.alignment.rows, want.rows) and torch.equal(r.alignment.block_expert, want.block_expert)
 
 
-@pytest.mark.parametrize("T,E,k,renorm", [(1, 8, 1, True), (3, 60, 8, False), (3, 64, 2, True), (65, 60, 3, True),
-                                          (65, 64, 2, False)])
-def test_fp32_logits_equal_torch(T, E, k, renorm, launch_shape, device):
+# each launch shape's case, and k = 1 of E = 8 (< the 16-column minimum tile) on one row in the small path
+@pytest.mark.parametrize("launch_shape,T,E,k,renorm", [(ls, *CASES[ls]) for ls in LAUNCH_SHAPES]
+                         + [("small", 1, 8, 1, True)])
+def test_fp32_logits_equal_torch(launch_shape, T, E, k, renorm, device, monkeypatch):
     """fp32 logits (no ties): the same ids in the same order as torch.topk; weights to fp32 rounding."""
-    skip_unless_small_applies(launch_shape, T)
+    force(launch_shape, monkeypatch)
     logits = torch.randn(T, E, device=device) * 2
     got = route(logits, k, renorm, backend="triton")
     w, idx = route(logits, k, renorm, backend="torch")[:2]
@@ -55,17 +57,18 @@ def test_fp32_logits_equal_torch(T, E, k, renorm, launch_shape, device):
     check_alignment(got, E)
 
 
-@pytest.mark.parametrize("T,E,k", [(3, 60, 8), (65, 64, 4)])
-def test_bf16_logits_with_ties(T, E, k, launch_shape, device):
+@pytest.mark.parametrize("launch_shape", LAUNCH_SHAPES)
+def test_bf16_logits_with_ties(launch_shape, device, monkeypatch):
     """bf16 logits of a narrow spread (many equal values): ids by (logit desc, id asc) as the reference; the
     weights torch returns (its tie order is unspecified on the CPU) are the same multiset; alignment exact."""
-    skip_unless_small_applies(launch_shape, T)
+    force(launch_shape, monkeypatch)
+    T, E, k, renorm = CASES[launch_shape]
     logits = (torch.randn(T, E, device=device) * 0.05).to(torch.bfloat16)
-    got = route(logits, k, True, backend="triton")
+    got = route(logits, k, renorm, backend="triton")
     assert got.weights.dtype == torch.bfloat16
-    ref_w, ref_idx = naive_route(logits, k, True)
+    ref_w, ref_idx = naive_route(logits, k, renorm)
     assert torch.equal(got.experts.long(), ref_idx)
-    w, idx = route(logits, k, True, backend="torch")[:2]
+    w, idx = route(logits, k, renorm, backend="torch")[:2]
     torch.testing.assert_close(got.weights.float(), w.float(), rtol=W_TOL[torch.bfloat16], atol=0)
     assert rel_rms(got.weights, ref_w) < 4e-3
     # the chosen set: torch's top-k logits equal ours value for value (ties may pick other ids)
@@ -84,30 +87,15 @@ def test_odd_strides_and_empty(device):
         route(logits, 31, True, backend="triton")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 16, 64, 65, 256, 512])
-@pytest.mark.parametrize("E", [64, 256])
-def test_bench_shapes_against_cuda_topk(T, E, device):
-    """The benchmark's router (hidden 2048, top-8, bf16 logits from the GEMM): on rows whose top-8 logits have
-    no tie at the 8th place the ids equal CUDA torch.topk's (as a set, in weight order where weights differ);
-    everywhere the chosen logit values are torch's; the alignment is align_pairs'."""
-    x = torch.randn(T, 2048, device=device, dtype=torch.bfloat16)
-    logits = torch.nn.functional.linear(x, (torch.randn(E, 2048, device=device) * 0.02).to(torch.bfloat16))
-    got = route(logits, 8, True, backend="triton")
-    w, idx = route(logits, 8, True, backend="torch")[:2]
-    assert torch.equal(torch.gather(logits, 1, idx), torch.gather(logits, 1, got.experts.long()))
-    srt = torch.sort(logits.float(), dim=1, descending=True).values
-    clean = srt[:, 7] != srt[:, 8]
-    assert torch.equal(got.experts.long()[clean].sort(1).values, idx[clean].sort(1).values)
-    torch.testing.assert_close(got.weights.float(), w.float(), rtol=W_TOL[torch.bfloat16], atol=0)
-    check_alignment(got, E)
-
-
-@pytest.mark.parametrize("T,E,k,renorm,dtype", [(1, 8, 2, True, torch.float32), (3, 60, 8, False, torch.bfloat16),
-                                                (65, 20, 3, True, torch.float32), (30, 7, 6, False, torch.bfloat16)])
-def test_shared_column_becomes_pair_k(T, E, k, renorm, dtype, launch_shape, device):
+# each launch shape's case, bf16 where its plain routing is test_bf16_logits_with_ties' (one_launch: fp32's), and
+# k = 1 of E = 8 in fp32 on one row: the plain routings below are the other tests' launches
+@pytest.mark.parametrize("launch_shape,T,E,k,renorm,dtype", [
+    ("small", *CASES["small"], torch.bfloat16), ("one_launch", *CASES["one_launch"], torch.float32),
+    ("row_blocks", *CASES["row_blocks"], torch.bfloat16), ("small", 1, 8, 1, True, torch.float32)])
+def test_shared_column_becomes_pair_k(launch_shape, T, E, k, renorm, dtype, device, monkeypatch):
     """``shared=True``: column E (the shared expert's gate logit) is not routed; each token's pair k is
     (expert E, sigmoid(logit) in the logits' dtype); the alignment counts E+1 experts and k+1 pairs."""
+    force(launch_shape, monkeypatch)
     logits = (torch.randn(T, E + 1, device=device) * 2).to(dtype)
     got = route(logits, k, renorm, backend="triton", shared=True)
     assert got.weights.shape == got.experts.shape == (T, k + 1) and got.weights.dtype == dtype
@@ -122,11 +110,12 @@ def test_shared_column_becomes_pair_k(T, E, k, renorm, dtype, launch_shape, devi
     check_alignment(got, E + 1)
 
 
-@pytest.mark.parametrize("T,dtype", [(1, torch.bfloat16), (2, torch.float16), (7, torch.bfloat16), (5, torch.float32)])
+@pytest.mark.parametrize("T,dtype", [(1, torch.bfloat16), (2, torch.float16), (7, torch.float32)])
 def test_decode_shape_small_path(T, dtype, device):
     """The model's decode router (256 experts top-8 + the shared column) takes the one-program in-register
     alignment by default; ids by (logit desc, id asc), weights to rounding, alignment = align_pairs'. Logits
-    all <= 0 but one, with exact zeros of both signs: +0 and -0 tie (the lower id first)."""
+    all <= 0 but one, with exact zeros of both signs: +0 and -0 tie (the lower id first). One row (one warp),
+    two (two warps) and seven (an 8-row block, part empty), each in another dtype."""
     E, k = 256, 8
     assert T * 16 <= router_triton.SMALL_PAIRS
     logits = (-torch.randn(T, E + 1, device=device).abs() * 0.05).to(dtype)

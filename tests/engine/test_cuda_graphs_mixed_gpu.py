@@ -1,0 +1,84 @@
+"""GPU-only: the captured prefill / mixed graphs (engine/cuda_graphs.py, ``mixed_graphs``) on the embedded model.
+
+A replay equals the graph-shaped eager step bit for bit — logits and every byte of state — for prefill and mixed
+steps (odd lengths, a continuation, checkpoint groups, READY checkpoints, decodes beside them; dense and MoE); it
+is close to the ordinary unpadded eager step; prefill / mixed replays make no host synchronisation. The decode /
+verify graphs: test_cuda_graphs_gpu.py; the graph-shaped mixed step on the CPU: test_cuda_graphs_mixed.py.
+Run on the H200: ``python -m pytest -q tests/engine/test_cuda_graphs_mixed_gpu.py``."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gdnserve.engine.model_runner import ModelRunner, PrefillItem
+from gdnserve.ops.numerics import rel_rms
+from tests.engine.test_cuda_graphs_gpu import assert_same_state, make_runner
+
+pytestmark = pytest.mark.gpu
+
+
+def mixed_lockstep(moe: bool) -> ModelRunner:
+    """Captured, graph-shaped eager and plain eager runners through prefill and mixed steps: odd lengths, a
+    continuation, a checkpoint group (producer + copy-on-write consumers) beside decodes, READY-checkpoint
+    consumers, logits of every token; replay == graph-shaped eager bit for bit, close to plain."""
+    rs = [make_runner(None, 0, g, c, moe=moe, mixed=True) for g, c in ((True, None), (True, False), (False, None))]
+    seqs = {}
+
+    def new(name):
+        seqs[name] = [r.new_seq() for r in rs]
+
+    def step(items, decodes=(), ready=()):
+        slots = {seqs[c][0].slot for c in ready}
+        outs = []
+        for i, r in enumerate(rs):
+            pf = [PrefillItem(seqs[n][i], t, producer=p, all_logits=al,
+                              checkpoint=None if c is None else (seqs[c][i].slot, seqs[c][i].pages))
+                  for n, t, p, c, al in items]
+            outs.append(r.step(pf, [(seqs[n][i], t) for n, t in decodes], is_ready=lambda s: s in slots))
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], outs[1]), "replay != graph-shaped eager"
+        assert rel_rms(outs[0], outs[2]) < 2e-2, "replay far from the eager step"
+        assert_same_state(rs[0], rs[1])
+
+    def it(name, n, producer=-1, checkpoint=None, all_logits=False):
+        return (name, [random.randrange(256) for _ in range(n)], producer, checkpoint, all_logits)
+
+    def dec(*names):
+        return [(n, random.randrange(256)) for n in names]
+
+    for n in "abcd":
+        new(n)
+    step([it(n, L) for n, L in zip("abcd", (1, 63, 64, 65))])
+    step([it("b", 65), it("d", 1)], dec("a", "c"))
+    for n in ("p", "c1", "c2", "c3"):
+        new(n)
+    step([it("p", 37), it("c1", 1, 0), it("c2", 5, 0), it("c3", 20, 0, all_logits=True)], dec("a", "b", "d"))
+    new("r1"), new("r2")
+    step([it("r1", 3, checkpoint="p"), it("r2", 66, checkpoint="p")], dec("c1", "c2", "c3"), ready=("p",))
+    step([it("a", 7)], dec("b", "c", "d", "c1", "c2", "c3", "r1", "r2"))
+    g = rs[0].graphs
+    assert g.stats["mixed_replay"] == 5 and g.stats["fallback"] == 0 and g.stats["capture"] == 5
+    return rs[0]
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_mixed_replay_equals_graph_shaped_eager(moe, seed):
+    mixed_lockstep(moe)
+
+
+def test_mixed_replays_do_not_sync():
+    r = make_runner(None, 0, True, None, mixed=True)
+    a, b, c = (r.new_seq() for _ in range(3))
+    r.step([PrefillItem(a, list(range(40))), PrefillItem(b, list(range(30)))], [])          # captures
+    r.step([PrefillItem(c, list(range(9)))], [(a, 1), (b, 2)])                           # captures
+    torch.cuda.synchronize()
+    d, e = r.new_seq(), r.new_seq()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        r.step([PrefillItem(d, list(range(50))), PrefillItem(e, list(range(20)))], [])    # replays
+        r.step([PrefillItem(c, list(range(5)))], [(a, 3), (b, 4)])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert r.graphs.stats["mixed_replay"] == 4 and r.graphs.stats["capture"] == 2
