@@ -151,7 +151,7 @@ def _plan(s: Scheduler, req: Request, p: AdmitPass) -> _Plan | None:
     fresh = req.params.prompt_logprobs is not None
     auto = ck.longest_hit(ids) if c is None and s.cfg.auto_checkpoints and not fresh else None
     if auto is not None and n > 1 and fork_pages(s.cfg, len(ids), req.params.max_tokens, n, auto.length) > \
-            s.cfg.num_pages:             # intake counted a fork at the prompt minus its last token, not this one
+            s.cfg.pages:             # intake counted a fork at the prompt minus its last token, not this one
         auto = None
     if auto is not None:                 # an earlier request's state covers a prefix of this prompt
         pl = _Plan(auto.length, tuple(ids[:auto.length]), hit=auto)

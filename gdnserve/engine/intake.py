@@ -86,11 +86,11 @@ def make_request(cfg: EngineConfig, tokenizer, vocab_size: int, request_id: str,
         raise RequestError(f"n: {n} samples (+1 for their fork) need {n + 1} state slots, the pool has {cfg.slots}",
                            "n")
     need, shared = _sample_pages(cfg, len(ids), params.max_tokens, n, checkpoint_at)
-    if need > cfg.num_pages:
+    if need > cfg.pages:
         raise RequestError(f"n x (prompt + max_tokens) = {n} x ({len(ids)} + {params.max_tokens}) tokens need "
                            f"{need} KV pages of {cfg.page_size}"
                            f"{f' (sharing the first {shared} prompt tokens)' if shared else ''}, the pool has "
-                           f"{cfg.num_pages}; send fewer samples or a smaller max_tokens", "n")
+                           f"{cfg.pages}; send fewer samples or a smaller max_tokens", "n")
     return Request(request_id, ids, params, checkpoint_at,
                    [Sample(i, IncrementalDetokenizer(tokenizer)) for i in range(n)], prompt_i32=i32)
 
@@ -111,9 +111,9 @@ def make_score_job(cfg: EngineConfig, tokenizer, vocab_size: int, request_id: st
             raise RequestError(f"candidates[{i}]: prefix + candidate ({len(p_ids)} + {len(c)} tokens) and the next "
                                f"token exceed the context length {cfg.max_model_len}", f"candidates[{i}]")
         need = _pages(cfg, len(p_ids) + len(c) + 1) + 1
-        if need > cfg.num_pages:
+        if need > cfg.pages:
             raise RequestError(f"candidates[{i}]: prefix ({len(p_ids)} tokens) + candidate ({len(c)}) need {need} KV "
-                               f"pages of {cfg.page_size}, the pool has {cfg.num_pages}", f"candidates[{i}]")
+                               f"pages of {cfg.page_size}, the pool has {cfg.pages}", f"candidates[{i}]")
     labels = list(label_token_ids or [])
     bad = [t for t in labels if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad or any(not 0 <= t < vocab_size for c in [p_ids, *c_ids] for t in c):
