@@ -50,6 +50,11 @@ def parse_request(body: bytes, model: type[BaseModel], limits: Limits = DEFAULT_
     """``model`` from a JSON body; malformed JSON, nesting deeper than ``limits.max_json_depth``, more arrays
     and objects than ``limits.max_json_containers``, a string that is not valid Unicode (a lone surrogate), a
     non-object and every pydantic error become a 400 that names the (first) offending field."""
+    # UTF-8 only (RFC 8259 §8.1): json.loads would decode UTF-16 / 32 itself, and the byte scans below (depth,
+    # containers, the surrogate pre-check) read UTF-8; a UTF-16 body slipped a lone surrogate past them (a 500)
+    if json.detect_encoding(body[:4]) not in ("utf-8", "utf-8-sig"):
+        raise APIError("the request body must be UTF-8 encoded JSON (it looks like UTF-16 or UTF-32)",
+                       code="invalid_encoding")
     depth, containers = json_shape(body)
     if depth > limits.max_json_depth:
         raise APIError(f"the request body nests arrays/objects {depth} deep; at most {limits.max_json_depth} "

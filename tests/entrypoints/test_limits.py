@@ -290,3 +290,17 @@ def test_limits_validate():
         Limits(max_prompts=0)
     with pytest.raises(ValueError, match="chat-default-max-tokens"):
         ServerConfig(chat_default_max_tokens=0)
+
+
+@pytest.mark.parametrize("codec", ["utf-16-le", "utf-16", "utf-32-le"])
+def test_a_body_not_in_utf8_is_a_400(codec):
+    """UTF-16 / 32 bodies are refused: json.loads would decode them itself, past the UTF-8 byte scans (a lone
+    surrogate escape reached the tokenizer: a 500 from /v1/score). The same body in UTF-8 gets its own 400."""
+    from gdnserve.entrypoints.protocol import APIError, CompletionRequest, parse_request
+    text = '{"prompt": "a\\ud800b", "max_tokens": 1}'
+    with pytest.raises(APIError) as e:
+        parse_request(text.encode(codec), CompletionRequest)
+    assert e.value.body()["error"]["code"] == "invalid_encoding"
+    with pytest.raises(APIError) as e:
+        parse_request(text.encode("utf-8"), CompletionRequest)
+    assert e.value.body()["error"]["code"] == "invalid_unicode"
