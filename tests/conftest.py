@@ -38,6 +38,11 @@ import pytest  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CPU_WORKERS = 2     # CI's machine: 2 cores
+# Under xdist these files go first (then the rest in collection order): with a file per unit of work, the ones
+# whose set-up or few tests take longest (a Ray cluster, gloo process groups, long interpreted kernels) would
+# otherwise leave one worker running one of them alone at the end. An ordering hint only.
+FIRST = ("tests/replicas/test_ray_replicas.py", "tests/test_bench_tp.py", "tests/models/test_tp.py",
+         "tests/ops/test_gdn_chunk_cp.py")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -53,6 +58,7 @@ def pytest_cmdline_main(config):
         return
     # all three: the result does not depend on whether xdist's own cmdline_main (it turns -n into tx) runs first
     opt.numprocesses, opt.dist, opt.tx = CPU_WORKERS, "loadfile", ["popen"] * CPU_WORKERS
+    opt.loadscopereorder = False        # the collection's order (FIRST first), not xdist's by-test-count one
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -69,6 +75,9 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {f: i for i, f in enumerate(FIRST)}
+        items.sort(key=lambda it: rank.get(it.nodeid.split("::")[0], len(FIRST)))    # stable: files stay whole
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
