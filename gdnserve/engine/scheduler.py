@@ -64,8 +64,12 @@ class Scheduler:
         budget = (self.cfg.max_step_tokens - len(batch.decodes) - len(batch.verifies) * (k + 1)
                   - sum(len(it.tokens) for it, _ in ready))
         rem = [self._chunk_end(r) - r.num_computed for r in chunks]
-        reserve = min(sum(rem), max(budget // 2, MIN_CHUNK * len(chunks))) if chunks else 0
-        scores = sum(1 for j in self.waiting if isinstance(j, ScoreJob) and j.prod is not None and self.runnable(j))
+        # score prefixes in production are chunks too (they wait in the queue, not in running): the first pass
+        # keeps their share, else short arrivals leave them MIN_CHUNK a step (a 1,500-token prefix: 47 steps)
+        prods = [j for j in self.waiting if isinstance(j, ScoreJob) and j.prod is not None and self.runnable(j)]
+        scores = len(prods)
+        rem_all = sum(rem) + sum(max(len(j.prefix_ids) - j.num_computed, MIN_CHUNK) for j in prods)
+        reserve = min(rem_all, max(budget // 2, MIN_CHUNK * (len(chunks) + scores))) if chunks or prods else 0
         p = AdmitPass(budget=budget - reserve, reserved=reserved, busy=bool(chunks or ready), live=self.live_seqs(),
                       reserve=reserve, partial=len(chunks) + scores)
         longs = admit_waiting(self, batch, p)

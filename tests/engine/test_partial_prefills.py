@@ -170,3 +170,22 @@ def test_a_waiting_long_prompt_hits_a_checkpoint_published_meanwhile(solo):
         done.update({o.request_id: o for o in e.step() if o.finished})
     assert done["y"].outputs[0].token_ids == solo(y_prompt, LONG_P)
     assert done["x"].outputs[0].token_ids == solo(LONGS[0] + LONGS[1], LONG_P)
+
+
+def test_a_score_prefix_in_production_keeps_its_share_under_short_arrivals():
+    """A long /v1/score prefix produced chunk by chunk waits in the queue, not among the running requests: the
+    first pass must keep its share of the step (half the budget while short requests keep arriving), not leave
+    it MIN_CHUNK (32) tokens a step (a 600-token prefix at budget 128 under four 30-token arrivals a step: 20 steps before, at most 12 now)."""
+    e = engine(max_step_tokens=128)
+    rng = random.Random(3)
+    sid = e.add_score([rng.randrange(3, 250) for _ in range(600)], [[1, 2, 3]])
+    k = 0
+    for step in range(40):
+        for _ in range(4):                          # short arrivals every step take what the first pass offers
+            e.add_request(f"s{k}", [rng.randrange(3, 250) for _ in range(30)], SamplingParams(max_tokens=2,
+                                                                                              temperature=0))
+            k += 1
+        e.step()
+        if sid in e.scores:
+            break
+    assert sid in e.scores and step < 13, f"score prefix still in production after {step + 1} steps"

@@ -15,10 +15,11 @@ from gdnserve.engine.async_engine import AsyncEngine  # noqa: E402
 from gdnserve.entrypoints.llm import load_engine  # noqa: E402
 from tests.entrypoints.fake_engine import Served, wait_for  # noqa: E402
 
-# a small step budget: a 256-candidate job takes ~50 steps (10+ s on a CPU), one step a fraction of a second.
+# a small step budget: a 1024-candidate job takes ~200 steps (a 256-candidate one finished within the 1.5 s on an
+# idle CPU once score prefixes kept their step share), one step a fraction of a second.
 # What is asserted is that the work stops once the client is gone (at most a few steps' tokens after it), not how
 # much was done before: that depends on the machine's speed (a busy 2-core CI machine, a faster scheduler).
-N_CANDS, CAND_LEN, STEP_TOKENS = 256, 12, 64
+N_CANDS, CAND_LEN, STEP_TOKENS = 1024, 12, 64
 AFTER_GONE = 5 * STEP_TOKENS    # the step in flight and the few that start before the abort reaches the engine
 
 
