@@ -164,9 +164,9 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def _unless_disconnected(request: Request, coro: Any) -> Any:
-    """``await coro``, cancelled (→ _ClientGone) if the client disconnects first."""
-    work, watch = asyncio.ensure_future(coro), asyncio.ensure_future(_wait_disconnect(request))
+async def _unless(coro: Any, stop: Any, error: Any) -> Any:
+    """``await coro``, cancelled (→ ``error()`` raised) if the awaitable ``stop`` completes first."""
+    work, watch = asyncio.ensure_future(coro), asyncio.ensure_future(stop)
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -176,24 +176,18 @@ async def _unless_disconnected(request: Request, coro: Any) -> Any:
             with anyio.CancelScope(shield=True):
                 await asyncio.gather(work, return_exceptions=True)
     if work.cancelled():
-        raise _ClientGone()
+        raise error()
     return work.result()
+
+
+async def _unless_disconnected(request: Request, coro: Any) -> Any:
+    """``await coro``, cancelled (→ _ClientGone) if the client disconnects first."""
+    return await _unless(coro, _wait_disconnect(request), _ClientGone)
 
 
 async def _unless_closing(closing: asyncio.Event, coro: Any) -> Any:
     """``await coro``, cancelled (→ a 503 ``server_shutdown``) if the server closes first."""
-    work, stop = asyncio.ensure_future(coro), asyncio.ensure_future(closing.wait())
-    try:
-        await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stop.cancel()
-        if not work.done():
-            work.cancel()
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(work, return_exceptions=True)
-    if work.cancelled():
-        raise _shutdown_error()
-    return work.result()
+    return await _unless(coro, closing.wait(), _shutdown_error)
 
 
 def _chat_size(req: ChatCompletionRequest) -> int:
