@@ -62,6 +62,22 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
 
 
+def wait_healthy(server: Any, log: Path, timeout_s: float, poll_s: float, what: str) -> None:
+    """Poll ``server.url``/health until it answers 200; when ``server.proc`` exits or ``timeout_s`` passes,
+    ``server.stop()`` and raise ``what`` with the log's tail (this benchmark and bench_serve_http)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if server.proc.poll() is not None or time.monotonic() > deadline:
+            server.stop()
+            raise RuntimeError(f"{what}:\n" + log.read_text(errors="replace")[-3000:])
+        time.sleep(poll_s)
+
+
 class Server:
     def __init__(self, args: argparse.Namespace, log: Path) -> None:
         self.port = free_port()
@@ -71,17 +87,7 @@ class Server:
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("server did not start:\n" + log.read_text())
-            time.sleep(0.3)
+        wait_healthy(self, log, 180, 0.3, "server did not start")
 
     def metrics(self) -> dict[str, float]:
         text = httpx.get(self.url + "/metrics", timeout=60).text

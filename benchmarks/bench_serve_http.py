@@ -41,7 +41,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,6 +53,7 @@ import httpx
 import numpy as np
 
 from benchmarks import jsonfmt
+from benchmarks.bench_load import free_port, wait_healthy
 from gdnserve.entrypoints.cli import DEFAULT_RESULTS
 
 MARK = "<|state_checkpoint|>"
@@ -226,12 +226,6 @@ def summarize(workload: str, fmt: str, C: int, recs: list[Record], wall: float, 
 
 # ---- the server -------------------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Server:
     """``gdnserve serve`` (or ``benchmarks.serve_random``) in a subprocess, its output in a log file."""
 
@@ -251,18 +245,7 @@ class Server:
         self.log_path, self.log = log, open(log, "w")
         self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, PYTHONUNBUFFERED="1"), cwd=Path(__file__).parents[1])
-        deadline = time.monotonic() + args.startup_timeout
-        while True:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"server did not start ({' '.join(self.command)}):\n"
-                                   + log.read_text(errors="replace")[-3000:])
-            time.sleep(0.5)
+        wait_healthy(self, log, args.startup_timeout, 0.5, f"server did not start ({' '.join(self.command)})")
 
     def banner(self) -> list[str]:
         lines = self.log_path.read_text(errors="replace").splitlines()
