@@ -146,23 +146,21 @@ def plan(budget: Budget, demand: Demand, *, page_bytes: int, slot_bytes: int, pa
         raise MemoryPlanError(budget.field, f"leaves no memory for the pools: the model needs "
                               f"{fmt_bytes(demand.total)} ({where}) and the budget is {fmt_bytes(budget.usable)} "
                               f"({budget.source}); {_advice(budget)}")
-    page_cost, slot_cost = f"x {fmt_bytes(page_bytes)}", f"x {fmt_bytes(slot_bytes)}"
+    def check_given(field: str, n: int, what: str, unit: int, other: int, other_what: str, other_unit: int) -> None:
+        need = n * unit + other * other_unit      # a given size, beside the other pool's least
+        if need > room:
+            raise MemoryPlanError(field, f"= {n} asks for {n} {what} x {fmt_bytes(unit)} = {fmt_bytes(n * unit)} "
+                                  f"(+ {other} {other_what} x {fmt_bytes(other_unit)}), {need} bytes; the pools have "
+                                  f"{fmt_bytes(room)} ({room} bytes): budget {fmt_bytes(budget.usable)} "
+                                  f"({budget.source}) - {where}")
+
     if num_pages is not None:
-        s_min = num_slots if num_slots is not None else W
-        need = num_pages * page_bytes + s_min * slot_bytes
-        if need > room:
-            raise MemoryPlanError("num_pages", f"= {num_pages} asks for {num_pages} KV pages {page_cost} = "
-                                  f"{fmt_bytes(num_pages * page_bytes)} (+ {s_min} state slots {slot_cost}), "
-                                  f"{need} bytes; the pools have {fmt_bytes(room)} ({room} bytes): "
-                                  f"budget {fmt_bytes(budget.usable)} ({budget.source}) - {where}")
+        check_given("num_pages", num_pages, "KV pages", page_bytes, num_slots if num_slots is not None else W,
+                    "state slots", slot_bytes)
     if num_slots is not None:
-        p_min = num_pages if num_pages is not None else pps
-        need = num_slots * slot_bytes + p_min * page_bytes
-        if need > room:
-            raise MemoryPlanError("num_slots", f"= {num_slots} asks for {num_slots} state slots {slot_cost} = "
-                                  f"{fmt_bytes(num_slots * slot_bytes)} (+ {p_min} KV pages {page_cost}), "
-                                  f"{need} bytes; the pools have {fmt_bytes(room)} ({room} bytes): "
-                                  f"budget {fmt_bytes(budget.usable)} ({budget.source}) - {where}")
+        check_given("num_slots", num_slots, "state slots", slot_bytes, num_pages if num_pages is not None else pps,
+                    "KV pages", page_bytes)
+    page_cost, slot_cost = f"x {fmt_bytes(page_bytes)}", f"x {fmt_bytes(slot_bytes)}"
     if num_pages is None and num_slots is None and W * slot_bytes + pps * page_bytes > room:
         need = W * slot_bytes + pps * page_bytes
         raise MemoryPlanError(budget.field, f"leaves {fmt_bytes(room)} for the pools, less than their minimum "
