@@ -17,7 +17,6 @@ from __future__ import annotations
 import inspect
 from collections import defaultdict
 
-import torch
 
 _keys: dict[str, set] = defaultdict(set)
 _first: dict[tuple, str] = {}       # key -> the test that launched it first
@@ -36,20 +35,10 @@ def _kinds(fn) -> tuple[str, ...]:
 
 
 def _spec(kind: str, a):
-    if kind == "c":
-        return repr(a)
-    if a is None:
-        return None
-    if isinstance(a, torch.Tensor):
-        return (str(a.dtype), a.data_ptr() % 16 == 0)
-    if isinstance(a, bool):
-        return ("b", a)
-    if isinstance(a, int):
-        wide = not -(1 << 31) <= a < (1 << 31)
-        return ("i", wide) if kind == "n" else ("i", wide, a == 1, a % 16 == 0)
-    if isinstance(a, float):
-        return "f"
-    return repr(a)
+    """The launch path's own specialisation key of one argument (ops/launch.py), as text: hashable and
+    printable whatever the constexpr's value."""
+    from gdnserve.ops.launch import _spec as launch_spec
+    return repr(launch_spec(kind, a))
 
 
 def pytest_configure(config):
