@@ -353,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--output-len", type=int, default=None, help="random: output tokens (default 128)")
     w.add_argument("--num-requests", type=int, default=None,
                    help="random / prefix: requests per level (default 4 x C, at least 16)")
+    w.add_argument("--per-level", type=int, default=None, help="random / prefix: N = this x C requests (default 4)")
+    w.add_argument("--min-requests", type=int, default=None, help="random / prefix: at least this many (default 16)")
     w.add_argument("--vocab-size", type=int, default=None, help="random token ids below this (default: the model's)")
     w.add_argument("--seed", type=int, default=0)
     o = ap.add_argument_group("output")
@@ -372,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cpu" if args.device == "auto" else args.device
         if args.concurrency == build_parser().get_default("concurrency"):
             args.concurrency = "1,4"
-    given = {"input_len": args.input_len, "output_len": args.output_len, "num_requests": args.num_requests}
+    given = {"input_len": args.input_len, "output_len": args.output_len, "num_requests": args.num_requests,
+             "per_level": args.per_level, "min_requests": args.min_requests}
     sizes = Sizes(**{**vars(sizes), **{k: v for k, v in given.items() if v is not None}})
     workloads = [x.strip() for x in args.workloads.split(",") if x.strip()]
     bad = sorted(set(workloads) - set(WORKLOADS))
