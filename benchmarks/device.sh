@@ -24,6 +24,8 @@
 #                full-size random model served over HTTP (benchmarks/serve_random.py), random / prefix / chat workloads
 #                at C = 1, 16, 64, 256, max; HTTP_ARGS replaces "--max-num-seqs 256 --model-json
 #                benchmarks/results/model_h200.json" (e.g. add --fp8, --gpu-memory-utilization 0.85)
+#   engine[:s]   python -m benchmarks.bench_engine_overhead --device cuda (engine decode step vs the bare step at
+#                B = 1, 64, 256 on the full-size random model; ENGINE_ARGS adds flags)
 #   tp[:s]       tensor parallelism on 2 GPUs (nvidia-h200-x2), NCCL_NVLS_ENABLE=0: python -m benchmarks.bench_tp
 #                --tp 1,2 ${TP_ARGS:---quick} (TP=2 vs TP=1: equality, decode/prefill, all-reduce, serve, Qwen3-Next)
 #                with s/2 - 10 (s default 500) as its --time-budget (killed with SIGINT 60 s past it), then the GPU
@@ -99,6 +101,9 @@ for arg in "$@"; do
     http)    http_default="--max-num-seqs 256 --model-json benchmarks/results/model_h200.json"
              bench bench_serve_http "${b:-540}" --random full --device cuda --time-budget "${b:-540}" \
                ${HTTP_ARGS:-$http_default} ;;
+    engine)  timeout "${b:-240}" python3 -m benchmarks.bench_engine_overhead --device cuda --out "$OUT" ${ENGINE_ARGS:-} \
+               > "$OUT/bench_engine_overhead.log" 2>&1; echo "bench_engine_overhead rc=$?"
+             tail -12 "$OUT/bench_engine_overhead.log" ;;
     tp)      export NCCL_NVLS_ENABLE=0 GDNSERVE_TP_TIMEOUT_S=${GDNSERVE_TP_TIMEOUT_S:-180}
              nvidia-smi topo -m > "$OUT/gpu_topology.txt" 2>&1
              tb=$(( ${b:-500} / 2 - 10 ))
