@@ -57,6 +57,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self, batch: StepBatch) -> None:
+        ck = self.kv.checkpoints
+        ck.poll()                                 # restores from a lower tier whose copy is done: READY
+        self._fill(batch)
+        for _ in range(4):   # nothing else to run but restores in flight: wait for them and admit their waiters
+            if not (batch.empty and ck.restoring()):
+                break
+            ck.poll(wait=True)
+            self._fill(batch)
+
+    def _fill(self, batch: StepBatch) -> None:
         self.make_room()
         reserved = self.pages_for_running()       # before this step's chunks advance num_computed
         chunks, ready = self._collect_running(batch)
