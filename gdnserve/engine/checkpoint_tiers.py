@@ -228,13 +228,14 @@ class CheckpointTiers:
 
 def model_fingerprint(model, dtype: torch.dtype, tp_size: int, state_cfg, page_cfg) -> str:
     """Hex blake2b of what a checkpoint is only valid for: the model config, the dtype, the tensor-parallel layout,
-    the pools' shapes and dtypes (page size, state dtype), every parameter's name, shape and dtype, and the bytes of
+    the pools' row shapes and dtypes (page size, state dtype; not their sizes), every parameter's name, shape and dtype, and the bytes of
     the first and last 64 elements of every parameter (a sample: hashing 70 GB of weights at start-up would take
     minutes; two models that differ only elsewhere in their weights would share checkpoints)."""
     h = hashlib.blake2b(digest_size=32)
     cfg = getattr(model, "cfg", None)
     def shapes(c) -> dict:
-        return {f.name: str(getattr(c, f.name)) for f in fields(c) if f.name != "device"}
+        return {f.name: str(getattr(c, f.name)) for f in fields(c)
+                if f.name not in ("device", "num_slots", "num_pages")}    # the pools' sizes may change
     facts = {"version": 1, "config": repr(cfg), "dtype": str(dtype), "tp": tp_size, "state": shapes(state_cfg),
              "pages": shapes(page_cfg)}
     h.update(json.dumps(facts, sort_keys=True).encode())

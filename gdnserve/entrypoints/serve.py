@@ -66,6 +66,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="publish no automatic checkpoints (a finished request's state, which the next turn of a chat "
                         "or an extended prompt starts from; vLLM's --no-enable-prefix-caching); checkpoints at a "
                         "marker or checkpoint_at stay on (default: on)")
+    m.add_argument("--checkpoint-host-memory", dest="checkpoint_host_memory_gb", type=float,
+                   default=_D.checkpoint_host_memory_gb, metavar="GB",
+                   help="GiB of pinned host memory for checkpoints evicted from the GPU: copied down instead of "
+                        "dropped, restored on a hit (default 0 = off; on CPU ordinary memory, for tests)")
+    m.add_argument("--checkpoint-dir", default=_D.checkpoint_dir, metavar="PATH",
+                   help="directory for checkpoints evicted below the host tier (or the device when it is off) and for "
+                        "every checkpoint at a graceful shutdown; found again at the next start with the same model "
+                        "(default: none)")
+    m.add_argument("--checkpoint-dir-max-gb", type=float, default=_D.checkpoint_dir_max_gb, metavar="GB",
+                   help=f"size bound of --checkpoint-dir, least recently used files removed first (default "
+                        f"{_D.checkpoint_dir_max_gb:g})")
     m.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                    help="run decode and verify steps eagerly (default: bucketed CUDA graphs on a CUDA device)")
     n = p.add_argument_group("network and access")
@@ -128,7 +139,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         spec_k=args.spec_k, spec_mode=args.spec_mode, spec_draft=args.spec_draft,
                         cuda_graphs=args.cuda_graphs, auto_checkpoints=args.auto_checkpoints,
                         tensor_parallel_size=args.tensor_parallel_size, num_slots=args.num_slots,
-                        gpu_memory_utilization=args.gpu_memory_utilization, memory_budget_gb=args.memory_budget_gb)
+                        gpu_memory_utilization=args.gpu_memory_utilization, memory_budget_gb=args.memory_budget_gb,
+                        checkpoint_host_memory_gb=getattr(args, "checkpoint_host_memory_gb", 0.0),
+                        checkpoint_dir=getattr(args, "checkpoint_dir", None),
+                        checkpoint_dir_max_gb=getattr(args, "checkpoint_dir_max_gb", _D.checkpoint_dir_max_gb))
 
 
 def _flagged(message: str) -> str:
@@ -204,6 +218,16 @@ def max_n(engine, limit: int) -> int:
     return min(limit, MAX_N, *((cfg.max_num_seqs, cfg.slots - 1) if isinstance(cfg, EngineConfig) else ()))
 
 
+def tier_lines(engine) -> list[str]:
+    """The checkpoint tiers' capacity: the GPU's state slots (each checkpoint holds one) and the lower tiers'."""
+    kv = getattr(engine, "kv", None)
+    tiers = getattr(getattr(kv, "checkpoints", None), "tiers", None)
+    if tiers is None:
+        return []
+    return [f"  checkpoint tiers: gpu <= {kv.state.num_slots} checkpoints (state slots); "
+            + "; ".join(tiers.capacity()) + " (checkpoints of 2,048 tokens)"]
+
+
 def banner(engine, args: argparse.Namespace, config: ServerConfig, port: int, load_s: float) -> str:
     """What is being served, how, and where: printed once the model is loaded."""
     st = engine.stats() if hasattr(engine, "stats") else {}
@@ -223,6 +247,7 @@ def banner(engine, args: argparse.Namespace, config: ServerConfig, port: int, lo
         f"{f', tensor parallel {args.tensor_parallel_size} ranks' if getattr(args, 'tensor_parallel_size', 1) > 1 else ''}",
         *(plan.describe() if plan is not None else
           [f"  pools: {st.get('state_pool_total')} state slots, {st.get('page_pool_total')} KV pages x {page} tokens"]),
+        *tier_lines(engine),
         f"  limits: body {lim.max_body_bytes} B, {lim.max_prompts} prompts/request, n <= {n_cap}"
         f"{f' (--max-n {lim.max_n}, capped by the engine)' if n_cap < lim.max_n else ''}, "
         f"{lim.max_stop} stop strings x {lim.max_stop_chars} chars, JSON depth {lim.max_json_depth} and "
