@@ -7,7 +7,10 @@ socket bound before the load."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 import time
 
 from gdnserve.engine.config import FIXED_PAGES, EngineConfig
@@ -158,6 +161,7 @@ def _fail(message: str, code: int = 2) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     from gdnserve.entrypoints.preflight import PreflightError, bind_socket, check_device, check_model_folder
+    term: list[bool] = []      # set when a SIGTERM ended the server (_terminated_unwinds)
     try:
         config = server_config(args)
     except ValueError as e:
@@ -193,17 +197,45 @@ def run_serve(args: argparse.Namespace) -> int:
             print(banner(engine, args, config, sock.getsockname()[1], time.perf_counter() - t0), file=sys.stderr,
                   flush=True)
             # a dead engine (a tensor-parallel worker gone) fails its requests and stops the server: exit 1 below
-            run_server(AsyncEngine(engine), config=config, port=args.port, sock=sock,
-                       shutdown_timeout=args.shutdown_timeout)
+            with _terminated_unwinds(term):
+                run_server(AsyncEngine(engine), config=config, port=args.port, sock=sock,
+                           shutdown_timeout=args.shutdown_timeout)
         finally:
-            if hasattr(engine, "close"):      # tensor-parallel workers stop and are joined
-                engine.close()
+            if hasattr(engine, "close"):      # tensor-parallel workers stop and are joined; a --checkpoint-dir
+                engine.close()                # gets the checkpoints still in GPU and host memory
         if getattr(engine, "dead", None) is not None:
             return _fail(f"the engine stopped: {engine.dead}", 1)
     finally:
         sock.close()
+    if term:                                 # the engine is closed: end as the SIGTERM would have
+        signal.raise_signal(signal.SIGTERM)
     return 0
 
+
+
+class _Terminated(Exception):
+    """SIGTERM, after uvicorn's graceful shutdown."""
+
+
+@contextlib.contextmanager
+def _terminated_unwinds(term: list[bool]):
+    """uvicorn re-raises the SIGTERM it caught once its graceful shutdown is done; with the default handler that
+    ends the process there, before the engine is closed. Here it unwinds (the engine closes on the way) and is
+    raised again at the end, so the exit status stays -SIGTERM."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum, frame):
+        raise _Terminated
+
+    old = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    except _Terminated:
+        term.append(True)
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _url(host: str, port: int) -> str:
