@@ -21,6 +21,8 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from gdnserve.engine.tier_stats import TierStats
+
 prometheus_client.disable_created_metrics()  # no *_created series (vLLM does the same)
 
 P = "gdnserve:"
@@ -106,8 +108,8 @@ class _EngineCollector:
 
 class _TierCollector:
     """The checkpoint tiers' TierStats (engine/checkpoint_tiers.py) at scrape time: hits per tier, restores per
-    source tier, device -> host copies, bytes moved per direction, and the restore latency histogram. Nothing is
-    exported when the engine runs without tiers."""
+    source tier, device -> host copies, bytes moved per direction, and the restore latency histogram (all at 0 for
+    an engine without tiers, so the series exist on every server)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
@@ -119,10 +121,8 @@ class _TierCollector:
         inner = getattr(self.engine, "engine", self.engine)
         try:
             ts = getattr(inner, "tier_stats", None)
-            snap = ts.snapshot() if ts is not None else None
+            snap = (ts if ts is not None else TierStats()).snapshot()     # without tiers: every series at 0
         except Exception:  # noqa: BLE001  a scrape never fails for the tiers
-            return
-        if snap is None:
             return
         for name, help_, label, values in (
                 ("checkpoint_tier_hits", "Checkpoint hits by the tier the checkpoint was found in.", "tier",
