@@ -22,6 +22,7 @@ On CPU the copies are synchronous (``event`` None) and the host tensors are ordi
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +41,7 @@ class HostCheckpoint:
     token_ids: tuple[int, ...]
     tensors: dict[str, torch.Tensor]
     event: object | None = None
-    last_use: int = field(default=0)
+    footprint: int = field(default=0)     # host bytes it holds (its allocation, rounded as the allocator does)
 
     @property
     def length(self) -> int:
@@ -59,6 +60,11 @@ class HostCheckpoint:
         if self.event is not None:
             self.event.synchronize()
             self.event = None
+
+
+def footprint(nbytes: int, pinned: bool) -> int:
+    """Host bytes an allocation of ``nbytes`` holds: torch's pinned caching allocator rounds up to a power of two."""
+    return 1 << max(nbytes - 1, 0).bit_length() if pinned else nbytes
 
 
 def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
@@ -82,20 +88,31 @@ class Copier:
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
 
-    def empty(self, key: bytes, token_ids: tuple[int, ...], num_pages: int) -> HostCheckpoint:
-        """Host tensors for a checkpoint of ``num_pages`` pages (pinned on CUDA), contents undefined."""
+    def _layout(self, num_pages: int) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype, int]], int]:
+        """name -> (shape, dtype, byte offset) of a checkpoint's tensors in its one host buffer, and its bytes."""
         s, k = self.state.config, self.kv.config
-        pin = self.cuda
+        page = (k.num_layers, num_pages, k.page_size, k.num_kv_heads, k.head_dim)
         shapes = {"conv": ((s.num_layers, s.conv_rows, s.conv_dim), s.conv_dtype),
-                  "ssm": ((s.num_layers, s.HV, s.V, s.K), s.ssm_dtype),
-                  "k": ((k.num_layers, num_pages, k.page_size, k.num_kv_heads, k.head_dim), k.dtype),
-                  "v": ((k.num_layers, num_pages, k.page_size, k.num_kv_heads, k.head_dim), k.dtype)}
-        return HostCheckpoint(key, token_ids, {n: torch.empty(shape, dtype=dt, pin_memory=pin)
-                                               for n, (shape, dt) in shapes.items()})
+                  "ssm": ((s.num_layers, s.HV, s.V, s.K), s.ssm_dtype), "k": (page, k.dtype), "v": (page, k.dtype)}
+        out, total = {}, 0
+        for name, (shape, dt) in shapes.items():
+            out[name] = (shape, dt, total)
+            total += -(-math.prod(shape) * dt.itemsize // 64) * 64
+        return out, total
+
+    def empty(self, key: bytes, token_ids: tuple[int, ...], num_pages: int) -> HostCheckpoint:
+        """Host tensors for a checkpoint of ``num_pages`` pages (pinned on CUDA), contents undefined. One allocation
+        per checkpoint, the four tensors views into it: the pinned caching allocator rounds every allocation up to a
+        power of two, so four would waste up to four roundings."""
+        layout, total = self._layout(num_pages)
+        buf = torch.empty(total, dtype=torch.uint8, pin_memory=self.cuda)
+        tensors = {n: buf[o:o + math.prod(shape) * dt.itemsize].view(dt).view(shape)
+                   for n, (shape, dt, o) in layout.items()}
+        return HostCheckpoint(key, token_ids, tensors, footprint=footprint(total, self.cuda))
 
     def bytes_of(self, num_pages: int) -> int:
-        """Host bytes of a checkpoint of ``num_pages`` pages."""
-        return self.state.bytes_per_slot + num_pages * self.kv.bytes_per_page
+        """Host bytes a checkpoint of ``num_pages`` pages holds (its allocation, with the pinned rounding)."""
+        return footprint(self._layout(num_pages)[1], self.cuda)
 
     def snapshot(self, key: bytes, token_ids: tuple[int, ...], slot: int, pages: list[int]) -> HostCheckpoint:
         """Device -> host copy of ``slot``'s state and ``pages`` (issued, not waited for on CUDA)."""

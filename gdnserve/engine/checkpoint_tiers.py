@@ -62,23 +62,23 @@ class CheckpointTiers:
         hc = self.copier.snapshot(key, token_ids, slot, list(table.pages))
         self.stats.spills += 1
         self.stats.add_bytes("d2h", hc.nbytes)
-        if self.host_bytes and hc.nbytes <= self.host_bytes:
+        if self.host_bytes and hc.footprint <= self.host_bytes:
             self._host_put(hc)
         elif self.disk is not None:
             self.disk.put(hc)
 
     def _host_put(self, hc: HostCheckpoint) -> None:
-        while self.host and self.host_used + hc.nbytes > self.host_bytes:
+        while self.host and self.host_used + hc.footprint > self.host_bytes:
             _, old = self.host.popitem(last=False)
             self._host_forget(old)
             if self.disk is not None:
                 self.disk.put(old)
         self.host[hc.key] = hc
-        self.host_used += hc.nbytes
+        self.host_used += hc.footprint
         self._host_lengths[hc.length] += 1
 
     def _host_forget(self, hc: HostCheckpoint) -> None:
-        self.host_used -= hc.nbytes
+        self.host_used -= hc.footprint
         self._host_lengths[hc.length] -= 1
         if not self._host_lengths[hc.length]:
             del self._host_lengths[hc.length]
