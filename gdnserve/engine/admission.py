@@ -302,7 +302,8 @@ def _commit_fresh(s: Scheduler, req: Request, pl: _Plan, batch: StepBatch, p: Ad
         _producer_item(s, req, pl, batch, p)
     elif pl.hit is not None:              # acquired; released after the step
         ckpt = s.kv.checkpoints.kv_of(pl.hit)
-        req.checkpoint = CheckpointInfo(hit_length=pl.split, tier=s.kv.checkpoints.hit_tier(pl.hit))
+        req.checkpoint = CheckpointInfo(hit_length=pl.split, tier=s.kv.checkpoints.hit_tier(
+            pl.hit, continued=req.checkpoint_at is None))
         s.counters["checkpoint_hits"] += 1
     elif pl.key is not None:
         req.checkpoint = CheckpointInfo(hit_length=pl.split)

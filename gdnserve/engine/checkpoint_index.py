@@ -88,6 +88,7 @@ class Checkpoint:
     refcount: int = 0
     last_use: int = 0  # the index's use counter, not wall time
     origin: str = "gpu"  # the tier it was restored from ("host", "disk") until its first hit reports it
+    continued: bool = False  # an automatic hit continued it (its request's own checkpoint will extend it)
 
     def __repr__(self) -> str:
         return (f"Checkpoint(slot={self.slot}, length={self.length}, status={self.status.name}, "

@@ -51,8 +51,11 @@ class CheckpointTiers:
         self.restoring: dict[bytes, Restore] = {}
 
     # ---- down: an evicted READY checkpoint ----
-    def spill(self, key: bytes, token_ids: tuple[int, ...], slot: int, table: PageTable) -> None:
-        """Copy a READY checkpoint that the device evicts (call before its slot and pages are freed)."""
+    def spill(self, key: bytes, token_ids: tuple[int, ...], slot: int, table: PageTable, cold: bool = False) -> None:
+        """Copy a READY checkpoint that the device evicts (call before its slot and pages are freed). ``cold``: a
+        checkpoint a chat's next turn continued (its longer successor serves the turn after) enters the host tier
+        at its least-recently-used end: under pressure it goes first, before any checkpoint not yet continued
+        (with plain LRU the host tier of a multi-turn chat needs room for two checkpoints per conversation)."""
         on_disk = self.disk is not None and key in self.disk
         if not self.host_bytes and (self.disk is None or on_disk):
             return
@@ -63,17 +66,19 @@ class CheckpointTiers:
         self.stats.spills += 1
         self.stats.add_bytes("d2h", hc.nbytes)
         if self.host_bytes and hc.footprint <= self.host_bytes:
-            self._host_put(hc)
+            self._host_put(hc, cold)
         elif self.disk is not None:
             self.disk.put(hc)
 
-    def _host_put(self, hc: HostCheckpoint) -> None:
+    def _host_put(self, hc: HostCheckpoint, cold: bool = False) -> None:
         while self.host and self.host_used + hc.footprint > self.host_bytes:
             _, old = self.host.popitem(last=False)
             self._host_forget(old)
             if self.disk is not None:
                 self.disk.put(old)
         self.host[hc.key] = hc
+        if cold:
+            self.host.move_to_end(hc.key, last=False)
         self.host_used += hc.footprint
         self._host_lengths[hc.length] += 1
 

@@ -107,9 +107,12 @@ class Checkpoints:
     def restoring(self) -> bool:
         return self.tiers is not None and bool(self.tiers.restoring)
 
-    def hit_tier(self, entry: Checkpoint) -> str:
-        """The tier a hit on ``entry`` came from (its first hit after a restore names the lower tier), counted."""
+    def hit_tier(self, entry: Checkpoint, continued: bool = False) -> str:
+        """The tier a hit on ``entry`` came from (its first hit after a restore names the lower tier), counted.
+        ``continued``: an automatic hit (a chat's next turn), whose request publishes a longer checkpoint that
+        supersedes this one for the turn after: when evicted, it goes to the cold end of the host tier."""
         tier, entry.origin = entry.origin, "gpu"
+        entry.continued = entry.continued or continued
         if self.tiers is not None:
             self.tiers.stats.hit(tier)
         return tier
@@ -155,7 +158,7 @@ class Checkpoints:
         """Evict up to n unreferenced READY checkpoints (LRU), freeing their state slots and KV pages."""
         if self.tiers is not None:          # copied down before the slots and pages are freed (checkpoint_copy.py)
             for e in self.index.lru_victims(n):
-                self.tiers.spill(e.key, e.token_ids, e.slot, self.pages[e.key])
+                self.tiers.spill(e.key, e.token_ids, e.slot, self.pages[e.key], cold=e.continued)
         gone = self.index.evict_lru(n)
         for entry in gone:
             self.pages.pop(entry.key).release()

@@ -152,6 +152,20 @@ def test_eviction_order_gpu_then_host_then_disk_lru_in_each(tmp_path):
     assert r.st.num_free == r.st.num_slots and r.pg.num_free == r.pg.num_pages
 
 
+def test_a_continued_checkpoint_enters_the_host_tier_cold(tmp_path):
+    """A chat's next turn continued A (its longer successor serves the turn after): when A and B come down, B is
+    kept and A goes first under pressure, although A was evicted from the device later."""
+    r = Rig(tmp_path, host_ckpts=2, disk=False)
+    a = [r.make(ids) for ids in IDS[:4]][1]
+    assert r.ck.hit_tier(a, continued=True) == "gpu" and a.continued
+    r.ck.evict(2)                                      # IDS[0] (plain) then IDS[1] (continued) come down
+    assert [hc.token_ids for hc in r.tiers.host.values()] == [IDS[1], IDS[0]]
+    r.make(IDS[4])
+    r.make(IDS[5])
+    r.ck.evict(1)                                      # IDS[2] comes down: the host tier drops the continued one
+    assert r.where(IDS[1]) == "-" and r.where(IDS[0]) == "host" and r.where(IDS[2]) == "host"
+
+
 def test_no_room_for_a_restore_is_a_plain_miss(tmp_path):
     r = Rig(tmp_path, host_ckpts=4, disk=False)
     for ids in IDS[:5]:
