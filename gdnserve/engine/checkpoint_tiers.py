@@ -21,6 +21,7 @@ import torch
 
 from gdnserve.engine.checkpoint_copy import Copier, HostCheckpoint
 from gdnserve.engine.checkpoint_disk import DiskTier
+from gdnserve.engine.memory_budget import meminfo_available
 from gdnserve.engine.page_pool import PagePool, PageTable
 from gdnserve.engine.tier_stats import TierStats
 
@@ -62,7 +63,11 @@ class CheckpointTiers:
         nbytes = self.copier.bytes_of(len(table.pages))
         if on_disk and nbytes > self.host_bytes:
             return
-        hc = self.copier.snapshot(key, token_ids, slot, list(table.pages))
+        try:
+            hc = self.copier.snapshot(key, token_ids, slot, list(table.pages))
+        except RuntimeError as e:       # host memory exhausted (pinned allocation): the checkpoint is dropped
+            logger.warning("checkpoint %s not copied down: %s", key.hex()[:12], e)
+            return
         self.stats.spills += 1
         self.stats.add_bytes("d2h", hc.nbytes)
         if self.host_bytes and hc.footprint <= self.host_bytes:
@@ -218,6 +223,10 @@ def build_tiers(cfg, model, state, pages: PagePool) -> CheckpointTiers | None:
     host = int(cfg.checkpoint_host_memory_gb * 2**30)
     if not host and cfg.checkpoint_dir is None:
         return None
+    ram = meminfo_available()
+    if host > 0.9 * ram:        # refused at start-up, not an allocation failure in the middle of a step
+        raise ValueError(f"checkpoint_host_memory_gb: {cfg.checkpoint_host_memory_gb:g} GiB is more than 0.9 x the "
+                         f"{ram / 2**30:.1f} GiB of RAM available")
     stats = TierStats()
     copier = Copier(state, pages)
     disk = None
