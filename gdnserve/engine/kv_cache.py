@@ -13,6 +13,8 @@ producer) until ``poll`` marks it READY; its first hit reports the tier it came 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gdnserve.engine.checkpoint_index import (
     Checkpoint,
     CheckpointIndex,
@@ -39,6 +41,9 @@ class Checkpoints:
         self.index = CheckpointIndex(state)
         self.state, self.page_pool, self.tiers = state, page_pool, tiers
         self.pages: dict[bytes, PageTable] = {}      # READY checkpoint key -> its KV pages
+        # during an admission pass: the KV pages it has promised (running requests + admissions so far, allocated
+        # only when the step runs); a restore leaves them free (the scheduler sets and clears it)
+        self.promised: Callable[[], int] | None = None
 
     def __len__(self) -> int:
         return len(self.pages)
@@ -78,11 +83,13 @@ class Checkpoints:
         """A PENDING entry on a fresh slot and pages (evicting, i.e. copying down, LRU READY checkpoints for them)
         with the restore from ``tier`` started; None, changing nothing, when no room can be made."""
         hc = self.tiers.claim(key, tier)      # out of the host tier first: the evictions below spill into it
+        need = num_pages + (self.promised() if self.promised is not None else 0)
         if self.state.num_free < 1:
             self.evict(1)
-        while self.page_pool.num_free < num_pages and self.evict(1):
+        while self.page_pool.num_free < need and self.evict(1):
             pass
-        pages = self.page_pool.try_allocate(num_pages) if self.state.num_free else None
+        pages = self.page_pool.try_allocate(num_pages) if self.state.num_free and self.page_pool.num_free >= need \
+            else None
         if pages is None:
             self.tiers.unclaim(hc)
             return None

@@ -82,12 +82,14 @@ class Scheduler:
         reserve = min(rem_all, max(budget // 2, MIN_CHUNK * (len(chunks) + scores))) if chunks or prods else 0
         p = AdmitPass(budget=budget - reserve, reserved=reserved, busy=bool(chunks or ready), live=self.live_seqs(),
                       reserve=reserve, partial=len(chunks) + scores)
+        self.kv.checkpoints.promised = lambda: p.reserved   # a restore started by a lookup leaves these free
         longs = admit_waiting(self, batch, p)
         for it, o in ready:                       # after the admissions' items: producer indices unchanged
             batch.add(it, o)
         p.budget = self._continue_chunks(batch, chunks, rem, p.budget + p.reserve)
         p.partial = scores + sum(r.num_computed < self._chunk_end(r) for r in chunks)   # still chunked after it
         admit_long(self, batch, p, longs)
+        self.kv.checkpoints.promised = None
 
     @staticmethod
     def _chunk_end(req: Request) -> int:

@@ -166,6 +166,25 @@ def test_a_continued_checkpoint_enters_the_host_tier_cold(tmp_path):
     assert r.where(IDS[1]) == "-" and r.where(IDS[0]) == "host" and r.where(IDS[2]) == "host"
 
 
+def test_a_restore_leaves_the_pages_an_admission_pass_promised(tmp_path):
+    """Pages promised to running requests and this pass's admissions are allocated only when the step runs: a
+    restore started by a lookup in the pass must not take them (it evicts for room, or misses)."""
+    r = Rig(tmp_path, host_ckpts=4, disk=False)
+    for ids in IDS[:5]:
+        r.make(ids)                                     # IDS[0] down in the host tier
+    r.ck.evict(1)                                       # and IDS[1]: a slot is free
+    promised = r.pg.num_free                            # every free page promised
+    r.ck.promised = lambda: promised
+    e = r.restore(IDS[0])                               # room made by evicting a device checkpoint
+    assert e.origin == "host" and r.pg.num_free >= promised and r.where(IDS[2]) == "host"
+    for x in r.ck.index.ready_entries():
+        r.ck.acquire(x)                                 # all pinned: no room without the promised pages
+    assert r.st.num_free == 1
+    r.ck.promised = lambda: r.pg.num_free - 1
+    look = r.ck.lookup(IDS[1])
+    assert look.entry is None and r.where(IDS[1]) == "host"
+
+
 def test_no_room_for_a_restore_is_a_plain_miss(tmp_path):
     r = Rig(tmp_path, host_ckpts=4, disk=False)
     for ids in IDS[:5]:
