@@ -167,13 +167,14 @@ def restore_vs_recompute(e: LLMEngine, k: int, device: torch.device) -> list[dic
         sync(device)
         restore = time.perf_counter() - t0
         ck.evict(1) if e.kv.state.num_free == 0 else None
-        seq = e.kv.new_seq()                            # the recompute: one prefill of the same tokens
-        sync(device)
-        t0 = time.perf_counter()
-        e.runner.step([PrefillItem(seq, list(ids))], [])
-        sync(device)
-        recompute = time.perf_counter() - t0
-        e.kv.free_seq(seq)
+        for _ in range(2):                              # the recompute: one prefill of the same tokens (the
+            seq = e.kv.new_seq()                        # second: the first may compile or capture its shape)
+            sync(device)
+            t0 = time.perf_counter()
+            e.runner.step([PrefillItem(seq, list(ids))], [])
+            sync(device)
+            recompute = time.perf_counter() - t0
+            e.kv.free_seq(seq)
         victim = ck.index.lru_victims(1)
         t0 = time.perf_counter()
         ck.evict(1)                                     # a spill: issued, then waited for
@@ -228,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--concurrency", type=int, default=None)
     ap.add_argument("--num-slots", type=int, default=None)
-    ap.add_argument("--num-pages", type=int, default=None)
+    ap.add_argument("--num-pages", type=int, default=None,
+                    help="default: 1.5x what every state slot's longest sequence needs (the slots bound the checkpoints)")
     ap.add_argument("--max-step-tokens", type=int, default=8192)
     ap.add_argument("--max-model-len", type=int, default=8192)
     ap.add_argument("--host-gb", type=float, default=None, help="default: room for every conversation's checkpoint")
@@ -242,8 +244,6 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     args.random = args.random or ("full" if cuda else "tiny")
-    if not cuda and args.num_pages is None:
-        args.num_pages = 512
     model, tok, dtype = build_model(args, device)
     vocab = model.cfg.vocab_size
     plan = Plan(conversations=0, turns=args.turns, system_tokens=args.system_tokens or (1024 if cuda else 24),
@@ -253,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     capacity = plan.num_slots - plan.concurrency
     plan.conversations = args.conversations or 10 * capacity
     last_prefix = plan.system_tokens + plan.turns * (plan.user_tokens + plan.max_tokens)
+    if args.num_pages is None:       # pages for every slot's longest sequence, 1.5x: the slots bound the checkpoints
+        args.num_pages = int(1.5 * plan.num_slots * -(-last_prefix // 16))
     rows: list[dict[str, Any]] = []
     restore: list[dict[str, Any]] = []
     host_gb = 0.0
