@@ -3,7 +3,8 @@
 host tier, else to disk) instead of dropped; a host-tier eviction goes to disk. A lookup that finds the key in a
 lower tier restores it into a fresh slot and pages: the entry is PENDING (admission waits for it, as for a
 producer's) until ``poll`` sees the copy done, then READY, and the request continues as a hit whose provenance
-names the tier. LRU within each tier. The host tier is exclusive (a restored checkpoint leaves it: it goes back down
+names the tier. LRU within each tier (a checkpoint a chat's next turn continued enters the host tier at its cold
+end: ``spill``). The host tier is exclusive (a restored checkpoint leaves it: it goes back down
 when evicted again); a disk file stays after a restore (checkpoints never change, so a second eviction writes
 nothing). Copies and their ordering: checkpoint_copy.py.
 """
@@ -26,6 +27,7 @@ from gdnserve.engine.page_pool import PagePool, PageTable
 from gdnserve.engine.tier_stats import TierStats
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass(slots=True, eq=False)
 class Restore:
@@ -173,11 +175,13 @@ class CheckpointTiers:
         READY (key, token ids, slot, table))."""
         if self.disk is None:
             return
-        for key, token_ids, slot, table in resident:
+        for i, (key, token_ids, slot, table) in enumerate(resident):
             if key not in self.disk:
                 hc = self.copier.snapshot(key, token_ids, slot, list(table.pages))
                 self.stats.add_bytes("d2h", hc.nbytes)
                 self.disk.put(hc)
+            if i % 8 == 7:          # a few host copies at a time: the device may hold hundreds of checkpoints
+                self.disk.flush()
         for hc in list(self.host.values()):
             self.disk.put(hc)
         self.disk.flush()
