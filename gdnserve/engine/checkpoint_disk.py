@@ -38,6 +38,7 @@ MAGIC = b"GDNCKPT\0"
 VERSION = 1
 _PRE = struct.Struct("<8sII")
 _SUM = 32
+MAX_QUEUED = 64         # writes waiting for the I/O thread, at most (their host copies are held meanwhile)
 
 
 class CheckpointFileError(ValueError):
@@ -131,7 +132,8 @@ class DiskTier:
         self._writing: set[bytes] = set()
         self._lengths: Counter[int] = Counter()
         self.used = 0
-        self.ignored = 0
+        self.ignored = 0        # files found unusable (logged)
+        self.dropped = 0        # checkpoints not written: the write queue was full
         self._io = ThreadPoolExecutor(1, thread_name_prefix="gdnserve-ckpt-disk")
         self._scan()
 
@@ -184,8 +186,12 @@ class DiskTier:
         return e
 
     def put(self, hc: HostCheckpoint) -> None:
-        """Write ``hc`` on the I/O thread (nothing if its key is on disk or being written)."""
+        """Write ``hc`` on the I/O thread (nothing if its key is on disk or being written). Beyond ``MAX_QUEUED``
+        writes waiting (a disk slower than the evictions) it is dropped: each holds its host copy until written."""
         if hc.key in self:
+            return
+        if len(self._writing) >= MAX_QUEUED:
+            self.dropped += 1
             return
         self._writing.add(hc.key)
         self._io.submit(self._write, hc)

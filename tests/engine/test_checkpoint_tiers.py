@@ -334,3 +334,13 @@ def test_a_host_tier_beyond_the_ram_is_refused_at_start():
     from gdnserve.engine.memory_budget import meminfo_available
     with pytest.raises(ValueError, match="checkpoint_host_memory_gb"):
         LLM(device="cpu", max_num_seqs=2, num_pages=64, checkpoint_host_memory_gb=meminfo_available() / 2**30)
+
+
+def test_a_full_write_queue_drops_the_checkpoint(tmp_path, monkeypatch):
+    from gdnserve.engine import checkpoint_disk
+    r = Rig(tmp_path, host_ckpts=0)
+    monkeypatch.setattr(checkpoint_disk, "MAX_QUEUED", 0)
+    for ids in IDS[:5]:
+        r.make(ids)                                      # IDS[0] evicted: its write does not fit the queue
+    r.disk.flush()
+    assert r.disk.dropped == 1 and len(r.disk) == 0 and r.where(IDS[0]) == "-"
