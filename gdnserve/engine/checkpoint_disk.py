@@ -201,7 +201,7 @@ class DiskTier:
             hc.wait()
             data = encode(hc, self.fingerprint)
             path = self.dir / f"{hc.key.hex()}.gck"
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
