@@ -64,8 +64,9 @@ def encode(hc: HostCheckpoint, fingerprint: str) -> bytes:
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
         tensors.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                         "offset": off, "nbytes": len(raw)})
-        payload.append(raw)
-        off += len(raw)
+        pad = -len(raw) % 64          # every tensor 64-byte aligned: a typed view of the buffer needs its alignment
+        payload.append(raw + bytes(pad))
+        off += len(raw) + pad
     header = json.dumps({"fingerprint": fingerprint, "key": hc.key.hex(), "token_ids": list(hc.token_ids),
                          "tensors": tensors, "payload_bytes": off}).encode()
     body = b"".join([_PRE.pack(MAGIC, VERSION, len(header)), header, *payload])
