@@ -26,6 +26,10 @@
 #                benchmarks/results/model_h200.json" (e.g. add --fp8, --gpu-memory-utilization 0.85)
 #   engine[:s]   python -m benchmarks.bench_engine_overhead --device cuda (engine decode step vs the bare step at
 #                B = 1, 64, 256 on the full-size random model; ENGINE_ARGS adds flags)
+#   tiers[:s]    python -m benchmarks.bench_checkpoint_tiers --device cuda --random full --time-budget s (default 540):
+#                N conversations x 4 turns beyond the GPU's checkpoint capacity (~10x), the host tier off and on; hit
+#                rate and TTFT per turn, restore vs recompute per checkpoint; writes checkpoint_tier_<device>.{json,md};
+#                TIERS_ARGS adds flags (e.g. --num-slots 64 --system-tokens 2048)
 #   tp[:s]       tensor parallelism on 2 GPUs (nvidia-h200-x2), NCCL_NVLS_ENABLE=0: python -m benchmarks.bench_tp
 #                --tp 1,2 ${TP_ARGS:---quick} (TP=2 vs TP=1: equality, decode/prefill, all-reduce, serve, Qwen3-Next)
 #                with s/2 - 10 (s default 500) as its --time-budget (killed with SIGINT 60 s past it), then the GPU
@@ -104,6 +108,8 @@ for arg in "$@"; do
     engine)  timeout "${b:-240}" python3 -m benchmarks.bench_engine_overhead --device cuda --out "$OUT" ${ENGINE_ARGS:-} \
                > "$OUT/bench_engine_overhead.log" 2>&1; echo "bench_engine_overhead rc=$?"
              tail -12 "$OUT/bench_engine_overhead.log" ;;
+    tiers)   bench bench_checkpoint_tiers "${b:-540}" --device cuda --random full --time-budget "${b:-540}" \
+               ${TIERS_ARGS:-} ;;
     tp)      export NCCL_NVLS_ENABLE=0 GDNSERVE_TP_TIMEOUT_S=${GDNSERVE_TP_TIMEOUT_S:-180}
              nvidia-smi topo -m > "$OUT/gpu_topology.txt" 2>&1
              tb=$(( ${b:-500} / 2 - 10 ))

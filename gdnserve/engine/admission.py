@@ -20,7 +20,7 @@ least half of every step until they are done).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from gdnserve.engine.checkpoint_index import (
@@ -30,6 +30,7 @@ from gdnserve.engine.checkpoint_index import (
 )
 from gdnserve.engine.engine_api import CheckpointInfo
 from gdnserve.engine.intake import fork_pages
+from gdnserve.engine.kv_cache import RESTORING
 from gdnserve.engine.model_runner import PrefillItem
 from gdnserve.engine.request import Job, Producer, Request, ScoreJob
 from gdnserve.engine.step_batch import ScoreWave, StepBatch
@@ -150,6 +151,8 @@ def _plan(s: Scheduler, req: Request, p: AdmitPass) -> _Plan | None:
     ck, n, ids, c = s.kv.checkpoints, len(req.samples), req.prompt_ids, req.checkpoint_at
     fresh = req.params.prompt_logprobs is not None
     auto = ck.longest_hit(ids) if c is None and s.cfg.auto_checkpoints and not fresh else None
+    if auto == RESTORING:                # its longest prefix comes up from a lower tier: wait for READY
+        return None
     if auto is not None and n > 1 and fork_pages(s.cfg, len(ids), req.params.max_tokens, n, auto.length) > \
             s.cfg.pages:             # intake counted a fork at the prompt minus its last token, not this one
         auto = None
@@ -165,6 +168,10 @@ def _plan(s: Scheduler, req: Request, p: AdmitPass) -> _Plan | None:
             return None
         pl.hkey = req.prefix_key(pl.split)
         look = None if pending else ck.lookup(pl.key, pl.hkey)
+        if look is not None and ck.is_restoring(look.entry):    # coming up from a lower tier
+            if not fresh:
+                return None
+            pending = True
         if fresh and (pending or look.hit):
             pl = _unshared(ids, n)
             pl.miss = NO_CACHE
@@ -295,7 +302,8 @@ def _commit_fresh(s: Scheduler, req: Request, pl: _Plan, batch: StepBatch, p: Ad
         _producer_item(s, req, pl, batch, p)
     elif pl.hit is not None:              # acquired; released after the step
         ckpt = s.kv.checkpoints.kv_of(pl.hit)
-        req.checkpoint = CheckpointInfo(hit_length=pl.split)
+        req.checkpoint = CheckpointInfo(hit_length=pl.split, tier=s.kv.checkpoints.hit_tier(
+            pl.hit, continued=req.checkpoint_at is None))
         s.counters["checkpoint_hits"] += 1
     elif pl.key is not None:
         req.checkpoint = CheckpointInfo(hit_length=pl.split)
@@ -395,7 +403,8 @@ def _score_source(s: Scheduler, job: ScoreJob, batch: StepBatch, p: AdmitPass):
     if look.hit:
         ck.acquire(look.entry)
         batch.acquired.append(look.entry)
-        job.checkpoint = job.checkpoint or hit    # a later wave of a job that published it keeps saying so
+        job.checkpoint = job.checkpoint or replace(hit, tier=ck.hit_tier(look.entry))   # a later wave of a job
+        # that published it keeps saying so
         return "ready", ck.kv_of(look.entry)
     if look.entry is not None:                    # PENDING under another producer
         return None

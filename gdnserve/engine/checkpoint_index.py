@@ -87,6 +87,8 @@ class Checkpoint:
     status: CheckpointStatus = CheckpointStatus.PENDING
     refcount: int = 0
     last_use: int = 0  # the index's use counter, not wall time
+    origin: str = "gpu"  # the tier it was restored from ("host", "disk") until its first hit reports it
+    continued: bool = False  # an automatic hit continued it (its request's own checkpoint will extend it)
 
     def __repr__(self) -> str:
         return (f"Checkpoint(slot={self.slot}, length={self.length}, status={self.status.name}, "
@@ -209,9 +211,9 @@ class CheckpointIndex:
         entry.refcount -= 1
         self._touch(entry)
 
-    def evict_lru(self, n: int = 1) -> list[Checkpoint]:
-        """Evict up to ``n`` READY entries with refcount 0, least recently used first, freeing their slots.
-        Returns the evicted entries (now DROPPED, slot -1)."""
+    def lru_victims(self, n: int) -> list[Checkpoint]:
+        """The entries ``evict_lru(n)`` would evict, in that order, changing nothing (a lower tier copies them
+        before their slots are freed)."""
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"n: expected an int >= 0, got {n!r}")
         victims: list[Checkpoint] = []
@@ -220,6 +222,12 @@ class CheckpointIndex:
                 break
             if e.status is CheckpointStatus.READY and e.refcount == 0:
                 victims.append(e)
+        return victims
+
+    def evict_lru(self, n: int = 1) -> list[Checkpoint]:
+        """Evict up to ``n`` READY entries with refcount 0, least recently used first, freeing their slots.
+        Returns the evicted entries (now DROPPED, slot -1)."""
+        victims = self.lru_victims(n)
         for e in victims:
             key = e.key
             self._drop(e)
@@ -242,6 +250,10 @@ class CheckpointIndex:
         ready = [e for e in entries if e.status is CheckpointStatus.READY]
         return ([e.key for e in ready], [e.key for e in entries if e.status is CheckpointStatus.PENDING],
                 sorted({e.length for e in ready}))
+
+    def ready_entries(self) -> list[Checkpoint]:
+        """The READY entries, least recently used first (a copy)."""
+        return [e for e in self._entries.values() if e.status is CheckpointStatus.READY]
 
     def is_writable(self, slot: int) -> bool:
         """False iff ``slot`` holds a READY checkpoint of this index (never a kernel destination)."""

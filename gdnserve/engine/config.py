@@ -20,7 +20,11 @@ class EngineConfig:
     ``tensor_parallel_size`` N > 1: N processes, one GPU each (engine/tp_workers.py); steps run eagerly.
     ``max_partial_prefills``: prompts (or checkpoint / score prefixes) prefilled chunk by chunk at once; a prompt
     that needs chunking waits while this many are in progress, without holding up shorter jobs behind it (vLLM's
-    ``max_long_partial_prefills``; docs/serving.md "Chunked prefill")."""
+    ``max_long_partial_prefills``; docs/serving.md "Chunked prefill").
+    ``checkpoint_host_memory_gb`` > 0: evicted checkpoints are copied to that much pinned host memory (ordinary memory
+    on CPU) and restored on a hit; ``checkpoint_dir``: below it (or below the device when the host tier is off) a
+    directory of checkpoint files of at most ``checkpoint_dir_max_gb``, kept across restarts
+    (engine/checkpoint_tiers.py; docs/serving.md "Checkpoint tiers")."""
     max_num_seqs: int = 64
     max_step_tokens: int = 4096
     max_model_len: int = 4096
@@ -41,6 +45,9 @@ class EngineConfig:
     model_name: str = "gdnserve"
     tensor_parallel_size: int = 1
     max_partial_prefills: int = 1
+    checkpoint_host_memory_gb: float = 0.0
+    checkpoint_dir: str | None = None
+    checkpoint_dir_max_gb: float = 64.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_step_tokens", "max_model_len", "page_size", "max_partial_prefills"):
@@ -66,7 +73,16 @@ class EngineConfig:
             raise ValueError(f"spec_mode must be 'replay' or 'intermediate', got {self.spec_mode!r}")
         if not isinstance(self.spec_k, int) or self.spec_k < 0:
             raise ValueError(f"spec_k must be an int >= 0, got {self.spec_k!r}")
+        for name in ("checkpoint_host_memory_gb", "checkpoint_dir_max_gb"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
+            raise ValueError(f"checkpoint_dir must be null or a directory path, got {self.checkpoint_dir!r}")
         tp = self.tensor_parallel_size
+        if tp > 1 and (self.checkpoint_host_memory_gb or self.checkpoint_dir is not None):
+            raise ValueError(f"checkpoint_host_memory_gb / checkpoint_dir: not with tensor_parallel_size = {tp} (the "
+                             "state of the other ranks' shards lives in their processes)")
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
         if tp > 1 and (self.cuda_graphs or self.graph_capture):

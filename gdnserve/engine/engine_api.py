@@ -38,10 +38,13 @@ class CheckpointInfo:
     started from (0 on a miss); ``miss_reason``: why the lookup missed (``MissReason`` values: absent,
     pending, evicted, collision; "prompt_logprobs": not looked up, the request wants every prompt position's
     logits), None on a hit; ``published``: whether this
-    request published a checkpoint (at its marker / ``checkpoint_at``, or the automatic one at its end)."""
+    request published a checkpoint (at its marker / ``checkpoint_at``, or the automatic one at its end); ``tier``:
+    on a hit on a published checkpoint, where it was found: "gpu", or "host" / "disk" when it was restored from
+    that tier for this request (None on a miss or a checkpoint produced in the same step)."""
     hit_length: int = 0
     miss_reason: str | None = None
     published: bool = False
+    tier: str | None = None
 
 
 @dataclass(slots=True)

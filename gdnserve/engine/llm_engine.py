@@ -27,6 +27,7 @@ from dataclasses import replace
 import torch
 
 from gdnserve.engine.checkpoint_index import conversation_key, conversation_prefix
+from gdnserve.engine.checkpoint_tiers import build_tiers
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.engine_api import EngineDeadError, RequestOutput, ScoreResult
 from gdnserve.engine.intake import make_request, make_score_job
@@ -63,7 +64,7 @@ class LLMEngine:
         self.config = cfg
         rc = cfg.runner_config()
         state, pages = build_pools(model, rc)
-        self.kv = KVCache(state, pages)
+        self.kv = KVCache(state, pages, build_tiers(cfg, model, state, pages))
         self.runner = runner_factory(model, rc, pools=(state, pages))
         self.dead: str | None = None        # set by a fatal error (EngineDeadError): every request fails with it
         self.tokenizer = tokenizer
@@ -93,6 +94,12 @@ class LLMEngine:
     max_num_seqs = property(lambda self: self.config.max_num_seqs)
     max_step_tokens = property(lambda self: self.config.max_step_tokens)
     auto_checkpoints = property(lambda self: self.config.auto_checkpoints)
+
+    @property
+    def tier_stats(self):
+        """The checkpoint tiers' TierStats (None without tiers), read by /metrics."""
+        t = self.kv.checkpoints.tiers
+        return None if t is None else t.stats
 
     def evict_checkpoints(self, n: int) -> bool:
         """Evict up to n unreferenced READY checkpoints (LRU), freeing their slots and pages."""
@@ -334,6 +341,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release what the runner holds outside this process (tensor-parallel workers); idempotent."""
+        self.kv.checkpoints.close()          # a disk tier keeps what the device and host hold
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()

@@ -57,6 +57,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self, batch: StepBatch) -> None:
+        ck = self.kv.checkpoints
+        ck.poll()                                 # restores from a lower tier whose copy is done: READY
+        self._fill(batch)
+        for _ in range(4):   # nothing else to run but restores in flight: wait for them and admit their waiters
+            if not (batch.empty and ck.restoring()):
+                break
+            ck.poll(wait=True)
+            self._fill(batch)
+
+    def _fill(self, batch: StepBatch) -> None:
         self.make_room()
         reserved = self.pages_for_running()       # before this step's chunks advance num_computed
         chunks, ready = self._collect_running(batch)
@@ -72,12 +82,14 @@ class Scheduler:
         reserve = min(rem_all, max(budget // 2, MIN_CHUNK * (len(chunks) + scores))) if chunks or prods else 0
         p = AdmitPass(budget=budget - reserve, reserved=reserved, busy=bool(chunks or ready), live=self.live_seqs(),
                       reserve=reserve, partial=len(chunks) + scores)
+        self.kv.checkpoints.promised = lambda: p.reserved   # a restore started by a lookup leaves these free
         longs = admit_waiting(self, batch, p)
         for it, o in ready:                       # after the admissions' items: producer indices unchanged
             batch.add(it, o)
         p.budget = self._continue_chunks(batch, chunks, rem, p.budget + p.reserve)
         p.partial = scores + sum(r.num_computed < self._chunk_end(r) for r in chunks)   # still chunked after it
         admit_long(self, batch, p, longs)
+        self.kv.checkpoints.promised = None
 
     @staticmethod
     def _chunk_end(req: Request) -> int:

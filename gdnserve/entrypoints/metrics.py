@@ -19,7 +19,9 @@ from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from gdnserve.engine.tier_stats import TierStats
 
 prometheus_client.disable_created_metrics()  # no *_created series (vLLM does the same)
 
@@ -104,12 +106,55 @@ class _EngineCollector:
             yield fam
 
 
+class _TierCollector:
+    """The checkpoint tiers' TierStats (engine/checkpoint_tiers.py) at scrape time: hits per tier, restores per
+    source tier, device -> host copies, bytes moved per direction, and the restore latency histogram (all at 0 for
+    an engine without tiers, so the series exist on every server)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        inner = getattr(self.engine, "engine", self.engine)
+        try:
+            ts = getattr(inner, "tier_stats", None)
+            snap = (ts if ts is not None else TierStats()).snapshot()     # without tiers: every series at 0
+        except Exception:  # noqa: BLE001  a scrape never fails for the tiers
+            return
+        for name, help_, label, values in (
+                ("checkpoint_tier_hits", "Checkpoint hits by the tier the checkpoint was found in.", "tier",
+                 snap["hits"]),
+                ("checkpoint_restores", "Checkpoints restored to the GPU, by source tier.", "tier", snap["restores"]),
+                ("checkpoint_tier_bytes", ("Bytes of checkpoints moved between tiers, by direction (d2h, h2d, "
+                                           "disk_write, disk_read)."), "direction", snap["bytes"])):
+            fam = CounterMetricFamily(P + name, help_, labels=[label])
+            for k, v in sorted(values.items()):
+                fam.add_metric([k], v)
+            yield fam
+        yield CounterMetricFamily(P + "checkpoint_spills", "READY checkpoints copied down from the GPU on eviction.",
+                                  value=snap["spills"])
+        yield CounterMetricFamily(P + "checkpoint_restore_failures", "Restores that failed (a corrupt or vanished "
+                                  "file): the request missed.", value=snap["restore_failures"])
+        cum, buckets = 0, []
+        for bound, n in snap["restore_buckets"]:
+            cum += n
+            buckets.append((repr(float(bound)), cum))
+        buckets.append(("+Inf", cum + snap["restore_inf"]))
+        yield HistogramMetricFamily(P + "checkpoint_restore_seconds", "Time from the lookup that found a checkpoint "
+                                    "in a lower tier to its READY on the GPU.", buckets=buckets,
+                                    sum_value=snap["restore_sum"])
+
+
 class ServerMetrics:
     """One registry per app (several apps in one process, as in the tests, do not collide)."""
 
     def __init__(self, engine: Any) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(engine))
+        self.registry.register(_TierCollector(engine))
         ProcessCollector(registry=self.registry)
         r = self.registry
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time from the HTTP request's arrival to the "

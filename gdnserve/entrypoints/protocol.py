@@ -322,7 +322,8 @@ class ScoreRequest(_Strict):
 def provenance(ckpt: CheckpointInfo, prompt_tokens: int, checkpoint_at: int | None) -> dict[str, Any]:
     """The ``gdnserve`` record of one prompt: where its state came from and what it published."""
     return {"prompt_tokens": prompt_tokens, "checkpoint_at": checkpoint_at, "hit_length": ckpt.hit_length,
-            "miss_reason": ckpt.miss_reason, "published": ckpt.published}
+            "miss_reason": ckpt.miss_reason, "published": ckpt.published,
+            "tier": ckpt.tier}
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

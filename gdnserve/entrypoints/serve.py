@@ -7,7 +7,10 @@ socket bound before the load."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 import time
 
 from gdnserve.engine.config import FIXED_PAGES, EngineConfig
@@ -66,6 +69,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="publish no automatic checkpoints (a finished request's state, which the next turn of a chat "
                         "or an extended prompt starts from; vLLM's --no-enable-prefix-caching); checkpoints at a "
                         "marker or checkpoint_at stay on (default: on)")
+    m.add_argument("--checkpoint-host-memory", dest="checkpoint_host_memory_gb", type=float,
+                   default=_D.checkpoint_host_memory_gb, metavar="GB",
+                   help="GiB of pinned host memory for checkpoints evicted from the GPU: copied down instead of "
+                        "dropped, restored on a hit (default 0 = off; on CPU ordinary memory, for tests)")
+    m.add_argument("--checkpoint-dir", default=_D.checkpoint_dir, metavar="PATH",
+                   help="directory for checkpoints evicted below the host tier (or the device when it is off) and for "
+                        "every checkpoint at a graceful shutdown; found again at the next start with the same model "
+                        "(default: none)")
+    m.add_argument("--checkpoint-dir-max-gb", type=float, default=_D.checkpoint_dir_max_gb, metavar="GB",
+                   help=f"size bound of --checkpoint-dir, least recently used files removed first (default "
+                        f"{_D.checkpoint_dir_max_gb:g})")
     m.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                    help="run decode and verify steps eagerly (default: bucketed CUDA graphs on a CUDA device)")
     n = p.add_argument_group("network and access")
@@ -128,7 +142,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         spec_k=args.spec_k, spec_mode=args.spec_mode, spec_draft=args.spec_draft,
                         cuda_graphs=args.cuda_graphs, auto_checkpoints=args.auto_checkpoints,
                         tensor_parallel_size=args.tensor_parallel_size, num_slots=args.num_slots,
-                        gpu_memory_utilization=args.gpu_memory_utilization, memory_budget_gb=args.memory_budget_gb)
+                        gpu_memory_utilization=args.gpu_memory_utilization, memory_budget_gb=args.memory_budget_gb,
+                        checkpoint_host_memory_gb=getattr(args, "checkpoint_host_memory_gb", 0.0),
+                        checkpoint_dir=getattr(args, "checkpoint_dir", None),
+                        checkpoint_dir_max_gb=getattr(args, "checkpoint_dir_max_gb", _D.checkpoint_dir_max_gb))
 
 
 def _flagged(message: str) -> str:
@@ -144,6 +161,7 @@ def _fail(message: str, code: int = 2) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     from gdnserve.entrypoints.preflight import PreflightError, bind_socket, check_device, check_model_folder
+    term: list[bool] = []      # set when a SIGTERM ended the server (_terminated_unwinds)
     try:
         config = server_config(args)
     except ValueError as e:
@@ -179,17 +197,45 @@ def run_serve(args: argparse.Namespace) -> int:
             print(banner(engine, args, config, sock.getsockname()[1], time.perf_counter() - t0), file=sys.stderr,
                   flush=True)
             # a dead engine (a tensor-parallel worker gone) fails its requests and stops the server: exit 1 below
-            run_server(AsyncEngine(engine), config=config, port=args.port, sock=sock,
-                       shutdown_timeout=args.shutdown_timeout)
+            with _terminated_unwinds(term):
+                run_server(AsyncEngine(engine), config=config, port=args.port, sock=sock,
+                           shutdown_timeout=args.shutdown_timeout)
         finally:
-            if hasattr(engine, "close"):      # tensor-parallel workers stop and are joined
-                engine.close()
+            if hasattr(engine, "close"):      # tensor-parallel workers stop and are joined; a --checkpoint-dir
+                engine.close()                # gets the checkpoints still in GPU and host memory
         if getattr(engine, "dead", None) is not None:
             return _fail(f"the engine stopped: {engine.dead}", 1)
     finally:
         sock.close()
+    if term:                                 # the engine is closed: end as the SIGTERM would have
+        signal.raise_signal(signal.SIGTERM)
     return 0
 
+
+
+class _Terminated(Exception):
+    """SIGTERM, after uvicorn's graceful shutdown."""
+
+
+@contextlib.contextmanager
+def _terminated_unwinds(term: list[bool]):
+    """uvicorn re-raises the SIGTERM it caught once its graceful shutdown is done; with the default handler that
+    ends the process there, before the engine is closed. Here it unwinds (the engine closes on the way) and is
+    raised again at the end, so the exit status stays -SIGTERM."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def unwind(signum, frame):
+        raise _Terminated
+
+    old = signal.signal(signal.SIGTERM, unwind)
+    try:
+        yield
+    except _Terminated:
+        term.append(True)
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def _url(host: str, port: int) -> str:
@@ -202,6 +248,16 @@ def max_n(engine, limit: int) -> int:
     from gdnserve.engine.sampling_params import MAX_N
     cfg = getattr(engine, "config", None)
     return min(limit, MAX_N, *((cfg.max_num_seqs, cfg.slots - 1) if isinstance(cfg, EngineConfig) else ()))
+
+
+def tier_lines(engine) -> list[str]:
+    """The checkpoint tiers' capacity: the GPU's state slots (each checkpoint holds one) and the lower tiers'."""
+    kv = getattr(engine, "kv", None)
+    tiers = getattr(getattr(kv, "checkpoints", None), "tiers", None)
+    if tiers is None:
+        return []
+    return [f"  checkpoint tiers: gpu <= {kv.state.num_slots} checkpoints (state slots); "
+            + "; ".join(tiers.capacity()) + " (checkpoints of 2,048 tokens)"]
 
 
 def banner(engine, args: argparse.Namespace, config: ServerConfig, port: int, load_s: float) -> str:
@@ -223,6 +279,7 @@ def banner(engine, args: argparse.Namespace, config: ServerConfig, port: int, lo
         f"{f', tensor parallel {args.tensor_parallel_size} ranks' if getattr(args, 'tensor_parallel_size', 1) > 1 else ''}",
         *(plan.describe() if plan is not None else
           [f"  pools: {st.get('state_pool_total')} state slots, {st.get('page_pool_total')} KV pages x {page} tokens"]),
+        *tier_lines(engine),
         f"  limits: body {lim.max_body_bytes} B, {lim.max_prompts} prompts/request, n <= {n_cap}"
         f"{f' (--max-n {lim.max_n}, capped by the engine)' if n_cap < lim.max_n else ''}, "
         f"{lim.max_stop} stop strings x {lim.max_stop_chars} chars, JSON depth {lim.max_json_depth} and "

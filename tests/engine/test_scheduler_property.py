@@ -23,10 +23,13 @@ _ref_cache: dict = {}
 
 
 @pytest.fixture(scope="module")
-def engines():
+def engines(tmp_path_factory):
     kw = dict(device="cpu", max_num_seqs=6, num_pages=20, page_size=8, max_step_tokens=64)
-    # the spec engine also runs two prompts in partial prefill at once (fair chunk shares), plain one at a time
-    return {"plain": LLM(**kw).engine, "spec": LLM(spec_k=2, max_partial_prefills=2, **kw).engine,
+    # the spec engine also runs two prompts in partial prefill at once (fair chunk shares), plain one at a time;
+    # the tiers engine has 8 state slots, so checkpoints are evicted to a host tier of ~3 of them and on to disk
+    tiers = LLM(num_slots=8, checkpoint_host_memory_gb=7e-4, checkpoint_dir=str(tmp_path_factory.mktemp("ckpt")),
+                **kw).engine
+    return {"plain": LLM(**kw).engine, "spec": LLM(spec_k=2, max_partial_prefills=2, **kw).engine, "tiers": tiers,
             "ref": LLM(device="cpu", max_num_seqs=8, num_pages=512, auto_checkpoints=False).engine}
 
 
@@ -51,12 +54,30 @@ def score_ref(ref, cands):
 op = st.tuples(st.integers(0, 6), st.sampled_from(["plain", "group", "fork", "score", "abort"]),
                st.integers(0, 5), st.integers(1, 16))
 
+# the prefix group again and again, with plain prompts and forks between that push its checkpoint down
+tier_op = st.tuples(st.integers(0, 14), st.sampled_from(["group", "score", "plain", "fork", "abort"]),
+                    st.integers(0, 5), st.integers(1, 16))
+
 
 @settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(kind=st.sampled_from(["plain", "spec"]), ops=st.lists(op, min_size=1, max_size=10))
 def test_random_traffic_drains_clean_with_solo_outputs(engines, kind, ops):
-    e, ref = engines[kind], engines["ref"]
+    drive(engines[kind], engines["ref"], ops)
+
+
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(ops=st.lists(tier_op, min_size=6, max_size=12))
+def test_random_traffic_with_checkpoint_tiers(engines, ops):
+    """The same with checkpoints copied down to host memory and disk and restored (restores the scheduler waits
+    for): no leak, solo outputs."""
+    e = engines["tiers"]
+    drive(e, engines["ref"], ops)
+    assert not e.kv.checkpoints.restoring()
+
+
+def drive(e, ref, ops):
     added: list[tuple[str, list[int], int, int]] = []    # (id, prompt, max_tokens, n)
     scores: list[tuple[str, list[list[int]]]] = []
     aborted: set[str] = set()

@@ -1,0 +1,346 @@
+"""Checkpoint tiers on CPU tensors: the host copy and its restore are bit-identical (odd page lists, poisoned
+destinations, untouched rows compared bit for bit), the eviction order across the GPU -> host -> disk tiers and LRU
+within each, restores that come back READY with their tier, the disk format (a restart finds the files; corrupt,
+truncated and another model's files are ignored with one log line, never a crash; the size bound), the model
+fingerprint, and the engine: later turns of conversations evicted from the device hit from the host and the disk
+tiers with the outputs of an engine that recomputes them."""
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from gdnserve.engine.checkpoint_copy import Copier, page_runs
+from gdnserve.engine.checkpoint_disk import DiskTier
+from gdnserve.engine.checkpoint_index import CheckpointStatus, checkpoint_key
+from gdnserve.engine.checkpoint_tiers import (
+    CheckpointTiers,
+    TierStats,
+    model_fingerprint,
+)
+from gdnserve.engine.kv_cache import KVCache
+from gdnserve.engine.page_pool import PagePool, PagePoolConfig
+from gdnserve.engine.sampling_params import SamplingParams
+from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
+from gdnserve.entrypoints.llm import LLM
+
+PS = 4
+
+
+def pools(num_slots: int = 4, num_pages: int = 24) -> tuple[StatePool, PagePool]:
+    st = StatePool(StatePoolConfig(num_layers=3, num_slots=num_slots, HV=2, K=4, V=5, conv_dim=7, conv_width=4))
+    pg = PagePool(PagePoolConfig(num_layers=2, num_pages=num_pages, page_size=PS, num_kv_heads=1, head_dim=3))
+    for t in (st.conv_pools, st.ssm_pools, pg.k_pools, pg.v_pools):      # random, never zeros
+        t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(t.numel())).to(t.dtype))
+    return st, pg
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32).clone()
+
+
+def test_page_runs_split_at_gaps():
+    assert page_runs([5, 6, 2, 9, 10, 11]) == [(5, 2, 0), (2, 1, 2), (9, 3, 3)]
+    assert page_runs([]) == []
+
+
+def test_copy_and_restore_are_bit_identical_and_touch_nothing_else():
+    st, pg = pools()
+    cp = Copier(st, pg)
+    src_pages, dst_pages = [5, 6, 2, 9], [0, 1, 3, 17]
+    want = {"conv": bits(st.conv_pools[:, 1]), "ssm": bits(st.ssm_pools[:, 1]),
+            "k": bits(pg.k_pools[:, src_pages]), "v": bits(pg.v_pools[:, src_pages])}
+    hc = cp.snapshot(b"k" * 16, (1, 2, 3), 1, src_pages)
+    assert hc.event is None and hc.footprint == cp.bytes_of(4) >= hc.nbytes == st.bytes_per_slot + 4 * pg.bytes_per_page
+    for name, t in hc.tensors.items():
+        assert torch.equal(bits(t), want[name]), name
+    before = [bits(t) for t in (st.conv_pools, st.ssm_pools, pg.k_pools, pg.v_pools)]
+    for t in (st.conv_pools[:, 3], st.ssm_pools[:, 3], pg.k_pools[:, dst_pages], pg.v_pools[:, dst_pages]):
+        t.fill_(float("nan"))                                         # poisoned destinations
+    assert cp.restore(hc, 3, dst_pages) is None
+    assert torch.equal(bits(st.conv_pools[:, 3]), want["conv"]) and torch.equal(bits(st.ssm_pools[:, 3]), want["ssm"])
+    assert torch.equal(bits(pg.k_pools[:, dst_pages]), want["k"]) and torch.equal(bits(pg.v_pools[:, dst_pages]),
+                                                                                  want["v"])
+    others = [s for s in range(4) if s != 3]
+    assert torch.equal(bits(st.ssm_pools[:, others]), before[1][:, others])
+    rest = [p for p in range(24) if p not in dst_pages]
+    assert torch.equal(bits(pg.k_pools[:, rest]), before[2][:, rest])
+    with pytest.raises(ValueError, match="pages"):
+        cp.restore(hc, 3, [0, 1])
+
+
+# ------------------------------------------------------------------ tiers over bare pools (no model)
+class Rig:
+    """A KVCache with tiers over small random pools; checkpoints made directly (reserve -> pages -> ready)."""
+
+    def __init__(self, tmp_path, host_ckpts: int = 0, disk: bool = True, fp: str = "f" * 64, max_bytes=2**30):
+        self.st, self.pg = pools()
+        self.copier = Copier(self.st, self.pg)
+        self.per = self.copier.bytes_of(2)                     # every checkpoint here has 6 tokens = 2 pages
+        self.stats = TierStats()
+        self.disk = DiskTier(tmp_path, max_bytes, fp, on_bytes=self.stats.add_bytes) if disk else None
+        self.tiers = CheckpointTiers(self.copier, host_ckpts * self.per, self.disk, self.stats)
+        self.kv = KVCache(self.st, self.pg, self.tiers)
+        self.ck = self.kv.checkpoints
+        self.data: dict[tuple, list[torch.Tensor]] = {}
+
+    def make(self, ids: tuple[int, ...]):
+        if self.st.num_free == 0:
+            self.ck.evict(1)
+        entry, seq = self.ck.reserve(ids, self.pg)
+        seq.pages.append_tokens(len(ids))
+        for t in (self.st.conv_pools[:, entry.slot], self.st.ssm_pools[:, entry.slot]):
+            t.copy_(torch.randn(t.shape).to(t.dtype))
+        self.ck.ready(entry, seq.pages)
+        self.data[ids] = self.snap(entry)
+        return entry
+
+    def snap(self, entry):
+        pages = self.ck.pages[entry.key].pages
+        return [bits(self.st.conv_pools[:, entry.slot]), bits(self.st.ssm_pools[:, entry.slot]),
+                bits(self.pg.k_pools[:, pages]), bits(self.pg.v_pools[:, pages])]
+
+    def where(self, ids) -> str:
+        key = checkpoint_key(ids)
+        if key in self.ck.pages:
+            return "gpu"
+        if key in self.tiers.host:
+            return "host"
+        return "disk" if self.disk is not None and key in self.disk else "-"
+
+    def restore(self, ids):
+        look = self.ck.lookup(ids)
+        assert look.entry is not None and look.entry.status is CheckpointStatus.PENDING and self.ck.restoring()
+        self.ck.poll(wait=True)
+        assert look.entry.status is CheckpointStatus.READY
+        return look.entry
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+IDS = [tuple(range(10 * i, 10 * i + 6)) for i in range(8)]
+
+
+def test_eviction_order_gpu_then_host_then_disk_lru_in_each(tmp_path):
+    r = Rig(tmp_path, host_ckpts=2)
+    for ids in IDS[:4]:
+        r.make(ids)                                    # the 4 slots full
+    r.ck.acquire(r.ck.lookup(IDS[0]).entry)            # A is pinned: B is the device's LRU unreferenced entry
+    r.make(IDS[4])
+    assert r.where(IDS[1]) == "host"
+    r.make(IDS[5])
+    r.make(IDS[6])                                     # C, D down; the host tier holds 2: B goes to disk
+    r.disk.flush()
+    assert [r.where(i) for i in IDS[:7]] == ["gpu", "disk", "host", "host", "gpu", "gpu", "gpu"]
+    assert r.stats.spills == 3 and r.tiers.host_used == 2 * r.per
+    e = r.restore(IDS[2])                              # from the host (room made: E, the LRU, copied down)
+    assert e.origin == "host" and r.ck.hit_tier(e) == "host" and r.ck.hit_tier(e) == "gpu"
+    assert same(r.snap(e), r.data[IDS[2]])
+    assert r.where(IDS[4]) == "host" and IDS[2] not in [hc.token_ids for hc in r.tiers.host.values()]
+    e = r.restore(IDS[1])                              # from the disk: the file stays
+    assert e.origin == "disk" and same(r.snap(e), r.data[IDS[1]])
+    assert r.stats.restores == {"host": 1, "disk": 1} and r.where(IDS[1]) == "gpu"
+    assert checkpoint_key(IDS[1]) in r.disk
+    r.disk.flush()
+    assert r.ck.index.check_integrity() == [] and r.st.check_integrity() == [] and r.pg.check_integrity() == []
+    r.ck.release(r.ck.lookup(IDS[0]).entry)
+    r.ck.evict(len(r.ck))
+    assert r.st.num_free == r.st.num_slots and r.pg.num_free == r.pg.num_pages
+
+
+def test_a_continued_checkpoint_enters_the_host_tier_cold(tmp_path):
+    """A chat's next turn continued A (its longer successor serves the turn after): when A and B come down, B is
+    kept and A goes first under pressure, although A was evicted from the device later."""
+    r = Rig(tmp_path, host_ckpts=2, disk=False)
+    a = [r.make(ids) for ids in IDS[:4]][1]
+    assert r.ck.hit_tier(a, continued=True) == "gpu" and a.continued
+    r.ck.evict(2)                                      # IDS[0] (plain) then IDS[1] (continued) come down
+    assert [hc.token_ids for hc in r.tiers.host.values()] == [IDS[1], IDS[0]]
+    r.make(IDS[4])
+    r.make(IDS[5])
+    r.ck.evict(1)                                      # IDS[2] comes down: the host tier drops the continued one
+    assert r.where(IDS[1]) == "-" and r.where(IDS[0]) == "host" and r.where(IDS[2]) == "host"
+
+
+def test_a_restore_leaves_the_pages_an_admission_pass_promised(tmp_path):
+    """Pages promised to running requests and this pass's admissions are allocated only when the step runs: a
+    restore started by a lookup in the pass must not take them (it evicts for room, or misses)."""
+    r = Rig(tmp_path, host_ckpts=4, disk=False)
+    for ids in IDS[:5]:
+        r.make(ids)                                     # IDS[0] down in the host tier
+    r.ck.evict(1)                                       # and IDS[1]: a slot is free
+    promised = r.pg.num_free                            # every free page promised
+    r.ck.promised = lambda: promised
+    e = r.restore(IDS[0])                               # room made by evicting a device checkpoint
+    assert e.origin == "host" and r.pg.num_free >= promised and r.where(IDS[2]) == "host"
+    for x in r.ck.index.ready_entries():
+        r.ck.acquire(x)                                 # all pinned: no room without the promised pages
+    assert r.st.num_free == 1
+    r.ck.promised = lambda: r.pg.num_free - 1
+    look = r.ck.lookup(IDS[1])
+    assert look.entry is None and r.where(IDS[1]) == "host"
+
+
+def test_no_room_for_a_restore_is_a_plain_miss(tmp_path):
+    r = Rig(tmp_path, host_ckpts=4, disk=False)
+    for ids in IDS[:5]:
+        r.make(ids)
+    for ids in IDS[1:5]:
+        r.ck.acquire(r.ck.lookup(ids).entry)           # every device checkpoint pinned
+    look = r.ck.lookup(IDS[0])                         # in the host tier, but no slot can be freed
+    assert not look.hit and look.entry is None and not r.ck.restoring() and r.where(IDS[0]) == "host"
+
+
+def test_restart_finds_the_files_and_the_size_bound_keeps_the_newest(tmp_path):
+    r = Rig(tmp_path, host_ckpts=0)
+    for ids in IDS[:6]:
+        r.make(ids)                                    # two evicted straight to disk (no host tier)
+    r.ck.close()                                       # graceful shutdown: the rest follows
+    assert len(r.disk) == 6
+    r2 = Rig(tmp_path, host_ckpts=0)
+    assert len(r2.disk) == 6 and r2.disk.lengths() == {6}
+    e = r2.restore(IDS[3])
+    assert e.origin == "disk" and same(r2.snap(e), r.data[IDS[3]])
+    r2.disk.flush()
+    newest = sum(f.stat().st_size for f in sorted(r2.disk.dir.glob("*.gck"), key=lambda f: f.stat().st_mtime_ns)[-3:])
+    r3 = Rig(tmp_path, host_ckpts=0, max_bytes=newest)
+    assert len(r3.disk) == 3 and sorted(p.name for p in r3.disk.dir.glob("*.gck")).__len__() == 3
+    assert checkpoint_key(IDS[3]) in r3.disk          # the restored one was touched: among the newest
+
+
+def test_corrupt_truncated_and_foreign_files_are_ignored_with_one_line(tmp_path, caplog):
+    r = Rig(tmp_path, host_ckpts=0)
+    for ids in IDS[:3]:
+        r.make(ids)
+    r.ck.close()
+    files = {f.stem: f for f in r.disk.dir.glob("*.gck")}
+    corrupt, cut = files[checkpoint_key(IDS[0]).hex()], files[checkpoint_key(IDS[1]).hex()]
+    data = bytearray(corrupt.read_bytes())
+    data[-100] ^= 0xFF                                 # a payload byte: only the checksum can tell
+    corrupt.write_bytes(bytes(data))
+    cut.write_bytes(cut.read_bytes()[:-7])
+    (r.disk.dir / "junk.gck").write_bytes(b"not a checkpoint")
+    caplog.set_level(logging.WARNING)
+    r2 = Rig(tmp_path, host_ckpts=0)
+    lines = [m for m in caplog.messages if "ignored" in m]
+    assert len(lines) == 2 and any("truncated" in m for m in lines) and any("magic" in m for m in lines)
+    assert len(r2.disk) == 2
+    caplog.clear()
+    look = r2.ck.lookup(IDS[0])                        # the corrupt one: its restore fails, the request misses
+    assert look.entry is not None
+    r2.ck.poll(wait=True)
+    assert look.entry.status is CheckpointStatus.DROPPED and not r2.ck.restoring()
+    assert [m for m in caplog.messages if "checksum" in m] and len(caplog.messages) == 1
+    assert r2.stats.restore_failures == 1 and not corrupt.exists() and not r2.ck.lookup(IDS[0]).entry
+    assert r2.st.check_integrity() == [] and r2.pg.check_integrity() == [] and r2.ck.index.check_integrity() == []
+    assert r2.restore(IDS[2]).origin == "disk"          # the intact one still loads
+
+
+def test_another_models_files_never_load(tmp_path, caplog):
+    r = Rig(tmp_path, host_ckpts=0, fp="a" * 64)
+    r.make(IDS[0])
+    r.ck.close()
+    other = Rig(tmp_path, host_ckpts=0, fp="b" * 64)
+    assert len(other.disk) == 0 and other.ck.lookup(IDS[0]).entry is None
+    f = next(r.disk.dir.glob("*.gck"))                 # even a file copied into its directory
+    (other.disk.dir / f.name).write_bytes(f.read_bytes())
+    caplog.set_level(logging.WARNING)
+    again = Rig(tmp_path, host_ckpts=0, fp="b" * 64)
+    assert len(again.disk) == 0 and any("another model" in m for m in caplog.messages)
+
+
+def test_model_fingerprint_sees_weights_dtype_and_pool_layout():
+    from gdnserve.models.builtin import build_builtin_model
+    m1, m2 = build_builtin_model(seed=0), build_builtin_model(seed=0)
+    st, pg = pools()
+    fp = model_fingerprint(m1, torch.float32, 1, st.config, pg.config)
+    assert fp == model_fingerprint(m2, torch.float32, 1, st.config, pg.config)
+    assert fp != model_fingerprint(m1, torch.bfloat16, 1, st.config, pg.config)
+    assert fp != model_fingerprint(m1, torch.float32, 2, st.config, pg.config)
+    st2, pg2 = pools(num_pages=8)
+    assert fp == model_fingerprint(m1, torch.float32, 1, st2.config, pg2.config)   # pool sizes do not matter
+    from dataclasses import replace
+    assert fp != model_fingerprint(m1, torch.float32, 1, st.config, replace(pg.config, page_size=8))
+    with torch.no_grad():
+        next(iter(m2.parameters())).view(-1)[0] += 1.0
+    assert fp != model_fingerprint(m2, torch.float32, 1, st.config, pg.config)
+
+
+# ------------------------------------------------------------------ the engine
+def _run(e, ids, max_tokens=4):
+    rid = e.add_request(None, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    out = None
+    while e.has_unfinished():
+        for o in e.step():
+            if o.request_id == rid and o.finished:
+                out = o
+    return out
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return LLM(device="cpu", max_num_seqs=2, num_pages=256, auto_checkpoints=False).engine
+
+
+_rng = random.Random(30)
+CONVS = [[_rng.randrange(3, 250) for _ in range(19 + i)] for i in range(6)]
+
+
+def test_later_turns_hit_from_the_host_tier_with_recomputed_outputs(ref):
+    e = LLM(device="cpu", max_num_seqs=2, num_slots=4, num_pages=64, page_size=8,
+            checkpoint_host_memory_gb=0.01).engine
+    first = [_run(e, c).outputs[0].token_ids for c in CONVS]
+    assert len(e.kv.checkpoints.tiers.host) >= 2          # the device holds at most 4 checkpoints
+    for c, out in zip(CONVS, first):
+        ids = c + out + [7, 8, 9]
+        got = _run(e, ids)
+        assert got.checkpoint.hit_length == len(c) + len(out) - 1 and got.checkpoint.tier in ("gpu", "host")
+        assert got.outputs[0].token_ids == _run(ref, ids).outputs[0].token_ids
+    assert e.tier_stats.hits["host"] >= 2 and e.tier_stats.restores["host"] == e.tier_stats.hits["host"]
+    assert e.index.check_integrity() == [] and e.runner.state.check_integrity() == []
+    e.evict_checkpoints(len(e.index))
+    assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
+
+
+def test_disk_tier_across_an_engine_restart(tmp_path, ref):
+    kw = {"device": "cpu", "max_num_seqs": 2, "num_slots": 4, "num_pages": 64, "page_size": 8,
+          "checkpoint_dir": str(tmp_path)}
+    e = LLM(**kw).engine
+    first = [_run(e, c).outputs[0].token_ids for c in CONVS[:3]]
+    e.close()
+    e2 = LLM(**kw).engine
+    assert len(e2.kv.checkpoints.tiers.disk) == 3
+    for c, out in zip(CONVS[:3], first):
+        got = _run(e2, c + out + [5])
+        assert got.checkpoint.tier == "disk" and got.checkpoint.hit_length == len(c) + len(out) - 1
+        assert got.outputs[0].token_ids == _run(ref, c + out + [5]).outputs[0].token_ids
+    assert e2.tier_stats.bytes["disk_read"] > 0
+
+
+def test_tiers_refused_with_tensor_parallel():
+    from gdnserve.engine.config import EngineConfig
+    with pytest.raises(ValueError, match="checkpoint_host_memory_gb"):
+        EngineConfig(tensor_parallel_size=2, checkpoint_host_memory_gb=1)
+    with pytest.raises(ValueError, match="checkpoint_dir_max_gb"):
+        EngineConfig(checkpoint_dir_max_gb=-1)
+    assert SlotKind.CHECKPOINT  # (the tiers use only checkpoint slots)
+
+
+def test_a_host_tier_beyond_the_ram_is_refused_at_start():
+    from gdnserve.engine.memory_budget import meminfo_available
+    with pytest.raises(ValueError, match="checkpoint_host_memory_gb"):
+        LLM(device="cpu", max_num_seqs=2, num_pages=64, checkpoint_host_memory_gb=meminfo_available() / 2**30)
+
+
+def test_a_full_write_queue_drops_the_checkpoint(tmp_path, monkeypatch):
+    from gdnserve.engine import checkpoint_disk
+    r = Rig(tmp_path, host_ckpts=0)
+    monkeypatch.setattr(checkpoint_disk, "MAX_QUEUED", 0)
+    for ids in IDS[:5]:
+        r.make(ids)                                      # IDS[0] evicted: its write does not fit the queue
+    r.disk.flush()
+    assert r.disk.dropped == 1 and len(r.disk) == 0 and r.where(IDS[0]) == "-"

@@ -1,0 +1,93 @@
+"""GPU-only: the GPU <-> host path of the checkpoint tiers (engine/checkpoint_copy.py) with its stream ordering, and
+the engine with CUDA graphs on.
+
+- A snapshot is exact although the step that follows overwrites the evicted rows at once (the current stream
+  waits on the copy's event); a restore is exact although the destination was written just before (the copier
+  stream waits on the current stream), and it is bit for bit what was evicted; the host buffer is pinned.
+- The engine (embedded model, bf16, CUDA graphs on) with 6 state slots and a host tier: later turns of conversations
+  whose checkpoints were evicted hit from the host and give the greedy tokens of an engine that kept them all on
+  the GPU (the same checkpoint state, the same kernels); nothing leaks.
+Run on the H200: ``python -m pytest -q tests/engine/test_checkpoint_tiers_gpu.py`` (well under 60 s)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gdnserve.engine.checkpoint_copy import Copier
+from gdnserve.engine.page_pool import PagePool, PagePoolConfig
+from gdnserve.engine.sampling_params import SamplingParams
+from gdnserve.engine.state_pool import StatePool, StatePoolConfig
+from gdnserve.entrypoints.llm import LLM
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32).clone()
+
+
+def test_copies_are_ordered_against_the_current_stream_and_exact():
+    st = StatePool(StatePoolConfig(num_layers=3, num_slots=6, HV=8, K=64, V=64, conv_dim=96, conv_width=4,
+                                   device="cuda"))
+    pg = PagePool(PagePoolConfig(num_layers=2, num_pages=64, page_size=16, num_kv_heads=2, head_dim=64,
+                                 device="cuda"))
+    for t in (st.conv_pools, st.ssm_pools, pg.k_pools, pg.v_pools):
+        t.copy_(torch.randn(t.shape, device="cuda").to(t.dtype))
+    cp = Copier(st, pg)
+    src, dst = [7, 8, 9, 3, 40], [0, 1, 2, 50, 51]
+    conv, k, v = bits(st.conv_pools[:, 2]).cpu(), bits(pg.k_pools[:, src]).cpu(), bits(pg.v_pools[:, src]).cpu()
+    ssm = bits(st.ssm_pools[:, 2] + 1.0).cpu()
+    torch.cuda._sleep(50_000_000)          # the current stream is busy: a copy that did not wait would run early
+    st.ssm_pools[:, 2].add_(1.0)           # queued before the snapshot: the snapshot must see it
+    hc = cp.snapshot(b"k" * 16, (1, 2), 2, src)
+    st.ssm_pools.fill_(float("nan"))       # the next "step" rewrites the freed rows: ordered after the copy
+    pg.k_pools.fill_(float("nan"))
+    pg.v_pools.fill_(float("nan"))
+    hc.wait()
+    assert hc.tensors["ssm"].is_pinned()
+    got = {n: bits(t) for n, t in hc.tensors.items()}
+    assert torch.equal(got["conv"], conv) and torch.equal(got["ssm"], ssm)
+    assert torch.equal(got["k"], k) and torch.equal(got["v"], v)
+    torch.cuda._sleep(50_000_000)
+    st.ssm_pools[:, 4].fill_(3.0)          # queued before the restore into slot 4: the restore must land after it
+    pg.k_pools[:, 0:3].fill_(3.0)
+    event = cp.restore(hc, 4, dst)
+    event.synchronize()
+    assert torch.equal(bits(st.ssm_pools[:, 4]).cpu(), ssm) and torch.equal(bits(st.conv_pools[:, 4]).cpu(), conv)
+    assert torch.equal(bits(pg.k_pools[:, dst]).cpu(), k) and torch.equal(bits(pg.v_pools[:, dst]).cpu(), v)
+
+
+def _run(e, ids):
+    rid = e.add_request(None, ids, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    out = None
+    while e.has_unfinished():
+        for o in e.step():
+            if o.request_id == rid and o.finished:
+                out = o
+    return out
+
+
+def test_engine_with_graphs_hits_from_the_host_tier_with_the_resident_outputs():
+    rng = random.Random(5)
+    convs = [[rng.randrange(3, 250) for _ in range(40 + 7 * i)] for i in range(8)]
+    kw = {"device": "cuda", "max_num_seqs": 2, "num_pages": 256, "page_size": 16, "cuda_graphs": True}
+    tiered = LLM(num_slots=6, checkpoint_host_memory_gb=0.05, **kw).engine
+    resident = LLM(num_slots=32, **kw).engine
+    firsts = {id(e): [_run(e, c).outputs[0].token_ids for c in convs] for e in (tiered, resident)}
+    assert firsts[id(tiered)] == firsts[id(resident)]
+    assert len(tiered.kv.checkpoints.tiers.host) >= 2
+    for c, out in zip(convs, firsts[id(tiered)]):
+        ids = c + out + [9, 10, 11]
+        a, b = _run(tiered, ids), _run(resident, ids)
+        assert a.checkpoint.hit_length == b.checkpoint.hit_length == len(c) + len(out) - 1
+        assert b.checkpoint.tier == "gpu" and a.checkpoint.tier in ("gpu", "host")
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    s = tiered.tier_stats.snapshot()
+    assert s["hits"]["host"] >= 2 and s["restores"]["host"] == s["hits"]["host"] and s["bytes"]["h2d"] > 0
+    assert tiered.index.check_integrity() == [] and tiered.runner.state.check_integrity() == []
+    tiered.evict_checkpoints(len(tiered.index))
+    torch.cuda.synchronize()
+    assert tiered.runner.state.num_free == tiered.runner.state.num_slots
+    assert tiered.runner.pages.num_free == tiered.runner.pages.num_pages
