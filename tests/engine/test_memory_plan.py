@@ -218,6 +218,24 @@ def test_cpu_budget_counts_loaded_weights_as_available():
     assert b.capacity - a.capacity == pytest.approx(10 * GiB, abs=256 << 20) and b.in_use == 0
 
 
+def test_the_cuda_budget_says_where_in_use_is(monkeypatch):
+    """Issue 27: "20.64 GiB in use" beside 64.56 GiB of weights, unexplained. The budget's detail (on the banner's
+    memory line) splits it: torch tensors of this process beyond the counted weights, torch's cached fragments
+    that empty_cache could not return, and what is outside torch's allocator (the CUDA counters faked)."""
+    weights = int(64.56 * GiB)
+    fake = {"mem_get_info": lambda d: (140 * GiB - weights - 20 * GiB, 140 * GiB),
+            "memory_allocated": lambda d: weights + GiB, "memory_reserved": lambda d: weights + 19 * GiB + GiB // 2,
+            "get_device_name": lambda d: "H200", "empty_cache": lambda: None}
+    for name, f in fake.items():
+        monkeypatch.setattr(torch.cuda, name, f)
+    b = device_budget(torch.device("cuda:0"), EngineConfig(), resident=weights)
+    assert b.in_use == 20 * GiB and b.usable == int(0.9 * 140 * GiB) - 20 * GiB
+    assert b.detail == ("1.00 GiB torch tensors beyond the weights + 18.50 GiB cached by torch's allocator "
+                        "(fragments) + 512.00 MiB outside it (CUDA context, libraries, other processes)")
+    p = plan(b, Demand(weights=weights, activations=GiB), **full_costs())
+    assert f"(0.90 x 140.00 GiB of cuda:0 (H200) - 20.00 GiB in use: {b.detail}): weights 64.56 GiB" in p.describe()[0]
+
+
 def test_resolve_pools_leaves_given_sizes_and_sizes_the_rest():
     cfg = EngineConfig(memory_budget_gb=0.5, num_pages=300, max_num_seqs=4)
     out, p = resolve_pools(cfg, builtin_config(), torch.float32, torch.device("cpu"), weights=1 << 20)
@@ -256,3 +274,43 @@ def test_a_tensor_parallel_rank_0_keeps_the_workers_sizes():
     assert not p.sized
     before, _ = resolve_pools(cfg, builtin_config(), torch.float32, torch.device("cpu"), weights=1 << 20)
     assert before.num_slots == 16 * 4           # before the workers start (load_engine): planned
+
+
+def test_steps_with_every_rows_logits_stay_within_max_step_tokens():
+    """prompt_logprobs prompts and score candidates are not chunked and keep every row's logits: above
+    max_step_tokens (the step the plan prices) intake refuses them, naming the field and the flag; at it they run."""
+    from gdnserve.engine.request import RequestError
+    from gdnserve.engine.sampling_params import SamplingParams
+    e = LLMEngine(build_builtin_model(), ByteTokenizer(), EngineConfig(max_step_tokens=64, max_model_len=512,
+                                                                      num_pages=128, max_num_seqs=4))
+    plp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+    with pytest.raises(RequestError, match=r"^prompt_logprobs: a prompt of 65 tokens .* max_step_tokens = 64 "
+                                           r"\(--max-step-tokens\)") as err:
+        e.add_request(None, [5] * 65, plp)
+    assert err.value.param == "prompt_logprobs"
+    with pytest.raises(RequestError, match=r"^candidates\[1\]: .* \(65 tokens\) .* max_step_tokens = 64") as err:
+        e.add_score([1, 2, 3], [[4] * 8, [4] * 64])
+    assert err.value.param == "candidates[1]"
+    e.add_request(None, [5] * 64, plp)                 # at the bound: runs, in one step of 64 rows of logits
+    e.add_score([1, 2, 3], [[4] * 63])
+    while e.has_unfinished():
+        e.step()
+
+
+def test_cpu_fixed_pools_are_not_refused_for_steps_with_every_rows_logits(monkeypatch):
+    """Issue 27 review: on CPU without --memory-budget-gb the plan only checks the fixed pools; pricing the
+    prompt-logprobs step there (12 bytes x vocab x max_step_tokens: 14 GiB for a vocab of 248320 at 4096 tokens,
+    estimated) refused a small real model on an 8 GiB machine. The check leaves that step out; a CPU budget that
+    sizes the pools still prices it."""
+    from dataclasses import replace
+
+    from gdnserve.engine import memory_budget as mb
+    monkeypatch.setattr(mb, "meminfo_available", lambda: 8 * GiB)
+    small_real = replace(builtin_config(), vocab_size=248_320)
+    full = estimate_activations(small_real, EngineConfig(), torch.float32)
+    assert full > 10 * GiB
+    _, p = resolve_pools(EngineConfig(), small_real, torch.float32, torch.device("cpu"), weights=GiB)
+    assert not p.sized and p.demand.activations < GiB
+    with pytest.raises(MemoryPlanError, match=r"^memory_budget_gb"):       # sized from a budget: priced
+        resolve_pools(EngineConfig(memory_budget_gb=6), small_real, torch.float32, torch.device("cpu"), weights=GiB)
+
