@@ -132,7 +132,7 @@ class MemoryPlan:
         prefix = max(1, self.max_model_len // 2)
         run = self.max_concurrency()
         how = "sized from the budget" if self.sized else "as configured"
-        held = f"; {b.detail}" if b.detail else ""
+        held = f": {b.detail}" if b.detail else ""
         working = min(self.working_slots, self.num_slots)
         limit = ": the memory holds fewer" if run < self.max_num_seqs else ""
         seat = (f"; {self.max_concurrency(self.seat_len)} at {self.seat_len} tokens each"
