@@ -147,7 +147,8 @@ class MemoryPlan:
         capacity = (f"  capacity: {run} concurrent requests at max_model_len {self.max_model_len} (state slots "
                     f"{self.num_slots}, KV for {self.num_pages // self.pages_per_seq}, max_num_seqs "
                     f"{self.max_num_seqs}{limit}){seat}; checkpoints of a {prefix}-token prefix: "
-                    f"{self.checkpoint_capacity(prefix, run)} beside them, {self.checkpoint_capacity(prefix)} when idle")
+                    f"{self.checkpoint_capacity(prefix, run)} beside them, {self.checkpoint_capacity(prefix)} "
+                    "when idle")
         return [memory, pools, capacity]
 
 
