@@ -27,6 +27,13 @@ tokenizer, ``--random``; else 1, one chunk per engine step); p50 and p99 over re
 the share of prompt tokens served from checkpoints; the client's CPU share (near 1: the client limits the row);
 ``ceiling_tok_s``: the bare decode step's tokens/s at batch C from a ``bench model`` JSON (``--model-json``).
 
+Speculative decoding (issue 27 item 3): ``--spec-k K --spec-draft mtp|ngram`` go to the server; with ``--random``,
+``--spec-oracle RATE`` makes its drafts an oracle's (``serve_random.py``: the model's greedy continuation is a
+known chain, and the drafter's proposals become it, RATE x K accepted per step on average; the MTP head still runs).
+Rows carry ``spec`` (e.g. ``mtp k=3 oracle 0.6``, ``none``) and ``spec_acceptance`` (accepted / drafted tokens over
+the level, from the server's ``/metrics``). The peers' MTP numbers: ``--workloads random --concurrency 1,16
+--spec-k 3 --spec-draft mtp --spec-oracle 1.0`` (and 0.6), with ``--tag`` per rate.
+
 Writes ``serve_http_<tag>.json`` and ``.md`` to ``--out`` after every row (tag: the device slug, + ``_fp8``).
 
     python -m benchmarks.bench_serve_http --random full --device cuda --out benchmarks/results
@@ -200,7 +207,7 @@ def pct(xs: list[float], q: float) -> float | None:
 
 
 def summarize(workload: str, fmt: str, C: int, recs: list[Record], wall: float, cpu: float,
-              ceiling: float | None) -> dict[str, Any]:
+              ceiling: float | None, spec: str = "none", acceptance: float | None = None) -> dict[str, Any]:
     ok = [r for r in recs if r.ok]
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     itl: list[float] = []
@@ -210,7 +217,8 @@ def summarize(workload: str, fmt: str, C: int, recs: list[Record], wall: float, 
     prompt, out = sum(r.prompt_tokens for r in ok), sum(r.output_tokens for r in ok)
     hits = [r for r in ok if r.hit_length > 0]
     out_s = out / wall if wall > 0 else 0.0
-    return {"workload": workload, "format": fmt, "concurrency": C, "requests": len(recs), "completed": len(ok),
+    return {"workload": workload, "format": fmt, "spec": spec, "spec_acceptance": acceptance, "concurrency": C,
+            "requests": len(recs), "completed": len(ok),
             "errors": len(recs) - len(ok), "error_samples": [r.error for r in recs if not r.ok][:3],
             "duration_s": round(wall, 3), "requests_per_s": round(len(ok) / wall, 3) if wall > 0 else None,
             "total_tok_s": round((prompt + out) / wall, 1) if wall > 0 else None, "output_tok_s": round(out_s, 1),
@@ -236,7 +244,7 @@ class Server:
             ["-m", "gdnserve.entrypoints.cli", "serve"]
         flags = ["--port", str(port), "--device", args.device]
         for name in ("model", "dtype", "gpu_memory_utilization", "memory_budget_gb", "max_num_seqs", "max_model_len",
-                     "num_pages", "num_slots"):
+                     "num_pages", "num_slots", "spec_k", "spec_draft", "spec_oracle"):
             v = getattr(args, name)
             if v is not None:
                 flags += [f"--{name.replace('_', '-')}", str(v)]
@@ -262,6 +270,24 @@ class Server:
 
 def server_facts(url: str) -> str:
     return httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+
+
+def spec_counts(url: str) -> tuple[float, float] | None:
+    """(draft tokens, accepted tokens) so far from the server's /metrics; None where it has no such counters."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return None
+    got = [re.search(rf"^gdnserve:spec_decode_num_{k}_tokens(?:_total)? ([0-9.e+]+)$", text, re.MULTILINE)
+           for k in ("draft", "accepted")]
+    return (float(got[0].group(1)), float(got[1].group(1))) if all(got) else None
+
+
+def spec_label(args: argparse.Namespace) -> str:
+    if not args.spec_k:
+        return "none"
+    oracle = f" oracle {args.spec_oracle:g}" if args.spec_oracle is not None else ""
+    return f"{args.spec_draft or 'ngram'} k={args.spec_k}{oracle}"
 
 
 def max_concurrency(banner: list[str], fallback: int) -> int:
@@ -291,7 +317,8 @@ def ceiling_for(model_json: dict[str, Any] | None, fmt: str, C: int) -> float | 
 
 # ---- report -----------------------------------------------------------------------------------------------------
 
-COLUMNS = ("workload", "format", "C", "requests", "errors", "req/s", "total tok/s", "output tok/s", "TTFT p50/p99 ms",
+COLUMNS = ("workload", "format", "spec (acceptance)", "C", "requests", "errors", "req/s", "total tok/s", "output tok/s",
+           "TTFT p50/p99 ms",
            "TPOT p50/p99 ms", "ITL p50/p99 ms", "hit rate", "hit tokens", "ceiling tok/s (%)", "client CPU")
 
 
@@ -306,7 +333,8 @@ def markdown(res: dict[str, Any]) -> str:
           "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in res["rows"]:
         ceil = "—" if r["ceiling_tok_s"] is None else f"{r['ceiling_tok_s']:g} ({f(r['pct_of_ceiling'])} %)"
-        L.append("| " + " | ".join([r["workload"], r["format"], str(r["concurrency"]), str(r["requests"]),
+        spec = r.get("spec", "none") + ("" if r.get("spec_acceptance") is None else f" ({r['spec_acceptance']:g})")
+        L.append("| " + " | ".join([r["workload"], r["format"], spec, str(r["concurrency"]), str(r["requests"]),
                                     str(r["errors"]), f(r["requests_per_s"]), f(r["total_tok_s"]), f(r["output_tok_s"]),
                                     f"{f(r['ttft_p50_ms'])} / {f(r['ttft_p99_ms'])}",
                                     f"{f(r['tpot_p50_ms'])} / {f(r['tpot_p99_ms'])}",
@@ -344,7 +372,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--num-pages", type=int, default=None)
     s.add_argument("--num-slots", type=int, default=None)
-    s.add_argument("--serve-args", default="", help="more server flags, verbatim (e.g. \"--spec-k 2\")")
+    s.add_argument("--spec-k", type=int, default=None, help="speculative decoding: drafts per step (server flag)")
+    s.add_argument("--spec-draft", choices=["ngram", "mtp"], default=None, help="the drafter (server flag)")
+    s.add_argument("--spec-oracle", type=float, default=None, metavar="RATE",
+                   help="with --random and --spec-k: oracle drafts, RATE x k accepted per step on average")
+    s.add_argument("--serve-args", default="", help="more server flags, verbatim (e.g. \"--spec-mode intermediate\")")
     s.add_argument("--startup-timeout", type=float, default=900.0)
     w = ap.add_argument_group("workloads")
     w.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated: random,prefix,chat")
@@ -379,9 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = Sizes(**{**vars(sizes), **{k: v for k, v in given.items() if v is not None}})
     workloads = [x.strip() for x in args.workloads.split(",") if x.strip()]
     bad = sorted(set(workloads) - set(WORKLOADS))
-    if bad or (args.fp8 and not args.random) or (args.url and (args.random or args.model)):
-        print(f"bench_serve_http: unknown workloads {bad}" if bad else "bench_serve_http: --fp8 needs --random; "
-              "--url takes neither --random nor --model", file=sys.stderr)
+    needs_random = args.fp8 or args.spec_oracle is not None
+    if bad or (needs_random and not args.random) or (args.url and (args.random or args.model)):
+        print(f"bench_serve_http: unknown workloads {bad}" if bad else "bench_serve_http: --fp8 and --spec-oracle "
+              "need --random; --url takes neither --random nor --model", file=sys.stderr)
         return 2
     from benchmarks.bench_ops import _git, _versions, device_name, device_slug, resolve_device
     dev = None if args.url else resolve_device(args.device)
@@ -417,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
         model = server_facts(url)
         cap = max_concurrency(res["banner"], args.max_num_seqs or 64)
         levels = parse_levels(args.concurrency, cap)
-        chars = args.random is not None
+        chars, spec = args.random is not None, spec_label(args)
         vocab = vocab_of(args)
         asyncio.run(run_level(url, model, "random", 1, QUICK, vocab, chars, args.seed))    # warm-up: not a row
         for workload in workloads:
@@ -426,10 +459,15 @@ def main(argv: list[str] | None = None) -> int:
                 if time.perf_counter() - t_start > args.time_budget:
                     res["skipped"].append(what)
                     continue
+                before = spec_counts(url) if args.spec_k else None
                 recs, wall, cpu = asyncio.run(run_level(url, model, workload, C, sizes, vocab, chars, args.seed))
-                row = summarize(workload, fmt, C, recs, wall, cpu, ceiling_for(model_json, fmt, C))
+                after = spec_counts(url) if before is not None else None
+                acc = round((after[1] - before[1]) / (after[0] - before[0]), 3) \
+                    if after is not None and after[0] > before[0] else None
+                row = summarize(workload, fmt, C, recs, wall, cpu, ceiling_for(model_json, fmt, C), spec, acc)
                 res["rows"].append(row)
-                print(f"[serve_http {time.perf_counter() - t_start:6.0f}s] {what}: {row['output_tok_s']} out tok/s, "
+                print(f"[serve_http {time.perf_counter() - t_start:6.0f}s] {what} (spec {spec}, acceptance {acc}): "
+                      f"{row['output_tok_s']} out tok/s, "
                       f"TTFT p50 {row['ttft_p50_ms']} ms, TPOT p50 {row['tpot_p50_ms']} ms, {row['errors']} errors",
                       file=sys.stderr, flush=True)
                 write()

@@ -52,3 +52,77 @@ class RecordedOracleDrafter(Drafter):
         for j in range(self.accepted_at(req, pos), len(drafts)):
             drafts[j] = drafts[j] + 1 if drafts[j] == 0 else drafts[j] - 1     # wrong, inside the vocabulary
         return drafts
+
+
+def accepted_count(rate: float, k: int, u: float) -> int:
+    """The drafts a step accepts: floor(rate x k + u) for u uniform in [0, 1) (mean rate x k), at most k."""
+    return min(k, math.floor(rate * k + u))
+
+
+def wrong(token: int) -> int:
+    """A token other than ``token``, inside the vocabulary."""
+    return token + 1 if token == 0 else token - 1
+
+
+class ChainOracleDrafter(Drafter):
+    """Oracle drafts for a model with a greedy chain (``random_model.make_greedy_chain_``: the greedy token after t
+    is pi(t)), no recording needed, so a server can use it on whatever prompts arrive: after context ending in t
+    the drafts are pi(t), pi(pi(t)), ..., the first ``a`` right and the rest wrong, ``a`` as in
+    :class:`RecordedOracleDrafter` (u a hash of the context's first 16 tokens and its length). Greedy verification
+    accepts exactly ``a`` while the target follows the chain."""
+
+    def __init__(self, perm: Sequence[int], k: int, rate: float) -> None:
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"rate must be in [0, 1], got {rate}")
+        self.perm, self.k, self.rate = list(perm), k, rate
+
+    def propose(self, token_ids: Sequence[int]) -> list[int]:
+        h = hashlib.blake2b(f"{list(token_ids[:16])}:{len(token_ids)}".encode(), digest_size=8).digest()
+        a = accepted_count(self.rate, self.k, int.from_bytes(h, "little") / 2.0 ** 64)
+        out, t = [], int(token_ids[-1])
+        for j in range(self.k):
+            t = self.perm[t]
+            out.append(t if j < a else wrong(t))
+        return out
+
+
+class ChainOracleMTP:
+    """The same oracle for the MTP drafter: wraps ``runner.mtp.draft`` so that the MTP head still runs its k steps
+    (their cost is what speculative decoding with MTP pays) and its drafts are then replaced, on the device, by the
+    greedy chain of each request's last token with the first ``a`` right, ``a = floor(rate x k + u)`` with u drawn
+    from a seeded device generator per request and step."""
+
+    def __init__(self, mtp, perm, k: int, rate: float, seed: int = 0) -> None:
+        import torch
+        if not 0.0 <= rate <= 1.0:
+            raise ValueError(f"rate must be in [0, 1], got {rate}")
+        self.perm, self.k, self.rate, self.real = perm, k, rate, mtp.draft
+        self.gen = torch.Generator(device=perm.device).manual_seed(seed)
+        mtp.draft = self.draft
+
+    def draft(self, first_tokens, meta):
+        import torch
+        self.real(first_tokens, meta)                       # the MTP head's k steps (and their KV), as served
+        t, chain = first_tokens, []
+        for _ in range(self.k):
+            t = self.perm[t]
+            chain.append(t)
+        d = torch.stack(chain, 1)
+        u = torch.rand(d.shape[0], generator=self.gen, device=d.device)
+        a = torch.clamp(torch.floor(self.rate * self.k + u), max=self.k)
+        bad = torch.arange(self.k, device=d.device)[None, :] >= a[:, None]
+        return torch.where(bad, torch.where(d == 0, d + 1, d - 1), d)
+
+
+def install_chain_oracle(engine, perm, rate: float, seed: int = 0) -> str:
+    """Oracle drafts at ``rate`` for ``engine`` (spec_k > 0) over a greedy-chain model whose permutation is ``perm``
+    ([vocab] int64 on the model's device): the MTP drafter's output replaced (spec_draft mtp) or the n-gram drafter
+    replaced. Returns what was installed, for the banner."""
+    cfg = engine.config
+    if not cfg.spec_k:
+        raise ValueError("spec oracle: needs --spec-k > 0")
+    if cfg.spec_draft == "mtp":
+        ChainOracleMTP(engine.runner.mtp, perm, cfg.spec_k, rate, seed)
+    else:
+        engine.drafter = ChainOracleDrafter(perm.tolist(), cfg.spec_k, rate)
+    return f"{cfg.spec_draft} k={cfg.spec_k}, oracle drafts at {rate:g} per draft token (greedy chain)"

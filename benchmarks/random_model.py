@@ -15,9 +15,10 @@ Weights: N(0, 0.02) projections and embeddings, zero-centred norms at 0 (identit
 1, A_log = log U(1, 16), dt_bias 1, conv N(0, 0.3) — ``init_random_`` applies these rules by parameter
 name, so gdnserve's model and transformers' get the same distribution; ``build_hf_model`` +
 ``ours_from_hf`` give both models the *same* weights (our loader's name mapping, applied in memory).
-On CUDA the model is allocated on the device (meta -> ``to_empty``) and every parameter is filled in place
-in its own dtype (``normal_`` / ``uniform_`` with a device generator): no host copy and no fp32 temporary,
-so the 70 GB model needs 70 GB. On CPU the draws go through fp32 tensors as before (the tests' values).
+On CUDA the model is allocated on the device (meta -> ``to_empty``) in its final layout (shared experts folded,
+fp32 A_log: nothing re-allocated, so no freed block is left split) and every parameter is filled in place in its
+own dtype (``normal_`` / ``uniform_`` with a device generator): no host copy and no fp32 temporary, so the 70 GB
+model needs 70 GB. On CPU the draws go through fp32 tensors as before (the tests' values).
 """
 from __future__ import annotations
 
@@ -146,6 +147,11 @@ def build_random_model(hf_cfg: dict[str, Any], device: torch.device, dtype: torc
     cfg = ModelConfig.from_hf(hf_cfg)
     with torch.device("meta"):
         model = HybridLM(cfg).to(dtype)
+        if device.type == "cuda":
+            # the final layout before allocating: folded experts ([E+1, ...]) and fp32 A_log re-allocated after
+            # to_empty left every MoE layer's freed [E, ...] block split by later allocations, segments that
+            # empty_cache cannot return (~0.5 GiB a layer, 20 GiB "in use" on the H200 at full size)
+            _finish(model)
     model = model.to_empty(device=device)
     init_random_(model, seed)
     _finish(model)

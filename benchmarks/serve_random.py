@@ -7,6 +7,14 @@ plan, banner and server; only the loader differs). Every ``gdnserve serve`` flag
   --fp8                         block-FP8 GEMMs and experts after building (the FP8 release's layout,
                                 ``quantize_model_fp8_``)
   --seed N                      the weights' seed
+  --spec-oracle RATE            with --spec-k K: oracle drafts, RATE x K of them accepted per step on average
+                                (``benchmarks/oracle_drafter.py``): the model gets a greedy chain
+                                (``make_greedy_chain_``, so the greedy continuation of any prompt is known) and the
+                                drafter's proposals (the MTP head's, after it ran: ``--spec-draft mtp``; else the
+                                n-gram drafter's) become that chain, the first floor(RATE x K + u) right. Measures
+                                speculative decoding at a set acceptance with greedy requests (temperature 0)
+
+With ``--spec-draft mtp`` the model gets one MTP layer (Qwen3.5-35B-A3B ships one), randomly initialised.
 
 The memory plan runs before the model is built (bf16 weights: the build's peak). The tokenizer is one character per
 token (:class:`CharTokenizer`): generated text round-trips to the same ids, and a streamed chunk's characters count
@@ -57,12 +65,13 @@ def random_hf_config(shape: str) -> dict:
 
 
 def load_random_engine(model: str | None, *, dtype: str | None, device: str, config, shape: str, fp8: bool,
-                       seed: int):
+                       seed: int, spec_oracle: float | None = None):
     """``load_engine``'s signature (``run_serve`` calls it): the random model of ``shape``, planned before it is
     built (raises MemoryPlanError naming the field), then an LLMEngine over it."""
     import torch
 
-    from benchmarks.random_model import build_random_model
+    from benchmarks.oracle_drafter import install_chain_oracle
+    from benchmarks.random_model import build_random_model, make_greedy_chain_
     from gdnserve.engine.llm_engine import LLMEngine
     from gdnserve.engine.memory_budget import config_weights_bytes, resolve_pools
     from gdnserve.models.config import ModelConfig
@@ -73,16 +82,27 @@ def load_random_engine(model: str | None, *, dtype: str | None, device: str, con
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     hf = random_hf_config(shape)
+    if config.spec_k and config.spec_draft == "mtp":
+        hf["mtp_num_hidden_layers"] = 1
+    if spec_oracle is not None and not config.spec_k:
+        raise ValueError("spec_oracle (--spec-oracle) needs speculative decoding: --spec-k K")
     model_cfg = ModelConfig.from_hf(hf)
     if config.model_name == "gdnserve-embedded":
         config = config.with_(model_name=f"random-{shape}{'-fp8' if fp8 else ''}")
     resolve_pools(config, model_cfg, dt, dev, weights=config_weights_bytes(model_cfg, dt))   # refuse before building
     net = build_random_model(hf, dev, dt, seed)
+    perm = None
+    if spec_oracle is not None:
+        with torch.no_grad():
+            perm = make_greedy_chain_(net)
     if fp8:
         quantize_model_fp8_(net)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    return LLMEngine(net, CharTokenizer(model_cfg.vocab_size), config)
+    engine = LLMEngine(net, CharTokenizer(model_cfg.vocab_size), config)
+    if perm is not None:
+        install_chain_oracle(engine, perm, spec_oracle)
+    return engine
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -95,13 +115,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="full: 40 layers, 256 experts (default); bench: 8 layers, 64 experts; tiny: the CPU shape")
     p.add_argument("--fp8", action="store_true", help="block-FP8 GEMMs and experts (quantized after building)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spec-oracle", type=float, default=None, metavar="RATE",
+                   help="with --spec-k: oracle drafts, RATE x k accepted per step on average (greedy requests)")
     args = p.parse_args(argv)
     if args.model is not None:
         print("serve_random: --model: this launcher serves a random model; use gdnserve serve --model",
               file=sys.stderr)
         return 2
-    args.load_engine = partial(load_random_engine, shape=args.shape, fp8=args.fp8, seed=args.seed)
-    args.model_desc = f"random weights, {args.shape} Qwen3.5-35B-A3B shapes{', FP8' if args.fp8 else ''}"
+    if args.spec_oracle is not None and not (0 <= args.spec_oracle <= 1 and args.spec_k):
+        print("serve_random: --spec-oracle RATE needs 0 <= RATE <= 1 and --spec-k K > 0", file=sys.stderr)
+        return 2
+    args.load_engine = partial(load_random_engine, shape=args.shape, fp8=args.fp8, seed=args.seed,
+                               spec_oracle=args.spec_oracle)
+    oracle = "" if args.spec_oracle is None else f", greedy chain + {args.spec_draft} oracle drafts at " \
+        f"{args.spec_oracle:g}"
+    args.model_desc = f"random weights, {args.shape} Qwen3.5-35B-A3B shapes{', FP8' if args.fp8 else ''}{oracle}"
     return run_serve(args)
 
 

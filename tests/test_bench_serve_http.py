@@ -50,4 +50,5 @@ def test_quick_run_end_to_end(tmp_path):
     assert all(r["checkpoint_hit_rate"] > 0 for r in res["rows"] if r["workload"] == "prefix")
     assert any("memory: budget" in x for x in res["banner"])
     md = (tmp_path / "serve_http_test.md").read_text()
-    assert "| random | fp32 | 1 | 4 | 0 |" in md and "TTFT p50/p99 ms" in md
+    assert "| random | fp32 | none | 1 | 4 | 0 |" in md and "TTFT p50/p99 ms" in md
+    assert all(r["spec"] == "none" and r["spec_acceptance"] is None for r in res["rows"])

@@ -76,6 +76,12 @@ def make_request(cfg: EngineConfig, tokenizer, vocab_size: int, request_id: str,
     if len(ids) + params.max_tokens > cfg.max_model_len:
         raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                            f"context length {cfg.max_model_len}")
+    if params.prompt_logprobs is not None and len(ids) > cfg.max_step_tokens:
+        # such a prompt runs in one step (not chunked) keeping every position's logits: the memory plan prices
+        # steps of max_step_tokens rows of logits, no more
+        raise RequestError(f"prompt_logprobs: a prompt of {len(ids)} tokens runs in one step with every position's "
+                           f"logits, more than max_step_tokens = {cfg.max_step_tokens} (--max-step-tokens), the "
+                           "largest step the memory plan prices", "prompt_logprobs")
     if checkpoint_at is not None and not 0 < checkpoint_at < len(ids):
         raise RequestError(f"checkpoint_at must be inside the prompt (0 < c < {len(ids)}), got {checkpoint_at}")
     n = params.n
@@ -110,6 +116,10 @@ def make_score_job(cfg: EngineConfig, tokenizer, vocab_size: int, request_id: st
         if len(p_ids) + len(c) + 1 > cfg.max_model_len:   # + the next token, whose label probabilities it gives
             raise RequestError(f"candidates[{i}]: prefix + candidate ({len(p_ids)} + {len(c)} tokens) and the next "
                                f"token exceed the context length {cfg.max_model_len}", f"candidates[{i}]")
+        if len(c) + 1 > cfg.max_step_tokens:     # a candidate runs in one step with every row's logits
+            raise RequestError(f"candidates[{i}]: the last prefix token + candidate ({len(c) + 1} tokens) run in one "
+                               f"step with every row's logits, more than max_step_tokens = {cfg.max_step_tokens} "
+                               "(--max-step-tokens), the largest step the memory plan prices", f"candidates[{i}]")
         need = _pages(cfg, len(p_ids) + len(c) + 1) + 1
         if need > cfg.pages:
             raise RequestError(f"candidates[{i}]: prefix ({len(p_ids)} tokens) + candidate ({len(c)}) need {need} KV "

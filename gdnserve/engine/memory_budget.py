@@ -6,7 +6,8 @@
 - **Weights**: the model's parameters and buffers, counted on the loaded model, or before loading on the meta
   device (nothing allocated; an FP8 checkpoint's layers become FP8 first, as the loader makes them).
 - **Activations**: the peak of the largest step, a prefill of ``max_step_tokens`` tokens with every row's logits
-  (prompt logprobs and scoring ask for them) and their log-sum-exp, plus sampling. On CUDA, when the pools are
+  (prompt logprobs and scoring ask for them; intake refuses such a prompt or candidate above max_step_tokens, as
+  they are not chunked), the rows gathered and their log-sum-exp, plus sampling. On CUDA, when the pools are
   sized, it is measured as nano-vllm does (a warm-up step on small temporary pools, ``max_memory_allocated``);
   otherwise :func:`estimate_activations` bounds it from the config, conservatively (tests/engine compare the two
   on the GPU).
@@ -49,11 +50,15 @@ def meminfo_available() -> int:
 def device_budget(device: torch.device, cfg: EngineConfig, resident: int = 0) -> Budget:
     """What the engine may use on ``device``. ``resident``: bytes of ours already on it (the loaded weights),
     which are counted in the plan's demand rather than as in use."""
+    detail = ""
     if device.type == "cuda":
         torch.cuda.empty_cache()        # cached blocks of freed tensors are not in use
         free, total = torch.cuda.mem_get_info(device)
         in_use, name = max(0, total - free - resident), f"{device} ({torch.cuda.get_device_name(device)})"
         capacity, what = total, f"of {name}"
+        if in_use:
+            detail = in_use_detail(total - free, torch.cuda.memory_allocated(device),
+                                   torch.cuda.memory_reserved(device), resident)
     else:
         capacity, in_use, what = meminfo_available() + resident, 0, "RAM available (/proc/meminfo MemAvailable)"
     gb = cfg.memory_budget_gb
@@ -62,11 +67,22 @@ def device_budget(device: torch.device, cfg: EngineConfig, resident: int = 0) ->
         if usable > capacity - in_use:
             raise MemoryPlanError("memory_budget_gb", f"= {gb} asks for {fmt_bytes(usable)} ({usable} bytes), "
                                   f"more than the {fmt_bytes(capacity - in_use)} free {what}")
-        return Budget(capacity, in_use, usable, f"--memory-budget-gb {gb:g}", "memory_budget_gb")
+        return Budget(capacity, in_use, usable, f"--memory-budget-gb {gb:g}", "memory_budget_gb", detail)
     u = cfg.gpu_memory_utilization
     usable = int(u * capacity) - in_use
     source = f"{u:.2f} x {fmt_bytes(capacity)} {what}" + (f" - {fmt_bytes(in_use)} in use" if in_use else "")
-    return Budget(capacity, in_use, usable, source, "gpu_memory_utilization")
+    return Budget(capacity, in_use, usable, source, "gpu_memory_utilization", detail)
+
+
+def in_use_detail(used: int, allocated: int, reserved: int, resident: int) -> str:
+    """Where the device's ``used`` bytes (total - free) beyond our ``resident`` weights are: tensors torch allocated
+    for this process besides the counted weights (a leftover tensor, weights that are not parameters or buffers),
+    torch's cached blocks that ``empty_cache`` could not return (free parts of segments partly in use: the
+    fragments of weights re-allocated after they were placed, e.g. folded or quantized in place), and memory outside
+    torch's allocator (the CUDA context, cuBLAS / NCCL workspaces, other processes)."""
+    return (f"{fmt_bytes(allocated - resident)} torch tensors beyond the weights + {fmt_bytes(reserved - allocated)} "
+            f"cached by torch's allocator (fragments) + {fmt_bytes(used - reserved)} outside it (CUDA context, "
+            "libraries, other processes)")
 
 
 def weights_bytes(model: torch.nn.Module) -> int:
@@ -97,11 +113,12 @@ def config_weights_bytes(model_cfg, dtype: torch.dtype, tp: int = 1, folder: str
 
 
 def estimate_activations(model_cfg, cfg: EngineConfig, dtype: torch.dtype, tp: int = 1, *, logits: bool = True,
-                         tokens: int | None = None) -> int:
+                         tokens: int | None = None, all_logits: bool = True) -> int:
     """A conservative bound on the peak bytes of the largest step (every term its layer's largest temporaries,
     times ``SAFETY``): ``tokens`` (default max_step_tokens) prefill rows; with ``logits`` every row's fp32 logits
     and their log-sum-exp, and the sampler's sort over max_num_seqs x (spec_k + 1) rows. Attention's scores are
-    bounded by its kernels' blocks (flash attention on CUDA, query blocks in the PyTorch path): no T^2 term."""
+    bounded by its kernels' blocks (flash attention on CUDA, query blocks in the PyTorch path): no T^2 term.
+    ``all_logits`` False: only the sampled rows' logits (no prompt-logprobs or score step)."""
     c, a, g, m = model_cfg, model_cfg.attn, model_cfg.gdn, model_cfg.mlp
     T, act, h = tokens if tokens is not None else cfg.max_step_tokens, dtype.itemsize, c.hidden_size
     H, HV, NH, KVH = g.num_k_heads // tp, g.num_v_heads // tp, a.num_heads // tp, max(1, a.num_kv_heads // tp)
@@ -120,9 +137,11 @@ def estimate_activations(model_cfg, cfg: EngineConfig, dtype: torch.dtype, tp: i
         mlp = T * 3 * (m.intermediate_size // tp) * act
     peak = max(gdn, attn, mlp)
     if logits:
-        R, vocab = T, c.vocab_size
-        sampled = cfg.max_num_seqs * (cfg.spec_k + 1)
-        peak = max(peak, R * vocab * (act + 4), R * vocab * 4 + max(R * vocab * 4, sampled * vocab * 28))
+        vocab, sampled = c.vocab_size, cfg.max_num_seqs * (cfg.spec_k + 1)
+        R = T if all_logits else min(T, sampled)
+        # the logits in the activation dtype and fp32; then (prompt logprobs) the fp32 rows gathered beside them
+        # and their log-sum-exp's [R, vocab] temporary, or the sampler's sort
+        peak = max(peak, R * vocab * (act + 4), R * vocab * 4 + max(2 * R * vocab * 4, sampled * vocab * 28))
     return int((3 * T * h * act + peak) * SAFETY)
 
 
@@ -166,7 +185,11 @@ def resolve_pools(cfg: EngineConfig, model_cfg, dtype: torch.dtype, device: torc
                                   f"tokens ran out of memory beside the weights ({fmt_bytes(weights)}); lower "
                                   "--max-step-tokens or load FP8 weights") from None
     else:
-        activations = estimate_activations(model_cfg, cfg, dtype, tp)
+        # CPU with fixed pools: only a check (nothing is sized from it), without the steps that keep every row's
+        # logits (prompt logprobs, scoring): 12 bytes x vocab x max_step_tokens (12 GiB for a vocab of 248320 at
+        # 4096 tokens) would refuse a small real model on a laptop for requests it may never get
+        activations = estimate_activations(model_cfg, cfg, dtype, tp, all_logits=cuda or pages is None
+                                           or slots is None)
     budget = device_budget(device, cfg, resident)    # after the warm-up: its workspaces are in use
     demand = Demand(weights=weights, activations=activations, graphs=estimate_graphs(model_cfg, cfg, dtype, device),
                     runtime=(MEASURED_RESERVE if measured else RUNTIME_RESERVE) if cuda else 0, measured=measured)
@@ -178,10 +201,14 @@ def resolve_pools(cfg: EngineConfig, model_cfg, dtype: torch.dtype, device: torc
 @torch.inference_mode()
 def measure_activations(model, cfg: EngineConfig) -> int:
     """Peak bytes of the largest step above what is allocated before it (nano-vllm's warm-up): one eager prefill
-    of max_step_tokens random tokens (sequences of at most max_model_len) with every row's logits, then their
-    log-sum-exp (what prompt logprobs compute), on temporary pools just large enough; plus the sampler's sort
-    over max_num_seqs x (spec_k + 1) rows beyond that log-sum-exp (its temporaries are not in the forward)."""
+    of max_step_tokens random tokens (sequences of at most max_model_len) with every row's logits, then what prompt
+    logprobs compute from them (the rows gathered, their log-sum-exp, the top logprobs), on temporary pools just
+    large enough; plus the sampler's sort over max_num_seqs x (spec_k + 1) rows beyond that log-sum-exp (its
+    temporaries are not in the forward). No step holds more rows of logits: a prompt_logprobs prompt or a score
+    candidate longer than max_step_tokens is refused at intake (they are not chunked)."""
     from gdnserve.engine.model_runner import ModelRunner, PrefillItem, build_pools
+    from gdnserve.engine.sampler import token_logprobs
+    from gdnserve.engine.sampling_params import MAX_LOGPROBS
     dev = model.embed_tokens.weight.device
     T, L, ps = cfg.max_step_tokens, cfg.max_model_len, cfg.page_size
     lens = [min(L, T - i) for i in range(0, T, L)]
@@ -190,6 +217,10 @@ def measure_activations(model, cfg: EngineConfig) -> int:
     gc.collect()
     torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
+    # the runner binds its temporary pools into the layers: rebound to what they held before once measured, so
+    # that they are freed now, not counted as in use by device_budget (a slot of the full-size model is 61 MiB)
+    gdn, attn = model.gdn_layers(), model.attention_layers()
+    held = [(m.conv_pool, m.ssm_pool) for m in gdn], [(m.k_cache, m.v_cache) for m in attn]
     runner = ModelRunner(model, rc, build_pools(model, rc))
     base = torch.cuda.memory_allocated(dev)
     torch.cuda.reset_peak_memory_stats(dev)
@@ -198,10 +229,17 @@ def measure_activations(model, cfg: EngineConfig) -> int:
     items = [PrefillItem(runner.new_seq(), torch.randint(0, vocab, (n,), generator=gen).tolist(), all_logits=True)
              for n in lens]
     logits = runner.step(items, [])
-    torch.logsumexp(logits, -1)
+    rows = torch.arange(logits.shape[0] - 1, device=dev)
+    # what prompt logprobs compute (output_processor.prompt_logprobs): the rows gathered (a copy beside the
+    # logits), their log-sum-exp and top MAX_LOGPROBS
+    token_logprobs(logits[rows], rows % vocab, MAX_LOGPROBS)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
-    del logits, items, runner
+    del logits, rows, items, runner
+    for m, (conv, ssm) in zip(gdn, held[0]):
+        m.bind_state(conv, ssm)
+    for m, (k, v) in zip(attn, held[1]):
+        m.bind_cache(k, v)
     gc.collect()
     torch.cuda.empty_cache()
     sampled = cfg.max_num_seqs * (cfg.spec_k + 1) * vocab * 28

@@ -5,24 +5,38 @@ device's memory, the weights, the measured or estimated activation peak) and :fu
 (docs/serving.md § Memory planning):
 
     room   = budget - weights - activations - CUDA graphs - runtime reserve
-    W      = 2 * max_num_seqs + 2     working slots: running samples, their fork producers, 2 spare
-    seat   = 1 slot + pages_per_seq pages        (a request at max_model_len; pages_per_seq = ceil(len / page))
-    slots  = clamp(room // seat, W, 16 * max_num_seqs)    the slots beyond W hold checkpoints
+    seat   = 1 slot + ceil(seat_len / page_size) pages,  seat_len = min(max_model_len, SEAT_TOKENS = 8192)
+    slots  = clamp(room // seat, min(W, MIN_SLOTS = 4), 16 * max_num_seqs),  W = 2 * max_num_seqs + 2
     pages  = min((room - slots * slot_bytes) // page_bytes, slots * pages_per_seq)
 
-Seats keep the two pools in proportion: a GDN slot of the full-size model (61 MiB) costs as much KV as 3000
-tokens, so neither pool can starve the other. Pages beyond ``slots * pages_per_seq`` could never be held (every
-page belongs to a sequence or a checkpoint; each holds one slot and at most pages_per_seq pages), and a small
-model on a large device stops at 16 slots per running request instead of filling the device with checkpoints.
-An explicit ``num_pages`` / ``num_slots`` is used as given (checked against the room); the other pool then takes
-the rest by the same caps. Every refusal is a :class:`MemoryPlanError` (a ValueError) whose message starts with
-the config field and its flag and gives the bytes asked for against the bytes there are.
+A *seat* is what one typical request holds: a slot and the KV of ``seat_len`` tokens. Sizing by seats keeps the
+two pools in proportion whatever the slot costs: a GDN slot of the full-size model (61 MiB) costs as much KV as
+3000 tokens, so a floor in slots (the W = 2 x max_num_seqs + 2 working slots the fixed CPU pools keep) would take
+the whole room (H200, max_num_seqs 256: 514 slots = 31 GiB, KV for 2 requests). When the room holds more than W
+seats, the slots beyond the running requests' hold checkpoints; when it holds fewer, the engine runs fewer
+requests than max_num_seqs (admission waits for a slot) and the banner's capacity line says how many.
+``seat_len`` is capped at a typical length rather than max_model_len: at the real model's 262144-token context a
+seat is 5 GB of KV, so seats at max_model_len would give ~6 slots for 31 GiB although most requests are short; at
+8192 tokens the slots cover that many concurrent typical requests and the rest is KV, which long requests share
+(they are admitted while pages last). The peers split the same two pools: vLLM keeps one block pool (the
+attention block size raised until a page holds one layer's SSM state; a request takes one block per state
+group, so state and KV compete per request); SGLang splits the room by ``--mamba-full-memory-ratio`` (state : KV
+bytes, default 0.9) or pins the slots with ``--max-mamba-cache-size``; here ``--num-slots`` pins them.
+
+Pages beyond ``slots * pages_per_seq`` could never be held (every page belongs to a sequence or a checkpoint; each
+holds one slot and at most pages_per_seq pages), and a small model on a large device stops at 16 slots per running
+request instead of filling the device with checkpoints. An explicit ``num_pages`` / ``num_slots`` is used as given
+(checked against the room, beside the other pool's least); the other pool then takes the rest by the same caps.
+Every refusal is a :class:`MemoryPlanError` (a ValueError) whose message starts with the config field and its flag
+and gives the bytes asked for against the bytes there are.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 MAX_SLOTS_PER_SEQ = 16     # the slot cap, per running request (the working 2 + up to 14 checkpoints)
+SEAT_TOKENS = 8192         # a seat's KV: a typical request (the peers' benchmark prompt), capped at max_model_len
+MIN_SLOTS = 4              # the least slots a sized plan keeps: a request, its fork producer or checkpoint, spare
 
 
 class MemoryPlanError(ValueError):
@@ -44,12 +58,14 @@ def fmt_bytes(n: float) -> str:
 @dataclass(frozen=True)
 class Budget:
     """The bytes the engine may use. ``usable`` = ``utilization x capacity - in_use`` (or a budget given in GB);
-    ``field`` names the setting that sets it, for the errors."""
+    ``field`` names the setting that sets it, for the errors; ``detail`` says what ``in_use`` is made of (CUDA: how
+    much torch of this process holds beyond the counted weights, how much is outside torch's allocator)."""
     capacity: int          # the device's memory (CUDA) or the RAM available at start (CPU)
     in_use: int            # held by others when the engine started (other processes, the CUDA context)
     usable: int
     source: str            # how ``usable`` was derived, e.g. "0.90 x 139.8 GiB of cuda:0 - 0.52 GiB in use"
     field: str = "gpu_memory_utilization"
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -95,9 +111,15 @@ class MemoryPlan:
     def working_slots(self) -> int:
         return working_slots(self.max_num_seqs)
 
-    def max_concurrency(self) -> int:
-        """Requests that can run at once, each at max_model_len: KV pages, slots and max_num_seqs all allow it."""
-        return min(self.max_num_seqs, self.num_slots, self.num_pages // self.pages_per_seq)
+    @property
+    def seat_len(self) -> int:
+        return seat_len(self.max_model_len)
+
+    def max_concurrency(self, length: int | None = None) -> int:
+        """Requests that can run at once, each ``length`` tokens long (default max_model_len): KV pages, slots and
+        max_num_seqs all allow it."""
+        pages = -(-(length or self.max_model_len) // self.page_size)
+        return min(self.max_num_seqs, self.num_slots, self.num_pages // pages)
 
     def checkpoint_capacity(self, prefix_len: int, running: int = 0) -> int:
         """READY checkpoints of a ``prefix_len``-token prefix that fit beside ``running`` requests at max_model_len."""
@@ -110,24 +132,39 @@ class MemoryPlan:
         prefix = max(1, self.max_model_len // 2)
         run = self.max_concurrency()
         how = "sized from the budget" if self.sized else "as configured"
-        return [
-            f"  memory: budget {fmt_bytes(b.usable)} ({b.source}): weights {fmt_bytes(d.weights)}, activations "
-            f"{fmt_bytes(d.activations)} ({'measured' if d.measured else 'estimated'}), CUDA graphs "
-            f"{fmt_bytes(d.graphs)}, runtime {fmt_bytes(d.runtime)}; pools {fmt_bytes(self.pool_bytes)} of "
-            f"{fmt_bytes(self.room)} ({how})",
-            f"  pools: {self.num_slots} state slots x {fmt_bytes(self.slot_bytes)} ({self.working_slots} working + "
-            f"{max(0, self.num_slots - self.working_slots)} for checkpoints), {self.num_pages} KV pages x "
-            f"{fmt_bytes(self.page_bytes)} ({self.num_pages * pp} tokens of {pp})",
-            f"  capacity: {run} concurrent requests at max_model_len {self.max_model_len} (KV for "
-            f"{self.num_pages // self.pages_per_seq}, max_num_seqs {self.max_num_seqs}); checkpoints of a "
-            f"{prefix}-token prefix: {self.checkpoint_capacity(prefix, run)} beside them, "
-            f"{self.checkpoint_capacity(prefix)} when idle",
-        ]
+        held = f": {b.detail}" if b.detail else ""
+        working = min(self.working_slots, self.num_slots)
+        limit = ": the memory holds fewer" if run < self.max_num_seqs else ""
+        seat = (f"; {self.max_concurrency(self.seat_len)} at {self.seat_len} tokens each"
+                if self.seat_len < self.max_model_len else "")
+        memory = (f"  memory: budget {fmt_bytes(b.usable)} ({b.source}{held}): weights {fmt_bytes(d.weights)}, "
+                  f"activations {fmt_bytes(d.activations)} ({'measured' if d.measured else 'estimated'}), CUDA graphs "
+                  f"{fmt_bytes(d.graphs)}, runtime {fmt_bytes(d.runtime)}; pools {fmt_bytes(self.pool_bytes)} of "
+                  f"{fmt_bytes(self.room)} ({how})")
+        pools = (f"  pools: {self.num_slots} state slots x {fmt_bytes(self.slot_bytes)} ({working} working + "
+                 f"{self.num_slots - working} for checkpoints), {self.num_pages} KV pages x "
+                 f"{fmt_bytes(self.page_bytes)} ({self.num_pages * pp} tokens of {pp})")
+        capacity = (f"  capacity: {run} concurrent requests at max_model_len {self.max_model_len} (state slots "
+                    f"{self.num_slots}, KV for {self.num_pages // self.pages_per_seq}, max_num_seqs "
+                    f"{self.max_num_seqs}{limit}){seat}; checkpoints of a {prefix}-token prefix: "
+                    f"{self.checkpoint_capacity(prefix, run)} beside them, {self.checkpoint_capacity(prefix)} "
+                    "when idle")
+        return [memory, pools, capacity]
 
 
 def working_slots(max_num_seqs: int) -> int:
-    """Running samples, their fork producers and 2 spare: EngineConfig's default num_slots."""
+    """Running samples, their fork producers and 2 spare: EngineConfig's default num_slots (the fixed CPU pools)."""
     return 2 * max_num_seqs + 2
+
+
+def seat_len(max_model_len: int) -> int:
+    """The tokens of KV a seat holds beside its slot: a typical request, at most max_model_len."""
+    return min(max_model_len, SEAT_TOKENS)
+
+
+def min_slots(max_num_seqs: int) -> int:
+    """The least slots a sized plan keeps (fewer only when W itself is fewer)."""
+    return min(working_slots(max_num_seqs), MIN_SLOTS)
 
 
 def plan(budget: Budget, demand: Demand, *, page_bytes: int, slot_bytes: int, page_size: int, max_model_len: int,
@@ -140,7 +177,8 @@ def plan(budget: Budget, demand: Demand, *, page_bytes: int, slot_bytes: int, pa
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
     room = budget.usable - demand.total
     pps = -(-max_model_len // page_size)
-    W, cap = working_slots(max_num_seqs), MAX_SLOTS_PER_SEQ * max_num_seqs
+    seat = slot_bytes + -(-seat_len(max_model_len) // page_size) * page_bytes
+    least, cap = min_slots(max_num_seqs), MAX_SLOTS_PER_SEQ * max_num_seqs
     where = _where(budget, demand)
     if room <= 0:
         raise MemoryPlanError(budget.field, f"leaves no memory for the pools: the model needs "
@@ -155,24 +193,23 @@ def plan(budget: Budget, demand: Demand, *, page_bytes: int, slot_bytes: int, pa
                                   f"({budget.source}) - {where}")
 
     if num_pages is not None:
-        check_given("num_pages", num_pages, "KV pages", page_bytes, num_slots if num_slots is not None else W,
+        check_given("num_pages", num_pages, "KV pages", page_bytes, num_slots if num_slots is not None else least,
                     "state slots", slot_bytes)
     if num_slots is not None:
         check_given("num_slots", num_slots, "state slots", slot_bytes, num_pages if num_pages is not None else pps,
                     "KV pages", page_bytes)
     page_cost, slot_cost = f"x {fmt_bytes(page_bytes)}", f"x {fmt_bytes(slot_bytes)}"
-    if num_pages is None and num_slots is None and W * slot_bytes + pps * page_bytes > room:
-        need = W * slot_bytes + pps * page_bytes
+    if num_pages is None and num_slots is None and least * slot_bytes + pps * page_bytes > room:
+        need = least * slot_bytes + pps * page_bytes
         raise MemoryPlanError(budget.field, f"leaves {fmt_bytes(room)} for the pools, less than their minimum "
-                              f"{fmt_bytes(need)} ({W} state slots {slot_cost} for max_num_seqs {max_num_seqs} + "
-                              f"{pps} KV pages {page_cost} for one max_model_len {max_model_len} sequence); the model "
-                              f"takes {fmt_bytes(demand.total)} ({where}) of {fmt_bytes(budget.usable)}; "
-                              f"{_advice(budget)}")
+                              f"{fmt_bytes(need)} ({least} state slots {slot_cost} + {pps} KV pages {page_cost} for "
+                              f"one max_model_len {max_model_len} sequence); the model takes "
+                              f"{fmt_bytes(demand.total)} ({where}) of {fmt_bytes(budget.usable)}; {_advice(budget)}")
     S = num_slots
     if S is None:
         left = room - (num_pages * page_bytes if num_pages is not None else 0)
-        per = slot_bytes if num_pages is not None else slot_bytes + pps * page_bytes
-        S = max(W, min(left // per, cap))
+        per = slot_bytes if num_pages is not None else seat
+        S = max(least, min(left // per, cap))
     P = num_pages
     if P is None:
         P = max(pps, min((room - S * slot_bytes) // page_bytes, S * pps))

@@ -28,6 +28,21 @@ def add_replica_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --replicas: join this Ray cluster (e.g. auto) instead of starting a local one")
 
 
+def shared_gpu_config(engine, gpus: float, device_bytes: int | None):
+    """Replicas that share a GPU (``--replica-gpus`` < 1): each gets a fixed budget, its share ``gpus`` of
+    ``--gpu-memory-utilization`` x the device's memory (``memory_budget_gb``, checked against the memory free when
+    it starts). Each planning ``utilization x`` the whole device minus what is in use would count the replicas
+    started before it as in use, and the first ones would take the device. A given ``--memory-budget-gb`` is kept
+    (the user's split); ``device_bytes`` None (no CUDA device here to size it) is refused."""
+    if engine.memory_budget_gb is not None:
+        return engine
+    if device_bytes is None:
+        raise ValueError(f"--replica-gpus {gpus:g} shares a GPU between replicas: give each its "
+                         "--memory-budget-gb (no CUDA device here to size the share of --gpu-memory-utilization)")
+    share = engine.gpu_memory_utilization * gpus * device_bytes / (1 << 30)
+    return engine.with_(memory_budget_gb=math.floor(share * 100) / 100)     # GiB, rounded down
+
+
 def _fail(message: str, code: int = 2) -> int:
     print(f"gdnserve serve: {message}", file=sys.stderr, flush=True)
     return code
@@ -60,6 +75,12 @@ def run_replicas(args: argparse.Namespace) -> int:
     import torch
     cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     gpus = args.replica_gpus if args.replica_gpus is not None else (1.0 if cuda else 0.0)
+    if cuda and 0 < gpus < 1:
+        try:
+            engine = shared_gpu_config(engine, gpus, torch.cuda.get_device_properties(0).total_memory
+                                       if torch.cuda.is_available() else None)
+        except ValueError as e:
+            return _fail(str(e))
     from gdnserve.replicas.app import make_app
     from gdnserve.replicas.engine_replica import ReplicaSpec
     env = {k: os.environ[k] for k in ("TRITON_INTERPRET",) if k in os.environ}
@@ -78,8 +99,10 @@ def run_replicas(args: argparse.Namespace) -> int:
         serve.run(make_app(args.replicas, spec, config, router=args.router, num_cpus=args.replica_cpus,
                            num_gpus=gpus), name="gdnserve", route_prefix="/")
         host = f"[{args.host}]" if ":" in args.host else args.host
+        budget = f" ({engine.memory_budget_gb:g} GiB)" if engine.memory_budget_gb is not None else ""
         print(f"gdnserve: {args.replicas} replica(s) of {engine.model_name} on Ray Serve, router {args.router}, "
-              f"{args.replica_cpus:g} CPU / {gpus:g} GPU each; API key {'required' if config.api_key else 'none'}\n"
+              f"{args.replica_cpus:g} CPU / {gpus:g} GPU{budget} each; API key "
+              f"{'required' if config.api_key else 'none'}\n"
               f"  listening on http://{host}:{args.port}  (OpenAI base_url http://{host}:{args.port}/v1; "
               f"Ctrl-C stops)", file=sys.stderr, flush=True)
         while not stop.wait(1.0):

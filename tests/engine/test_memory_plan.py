@@ -12,7 +12,7 @@ from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.llm_engine import LLMEngine
 from gdnserve.engine.memory_budget import (config_weights_bytes, device_budget, estimate_activations, resolve_pools,
                                            weights_bytes)
-from gdnserve.engine.memory_plan import Budget, Demand, MemoryPlanError, plan, working_slots
+from gdnserve.engine.memory_plan import Budget, Demand, MemoryPlanError, min_slots, plan, working_slots
 from gdnserve.engine.model_runner import pool_configs, spec_bytes_per_slot
 from gdnserve.models.builtin import build_builtin_model, builtin_config
 from gdnserve.models.config import ModelConfig
@@ -49,7 +49,7 @@ def test_h200_bf16_and_fp8_plans_follow_the_rule():
     demand = Demand(weights=weights, activations=act, graphs=GiB, runtime=GiB)
     p = plan(H200, demand, **c)
     seat = c["slot_bytes"] + 256 * c["page_bytes"]
-    assert p.num_slots == max(working_slots(64), min(p.room // seat, 16 * 64)) and p.num_slots > 130
+    assert p.num_slots == min(p.room // seat, 16 * 64) and p.num_slots > working_slots(64)
     assert p.num_pages == min((p.room - p.num_slots * c["slot_bytes"]) // c["page_bytes"], p.num_slots * 256)
     assert p.pool_bytes <= p.room < p.pool_bytes + seat and p.sized
     assert p.max_concurrency() == 64 and p.checkpoint_capacity(2048, 64) > 100
@@ -62,12 +62,51 @@ def test_h200_bf16_and_fp8_plans_follow_the_rule():
     assert "64 concurrent requests at max_model_len 4096" in text and "checkpoints of a 2048-token prefix" in text
 
 
+MiB = 1 << 20
+FIRST_H200_RUN = {   # the banner of the first H200 run of bench_serve_http (issue 27), bf16
+    "budget": Budget(int(139.80 * GiB), int(20.64 * GiB), int(105.18 * GiB), "0.90 x 139.80 GiB of cuda:0"),
+    "demand": Demand(weights=int(64.56 * GiB), activations=int(7.61 * GiB), graphs=int(1.33 * GiB),
+                     runtime=512 * MiB, measured=True)}
+
+
+def test_big_slots_are_seats_not_a_floor_of_working_slots():
+    """The first H200 run: slots of 61.41 MiB, max_num_seqs 256, max_model_len 9216. The old floor of W = 514
+    working slots took the room's 31 GiB and left KV for 2 requests; seats (a slot + 8192 tokens of KV) give 144
+    slots and KV for 128 requests of 9216 tokens, and the capacity line says the memory holds fewer than 256."""
+    c = {**full_costs(), "max_model_len": 9216, "max_num_seqs": 256}
+    assert (c["slot_bytes"], c["page_bytes"], c["page_size"]) == (64_389_120, 327_680, 16)    # 61.41 MiB, 320 KiB
+    p = plan(**FIRST_H200_RUN, **c)
+    seat = c["slot_bytes"] + 512 * c["page_bytes"]          # 8192 tokens, not max_model_len's 9216
+    assert p.room // seat == p.num_slots == 144 < working_slots(256)
+    assert p.num_pages == (p.room - 144 * c["slot_bytes"]) // c["page_bytes"] == 73_874    # the rest is KV
+    assert p.max_concurrency() == 128 == p.num_pages // 576 and p.max_concurrency(8192) == 144
+    capacity = p.describe()[2]
+    assert capacity.startswith("  capacity: 128 concurrent requests at max_model_len 9216 (state slots 144, KV for "
+                               "128, max_num_seqs 256: the memory holds fewer); 144 at 8192 tokens each;"), capacity
+    assert "(144 working + 0 for checkpoints)" in p.describe()[1]
+
+
+def test_a_long_max_model_len_sizes_seats_at_a_typical_request():
+    """The real model's default context (262144 tokens): a seat at max_model_len would be 5 GB of KV and give ~6 slots
+    for 31 GiB; at 8192 tokens the slots are the same as at 9216 and the KV holds 4 full-length requests (or 144 of
+    8192 tokens). A given --num-slots still pins the slots (SGLang's --max-mamba-cache-size)."""
+    c = {**full_costs(), "max_model_len": 262_144, "max_num_seqs": 256}
+    p = plan(**FIRST_H200_RUN, **c)
+    assert p.num_slots == 144 and p.num_pages == 73_874
+    assert (p.max_concurrency(), p.max_concurrency(8192)) == (4, 144)
+    assert "4 concurrent requests at max_model_len 262144" in p.describe()[2]
+    pinned = plan(**FIRST_H200_RUN, num_slots=32, **c)
+    assert pinned.num_slots == 32 and pinned.num_pages == (p.room - 32 * c["slot_bytes"]) // c["page_bytes"]
+    with pytest.raises(MemoryPlanError, match=r"^num_slots \(--num-slots\) = 600 asks for 600 state slots"):
+        plan(**FIRST_H200_RUN, num_slots=600, **c)       # 600 x 61.41 MiB + one 262144-token sequence > 31 GiB
+
+
 def test_refusals_name_the_field_and_the_bytes():
     c = full_costs()
     demand = Demand(weights=70 * GiB, activations=10 * GiB)
     with pytest.raises(MemoryPlanError) as e:
         plan(H200, demand, num_pages=100_000_000, **c)
-    need = 100_000_000 * c["page_bytes"] + working_slots(64) * c["slot_bytes"]
+    need = 100_000_000 * c["page_bytes"] + min_slots(64) * c["slot_bytes"]
     assert e.value.field == "num_pages" and isinstance(e.value, ValueError)
     assert str(e.value).startswith("num_pages (--num-pages) = 100000000") and str(need) in str(e.value)
     assert str(H200.usable - demand.total) in str(e.value)                  # the bytes the pools have
@@ -76,8 +115,8 @@ def test_refusals_name_the_field_and_the_bytes():
     with pytest.raises(MemoryPlanError, match=r"^gpu_memory_utilization .* leaves no memory for the pools"):
         plan(H200, Demand(weights=140 * GiB, activations=0), **c)
     small = Budget(80 * GiB, 0, 72 * GiB, "--memory-budget-gb 72", "memory_budget_gb")
-    with pytest.raises(MemoryPlanError, match=r"^memory_budget_gb .* less than their minimum"):
-        plan(small, Demand(weights=70 * GiB, activations=GiB), **c)        # 1 GiB left: 130 slots need 7.8
+    with pytest.raises(MemoryPlanError, match=r"^memory_budget_gb .* less than their minimum 325.62 MiB \(4 state"):
+        plan(small, Demand(weights=71 * GiB, activations=GiB - 300 * MiB), **c)    # 300 MiB: 4 slots + 4096 tokens
     given = plan(H200, demand, num_pages=4096, num_slots=300, **c)
     assert (given.num_pages, given.num_slots, given.sized) == (4096, 300, False)
     rest = plan(H200, demand, num_pages=4096, **c)                           # the slots take the rest, capped
@@ -89,8 +128,9 @@ def test_refusals_name_the_field_and_the_bytes():
        length=st.integers(1, 1 << 17), page=st.sampled_from([1, 16, 64]), slot=st.integers(1, 1 << 28),
        page_bytes=st.integers(1, 1 << 21))
 def test_plan_invariants(usable, weights, seqs, length, page, slot, page_bytes):
-    """Whatever fits is within the room, keeps the working slots and one max_model_len sequence, and holds no
-    page that no slot could hold; whatever does not fit is a MemoryPlanError."""
+    """Whatever fits is within the room, keeps the least slots and one max_model_len sequence, uses the room by
+    seats (no seat more would fit unless a cap binds), holds no page that no slot could hold, and its capacity line
+    is the min of the three limits; whatever does not fit is a MemoryPlanError."""
     budget = Budget(usable, 0, usable, "test")
     try:
         p = plan(budget, Demand(weights=weights, activations=0), page_bytes=page_bytes, slot_bytes=slot,
@@ -100,8 +140,14 @@ def test_plan_invariants(usable, weights, seqs, length, page, slot, page_bytes):
         return
     pps = -(-length // page)
     assert p.pool_bytes <= p.room
-    assert working_slots(seqs) <= p.num_slots <= max(working_slots(seqs), 16 * seqs)
+    assert min_slots(seqs) <= p.num_slots <= max(min_slots(seqs), 16 * seqs)
     assert pps <= p.num_pages <= p.num_slots * pps
+    seat = slot + -(-min(length, 8192) // page) * page_bytes
+    if min_slots(seqs) < p.num_slots < 16 * seqs:
+        assert p.num_slots == p.room // seat
+    run = min(seqs, p.num_slots, p.num_pages // pps)
+    assert p.describe()[2].startswith(f"  capacity: {run} concurrent requests at max_model_len {length} ")
+    assert (": the memory holds fewer" in p.describe()[2]) == (run < seqs)
 
 
 def pool_tensors_bytes(e: LLMEngine) -> int:
@@ -172,6 +218,24 @@ def test_cpu_budget_counts_loaded_weights_as_available():
     assert b.capacity - a.capacity == pytest.approx(10 * GiB, abs=256 << 20) and b.in_use == 0
 
 
+def test_the_cuda_budget_says_where_in_use_is(monkeypatch):
+    """Issue 27: "20.64 GiB in use" beside 64.56 GiB of weights, unexplained. The budget's detail (on the banner's
+    memory line) splits it: torch tensors of this process beyond the counted weights, torch's cached fragments
+    that empty_cache could not return, and what is outside torch's allocator (the CUDA counters faked)."""
+    weights = int(64.56 * GiB)
+    fake = {"mem_get_info": lambda d: (140 * GiB - weights - 20 * GiB, 140 * GiB),
+            "memory_allocated": lambda d: weights + GiB, "memory_reserved": lambda d: weights + 19 * GiB + GiB // 2,
+            "get_device_name": lambda d: "H200", "empty_cache": lambda: None}
+    for name, f in fake.items():
+        monkeypatch.setattr(torch.cuda, name, f)
+    b = device_budget(torch.device("cuda:0"), EngineConfig(), resident=weights)
+    assert b.in_use == 20 * GiB and b.usable == int(0.9 * 140 * GiB) - 20 * GiB
+    assert b.detail == ("1.00 GiB torch tensors beyond the weights + 18.50 GiB cached by torch's allocator "
+                        "(fragments) + 512.00 MiB outside it (CUDA context, libraries, other processes)")
+    p = plan(b, Demand(weights=weights, activations=GiB), **full_costs())
+    assert f"(0.90 x 140.00 GiB of cuda:0 (H200) - 20.00 GiB in use: {b.detail}): weights 64.56 GiB" in p.describe()[0]
+
+
 def test_resolve_pools_leaves_given_sizes_and_sizes_the_rest():
     cfg = EngineConfig(memory_budget_gb=0.5, num_pages=300, max_num_seqs=4)
     out, p = resolve_pools(cfg, builtin_config(), torch.float32, torch.device("cpu"), weights=1 << 20)
@@ -210,3 +274,43 @@ def test_a_tensor_parallel_rank_0_keeps_the_workers_sizes():
     assert not p.sized
     before, _ = resolve_pools(cfg, builtin_config(), torch.float32, torch.device("cpu"), weights=1 << 20)
     assert before.num_slots == 16 * 4           # before the workers start (load_engine): planned
+
+
+def test_steps_with_every_rows_logits_stay_within_max_step_tokens():
+    """prompt_logprobs prompts and score candidates are not chunked and keep every row's logits: above
+    max_step_tokens (the step the plan prices) intake refuses them, naming the field and the flag; at it they run."""
+    from gdnserve.engine.request import RequestError
+    from gdnserve.engine.sampling_params import SamplingParams
+    e = LLMEngine(build_builtin_model(), ByteTokenizer(), EngineConfig(max_step_tokens=64, max_model_len=512,
+                                                                      num_pages=128, max_num_seqs=4))
+    plp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
+    with pytest.raises(RequestError, match=r"^prompt_logprobs: a prompt of 65 tokens .* max_step_tokens = 64 "
+                                           r"\(--max-step-tokens\)") as err:
+        e.add_request(None, [5] * 65, plp)
+    assert err.value.param == "prompt_logprobs"
+    with pytest.raises(RequestError, match=r"^candidates\[1\]: .* \(65 tokens\) .* max_step_tokens = 64") as err:
+        e.add_score([1, 2, 3], [[4] * 8, [4] * 64])
+    assert err.value.param == "candidates[1]"
+    e.add_request(None, [5] * 64, plp)                 # at the bound: runs, in one step of 64 rows of logits
+    e.add_score([1, 2, 3], [[4] * 63])
+    while e.has_unfinished():
+        e.step()
+
+
+def test_cpu_fixed_pools_are_not_refused_for_steps_with_every_rows_logits(monkeypatch):
+    """Issue 27 review: on CPU without --memory-budget-gb the plan only checks the fixed pools; pricing the
+    prompt-logprobs step there (12 bytes x vocab x max_step_tokens: 14 GiB for a vocab of 248320 at 4096 tokens,
+    estimated) refused a small real model on an 8 GiB machine. The check leaves that step out; a CPU budget that
+    sizes the pools still prices it."""
+    from dataclasses import replace
+
+    from gdnserve.engine import memory_budget as mb
+    monkeypatch.setattr(mb, "meminfo_available", lambda: 8 * GiB)
+    small_real = replace(builtin_config(), vocab_size=248_320)
+    full = estimate_activations(small_real, EngineConfig(), torch.float32)
+    assert full > 10 * GiB
+    _, p = resolve_pools(EngineConfig(), small_real, torch.float32, torch.device("cpu"), weights=GiB)
+    assert not p.sized and p.demand.activations < GiB
+    with pytest.raises(MemoryPlanError, match=r"^memory_budget_gb"):       # sized from a budget: priced
+        resolve_pools(EngineConfig(memory_budget_gb=6), small_real, torch.float32, torch.device("cpu"), weights=GiB)
+
