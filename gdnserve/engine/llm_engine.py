@@ -1,9 +1,9 @@
 """The engine loop: continuous batching of prefills, decodes, verifies and score waves over the ModelRunner.
 
-``step()`` reads top-down: the scheduler fills the step's batch (``scheduler.py``, ``admission.py``), the runner
+``step()`` reads top-down: the scheduler returns the step's batch (``scheduler.py``, ``admission.py``), the runner
 runs it, the output processor turns logits into tokens, stop decisions, text, logprobs and scores
-(``output_processor.py``), and finished samples are published (``_publish``: an automatic checkpoint of exactly
-the tokens a single-sample request consumed, or freed).
+(``output_processor.py``), and the scheduler applies the result (``Scheduler.update_from_output``: checkpoints
+READY, finished samples published as automatic checkpoints or freed, a failed step rolled back, the counters).
 
 Checkpoints: a request that names a boundary (a marker or ``checkpoint_at``) is split there into a producer and
 consumers in the same step; later requests with the same prefix start from the READY checkpoint, which stays
@@ -22,13 +22,14 @@ does every later submission (``dead``).
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+import time
+from collections.abc import Callable
 
 import torch
 
-from gdnserve.engine.checkpoint_index import conversation_key, conversation_prefix
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.engine_api import EngineDeadError, RequestOutput, ScoreResult
+from gdnserve.engine.engine_stats import EngineStats, StepReport
 from gdnserve.engine.intake import make_request, make_score_job
 from gdnserve.engine.isolation import Isolation
 from gdnserve.engine.kv_cache import KVCache
@@ -38,7 +39,7 @@ from gdnserve.engine.output_processor import OutputProcessor, Processed
 from gdnserve.engine.request import Job, Request, RequestError, ScoreJob
 from gdnserve.engine.sampler import Sampler
 from gdnserve.engine.scheduler import MIN_CHUNK, Scheduler
-from gdnserve.engine.step_batch import StepBatch
+from gdnserve.engine.step_batch import StepBatch, StepOutput
 from gdnserve.speculative.ngram import NgramDrafter
 
 __all__ = ["LLMEngine", "RequestError", "MIN_CHUNK"]
@@ -69,19 +70,17 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_name, self.max_model_len, self.spec_k = cfg.model_name, cfg.max_model_len, cfg.spec_k
         self.vocab_size = model.cfg.vocab_size
-        self.counters = {"prompt_tokens": 0, "tokens_generated": 0, "requests_finished": 0, "checkpoint_hits": 0,
-                         "checkpoints_published": 0, "spec_drafted": 0, "spec_accepted": 0, "preemptions": 0,
-                         "requests_failed": 0, "idle_steps": 0, "checkpoint_misses": {}}
         # n-gram drafts are proposed by the scheduler on the host; MTP drafts inside the runner's step, on the device
         drafter = NgramDrafter(cfg.spec_k) if cfg.spec_k and cfg.spec_draft == "ngram" else None
-        self.scheduler = Scheduler(cfg, self.kv, self.counters, drafter)
+        self.scheduler = Scheduler(cfg, self.kv, drafter)
         self.sampler = Sampler(cfg.seed)
-        self.outputs = OutputProcessor(tokenizer, self.sampler, self.counters, cfg.max_model_len, cfg.spec_k)
+        self.outputs = OutputProcessor(tokenizer, self.sampler, cfg.max_model_len, cfg.spec_k)
         self.isolation = Isolation()
         self.requests: dict[str, Job] = {}
         self.scores: dict[str, ScoreResult | BaseException] = {}    # finished score jobs, until taken
         self._backlog: list[RequestOutput] = []                      # outputs produced while score() stepped
         self._ids = itertools.count()
+        self._observer: Callable[[StepReport], None] | None = None
 
     # ------------------------------------------------------------------ views kept for callers and tests
     drafter = property(lambda self: self.scheduler.drafter,
@@ -93,6 +92,20 @@ class LLMEngine:
     max_num_seqs = property(lambda self: self.config.max_num_seqs)
     max_step_tokens = property(lambda self: self.config.max_step_tokens)
     auto_checkpoints = property(lambda self: self.config.auto_checkpoints)
+
+    @property
+    def counts(self) -> EngineStats:
+        """The engine's counters (the scheduler writes them; read them, do not write)."""
+        return self.scheduler.stats
+
+    def checkpoint_keys(self) -> tuple[list[bytes], list[bytes], list[int]]:
+        """READY keys, PENDING keys and READY lengths of the checkpoint index (what a replica's router reads)."""
+        return self.kv.checkpoints.index.keys()
+
+    def set_step_observer(self, observer: Callable[[StepReport], None] | None) -> None:
+        """Call ``observer`` after every ``step()`` (on the thread that steps) with its StepReport; one observer, a
+        later call replaces it (None: none)."""
+        self._observer = observer
 
     def evict_checkpoints(self, n: int) -> bool:
         """Evict up to n unreferenced READY checkpoints (LRU), freeing their slots and pages."""
@@ -147,8 +160,7 @@ class LLMEngine:
         return {"queue_depth": len(self.waiting), "running": len(self.running),
                 "state_pool_used": st.num_slots - st.num_free, "state_pool_total": st.num_slots,
                 "page_pool_used": pg.num_pages - pg.num_free, "page_pool_total": pg.num_pages,
-                "checkpoints_ready": len(self.ckpt_pages), **self.counters,
-                "checkpoint_misses": dict(self.counters["checkpoint_misses"])}
+                "checkpoints_ready": len(self.ckpt_pages), **self.counts.as_dict()}
 
     def score(self, prefix, candidates, label_token_ids=None) -> ScoreResult:
         """Score now: the job is scheduled with everything else, in waves that fit the step (other requests'
@@ -172,35 +184,56 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """One step: schedule -> run (forward, batched sampling) -> process per request -> the scheduler's update
+        -> outputs (after those produced while ``score()`` stepped)."""
+        t0 = time.monotonic()
         outs, self._backlog = self._backlog, []
-        return outs + self._step()
+        batch = None
+        try:
+            batch = self.scheduler.schedule(self.isolation.allowed())
+            return outs + self._run(batch)
+        finally:
+            if self._observer is not None:
+                self._observer(StepReport(t0, time.monotonic() - t0, self._admitted(batch)))
 
     def _step(self) -> list[RequestOutput]:
-        batch = StepBatch()
-        self.scheduler.allowed = self.isolation.allowed()
-        try:
-            self.scheduler.schedule(batch)
-            if batch.empty:
-                self.counters["idle_steps"] += 1
-                if self.isolation.active:       # the trial's jobs cannot run now: stop isolating, retry all
-                    self.isolation.give_up()
-                    return []
-                return self._unfit()
-            logits = self.runner.step(batch.items, batch.decodes, is_ready=self.kv.checkpoints.is_ready_slot,
-                                      verifies=batch.verifies)
-        except EngineDeadError as e:
-            return self._die(batch, e)
-        except Exception as e:       # noqa: BLE001
-            return self._failed(batch, e, settled=False)
-        self._settle(batch, ok=True)
-        try:
-            sampled, accepted = self._sample(batch, logits)
-        except Exception as e:       # noqa: BLE001
-            return self._failed(batch, e, settled=True)
-        done = self._process(batch, logits, sampled, accepted)
-        self._publish(done)
+        return self._run(self.scheduler.schedule(self.isolation.allowed()))
+
+    def _run(self, batch: StepBatch) -> list[RequestOutput]:
+        if batch.empty and batch.error is None:
+            return self._idle()
+        out = self._execute(batch)
+        self.scheduler.update_from_output(batch, out)
+        if out.error is not None:
+            return self._die(out.error) if out.dead else self._failed(batch, out.error)
+        for req, why in out.processed.failed:
+            self._fail(req, why)
         self.isolation.passed()
-        return self._outputs(batch, done)
+        return self._outputs(batch, out.processed)
+
+    def _execute(self, batch: StepBatch) -> StepOutput:
+        """The forward and the batched, device-side sampling (a failure there fails the step), then the
+        per-request processing on the host (a failure there is that request's alone)."""
+        out = StepOutput(error=batch.error)
+        if out.error is not None:
+            return out
+        try:
+            out.logits = self.runner.step(batch.items, batch.decodes, verifies=batch.verifies, ready=batch.ready)
+            out.ran = True
+            sampled, accepted = self._sample(batch, out.logits)
+        except Exception as e:       # noqa: BLE001  rolled back by the scheduler, isolated here
+            out.error = e
+            return out
+        out.processed = self._process(batch, out.logits, sampled, accepted)
+        self.runner.flush(out.processed.finished_seqs())   # replay-pending tokens land before a slot is published
+        return out
+
+    def _admitted(self, batch: StepBatch | None) -> tuple[str, ...]:
+        """Request ids the step admitted that are out of the queue now (a failed step requeued its own)."""
+        if batch is None or not batch.admitted:
+            return ()
+        waiting = set(map(id, self.scheduler.waiting))
+        return tuple(j.request_id for j in batch.admitted if id(j) not in waiting)
 
     def _sample(self, batch: StepBatch, logits: torch.Tensor):
         """The batched, device-side part of processing: sampling and draft acceptance (with the commit)."""
@@ -244,33 +277,14 @@ class LLMEngine:
                     elif kind == "tok":
                         self.outputs.append(req, a, b[0], b[1], b[2], out)
                     else:
-                        self.counters["spec_drafted"] += self.spec_k
-                        self.counters["spec_accepted"] += len(b) - 1
+                        out.verified += 1
+                        out.drafts_accepted += len(b) - 1
                         for tok in b:
                             if a.finish_reason is None:
                                 self.outputs.append(req, a, tok, None, None, out)
             except Exception as e:   # noqa: BLE001
                 out.failed.append((req, f"{type(e).__name__}: {e}"))
         return out
-
-    def _publish(self, done: Processed) -> None:
-        """Finished samples: an automatic checkpoint of exactly the tokens a single-sample request consumed
-        (prompt + output minus the last, unfed token), or freed; failed requests leave with their reason."""
-        for req, s in done.finished:
-            seq, s.seq = s.seq, None
-            if seq is None:
-                continue
-            self.runner.flush([seq])                   # replay-mode pending tokens land in the slot first
-            tokens = conversation_prefix(req.prompt_ids, s.token_ids)
-            if (self.config.auto_checkpoints and len(req.samples) == 1 and s.finish_reason in ("stop", "length")
-                    and seq.length == len(tokens)
-                    and self.kv.checkpoints.adopt(tokens, seq, conversation_key(req, s.token_ids)) is not None):
-                self.counters["checkpoints_published"] += 1
-                req.checkpoint = replace(req.checkpoint, published=True)
-                continue
-            self.kv.free_seq(seq)
-        for req, why in done.failed:
-            self._fail(req, why)
 
     def _outputs(self, batch: StepBatch, done: Processed) -> list[RequestOutput]:
         outs = []
@@ -283,40 +297,16 @@ class LLMEngine:
                 self._retire(w.job)
         return outs
 
-    # ------------------------------------------------------------------ after a step, failures
-    def _settle(self, batch: StepBatch, ok: bool) -> None:
-        """Producers of n-sample forks and score candidates live for one step; published checkpoints become
-        READY (their state and KV pages are final once the step has run) or are dropped if it failed;
-        references taken for the step are released; chunked producers advance."""
-        ck = self.kv.checkpoints
-        for seq in batch.temps:
-            self.kv.free_seq(seq)
-        for entry, prod in batch.pending:
-            (ck.ready if ok else ck.abort)(entry, prod.pages)
-        for entry in batch.acquired:
-            ck.release(entry)
-        batch.temps, batch.pending, batch.acquired = [], [], []
-        for job, last in batch.prod_chunks if ok else ():
-            if not last:
-                continue
-            if isinstance(job, Request):   # READY, pinned by the request until its samples read it
-                entry, pages = job.prod.entry, job.prod.seq.pages
-            else:
-                entry, pages, job.prod = job.entry, job.prod.pages, None
-            ck.ready(entry, pages)
-            ck.acquire(entry)
-            self.scheduler.producing.pop(entry.token_ids, None)
+    # ------------------------------------------------------------------ failures
+    def _idle(self) -> list[RequestOutput]:
+        if self.isolation.active:       # the trial's jobs cannot run now: stop isolating, retry all
+            self.isolation.give_up()
+            return []
+        return self._unfit()
 
-    def _failed(self, batch: StepBatch, err: Exception, settled: bool) -> list[RequestOutput]:
-        """Roll the step back (every job requeued, recomputed later) and isolate the culprit. Outside a trial the
-        error is re-raised after the rollback."""
-        if not settled:
-            self._settle(batch, ok=False)
-        for w in batch.waves:
-            w.job.todo = sorted(set(w.job.todo) | set(w.cands))
-        for i, job in enumerate(batch.jobs):
-            if job.request_id in self.requests:
-                self.scheduler.requeue(job, front=i)
+    def _failed(self, batch: StepBatch, err: Exception) -> list[RequestOutput]:
+        """The scheduler rolled the step back (every job requeued, recomputed later); isolate the culprit. Outside a
+        trial the error is re-raised."""
         live = [j for j in batch.jobs if j.request_id in self.requests]
         if not self.isolation.active:
             self.isolation.start(live, batch.admitted, batch.marks)
@@ -326,9 +316,8 @@ class LLMEngine:
             return []
         return self._fail(culprit, f"{type(err).__name__}: {err}")
 
-    def _die(self, batch: StepBatch, err: EngineDeadError) -> list[RequestOutput]:
+    def _die(self, err: EngineDeadError) -> list[RequestOutput]:
         """A fatal error (a tensor-parallel worker is gone): every job fails with it, and so will every later one."""
-        self._settle(batch, ok=False)
         self.dead = str(err)
         return [o for job in list(self.requests.values()) for o in self._fail(job, self.dead)]
 
@@ -351,18 +340,16 @@ class LLMEngine:
         return [o for job in list(self.waiting) for o in self._fail(job, why)]
 
     def _fail(self, job: Job, why: str) -> list[RequestOutput]:
-        self.counters["requests_failed"] += 1
         job.fail(why)
-        self._retire(job)
+        self._retire(job, failed=True)
         return [self.outputs.output(job)] if isinstance(job, Request) else []
 
-    def _retire(self, job: Job) -> None:
-        self.scheduler.remove(job)
+    def _retire(self, job: Job, failed: bool = False) -> None:
+        known = self.requests.pop(job.request_id, None) is not None
+        self.scheduler.retire(job, failed=failed, finished=known)
         self.isolation.forget(job)
-        if self.requests.pop(job.request_id, None) is None:
+        if not known:
             return
         if isinstance(job, ScoreJob):
             self.scores[job.request_id] = (RuntimeError(f"score failed: {job.error}") if job.error else
                                            ScoreResult(job.prefix_ids, list(job.results)))
-        else:
-            self.counters["requests_finished"] += 1

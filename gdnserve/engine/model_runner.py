@@ -246,14 +246,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]],
-             is_ready=lambda slot: False, verifies: list[tuple[SeqState, list[int]]] = ()) -> torch.Tensor:
+             verifies: list[tuple[SeqState, list[int]]] = (), ready: frozenset[int] = frozenset()) -> torch.Tensor:
         """Returns fp32 logits, one row per: each prefill item's last token (every token for an item with
         ``all_logits``), then each decode token, then every token of each verify item (L rows), in order.
         After a verify step the caller must ``accept`` how many tokens each verified sequence keeps; the drafts
         that were verified are ``self.drafts`` ([B, k] on the device). Verify items carry their L tokens, or with
         ``spec_draft="mtp"`` only the last sampled token: the MTP head drafts the other k in this step.
         A decode-only or verify-only step may run a CUDA graph (``self.graphs``; not with the MTP drafter, whose
-        draft and KV passes run eagerly); its logits are the same."""
+        draft and KV passes run eagerly); its logits are the same. ``ready``: the READY checkpoint slots among
+        those the prefills write or read (the scheduler's ``StepBatch.ready``), for the plan's ownership check."""
         if verifies and self.rc.spec_mode is None:
             raise ValueError("verifies: this runner has no spec_mode (RunnerConfig.spec_mode / spec_tokens)")
         want = 1 if self.mtp is not None else self.rc.spec_tokens     # with the MTP head: the last sampled token
@@ -274,13 +275,13 @@ class ModelRunner:
             elif not verifies:
                 mkey = self.graphs.select_mixed(prefills, decodes)
                 if mkey is not None:
-                    return self._step_mixed(mkey, prefills, decodes, is_ready)
+                    return self._step_mixed(mkey, prefills, decodes, ready)
             if not prefills or self.graphs.mixed is not None:      # a step the graphs could have taken
                 self.graphs.stats["fallback"] += 1
-        return self.execute(self.prepare(prefills, decodes, verifies, is_ready))
+        return self.execute(self.prepare(prefills, decodes, verifies, ready))
 
     def prepare(self, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]], verifies,
-                is_ready=lambda slot: False) -> StepWork:
+                ready: frozenset[int] = frozenset()) -> StepWork:
         """The host half of an eager step: lay the tokens out (pages allocated, forks made) into plain host data.
         Nothing touches the device (copy-on-write page copies are listed in the work, run by ``execute``)."""
         segs = self._segments(prefills)
@@ -290,7 +291,7 @@ class ModelRunner:
         self._lay_decodes(decodes, verifies, host, mtp)
         L = self.rc.spec_tokens
         max_q = max([len(it.tokens) for it in prefills] + [1] * bool(decodes) + [L] * bool(verifies), default=0)
-        return StepWork.of(segs, host, [s.slot for s, _ in decodes], is_ready, len(verifies), max_q, mtp)
+        return StepWork.of(segs, host, [s.slot for s, _ in decodes], ready, len(verifies), max_q, mtp)
 
     @torch.inference_mode()
     def execute(self, work: StepWork, ship=None) -> torch.Tensor:
@@ -299,7 +300,7 @@ class ModelRunner:
         if work.copies:
             self.pages.copy_pages([s for s, _ in work.copies], [d for _, d in work.copies])
         plan = build_step_plan(work.segs, self.rc.prefill_mode, self.stager, decode_slots=work.decode_slots,
-                               extra=work.vectors, is_ready=work.ready.__contains__)
+                               extra=work.vectors, ready=work.ready)
         if ship is not None:
             ship(work)
         x = DeviceInputs.from_views(plan.extra, work.shape())
@@ -324,11 +325,11 @@ class ModelRunner:
         return logits
 
     def _step_mixed(self, key: MixedKey, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]],
-                    is_ready) -> torch.Tensor:
+                    ready: frozenset[int]) -> torch.Tensor:
         """A prefill / mixed step through its graph bucket: the segments validated (before any page moves),
         laid out as the eager step lays them (forks, pages, lengths), then padded into the bucket."""
         segs = self._segments(prefills)
-        src, dst, par = fused_group(segs, is_ready)
+        src, dst, par = fused_group(segs, ready)
         host = StepInputs()
         self._lay_prefills(prefills, segs, host, None)
         self._lay_decodes(decodes, [], host, None)

@@ -1,7 +1,8 @@
 """From a step's logits to outputs: sampling (one vectorised call, one device-to-host read), acceptance of
 verified drafts, stop rules, append-only logprobs, incremental detokenization, prompt logprobs and score
-results. ``process`` returns the samples that finished this step (the engine publishes or frees them) and
-the requests it touched; a failure while processing one request is that request's alone (``failed``).
+results. The step's ``Processed`` holds the samples that finished this step (the scheduler publishes or frees
+them), the requests it touched and the step's counts; a failure while processing one request is that request's
+alone (``failed``).
 """
 from __future__ import annotations
 
@@ -18,14 +19,21 @@ from gdnserve.speculative.acceptance import emitted_tokens, greedy_accept, rejec
 
 @dataclass(eq=False)
 class Processed:
+    """One step's per-request results, and its counts (the scheduler adds them to its ``EngineStats``)."""
     touched: list[Request] = field(default_factory=list)
     finished: list[tuple[Request, Sample]] = field(default_factory=list)
     failed: list[tuple[Request, str]] = field(default_factory=list)
+    tokens: int = 0                 # tokens appended to samples
+    verified: int = 0               # verify rows processed (k drafts proposed each)
+    drafts_accepted: int = 0
+
+    def finished_seqs(self) -> list:
+        return [s.seq for _, s in self.finished if s.seq is not None]
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, sampler: Sampler, counters: dict, max_model_len: int, spec_k: int) -> None:
-        self.tokenizer, self.sampler, self.counters = tokenizer, sampler, counters
+    def __init__(self, tokenizer, sampler: Sampler, max_model_len: int, spec_k: int) -> None:
+        self.tokenizer, self.sampler = tokenizer, sampler
         self.eos = set(tokenizer.eos_token_ids)
         self.max_model_len, self.spec_k = max_model_len, spec_k
 
@@ -100,7 +108,7 @@ class OutputProcessor:
             if s.logprobs is None:
                 s.logprobs = []
             s.logprobs.append(d)
-        self.counters["tokens_generated"] += 1
+        out.tokens += 1
         ended = tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos)
         full = len(s.token_ids) >= p.max_tokens or len(req.prompt_ids) + len(s.token_ids) >= self.max_model_len
         new = s.detok.step(s.token_ids, final=ended or full)

@@ -20,26 +20,28 @@ are done. The scheduler owns the KV cache (pools and checkpoints).
 """
 from __future__ import annotations
 
-from weakref import WeakKeyDictionary
+from dataclasses import replace
 
-from gdnserve.engine.admission import MIN_CHUNK, AdmitPass, admit_long, admit_waiting
-from gdnserve.engine.checkpoint_index import CheckpointStatus
+from gdnserve.engine.admission import MIN_CHUNK, AdmitPass, Admission
+from gdnserve.engine.checkpoint_index import CheckpointStatus, conversation_key, conversation_prefix
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.engine_api import CheckpointInfo
+from gdnserve.engine.engine_stats import EngineStats
 from gdnserve.engine.kv_cache import KVCache
 from gdnserve.engine.model_runner import PrefillItem
-from gdnserve.engine.request import Job, Request, ScoreJob
-from gdnserve.engine.step_batch import StepBatch
+from gdnserve.engine.request import Job, Request, Sample, ScoreJob
+from gdnserve.engine.step_batch import StepBatch, StepOutput
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, kv: KVCache, counters: dict, drafter=None) -> None:
-        self.cfg, self.kv, self.counters, self.drafter = cfg, kv, counters, drafter
+    def __init__(self, cfg: EngineConfig, kv: KVCache, drafter=None) -> None:
+        self.cfg, self.kv, self.drafter = cfg, kv, drafter
+        self.stats = EngineStats()                        # written here and by the admission only
         self.waiting: list[Job] = []
         self.running: list[Request] = []
         self.producing: dict[tuple[int, ...], Job] = {}    # PENDING prefix -> its chunked producer
         self.allowed: set[Job] | None = None              # while isolating a failure: only these run
-        self.long_memo: WeakKeyDictionary = WeakKeyDictionary()   # admission.py _known_long
+        self.admission = Admission(self)
 
     # ------------------------------------------------------------------ queues
     def add(self, job: Job) -> None:
@@ -56,7 +58,30 @@ class Scheduler:
         return self.allowed is None or job in self.allowed
 
     # ------------------------------------------------------------------ one step
-    def schedule(self, batch: StepBatch) -> None:
+    def schedule(self, allowed: set[Job] | None = None) -> StepBatch:
+        """The next step's batch (``allowed``: while a failure is isolated, only these jobs run). Never raises for
+        a step: an error while scheduling comes back as ``batch.error`` with the batch so far, which
+        ``update_from_output`` rolls back like a failed forward."""
+        self.allowed = allowed
+        batch = StepBatch()
+        try:
+            self._fill(batch)
+        except Exception as e:      # noqa: BLE001  the engine rolls the step back and isolates its culprit
+            batch.error = e
+            return batch
+        if batch.empty:
+            self.stats.idle_steps += 1
+        batch.ready = self._ready_slots(batch)
+        return batch
+
+    def _ready_slots(self, batch: StepBatch) -> frozenset[int]:
+        """The READY checkpoint slots among those the step's prefills write or start from: what the plan's
+        ownership check needs to know (a READY slot is never a destination; a checkpoint read must be READY)."""
+        ck = self.kv.checkpoints
+        slots = {it.seq.slot for it in batch.items} | {it.checkpoint[0] for it in batch.items if it.checkpoint}
+        return frozenset(s for s in slots if s >= 0 and ck.is_ready_slot(s))
+
+    def _fill(self, batch: StepBatch) -> None:
         self.make_room()
         reserved = self.pages_for_running()       # before this step's chunks advance num_computed
         chunks, ready = self._collect_running(batch)
@@ -72,12 +97,12 @@ class Scheduler:
         reserve = min(rem_all, max(budget // 2, MIN_CHUNK * (len(chunks) + scores))) if chunks or prods else 0
         p = AdmitPass(budget=budget - reserve, reserved=reserved, busy=bool(chunks or ready), live=self.live_seqs(),
                       reserve=reserve, partial=len(chunks) + scores)
-        longs = admit_waiting(self, batch, p)
+        longs = self.admission.admit_waiting(batch, p)
         for it, o in ready:                       # after the admissions' items: producer indices unchanged
             batch.add(it, o)
         p.budget = self._continue_chunks(batch, chunks, rem, p.budget + p.reserve)
         p.partial = scores + sum(r.num_computed < self._chunk_end(r) for r in chunks)   # still chunked after it
-        admit_long(self, batch, p, longs)
+        self.admission.admit_long(batch, p, longs)
 
     @staticmethod
     def _chunk_end(req: Request) -> int:
@@ -145,6 +170,72 @@ class Scheduler:
             batch.add(PrefillItem(smp.seq, req.prompt_ids[start:start + n]), (req, smp) if last else None)
         return left
 
+    # ------------------------------------------------------------------ after the step
+    def update_from_output(self, batch: StepBatch, out: StepOutput) -> None:
+        """Everything a finished step changes in the scheduler's state. Always: temporaries freed, the step's
+        references released, published checkpoints READY if the forward ran (dropped if not), chunked producers
+        advanced. A step that ran and was processed: its counts added, finished samples published as automatic
+        checkpoints or freed (the runner flushed them first). A failed step (not a dead engine): every job of
+        it requeued, recomputed later from its tokens so far."""
+        self._settle(batch, ok=out.ran)
+        if out.error is not None:
+            if not out.dead:
+                self._roll_back(batch)
+            return
+        done = out.processed
+        st = self.stats
+        st.tokens_generated += done.tokens
+        st.spec_drafted += done.verified * self.cfg.spec_k
+        st.spec_accepted += done.drafts_accepted
+        for req, s in done.finished:
+            self._publish(req, s)
+
+    def _settle(self, batch: StepBatch, ok: bool) -> None:
+        """Producers of n-sample forks and score candidates live for one step; published checkpoints become
+        READY (their state and KV pages are final once the step has run) or are dropped if it failed;
+        references taken for the step are released; chunked producers advance."""
+        ck = self.kv.checkpoints
+        for seq in batch.temps:
+            self.kv.free_seq(seq)
+        for entry, prod in batch.pending:
+            (ck.ready if ok else ck.abort)(entry, prod.pages)
+        for entry in batch.acquired:
+            ck.release(entry)
+        batch.temps, batch.pending, batch.acquired = [], [], []
+        for job, last in batch.prod_chunks if ok else ():
+            if not last:
+                continue
+            if isinstance(job, Request):   # READY, pinned by the request until its samples read it
+                entry, pages = job.prod.entry, job.prod.seq.pages
+            else:
+                entry, pages, job.prod = job.entry, job.prod.pages, None
+            ck.ready(entry, pages)
+            ck.acquire(entry)
+            self.producing.pop(entry.token_ids, None)
+
+    def _publish(self, req: Request, s: Sample) -> None:
+        """A finished sample: an automatic checkpoint of exactly the tokens a single-sample request consumed
+        (prompt + output minus the last, unfed token), or freed."""
+        seq, s.seq = s.seq, None
+        if seq is None:
+            return
+        tokens = conversation_prefix(req.prompt_ids, s.token_ids)
+        if (self.cfg.auto_checkpoints and len(req.samples) == 1 and s.finish_reason in ("stop", "length")
+                and seq.length == len(tokens)
+                and self.kv.checkpoints.adopt(tokens, seq, conversation_key(req, s.token_ids)) is not None):
+            self.stats.checkpoints_published += 1
+            req.checkpoint = replace(req.checkpoint, published=True)
+            return
+        self.kv.free_seq(seq)
+
+    def _roll_back(self, batch: StepBatch) -> None:
+        """A failed step: score waves give their candidates back, every job returns to the queue in the step's
+        order with nothing allocated (outputs so far kept)."""
+        for w in batch.waves:
+            w.job.todo = sorted(set(w.job.todo) | set(w.cands))
+        for i, job in enumerate(batch.jobs):
+            self.requeue(job, front=i)
+
     # ------------------------------------------------------------------ pages and preemption
     def pages_for_running(self) -> int:
         """KV pages the running requests need this step (decode 1 / verify k+1 tokens, next prefill chunk)."""
@@ -175,7 +266,7 @@ class Scheduler:
         self.kv.checkpoints.evict(len(self.kv.checkpoints))
         while self.pages_for_running() > pages.num_free and len(self.running) > 1:
             self.requeue(self.running[-1])
-            self.counters["preemptions"] += 1
+            self.stats.preemptions += 1
 
     # ------------------------------------------------------------------ giving things back
     def free_samples(self, req: Request) -> None:
@@ -210,11 +301,7 @@ class Scheduler:
             if self.producing.get(p.entry.token_ids) is req:
                 del self.producing[p.entry.token_ids]
             ck.abort(p.entry, p.seq.pages)
-            # it was never published: undo its admission's counts (its next producer counts them)
-            self.counters["checkpoints_published"] -= 1
-            miss = req.checkpoint.miss_reason
-            if self.counters["checkpoint_misses"].get(miss):
-                self.counters["checkpoint_misses"][miss] -= 1
+            self.stats.unpublished(req.checkpoint.miss_reason)     # never published: its next producer counts
             req.checkpoint = CheckpointInfo()
         elif p.entry.status is CheckpointStatus.READY:
             ck.release(p.entry)
@@ -225,13 +312,18 @@ class Scheduler:
         if job.prod is not None and job.entry is not None and ck.is_pending(job.entry):
             self.producing.pop(job.entry.token_ids, None)
             ck.abort(job.entry, job.prod.pages)
-            miss, job.checkpoint = job.checkpoint.miss_reason, None     # never published: undo its counts
-            self.counters["checkpoints_published"] -= 1
-            if self.counters["checkpoint_misses"].get(miss):
-                self.counters["checkpoint_misses"][miss] -= 1
+            miss, job.checkpoint = job.checkpoint.miss_reason, None
+            self.stats.unpublished(miss)                             # never published: undo its counts
         elif job.entry is not None and job.entry.status is CheckpointStatus.READY:
             ck.release(job.entry)
         job.prod, job.entry, job.num_computed = None, None, 0
+
+    def retire(self, job: Job, *, failed: bool, finished: bool) -> None:
+        """A job leaves the engine (finished, aborted or ``failed``): removed with what it holds, and counted
+        (``finished``: it was the engine's until now, not retired before)."""
+        self.stats.requests_failed += failed
+        self.remove(job)
+        self.stats.requests_finished += finished and isinstance(job, Request)
 
     def remove(self, job: Job) -> None:
         """Out of every queue with everything it holds (finished, aborted, failed)."""

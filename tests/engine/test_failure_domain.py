@@ -24,7 +24,7 @@ def poison(e, when):
     its decodes once it has 3 tokens)."""
     real = e.runner.step
 
-    def step(prefills, decodes, is_ready=lambda s: False, verifies=()):
+    def step(prefills, decodes, verifies=(), ready=frozenset()):
         bad = e.requests.get("bad")
         if bad is not None:
             seqs = [s.seq for s in bad.samples if s.seq is not None]
@@ -32,7 +32,7 @@ def poison(e, when):
                 raise RuntimeError("injected prefill failure")
             if when == "decode" and len(bad.samples[0].token_ids) >= 3 and any(s in seqs for s, _ in decodes):
                 raise RuntimeError("injected decode failure")
-        return real(prefills, decodes, is_ready=is_ready, verifies=verifies)
+        return real(prefills, decodes, verifies=verifies, ready=ready)
     e.runner.step = step
 
 
@@ -59,7 +59,7 @@ def test_one_failing_request_among_ten(solo, when, auto):
     assert bad.finished and "injected" in bad.error and bad.outputs[0].finish_reason == "abort"
     assert [final[f"r{i}"].outputs[0].token_ids for i in range(9)] == solo
     assert all(final[f"r{i}"].error is None for i in range(9))
-    assert e.counters["requests_failed"] == 1
+    assert e.counts.requests_failed == 1
     assert e.runner.state.check_integrity() == [] and e.runner.pages.check_integrity() == []
     assert e.index.check_integrity() == []
     e.evict_checkpoints(len(e.index))

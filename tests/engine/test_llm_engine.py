@@ -180,12 +180,12 @@ def test_score_provenance_as_completions_report_it(llm):
     e.evict_checkpoints(len(e.index))
     prefix = "Provenance check: which one fits best? Answer:"
     p = len(e.tokenizer.encode(prefix))
-    c0 = dict(e.counters, checkpoint_misses=dict(e.counters["checkpoint_misses"]))
+    c0 = e.counts.as_dict()
     first = e.score(prefix, [f" c{i}" for i in range(40)])            # 40 candidates > 34 slots: two waves or more
     assert [c.checkpoint for c in first.candidates] == [CheckpointInfo(0, "absent", True)] + [CheckpointInfo(p)] * 39
-    assert e.counters["checkpoints_published"] == c0["checkpoints_published"] + 1
-    assert e.counters["checkpoint_misses"]["absent"] == c0["checkpoint_misses"].get("absent", 0) + 1
-    assert e.counters["checkpoint_hits"] == c0["checkpoint_hits"] + 39
+    assert e.counts.checkpoints_published == c0["checkpoints_published"] + 1
+    assert e.counts.checkpoint_misses["absent"] == c0["checkpoint_misses"].get("absent", 0) + 1
+    assert e.counts.checkpoint_hits == c0["checkpoint_hits"] + 39
     again = e.score(prefix, [" a", " b"])
     assert [c.checkpoint for c in again.candidates] == [CheckpointInfo(p)] * 2
     marked = llm.generate("Provenance of a marked prompt: <|state_checkpoint|>tail", GREEDY)[0].checkpoint
@@ -196,7 +196,7 @@ def test_score_provenance_as_completions_report_it(llm):
     got = chunked.score(long_prefix, [" x", " y", " z"])
     q = len(chunked.tokenizer.encode(long_prefix))
     assert [c.checkpoint for c in got.candidates] == [CheckpointInfo(0, "absent", True)] + [CheckpointInfo(q)] * 2
-    assert chunked.counters["checkpoints_published"] == 1 and chunked.index.check_integrity() == []
+    assert chunked.counts.checkpoints_published == 1 and chunked.index.check_integrity() == []
 
 
 def full_prompt_logprobs(e, ids: list[int]) -> list[float | None]:
@@ -286,5 +286,5 @@ def test_page_pressure_preempts_and_recomputes_with_identical_outputs(llm):
     got = texts(tight.generate(prompts, params))
     assert got == want
     e = tight.engine
-    assert e.counters["preemptions"] > 0
+    assert e.counts.preemptions > 0
     assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
