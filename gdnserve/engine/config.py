@@ -1,10 +1,12 @@
-"""EngineConfig: every engine default, once. The offline ``LLM``, the CLI and the server build one; the engine
-derives the runner's config from it (a new object: nothing the caller passed is mutated)."""
+"""EngineConfig: every engine default, once. The offline ``LLM``, the CLI (``entrypoints/serve.py``
+``engine_config``: the flags -> config mapping every command shares) and the server build one; the engine derives
+the runner's config from it (``runner_config``: a new object, nothing the caller passed is mutated). RunnerConfig
+takes its defaults from EngineConfig's fields; only what a runner on its own needs beyond them (its small pools,
+the graph buckets' bounds) is its own."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-from gdnserve.engine.model_runner import RunnerConfig
 
 PREFILL_MODES = ("serial", "two_phase", "two_phase_indexed", "fused")
 FIXED_PAGES = 2048      # num_pages when nothing sizes the pools (CPU without memory_budget_gb)
@@ -74,6 +76,13 @@ class EngineConfig:
                              "steps run eagerly)")
 
     @property
+    def graphs(self) -> bool | None:
+        """Whether steps replay CUDA graphs, decided here only: never under tensor parallelism (its steps run
+        eagerly: a collective inside a captured graph is not supported); else ``cuda_graphs`` (None: on for a
+        CUDA device with a capturable forward, the runner's ``build_step_graphs`` resolves it)."""
+        return False if self.tensor_parallel_size > 1 else self.cuda_graphs
+
+    @property
     def slots(self) -> int:
         return self.num_slots if self.num_slots is not None else 2 * self.max_num_seqs + 2
 
@@ -88,7 +97,7 @@ class EngineConfig:
                             prefill_mode=self.prefill_mode, backend=self.backend,
                             spec_mode=self.spec_mode if k else None, spec_tokens=k + 1 if k else 0,
                             spec_draft=self.spec_draft,
-                            cuda_graphs=False if self.tensor_parallel_size > 1 else self.cuda_graphs,
+                            cuda_graphs=self.graphs,
                             graph_capture=self.graph_capture, graph_max_batch=self.max_num_seqs,
                             max_model_len=self.max_model_len, graph_max_tokens=self.max_step_tokens)
 
@@ -110,3 +119,27 @@ class EngineConfig:
         if bad:
             raise TypeError(f"EngineConfig has no field(s) {bad}")
         return replace(self, **kw)
+
+
+_E = EngineConfig      # a frozen dataclass's class attributes are its fields' defaults
+
+
+@dataclass
+class RunnerConfig:
+    """The ModelRunner's config: ``EngineConfig.runner_config()`` for an engine; a runner on its own (kernel-level
+    tests, ``gdnserve generate``) gets small pools by default and EngineConfig's defaults for the rest."""
+    num_slots: int = 32
+    num_pages: int = 512
+    page_size: int = _E.page_size
+    prefill_mode: str = _E.prefill_mode
+    backend: str = _E.backend
+    staging_ints: int = 1 << 20
+    spec_mode: str | None = None     # "intermediate" | "replay": speculative verify buffers
+    spec_tokens: int = 0             # L = k + 1 tokens per verify
+    spec_draft: str = _E.spec_draft  # "ngram": verify tokens come with the step; "mtp": the runner drafts them
+    cuda_graphs: bool | None = _E.cuda_graphs   # decode/verify steps via bucketed graphs (cuda_graphs.py); None = on for CUDA
+    graph_capture: bool | None = _E.graph_capture   # False: the same padded static-buffer path, run eagerly (None = on CUDA)
+    graph_max_batch: int | None = None  # largest bucket (max_num_seqs); None = min(256, num_slots)
+    max_model_len: int = _E.max_model_len   # sets the graphs' page-table width; longer sequences step eagerly
+    mixed_graphs: bool = True        # prefill and mixed steps via graphs too (prefill_mode "fused", no MTP drafter)
+    graph_max_tokens: int | None = None  # largest prefill-token bucket; None = min(max_model_len, 8192)

@@ -216,8 +216,9 @@ class StepGraphs:
 
 def build_step_graphs(model, rc, device: torch.device) -> StepGraphs | None:
     """StepGraphs for a ModelRunner (``rc``: its RunnerConfig) when ``rc.cuda_graphs`` resolves on. Auto (None)
-    turns them on for a CUDA device with the Triton backend, tensor parallel size 1 and a model whose forward
-    can be captured (the PyTorch ops read index vectors and expert counts on the host)."""
+    turns them on for a CUDA device with the Triton backend and a model whose forward can be captured (the
+    PyTorch ops read index vectors and expert counts on the host). Tensor parallelism turns them off in
+    ``EngineConfig.graphs`` (the runner config of every rank comes from it)."""
     cuda = device.type == "cuda"
     capture = cuda if rc.graph_capture is None else rc.graph_capture
     if capture and not cuda:
@@ -225,7 +226,7 @@ def build_step_graphs(model, rc, device: torch.device) -> StepGraphs | None:
     capturable = rc.backend != "torch" and all(getattr(m, "graph_safe", True) for m in model.modules())
     on = rc.cuda_graphs
     if on is None:
-        on = cuda and capturable and getattr(model, "tp_size", 1) == 1
+        on = cuda and capturable
     if not on:
         return None
     if capture and not capturable:

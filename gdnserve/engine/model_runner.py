@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gdnserve.engine.config import RunnerConfig
 from gdnserve.engine.cuda_graphs import build_step_graphs
 from gdnserve.engine.mixed_inputs import MixedKey, MixedStep, fused_group
 from gdnserve.engine.page_pool import PagePool, PagePoolConfig, PageTable
@@ -19,6 +20,7 @@ from gdnserve.engine.step_work import StepWork
 from gdnserve.engine.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan, segment_phases
 from gdnserve.layers.forward_context import AttnMeta, ForwardContext, VerifyMeta, forward_context
 from gdnserve.layers.moe import SparseMoE
+from gdnserve.layers.rank_shapes import GDNShape, attn_heads
 from gdnserve.ops.gdn.recurrent import GDNPending
 from gdnserve.ops.varlen import aligned
 
@@ -57,25 +59,6 @@ class PrefillItem:
     checkpoint: tuple[int, PageTable] | None = None   # a READY checkpoint (state slot, KV pages) this continues
 
 
-@dataclass
-class RunnerConfig:
-    num_slots: int = 32
-    num_pages: int = 512
-    page_size: int = 16
-    prefill_mode: str = "fused"
-    backend: str = "auto"
-    staging_ints: int = 1 << 20
-    spec_mode: str | None = None     # "intermediate" | "replay": speculative verify buffers
-    spec_tokens: int = 0             # L = k + 1 tokens per verify
-    spec_draft: str = "ngram"        # "ngram": verify tokens come with the step; "mtp": the runner drafts them
-    cuda_graphs: bool | None = None  # decode/verify steps via bucketed graphs (cuda_graphs.py); None = on for CUDA
-    graph_capture: bool | None = None   # False: the same padded static-buffer path, run eagerly (None = on CUDA)
-    graph_max_batch: int | None = None  # largest bucket (max_num_seqs); None = min(256, num_slots)
-    max_model_len: int = 4096        # sets the graphs' page-table width; longer sequences step eagerly
-    mixed_graphs: bool = True        # prefill and mixed steps via graphs too (prefill_mode "fused", no MTP drafter)
-    graph_max_tokens: int | None = None  # largest prefill-token bucket; None = min(max_model_len, 8192)
-
-
 def pool_shapes(model, rc: RunnerConfig) -> tuple[StatePoolConfig, PagePoolConfig]:
     """The state and KV page pools a model needs under ``rc`` (per rank: this rank's GDN value/key heads and
     attention KV heads; the MTP head's KV cache is one more page-pool layer after the target's)."""
@@ -93,11 +76,11 @@ def pool_configs(cfg, rc: RunnerConfig, dtype: torch.dtype, device: torch.device
     """:func:`pool_shapes` from the model's config alone (``cfg``: a ModelConfig; nothing is built): what the
     memory plan prices before a model is loaded (engine/memory_plan.py)."""
     g, a = cfg.gdn, cfg.attn
-    H, HV, KVH = g.num_k_heads // tp, g.num_v_heads // tp, a.num_kv_heads // tp
+    gs, (_, KVH) = GDNShape.of(g, tp), attn_heads(a.num_heads, a.num_kv_heads, tp)
     use_mtp = rc.spec_mode is not None and rc.spec_draft == "mtp"
     n_gdn, n_attn = cfg.num_linear_layers, cfg.num_layers - cfg.num_linear_layers
-    state = StatePoolConfig(num_layers=max(1, n_gdn), num_slots=rc.num_slots, HV=HV, K=g.head_k_dim,
-                            V=g.head_v_dim, conv_dim=2 * H * g.head_k_dim + HV * g.head_v_dim,
+    state = StatePoolConfig(num_layers=max(1, n_gdn), num_slots=rc.num_slots, HV=gs.HV, K=gs.K,
+                            V=gs.V, conv_dim=gs.conv_dim,
                             conv_width=g.conv_kernel, ssm_dtype=torch.float32, conv_dtype=dtype, device=device)
     pages = PagePoolConfig(num_layers=max(1, n_attn) + use_mtp, num_pages=rc.num_pages, page_size=rc.page_size,
                            num_kv_heads=KVH, head_dim=a.head_dim, dtype=dtype, device=device)
@@ -109,13 +92,13 @@ def spec_bytes_per_slot(cfg, rc: RunnerConfig, dtype: torch.dtype, tp: int = 1) 
     buffers of every GDN layer, the MTP drafter's hidden row); 0 without ``spec_mode``."""
     if rc.spec_mode is None:
         return 0
-    g, L, act = cfg.gdn, rc.spec_tokens, dtype.itemsize
-    H, HV = g.num_k_heads // tp, g.num_v_heads // tp
-    D = 2 * H * g.head_k_dim + HV * g.head_v_dim
+    L, act = rc.spec_tokens, dtype.itemsize
+    gs = GDNShape.of(cfg.gdn, tp)
+    H, HV, K, V, D = gs.H, gs.HV, gs.K, gs.V, gs.conv_dim
     if rc.spec_mode == "intermediate":      # conv scratch [S, L, D] + per-token states [S, L, HV, V, K] fp32
-        per_layer = L * D * act + L * HV * g.head_v_dim * g.head_k_dim * 4
+        per_layer = L * D * act + L * HV * V * K * 4
     else:                                   # 2 S ping-pong rows of [L, D] + GDNPending k, v, a, b
-        per_layer = 2 * L * (D * act + (H * g.head_k_dim + HV * g.head_v_dim + 2 * HV) * act)
+        per_layer = 2 * L * (D * act + (H * K + HV * V + 2 * HV) * act)
     mtp = cfg.hidden_size * act if rc.spec_draft == "mtp" else 0
     return cfg.num_linear_layers * per_layer + mtp
 
@@ -136,9 +119,7 @@ class ModelRunner:
         w = model.embed_tokens.weight
         self.device, self.dtype = w.device, w.dtype
         gdn, attn = model.gdn_layers(), model.attention_layers()
-        g = cfg.gdn
-        tp = getattr(model, "tp_size", 1)
-        H, HV = g.num_k_heads // tp, g.num_v_heads // tp
+        gs = GDNShape.of(cfg.gdn, getattr(model, "tp_size", 1))
         sc, pc = pool_shapes(model, rc)
         self.state, self.pages = pools if pools is not None else (StatePool(sc), PagePool(pc))
         if self.state.config != sc or self.pages.config != pc:
@@ -157,7 +138,7 @@ class ModelRunner:
                 m.backend = rc.backend
         self.stager = IndexStager(rc.staging_ints, self.device)
         if rc.spec_mode is not None:
-            self._bind_spec(gdn, H, HV, g)
+            self._bind_spec(gdn, gs)
         self.mtp = (MTPDrafter(model, rc.spec_tokens - 1, rc.num_slots, self.pages.k_cache(n_attn),
                                self.pages.v_cache(n_attn)) if use_mtp else None)
         if self.mtp is not None:
@@ -171,21 +152,21 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.capture:
             self.graphs.capture_all()
 
-    def _bind_spec(self, gdn, H: int, HV: int, g) -> None:
+    def _bind_spec(self, gdn, gs: GDNShape) -> None:
         """Per GDN layer: drafted raw conv inputs (scratch rows = slots in intermediate mode, ping-pong pending rows
         slot / slot + S in replay mode), per-token states (intermediate) or drafted k, v, a, b (replay)."""
         rc, S, L = self.rc, self.rc.num_slots, self.rc.spec_tokens
         if rc.spec_mode not in ("intermediate", "replay") or L < 2:
             raise ValueError(f"spec_mode must be 'intermediate' or 'replay' with spec_tokens >= 2, got "
                              f"{rc.spec_mode!r}, {L}")
-        D = 2 * H * g.head_k_dim + HV * g.head_v_dim
+        H, HV, K, V, D = gs.H, gs.HV, gs.K, gs.V, gs.conv_dim
         for layer in gdn:
             if rc.spec_mode == "intermediate":
                 layer.bind_spec(torch.zeros(S, L, D, dtype=self.dtype, device=self.device),
-                                torch.zeros(S, L, HV, g.head_v_dim, g.head_k_dim, device=self.device), None)
+                                torch.zeros(S, L, HV, V, K, device=self.device), None)
             else:
                 layer.bind_spec(torch.zeros(2 * S, L, D, dtype=self.dtype, device=self.device), None,
-                                GDNPending.empty(2 * S, L, H, HV, g.head_k_dim, g.head_v_dim, self.dtype, self.device))
+                                GDNPending.empty(2 * S, L, H, HV, K, V, self.dtype, self.device))
 
     def _upload(self, *vecs: list[int]) -> list[torch.Tensor]:
         """Equal-length int32 vectors in one upload (flush / commit run outside the step's plan)."""
