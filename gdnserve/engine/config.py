@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-
 PREFILL_MODES = ("serial", "two_phase", "two_phase_indexed", "fused")
 FIXED_PAGES = 2048      # num_pages when nothing sizes the pools (CPU without memory_budget_gb)
 

@@ -106,7 +106,7 @@ def estimate_activations(model_cfg, cfg: EngineConfig, dtype: torch.dtype, tp: i
     c, a, g, m = model_cfg, model_cfg.attn, model_cfg.gdn, model_cfg.mlp
     T, act, h = tokens if tokens is not None else cfg.max_step_tokens, dtype.itemsize, c.hidden_size
     gs, (NH, KVH) = GDNShape.of(g, tp), attn_heads(a.num_heads, a.num_kv_heads, tp)
-    H, HV, K, V, D = gs.H, gs.HV, gs.K, gs.V, a.head_dim
+    HV, K, V, D = gs.HV, gs.K, gs.V, a.head_dim
     proj = gs.conv_dim + HV * V + 2 * HV              # in_proj: q k v z | b a
     conv = gs.conv_dim
     seqs = -(-T // cfg.max_model_len)

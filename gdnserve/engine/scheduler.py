@@ -22,8 +22,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gdnserve.engine.admission import MIN_CHUNK, AdmitPass, Admission
-from gdnserve.engine.checkpoint_index import CheckpointStatus, conversation_key, conversation_prefix
+from gdnserve.engine.admission import MIN_CHUNK, Admission, AdmitPass
+from gdnserve.engine.checkpoint_index import (
+    CheckpointStatus,
+    conversation_key,
+    conversation_prefix,
+)
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.engine_api import CheckpointInfo
 from gdnserve.engine.engine_stats import EngineStats

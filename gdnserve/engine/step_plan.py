@@ -8,13 +8,19 @@ Every executor uses that one layout, so the engine builds the token buffer once 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import Enum
-from collections.abc import Sequence, Set
 
 import torch
 
-from gdnserve.layers.prefill_plan import PREFILL_MODES, LaunchGroup, PrefillPlan, StateCopy
+from gdnserve.layers.prefill_plan import (
+    PREFILL_MODES,
+    LaunchGroup,
+    PrefillPlan,
+    StateCopy,
+)
 from gdnserve.ops.varlen import VarlenMeta, aligned
 
 
@@ -122,7 +128,7 @@ def segment_phases(segments: Sequence[PrefillSegment]) -> tuple[list[int], list[
 
 
 def build_step_plan(segments: Sequence[PrefillSegment], mode: str, stager: IndexStager, *,
-                    ready: Set[int] = frozenset(),
+                    ready: AbstractSet[int] = frozenset(),
                     decode_slots: Sequence[int] = (), extra: dict[str, Sequence[int]] | None = None) -> StepPlan:
     """Validate the segments against the ownership contract and build all device vectors of the step.
     ``ready``: the READY checkpoint slots among the slots the segments write or read (the scheduler's
@@ -202,7 +208,7 @@ def _pack_prefill(segs: list[PrefillSegment], mode: str, pk: _Packer):
     return order, start[-1], layout, ref
 
 
-def fused_slots(segs: list[PrefillSegment], ready: Set[int]) -> tuple[list[int], list[int], list[int]]:
+def fused_slots(segs: list[PrefillSegment], ready: AbstractSet[int]) -> tuple[list[int], list[int], list[int]]:
     """The fused plan's one launch group without packing anything: per segment in token order its src, dst and
     same-group parent (-1: none), after the checks ``build_step_plan`` makes (ownership contract, aliasing)."""
     _validate(segs, "fused", ready)
@@ -217,7 +223,7 @@ def fused_slots(segs: list[PrefillSegment], ready: Set[int]) -> tuple[list[int],
     return srcs, dsts, parents
 
 
-def _validate(segs: list[PrefillSegment], mode: str, ready: Set[int]) -> None:
+def _validate(segs: list[PrefillSegment], mode: str, ready: AbstractSet[int]) -> None:
     dsts = [s.dst_slot for s in segs if s.dst_slot >= 0]
     if len(dsts) != len(set(dsts)):
         raise PlanError(f"a slot is the destination of two segments: {sorted(dsts)}")
