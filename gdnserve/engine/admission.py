@@ -115,7 +115,10 @@ class Admission:
     producing = property(lambda self: self.sched.producing)
 
     def runnable(self, job: Job) -> bool:
-        return self.sched.runnable(job)
+        """Allowed now, and (the overlapped loop) not a request back in the queue whose last id is still on the
+        device: it is recomputed from its tokens, so it waits until that id has landed."""
+        return self.sched.runnable(job) and not (
+            self.sched.inflight and isinstance(job, Request) and any(s in self.sched.inflight for s in job.samples))
 
     def admit_waiting(self, batch: StepBatch, p: AdmitPass) -> list[Job]:
         """The first pass, in arrival order: jobs that fit the step whole. Returns the jobs set aside for

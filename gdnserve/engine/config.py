@@ -21,7 +21,10 @@ class EngineConfig:
     ``tensor_parallel_size`` N > 1: N processes, one GPU each (engine/tp_workers.py); steps run eagerly.
     ``max_partial_prefills``: prompts (or checkpoint / score prefixes) prefilled chunk by chunk at once; a prompt
     that needs chunking waits while this many are in progress, without holding up shorter jobs behind it (vLLM's
-    ``max_long_partial_prefills``; docs/serving.md "Chunked prefill")."""
+    ``max_long_partial_prefills``; docs/serving.md "Chunked prefill").
+    ``overlap``: the overlapped loop (llm_engine.py: step n + 1 is scheduled and launched with step n's sampled ids
+    still on the device, and step n's outputs processed while it runs); None = on for a CUDA device. It needs
+    ``spec_k = 0`` and ``tensor_parallel_size = 1`` (None then means off)."""
     max_num_seqs: int = 64
     max_step_tokens: int = 4096
     max_model_len: int = 4096
@@ -42,6 +45,7 @@ class EngineConfig:
     model_name: str = "gdnserve"
     tensor_parallel_size: int = 1
     max_partial_prefills: int = 1
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_step_tokens", "max_model_len", "page_size", "max_partial_prefills"):
@@ -70,6 +74,9 @@ class EngineConfig:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        if self.overlap and (self.spec_k or tp > 1):
+            raise ValueError(f"overlap: not with spec_k = {self.spec_k} / tensor_parallel_size = {tp} (the overlapped "
+                             "loop feeds sampled ids on one device and has no draft acceptance)")
         if tp > 1 and (self.cuda_graphs or self.graph_capture):
             raise ValueError(f"cuda_graphs / graph_capture: not with tensor_parallel_size = {tp} (tensor-parallel "
                              "steps run eagerly)")
@@ -80,6 +87,12 @@ class EngineConfig:
         eagerly: a collective inside a captured graph is not supported); else ``cuda_graphs`` (None: on for a
         CUDA device with a capturable forward, the runner's ``build_step_graphs`` resolves it)."""
         return False if self.tensor_parallel_size > 1 else self.cuda_graphs
+
+    def overlapped(self, device_type: str) -> bool:
+        """Whether the engine on a ``device_type`` device runs the overlapped loop (``overlap`` resolved)."""
+        if self.overlap is not None:
+            return self.overlap
+        return device_type == "cuda" and self.spec_k == 0 and self.tensor_parallel_size == 1
 
     @property
     def slots(self) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 from collections.abc import Callable
 
 import torch
@@ -36,13 +37,23 @@ from gdnserve.engine.kv_cache import KVCache
 from gdnserve.engine.memory_budget import resolve_pools, weights_bytes
 from gdnserve.engine.model_runner import ModelRunner, RunnerConfig, build_pools
 from gdnserve.engine.output_processor import OutputProcessor, Processed
-from gdnserve.engine.request import Job, Request, RequestError, ScoreJob
+from gdnserve.engine.request import Job, Request, RequestError, Sample, ScoreJob
 from gdnserve.engine.sampler import Sampler
 from gdnserve.engine.scheduler import MIN_CHUNK, Scheduler
 from gdnserve.engine.step_batch import StepBatch, StepOutput
+from gdnserve.engine.step_inputs import DecodeFeed
 from gdnserve.speculative.ngram import NgramDrafter
 
 __all__ = ["LLMEngine", "RequestError", "MIN_CHUNK"]
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """The overlapped loop's launched step: its batch, its output (ids on the device, the copy under way) and
+    each sampled sample's row of those ids."""
+    batch: StepBatch
+    out: StepOutput
+    rows: dict[Sample, int]
 
 
 class LLMEngine:
@@ -81,6 +92,8 @@ class LLMEngine:
         self._backlog: list[RequestOutput] = []                      # outputs produced while score() stepped
         self._ids = itertools.count()
         self._observer: Callable[[StepReport], None] | None = None
+        self.overlap = cfg.overlapped(w.device.type)       # the overlapped loop (step())
+        self._inflight: _InFlight | None = None             # its step on the device, results not read back
 
     # ------------------------------------------------------------------ views kept for callers and tests
     drafter = property(lambda self: self.scheduler.drafter,
@@ -153,7 +166,7 @@ class LLMEngine:
         self.scores.pop(request_id, None)     # whoever aborts a score job does not take its result
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._backlog)
+        return self.scheduler.has_work() or bool(self._backlog) or self._inflight is not None
 
     def stats(self) -> dict:
         st, pg = self.kv.state, self.kv.pages
@@ -185,24 +198,74 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """One step: schedule -> run (forward, batched sampling) -> process per request -> the scheduler's update
-        -> outputs (after those produced while ``score()`` stepped)."""
+        -> outputs (after those produced while ``score()`` stepped). Overlapped (``overlap``): this step is
+        launched with the previous step's sampled ids still on the device, and the previous step's outputs are
+        processed while it runs; its own come out of the next call."""
         t0 = time.monotonic()
         outs, self._backlog = self._backlog, []
         batch = None
         try:
-            batch = self.scheduler.schedule(self.isolation.allowed())
+            batch = self._schedule()
             return outs + self._run(batch)
         finally:
             if self._observer is not None:
                 self._observer(StepReport(t0, time.monotonic() - t0, self._admitted(batch)))
 
     def _step(self) -> list[RequestOutput]:
-        return self._run(self.scheduler.schedule(self.isolation.allowed()))
+        return self._run(self._schedule())
+
+    def _schedule(self) -> StepBatch:
+        fly = self._inflight
+        return self.scheduler.schedule(self.isolation.allowed(), fly.rows if fly is not None else None)
 
     def _run(self, batch: StepBatch) -> list[RequestOutput]:
+        prev, self._inflight = self._inflight, None
         if batch.empty and batch.error is None:
-            return self._idle()
-        out = self._execute(batch)
+            return self._land(prev, None) if prev is not None else self._idle()
+        out = self._launch(batch, prev)
+        outs = self._land(prev, batch if out.ran else None) if prev is not None else []
+        if out.error is None and self._deferrable(batch):
+            self.scheduler.settle(batch)            # before the next schedule: device work is stream-ordered
+            self._inflight = _InFlight(batch, out, {s: i for i, (_, s) in enumerate(out.sampling.owners)})
+            return outs
+        try:
+            return outs + self._land(_InFlight(batch, out, {}), None)
+        except Exception:
+            self._backlog = outs + self._backlog    # the previous step's outputs are not lost with the error
+            raise
+
+    def _launch(self, batch: StepBatch, prev: _InFlight | None) -> StepOutput:
+        """The forward and the batched, device-side sampling; a failure there fails the step."""
+        out = StepOutput(error=batch.error)
+        if out.error is not None:
+            return out
+        try:
+            feed = DecodeFeed.of(prev.out.sampling.tokens, batch.feed) if batch.feed else None
+            kw = {"feed": feed} if feed is not None else {}
+            out.logits = self.runner.step(batch.items, batch.decodes, verifies=batch.verifies, ready=batch.ready,
+                                          **kw)
+            out.ran = True
+            out.sampling, out.accepted = self._sample(batch, out.logits, prev.rows if prev is not None else {})
+        except Exception as e:       # noqa: BLE001  rolled back by the scheduler, isolated here
+            out.error = e
+        return out
+
+    def _land(self, fl: _InFlight, running: StepBatch | None) -> list[RequestOutput]:
+        """A launched step's results read back (the one device-to-host copy) and applied: per request on the host
+        (a failure there is that request's alone), then the scheduler's update. ``running``: the step launched
+        after it, still on the device: a sample it decodes is not published (its state runs one id past)."""
+        batch, out = fl.batch, fl.out
+        if out.error is None:
+            try:
+                sampled = list(zip(out.sampling.owners, out.sampling.result()))
+            except Exception as e:   # noqa: BLE001
+                out.error = e
+        if out.error is None:
+            out.processed = done = self._process(batch, out.logits, sampled, out.accepted)
+            if running is not None:
+                busy = {id(seq) for seq, _ in running.decodes} | {id(it.seq) for it in running.items}
+                done.finished = [(r, s) for r, s in done.finished if id(s.seq) not in busy]
+            self.runner.flush(done.finished_seqs())   # replay-pending tokens land before a slot is published
         self.scheduler.update_from_output(batch, out)
         if out.error is not None:
             return self._die(out.error) if out.dead else self._failed(batch, out.error)
@@ -211,22 +274,12 @@ class LLMEngine:
         self.isolation.passed()
         return self._outputs(batch, out.processed)
 
-    def _execute(self, batch: StepBatch) -> StepOutput:
-        """The forward and the batched, device-side sampling (a failure there fails the step), then the
-        per-request processing on the host (a failure there is that request's alone)."""
-        out = StepOutput(error=batch.error)
-        if out.error is not None:
-            return out
-        try:
-            out.logits = self.runner.step(batch.items, batch.decodes, verifies=batch.verifies, ready=batch.ready)
-            out.ran = True
-            sampled, accepted = self._sample(batch, out.logits)
-        except Exception as e:       # noqa: BLE001  rolled back by the scheduler, isolated here
-            out.error = e
-            return out
-        out.processed = self._process(batch, out.logits, sampled, accepted)
-        self.runner.flush(out.processed.finished_seqs())   # replay-pending tokens land before a slot is published
-        return out
+    def _deferrable(self, batch: StepBatch) -> bool:
+        """The overlapped loop keeps a step in flight unless its results must be read back at once: draft
+        acceptance, score results and prompt logprobs read the logits on the host; a failure being isolated
+        runs serially."""
+        return (self.overlap and not self.isolation.active and not batch.verified and not batch.waves
+                and not any(it.all_logits for it in batch.items))
 
     def _admitted(self, batch: StepBatch | None) -> tuple[str, ...]:
         """Request ids the step admitted that are out of the queue now (a failed step requeued its own)."""
@@ -235,8 +288,10 @@ class LLMEngine:
         waiting = set(map(id, self.scheduler.waiting))
         return tuple(j.request_id for j in batch.admitted if id(j) not in waiting)
 
-    def _sample(self, batch: StepBatch, logits: torch.Tensor):
-        """The batched, device-side part of processing: sampling and draft acceptance (with the commit)."""
+    def _sample(self, batch: StepBatch, logits: torch.Tensor, inflight: dict):
+        """The batched, device-side part of processing: sampling (read back later: ``Sampled.result``) and draft
+        acceptance (with the commit). ``inflight``: samples whose previous id is still on the device (one more
+        generation step than their tokens say: what a seeded row's stream reads)."""
         first, r = [], 0
         for it in batch.items:
             first.append(r)
@@ -244,7 +299,8 @@ class LLMEngine:
         last = [f + (len(it.tokens) - 1 if it.all_logits else 0) for f, it in zip(first, batch.items)]
         rows = [last[i] for i, o in enumerate(batch.owners) if o is not None] + [r + j for j in range(len(batch.decodes))]
         owners = [o for o in batch.owners if o is not None] + batch.dec_owners
-        sampled = list(zip(owners, self.outputs.sample(logits, rows, owners)))
+        sampled = self.outputs.sample_async(logits, rows, owners,
+                                            [len(s.token_ids) + (s in inflight) for _, s in owners])
         accepted = []
         if batch.verified:
             v0 = r + len(batch.decodes)
@@ -262,6 +318,8 @@ class LLMEngine:
         out = Processed()
         per_req: dict[Request, list] = {}
         for (req, s), tok in sampled:
+            if self.requests.get(req.request_id) is not req or s.finish_reason is not None:
+                continue        # overlapped loop: aborted meanwhile, or an id past its stop (never emitted)
             per_req.setdefault(req, []).append(("tok", s, tok))
         for (req, s), toks in accepted:
             per_req.setdefault(req, []).append(("spec", s, toks))

@@ -15,7 +15,7 @@ from gdnserve.engine.mixed_inputs import MixedKey, MixedStep, fused_group
 from gdnserve.engine.page_pool import PagePool, PagePoolConfig, PageTable
 from gdnserve.speculative.mtp import MTPDrafter, MTPStepIndex
 from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
-from gdnserve.engine.step_inputs import DeviceInputs, StepInputs
+from gdnserve.engine.step_inputs import DecodeFeed, DeviceInputs, StepInputs
 from gdnserve.engine.step_work import StepWork
 from gdnserve.engine.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan, segment_phases
 from gdnserve.layers.forward_context import AttnMeta, ForwardContext, VerifyMeta, forward_context
@@ -146,6 +146,7 @@ class ModelRunner:
         self.drafts: torch.Tensor | None = None      # [B, k] int64: the last verify step's drafts, on the device
         self.verify_slots: torch.Tensor | None = None   # [B] int32: the last verify step's slots (its upload)
         self.graphs = build_step_graphs(model, rc, self.device)
+        self._feed: DecodeFeed | None = None     # the running step's device-fed decode tokens
 
     def capture_graphs(self) -> None:
         """Capture every bucket's decode (and verify) graph now instead of on first use (no-op without capture)."""
@@ -227,7 +228,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]],
-             verifies: list[tuple[SeqState, list[int]]] = (), ready: frozenset[int] = frozenset()) -> torch.Tensor:
+             verifies: list[tuple[SeqState, list[int]]] = (), ready: frozenset[int] = frozenset(),
+             feed: DecodeFeed | None = None) -> torch.Tensor:
         """Returns fp32 logits, one row per: each prefill item's last token (every token for an item with
         ``all_logits``), then each decode token, then every token of each verify item (L rows), in order.
         After a verify step the caller must ``accept`` how many tokens each verified sequence keeps; the drafts
@@ -235,7 +237,18 @@ class ModelRunner:
         ``spec_draft="mtp"`` only the last sampled token: the MTP head drafts the other k in this step.
         A decode-only or verify-only step may run a CUDA graph (``self.graphs``; not with the MTP drafter, whose
         draft and KV passes run eagerly); its logits are the same. ``ready``: the READY checkpoint slots among
-        those the prefills write or read (the scheduler's ``StepBatch.ready``), for the plan's ownership check."""
+        those the prefills write or read (the scheduler's ``StepBatch.ready``), for the plan's ownership check.
+        ``feed``: decode tokens that are still on the device (the overlapped loop), written over the placeholders
+        the host laid out."""
+        if feed is not None and (verifies or self.mtp is not None):
+            raise ValueError("feed: device-fed decode tokens go with plain decode steps only")
+        self._feed = feed
+        try:
+            return self._step(prefills, decodes, verifies, ready)
+        finally:
+            self._feed = None
+
+    def _step(self, prefills, decodes, verifies, ready) -> torch.Tensor:
         if verifies and self.rc.spec_mode is None:
             raise ValueError("verifies: this runner has no spec_mode (RunnerConfig.spec_mode / spec_tokens)")
         want = 1 if self.mtp is not None else self.rc.spec_tokens     # with the MTP head: the last sampled token
@@ -248,7 +261,7 @@ class ModelRunner:
             if not prefills:
                 key = self.graphs.select(decodes, verifies)
                 if key is not None:
-                    logits = self.graphs.run(key, list(verifies or decodes))
+                    logits = self.graphs.run(key, list(verifies or decodes), self._feed)
                     if verifies:
                         self.drafts = self.graphs.drafts(key, len(verifies))
                         self.verify_slots = self.graphs.verify_slots(key, len(verifies))
@@ -291,6 +304,8 @@ class ModelRunner:
         vmeta = VerifyMeta(self.rc.spec_mode, L, x.v_slots, x.v_out, x.v_in, x.v_num) if work.num_verifies else None
         ctx = ForwardContext(x.pos.long(), work.num_prefill, plan.prefill, plan.decode_slots, attn, vmeta)
         ids_dev = x.ids.long()
+        if self._feed is not None:
+            self._feed.apply(ids_dev, work.num_prefill)
         if work.num_verifies:
             B, v0 = work.num_verifies, work.v_start
             self.drafts = ids_dev[v0:].view(B, L)[:, 1:]
@@ -318,7 +333,7 @@ class ModelRunner:
             self.pages.copy_pages([s for s, _ in host.copies], [d for _, d in host.copies])
         st = MixedStep(host.ids, host.pos, host.slots + host.dup_slots, host.dup_rows, host.cu, host.kv,
                        host.tables, host.rows, host.num_prefill, src, dst, par, [s.slot for s, _ in decodes])
-        return self.graphs.run_mixed(key, st)
+        return self.graphs.run_mixed(key, st, self._feed)
 
     @staticmethod
     def _segments(prefills: list[PrefillItem]) -> list[PrefillSegment]:

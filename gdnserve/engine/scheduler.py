@@ -45,6 +45,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.producing: dict[tuple[int, ...], Job] = {}    # PENDING prefix -> its chunked producer
         self.allowed: set[Job] | None = None              # while isolating a failure: only these run
+        self.inflight: dict[Sample, int] = {}             # overlapped loop: samples whose last id is on the device
         self.admission = Admission(self)
 
     # ------------------------------------------------------------------ queues
@@ -62,18 +63,21 @@ class Scheduler:
         return self.allowed is None or job in self.allowed
 
     # ------------------------------------------------------------------ one step
-    def schedule(self, allowed: set[Job] | None = None) -> StepBatch:
+    def schedule(self, allowed: set[Job] | None = None, inflight: dict[Sample, int] | None = None) -> StepBatch:
         """The next step's batch (``allowed``: while a failure is isolated, only these jobs run). Never raises for
         a step: an error while scheduling comes back as ``batch.error`` with the batch so far, which
-        ``update_from_output`` rolls back like a failed forward."""
-        self.allowed = allowed
+        ``update_from_output`` rolls back like a failed forward. ``inflight`` (the overlapped loop): the samples
+        of the step still running, each with its row of that step's sampled ids: their next decode reads the id
+        on the device (``batch.feed``), one that reaches its length limit with it is not decoded again, and a
+        request of theirs back in the queue waits until the id has landed."""
+        self.allowed, self.inflight = allowed, inflight or {}
         batch = StepBatch()
         try:
             self._fill(batch)
         except Exception as e:      # noqa: BLE001  the engine rolls the step back and isolates its culprit
             batch.error = e
             return batch
-        if batch.empty:
+        if batch.empty and not self.inflight:
             self.stats.idle_steps += 1
         batch.ready = self._ready_slots(batch)
         return batch
@@ -135,6 +139,15 @@ class Scheduler:
 
     def _decode(self, req: Request, batch: StepBatch) -> None:
         for s in req.live_samples:
+            row = self.inflight.get(s)
+            if row is not None:               # its last id is still on the device
+                n = len(s.token_ids) + 1
+                if n >= req.params.max_tokens or len(req.prompt_ids) + n >= self.cfg.max_model_len:
+                    continue                  # that id is its last (length): nothing more to decode
+                batch.feed.append((len(batch.decodes), row))
+                batch.decodes.append((s.seq, 0))      # a placeholder: the feed writes the id on the device
+                batch.dec_owners.append((req, s))
+                continue
             if self.speculates(req, s):
                 toks = [s.token_ids[-1]]
                 if self.drafter is not None:
@@ -175,13 +188,19 @@ class Scheduler:
         return left
 
     # ------------------------------------------------------------------ after the step
+    def settle(self, batch: StepBatch) -> None:
+        """Settle a step that ran as soon as it is launched (the overlapped loop: before the next step is
+        scheduled; device work is stream-ordered, so a later step reads what this one writes)."""
+        self._settle(batch, ok=True)
+
     def update_from_output(self, batch: StepBatch, out: StepOutput) -> None:
         """Everything a finished step changes in the scheduler's state. Always: temporaries freed, the step's
         references released, published checkpoints READY if the forward ran (dropped if not), chunked producers
         advanced. A step that ran and was processed: its counts added, finished samples published as automatic
         checkpoints or freed (the runner flushed them first). A failed step (not a dead engine): every job of
         it requeued, recomputed later from its tokens so far."""
-        self._settle(batch, ok=out.ran)
+        if not batch.settled:
+            self._settle(batch, ok=out.ran)
         if out.error is not None:
             if not out.dead:
                 self._roll_back(batch)
@@ -199,6 +218,7 @@ class Scheduler:
         READY (their state and KV pages are final once the step has run) or are dropped if it failed;
         references taken for the step are released; chunked producers advance."""
         ck = self.kv.checkpoints
+        batch.settled = True
         for seq in batch.temps:
             self.kv.free_seq(seq)
         for entry, prod in batch.pending:

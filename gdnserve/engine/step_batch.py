@@ -15,7 +15,7 @@ from gdnserve.engine.model_runner import PrefillItem, SeqState
 from gdnserve.engine.request import Job, Request, Sample, ScoreJob
 
 if TYPE_CHECKING:
-    from gdnserve.engine.output_processor import Processed
+    from gdnserve.engine.output_processor import Processed, Sampled
 
 Owner = tuple[Request, Sample]
 
@@ -46,6 +46,8 @@ class StepBatch:
     marks: dict = field(default_factory=dict)                        # job -> its progress() when it joined
     first_rows: list[int] = field(default_factory=list)              # per item: its first logits row
     ready: frozenset[int] = frozenset()       # READY checkpoint slots among the slots the prefills write or read
+    feed: list[tuple[int, int]] = field(default_factory=list)   # (decode index, row of the in-flight step's ids)
+    settled: bool = False                     # its checkpoints / temporaries / references settled already
     error: Exception | None = None            # scheduling failed part-way: this batch so far is rolled back
 
     def add(self, item: PrefillItem, owner: Owner | None = None) -> int:
@@ -71,10 +73,13 @@ class StepBatch:
 @dataclass(eq=False)
 class StepOutput:
     """A step's result: ``ran`` once the forward returned its logits; ``error``: what failed (scheduling, the
-    forward, or the batched sampling); ``processed``: the per-request results of a step that did not fail."""
+    forward, the batched sampling or its read-back); ``processed``: the per-request results of a step that did
+    not fail."""
     logits: torch.Tensor | None = None
     ran: bool = False
     error: Exception | None = None
+    sampling: Sampled | None = None                         # the sampled rows (ids on the device)
+    accepted: list = field(default_factory=list)            # verified samples and the tokens they keep
     processed: Processed | None = None
 
     @property

@@ -68,6 +68,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "marker or checkpoint_at stay on (default: on)")
     m.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                    help="run decode and verify steps eagerly (default: bucketed CUDA graphs on a CUDA device)")
+    m.add_argument("--no-overlap", dest="overlap", action="store_const", const=False, default=None,
+                   help="the serial engine loop, for debugging (default: on a CUDA device without --spec-k or "
+                        "tensor parallelism, the next step is scheduled and launched while the GPU runs this one)")
     n = p.add_argument_group("network and access")
     n.add_argument("--host", default="127.0.0.1",
                    help="bind address (default 127.0.0.1: loopback only; 0.0.0.0 exposes the server: add --api-key)")
@@ -125,7 +128,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 # --no-auto-checkpoints store into cuda_graphs / auto_checkpoints). A command has the flags it offers.
 ENGINE_FLAGS = ("prefill_mode", "max_num_seqs", "max_model_len", "num_pages", "num_slots", "spec_k", "spec_mode",
                 "spec_draft", "cuda_graphs", "auto_checkpoints", "tensor_parallel_size", "gpu_memory_utilization",
-                "memory_budget_gb")
+                "memory_budget_gb", "overlap")
 
 
 def engine_config(args: argparse.Namespace, **fixed) -> EngineConfig:

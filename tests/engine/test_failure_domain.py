@@ -24,7 +24,7 @@ def poison(e, when):
     its decodes once it has 3 tokens)."""
     real = e.runner.step
 
-    def step(prefills, decodes, verifies=(), ready=frozenset()):
+    def step(prefills, decodes, verifies=(), ready=frozenset(), **kw):
         bad = e.requests.get("bad")
         if bad is not None:
             seqs = [s.seq for s in bad.samples if s.seq is not None]
@@ -32,14 +32,16 @@ def poison(e, when):
                 raise RuntimeError("injected prefill failure")
             if when == "decode" and len(bad.samples[0].token_ids) >= 3 and any(s in seqs for s, _ in decodes):
                 raise RuntimeError("injected decode failure")
-        return real(prefills, decodes, verifies=verifies, ready=ready)
+        return real(prefills, decodes, verifies=verifies, ready=ready, **kw)
     e.runner.step = step
 
 
-@pytest.mark.parametrize("when", ["prefill", "decode"])
-@pytest.mark.parametrize("auto", [False, True])
-def test_one_failing_request_among_ten(solo, when, auto):
-    llm = LLM(device="cpu", max_num_seqs=16, num_pages=256, auto_checkpoints=auto)
+@pytest.mark.parametrize("when,auto,overlap", [("prefill", False, False), ("decode", False, False),
+                                               ("prefill", True, False), ("decode", True, False),
+                                               ("prefill", False, True), ("decode", True, True)])
+def test_one_failing_request_among_ten(solo, when, auto, overlap):
+    """``overlap``: the overlapped loop (a failing step lands the one in flight before its own rollback)."""
+    llm = LLM(device="cpu", max_num_seqs=16, num_pages=256, auto_checkpoints=auto, overlap=overlap)
     e = llm.engine
     poison(e, when)
     ids = [e.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:5])]

@@ -1,5 +1,5 @@
 """Property-based scheduler test (hypothesis): random arrivals, aborts, checkpoint groups, n = 2 forks, score
-calls and speculative decoding, on an engine small enough to chunk long prompts and preempt under page pressure.
+calls and speculative decoding, serial and overlapped loops, on an engine small enough to chunk long prompts and preempt under page pressure.
 Invariants: after the drain no state slot or KV page is leaked (beyond READY checkpoints, which eviction frees),
 and every greedy output equals the request run alone."""
 from __future__ import annotations
@@ -26,7 +26,9 @@ _ref_cache: dict = {}
 def engines():
     kw = dict(device="cpu", max_num_seqs=6, num_pages=20, page_size=8, max_step_tokens=64)
     # the spec engine also runs two prompts in partial prefill at once (fair chunk shares), plain one at a time
+    # "overlap": the overlapped loop (step n + 1 launched with step n's ids on the device, outputs one step late)
     return {"plain": LLM(**kw).engine, "spec": LLM(spec_k=2, max_partial_prefills=2, **kw).engine,
+            "overlap": LLM(overlap=True, **kw).engine,
             "ref": LLM(device="cpu", max_num_seqs=8, num_pages=512, auto_checkpoints=False).engine}
 
 
@@ -52,9 +54,10 @@ op = st.tuples(st.integers(0, 6), st.sampled_from(["plain", "group", "fork", "sc
                st.integers(0, 5), st.integers(1, 16))
 
 
-@settings(max_examples=6, deadline=None, derandomize=True,
+@pytest.mark.parametrize("kind", ["plain", "spec", "overlap"])      # each loop gets its own examples
+@settings(max_examples=3, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(kind=st.sampled_from(["plain", "spec"]), ops=st.lists(op, min_size=1, max_size=10))
+@given(ops=st.lists(op, min_size=1, max_size=10))
 def test_random_traffic_drains_clean_with_solo_outputs(engines, kind, ops):
     e, ref = engines[kind], engines["ref"]
     added: list[tuple[str, list[int], int, int]] = []    # (id, prompt, max_tokens, n)
