@@ -224,6 +224,8 @@ class LLMEngine:
             return self._land(prev, None) if prev is not None else self._idle()
         out = self._launch(batch, prev)
         outs = self._land(prev, batch if out.ran else None) if prev is not None else []
+        if out.error is not None and prev is not None:     # isolation marks progress past the landed step
+            batch.marks = {job: job.progress() for job in batch.jobs}
         if out.error is None and self._deferrable(batch):
             self.scheduler.settle(batch)            # before the next schedule: device work is stream-ordered
             self._inflight = _InFlight(batch, out, {s: i for i, (_, s) in enumerate(out.sampling.owners)})
