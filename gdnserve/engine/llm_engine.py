@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 

@@ -14,7 +14,7 @@ from gdnserve.entrypoints.llm import LLM
 
 pytestmark = pytest.mark.gpu
 
-KW = dict(device="cuda", dtype="float32", max_num_seqs=8, num_pages=256, max_step_tokens=256)
+KW = {"device": "cuda", "dtype": "float32", "max_num_seqs": 8, "num_pages": 256, "max_step_tokens": 256}
 _rng = random.Random(7)
 PROMPTS = [[_rng.randrange(3, 250) for _ in range(_rng.randint(2, 90))] for _ in range(10)]
 

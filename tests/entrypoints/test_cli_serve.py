@@ -198,6 +198,12 @@ def test_every_command_maps_its_flags_through_one_engine_config(monkeypatch, cap
     args = cli.build_parser().parse_args(["serve", "--max-num-seqs", "3", "--no-cuda-graphs", "--spec-k", "2"])
     cfg = serve.engine_config(args, num_pages=77)
     assert (cfg.max_num_seqs, cfg.cuda_graphs, cfg.spec_k, cfg.num_pages) == (3, False, 2, 77)
+    assert cfg.overlap is None and not cfg.overlapped("cuda")            # --spec-k: the serial loop
+    no = serve.engine_config(cli.build_parser().parse_args(["serve", "--no-overlap"]))
+    assert no.overlap is False and not no.overlapped("cuda") and serve.engine_config(
+        cli.build_parser().parse_args(["serve"])).overlapped("cuda")
+    with pytest.raises(ValueError, match="^overlap: not with spec_k = 1"):    # a fixed field: no flag named
+        serve.engine_config(cli.build_parser().parse_args(["serve", "--spec-k", "1"]), overlap=True)
     seen = {}
 
     def fake_load(model, dtype=None, device="auto", config=None, **kw):
