@@ -253,12 +253,13 @@ class Scheduler:
         self.kv.free_seq(seq)
 
     def _roll_back(self, batch: StepBatch) -> None:
-        """A failed step: score waves give their candidates back, every job returns to the queue in the step's
-        order with nothing allocated (outputs so far kept)."""
+        """A failed step: score waves give their candidates back, every unfinished job returns to the queue in the
+        step's order with nothing allocated (outputs so far kept)."""
         for w in batch.waves:
             w.job.todo = sorted(set(w.job.todo) | set(w.cands))
         for i, job in enumerate(batch.jobs):
-            self.requeue(job, front=i)
+            if not job.finished:        # (overlapped loop: one that finished as the step before landed is gone)
+                self.requeue(job, front=i)
 
     # ------------------------------------------------------------------ pages and preemption
     def pages_for_running(self) -> int:

@@ -116,3 +116,40 @@ def test_an_abort_while_its_step_is_in_flight(engines):
         else:
             assert g.outputs[0].token_ids == w.outputs[0].token_ids
     clean(ov)
+
+
+def test_a_failed_step_behind_a_stop_does_not_bring_the_stopped_request_back(engines):
+    """A step fails while the step in which request A hits its stop token is in flight: that step lands first (A
+    finishes and leaves), then the failed one (A's decode past its stop among it) is rolled back: A must not be
+    requeued; B gives its serial output; nothing leaks."""
+    serial, ov = engines
+    free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=6, ignore_eos=True)   # (greedy ids repeat here)
+    ref = [o.outputs[0].token_ids for o in run(serial, [seeded, free])]
+    toks, pa, pb = ref[0], PROMPTS[0], PROMPTS[1]
+    j = next(j for j in range(1, 6) if toks[j] not in toks[:j])        # A stops at its token j (call j + 1) ...
+    stop = SamplingParams(temperature=0.9, seed=3, max_tokens=6, ignore_eos=True, stop_token_ids=[toks[j]])
+    a, b = ov.add_request("A", pa, stop), ov.add_request("B", pb, free)
+    real, calls = ov.runner.step, [0]
+
+    def fail_third(*args, **kw):
+        calls[0] += 1
+        if calls[0] == j + 2:                     # ... and the next call, its decode past the stop in it, fails
+            raise RuntimeError("injected")
+        return real(*args, **kw)
+    ov.runner.step = fail_third
+    final, raised = {}, 0
+    try:
+        for _ in range(60):
+            if not ov.has_unfinished():
+                break
+            try:
+                final.update({o.request_id: o for o in ov.step() if o.finished})
+            except RuntimeError:
+                raised += 1
+    finally:
+        ov.runner.step = real
+    assert raised == 1 and not ov.has_unfinished() and not ov.waiting
+    assert final[a].outputs[0].finish_reason == "stop" and final[a].outputs[0].token_ids == toks[:j + 1]
+    assert final[b].outputs[0].token_ids == ref[1]
+    clean(ov)
