@@ -219,6 +219,9 @@ class LLMEngine:
         return self.scheduler.schedule(self.isolation.allowed(), fly.rows if fly is not None else None)
 
     def _run(self, batch: StepBatch) -> list[RequestOutput]:
+        """Serial: launch the step and land it. Overlapped: launch it, land the step in flight while it runs, and
+        keep it in flight (unless its results must be read back at once). A failed step lands after the one in
+        flight, so a rollback never drops an output that step produced."""
         prev, self._inflight = self._inflight, None
         if batch.empty and batch.error is None:
             return self._land(prev, None) if prev is not None else self._idle()
