@@ -1,4 +1,7 @@
-"""The scheduler: what runs in the next step. ``schedule()`` fills a :class:`StepBatch`:
+"""The scheduler owns the step's life cycle: ``schedule()`` returns the next step's :class:`StepBatch`, and
+``update_from_output(batch, out)`` applies what the step did (checkpoints READY, references released, chunked
+producers advanced, finished samples published or freed, a failed step rolled back, the ``EngineStats``
+counters: this class and its ``Admission`` are their one writer). What goes into a step:
 
 1. make room: if the running requests cannot get their next KV pages, evict unreferenced READY checkpoints,
    then preempt the newest requests (state dropped, requeued first, recomputed on readmission) — one policy;
