@@ -124,11 +124,11 @@ def drive(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, plan: Pl
                 seen[o.request_id] = o.outputs[0].token_ids
     times, tokens = [], []
     for i in range(plan.warmup + plan.steps):
-        before = engine.counters["tokens_generated"]
+        before = engine.counts.tokens_generated
         _, t = timed(engine.step, dev)
         if i >= plan.warmup:
             times.append(t)
-            tokens.append(engine.counters["tokens_generated"] - before)
+            tokens.append(engine.counts.tokens_generated - before)
     outputs: dict[str, list[int]] = {}
     while finish and engine.has_unfinished():
         for o in engine.step():

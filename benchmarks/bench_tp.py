@@ -170,7 +170,7 @@ def eq_outputs(session: TPSession, cfg: EngineConfig, plan: Plan, vocab: int) ->
             for o in engine.step():
                 if o.finished:
                     final[o.request_id] = (list(o.outputs[0].token_ids), o.outputs[0].logprobs)
-        c = engine.counters
+        c = engine.counts.as_dict()
         res[name] = final
         res["counters"][name] = {k: c[k] for k in ("spec_drafted", "spec_accepted", "checkpoint_hits",
                                                    "checkpoints_published")}

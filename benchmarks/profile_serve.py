@@ -125,10 +125,9 @@ def cpu_pass(engine, groups, mode: str, params, tag: str) -> dict:
     wrap(engine, "add_request", "add_request")
     wrap(engine.scheduler, "schedule", "schedule")
     wrap(engine.runner, "step", "runner.step")
-    wrap(engine, "_settle", "settle")
     wrap(engine, "_sample", "sample")
     wrap(engine, "_process", "process")
-    wrap(engine, "_publish", "publish")
+    wrap(engine.scheduler, "update_from_output", "update")     # settle + publish + counts (scheduler.py)
     wrap(engine, "_outputs", "outputs")
     t = time.process_time()
     try:

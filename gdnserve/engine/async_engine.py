@@ -11,9 +11,11 @@ import asyncio
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any, AsyncIterator
 
 from gdnserve.engine.engine_api import EngineDeadError, GenerateRequest, RequestOutput, ScoreResult
+from gdnserve.engine.engine_stats import StepReport
 from gdnserve.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,20 @@ class AsyncEngine:
         """The snapshot published after the engine's last step (no lock, no wait)."""
         return dict(self._stats)
 
+    def is_alive(self) -> bool:
+        """The engine thread runs (a replica's health check)."""
+        return self._thread.is_alive()
+
+    def checkpoint_keys(self) -> tuple[list[bytes], list[bytes], list[int]]:
+        """READY keys, PENDING keys and READY lengths of the engine's checkpoint index (a replica's routing stats;
+        read from another thread, as a snapshot may be)."""
+        return self.engine.checkpoint_keys()
+
+    def set_step_observer(self, observer: Callable[[StepReport], None] | None) -> None:
+        """``observer(report)`` after every engine step, on the engine thread (the server's step-time and
+        queue-time histograms); a later call replaces it."""
+        self.engine.set_step_observer(observer)
+
     # ------------------------------------------------------------------ the engine thread
     def _deliver(self, rid: str, item: Any) -> None:
         target = self._streams.get(rid)
@@ -119,7 +135,7 @@ class AsyncEngine:
                 self._stats = e.stats()
                 self._wake.wait()
                 continue
-            idle = e.counters["idle_steps"]
+            idle = e.counts.idle_steps
             try:
                 outs = e.step()
             except Exception as err:             # noqa: BLE001  rolled back; the culprit is isolated next
@@ -134,5 +150,5 @@ class AsyncEngine:
             if e.dead is not None and self.on_dead is not None:
                 on_dead, self.on_dead = self.on_dead, None
                 on_dead(e.dead)
-            if e.counters["idle_steps"] != idle:      # nothing could run (waiting on room): do not spin
+            if e.counts.idle_steps != idle:      # nothing could run (waiting on room): do not spin
                 self._wake.wait(0.005)

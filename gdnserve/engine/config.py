@@ -1,10 +1,11 @@
-"""EngineConfig: every engine default, once. The offline ``LLM``, the CLI and the server build one; the engine
-derives the runner's config from it (a new object: nothing the caller passed is mutated)."""
+"""EngineConfig: every engine default, once. The offline ``LLM``, the CLI (``entrypoints/serve.py``
+``engine_config``: the flags -> config mapping every command shares) and the server build one; the engine derives
+the runner's config from it (``runner_config``: a new object, nothing the caller passed is mutated). RunnerConfig
+takes its defaults from EngineConfig's fields; only what a runner on its own needs beyond them (its small pools,
+the graph buckets' bounds) is its own."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-
-from gdnserve.engine.model_runner import RunnerConfig
 
 PREFILL_MODES = ("serial", "two_phase", "two_phase_indexed", "fused")
 FIXED_PAGES = 2048      # num_pages when nothing sizes the pools (CPU without memory_budget_gb)
@@ -24,7 +25,11 @@ class EngineConfig:
     ``checkpoint_host_memory_gb`` > 0: evicted checkpoints are copied to that much pinned host memory (ordinary memory
     on CPU) and restored on a hit; ``checkpoint_dir``: below it (or below the device when the host tier is off) a
     directory of checkpoint files of at most ``checkpoint_dir_max_gb``, kept across restarts
-    (engine/checkpoint_tiers.py; docs/serving.md "Checkpoint tiers")."""
+    (engine/checkpoint_tiers.py; docs/serving.md "Checkpoint tiers").
+
+    ``overlap``: the overlapped loop (llm_engine.py: step n + 1 is scheduled and launched with step n's sampled ids
+    still on the device, and step n's outputs processed while it runs); None = on for a CUDA device. It needs
+    ``spec_k = 0`` and ``tensor_parallel_size = 1`` (None then means off)."""
     max_num_seqs: int = 64
     max_step_tokens: int = 4096
     max_model_len: int = 4096
@@ -48,6 +53,7 @@ class EngineConfig:
     checkpoint_host_memory_gb: float = 0.0
     checkpoint_dir: str | None = None
     checkpoint_dir_max_gb: float = 64.0
+    overlap: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_step_tokens", "max_model_len", "page_size", "max_partial_prefills"):
@@ -85,9 +91,25 @@ class EngineConfig:
                              "state of the other ranks' shards lives in their processes)")
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {tp!r}")
+        if self.overlap and (self.spec_k or tp > 1):
+            raise ValueError(f"overlap: not with spec_k = {self.spec_k} / tensor_parallel_size = {tp} (the overlapped "
+                             "loop feeds sampled ids on one device and has no draft acceptance)")
         if tp > 1 and (self.cuda_graphs or self.graph_capture):
             raise ValueError(f"cuda_graphs / graph_capture: not with tensor_parallel_size = {tp} (tensor-parallel "
                              "steps run eagerly)")
+
+    @property
+    def graphs(self) -> bool | None:
+        """Whether steps replay CUDA graphs, decided here only: never under tensor parallelism (its steps run
+        eagerly: a collective inside a captured graph is not supported); else ``cuda_graphs`` (None: on for a
+        CUDA device with a capturable forward, the runner's ``build_step_graphs`` resolves it)."""
+        return False if self.tensor_parallel_size > 1 else self.cuda_graphs
+
+    def overlapped(self, device_type: str) -> bool:
+        """Whether the engine on a ``device_type`` device runs the overlapped loop (``overlap`` resolved)."""
+        if self.overlap is not None:
+            return self.overlap
+        return device_type == "cuda" and self.spec_k == 0 and self.tensor_parallel_size == 1
 
     @property
     def slots(self) -> int:
@@ -104,7 +126,7 @@ class EngineConfig:
                             prefill_mode=self.prefill_mode, backend=self.backend,
                             spec_mode=self.spec_mode if k else None, spec_tokens=k + 1 if k else 0,
                             spec_draft=self.spec_draft,
-                            cuda_graphs=False if self.tensor_parallel_size > 1 else self.cuda_graphs,
+                            cuda_graphs=self.graphs,
                             graph_capture=self.graph_capture, graph_max_batch=self.max_num_seqs,
                             max_model_len=self.max_model_len, graph_max_tokens=self.max_step_tokens)
 
@@ -126,3 +148,27 @@ class EngineConfig:
         if bad:
             raise TypeError(f"EngineConfig has no field(s) {bad}")
         return replace(self, **kw)
+
+
+_E = EngineConfig      # a frozen dataclass's class attributes are its fields' defaults
+
+
+@dataclass
+class RunnerConfig:
+    """The ModelRunner's config: ``EngineConfig.runner_config()`` for an engine; a runner on its own (kernel-level
+    tests, ``gdnserve generate``) gets small pools by default and EngineConfig's defaults for the rest."""
+    num_slots: int = 32
+    num_pages: int = 512
+    page_size: int = _E.page_size
+    prefill_mode: str = _E.prefill_mode
+    backend: str = _E.backend
+    staging_ints: int = 1 << 20
+    spec_mode: str | None = None     # "intermediate" | "replay": speculative verify buffers
+    spec_tokens: int = 0             # L = k + 1 tokens per verify
+    spec_draft: str = _E.spec_draft  # "ngram": verify tokens come with the step; "mtp": the runner drafts them
+    cuda_graphs: bool | None = _E.cuda_graphs   # decode/verify steps via bucketed graphs (cuda_graphs.py); None = on for CUDA
+    graph_capture: bool | None = _E.graph_capture   # False: the same padded static-buffer path, run eagerly (None = on CUDA)
+    graph_max_batch: int | None = None  # largest bucket (max_num_seqs); None = min(256, num_slots)
+    max_model_len: int = _E.max_model_len   # sets the graphs' page-table width; longer sequences step eagerly
+    mixed_graphs: bool = True        # prefill and mixed steps via graphs too (prefill_mode "fused", no MTP drafter)
+    graph_max_tokens: int | None = None  # largest prefill-token bucket; None = min(max_model_len, 8192)

@@ -96,13 +96,15 @@ class StepGraphs:
         return key
 
     @torch.inference_mode()
-    def run_mixed(self, key: MixedKey, st: MixedStep) -> torch.Tensor:
+    def run_mixed(self, key: MixedKey, st: MixedStep, feed=None) -> torch.Tensor:
         """Run a prefill / mixed step laid out by the runner (``st``: its eager-layout vectors and the fused
         group's slots): fill the bucket's static inputs, replay (or run graph-shaped eager), and return the fp32
         logits of the step's logits rows, as the eager step would."""
         if self.capture and key not in self.graphs:
             self._capture(key)
         self._lens[key] = self.mixed.fill(key, st)
+        if feed is not None:                              # device-fed decode tokens (step_inputs.DecodeFeed)
+            feed.apply(self.mixed.views(key)["ids"], key.T)
         if self.capture:
             self.graphs[key].replay()
             h = self.hidden[key]
@@ -113,7 +115,7 @@ class StepGraphs:
         return self.model.logits(h[self.mixed.views(key)["rows"][:len(st.rows)].long()])
 
     @torch.inference_mode()
-    def run(self, key: Key, items: list) -> torch.Tensor:
+    def run(self, key: Key, items: list, feed=None) -> torch.Tensor:
         """Run the step of ``items`` ((seq, token) decodes or (seq, tokens) verifies, validated by the caller):
         append their KV slots, fill the static inputs, replay (or run graph-shaped eager), and return fp32
         logits of the B*L live rows, as the eager step would."""
@@ -142,6 +144,8 @@ class StepGraphs:
         elif kind.verify == "intermediate":
             vecs["rows_out"] = vecs["slots"]
         self.inputs.fill(kind, Bk, vecs, tables)
+        if feed is not None:                              # device-fed decode tokens (step_inputs.DecodeFeed)
+            feed.apply(self.inputs.views(kind, Bk)["ids"], 0)
         if self.capture:
             self.graphs[key].replay()
             h = self.hidden[key]
@@ -216,8 +220,9 @@ class StepGraphs:
 
 def build_step_graphs(model, rc, device: torch.device) -> StepGraphs | None:
     """StepGraphs for a ModelRunner (``rc``: its RunnerConfig) when ``rc.cuda_graphs`` resolves on. Auto (None)
-    turns them on for a CUDA device with the Triton backend, tensor parallel size 1 and a model whose forward
-    can be captured (the PyTorch ops read index vectors and expert counts on the host)."""
+    turns them on for a CUDA device with the Triton backend and a model whose forward can be captured (the
+    PyTorch ops read index vectors and expert counts on the host). Tensor parallelism turns them off in
+    ``EngineConfig.graphs`` (the runner config of every rank comes from it)."""
     cuda = device.type == "cuda"
     capture = cuda if rc.graph_capture is None else rc.graph_capture
     if capture and not cuda:
@@ -225,7 +230,7 @@ def build_step_graphs(model, rc, device: torch.device) -> StepGraphs | None:
     capturable = rc.backend != "torch" and all(getattr(m, "graph_safe", True) for m in model.modules())
     on = rc.cuda_graphs
     if on is None:
-        on = cuda and capturable and getattr(model, "tp_size", 1) == 1
+        on = cuda and capturable
     if not on:
         return None
     if capture and not capturable:

@@ -1,9 +1,9 @@
 """The engine loop: continuous batching of prefills, decodes, verifies and score waves over the ModelRunner.
 
-``step()`` reads top-down: the scheduler fills the step's batch (``scheduler.py``, ``admission.py``), the runner
+``step()`` reads top-down: the scheduler returns the step's batch (``scheduler.py``, ``admission.py``), the runner
 runs it, the output processor turns logits into tokens, stop decisions, text, logprobs and scores
-(``output_processor.py``), and finished samples are published (``_publish``: an automatic checkpoint of exactly
-the tokens a single-sample request consumed, or freed).
+(``output_processor.py``), and the scheduler applies the result (``Scheduler.update_from_output``: checkpoints
+READY, finished samples published as automatic checkpoints or freed, a failed step rolled back, the counters).
 
 Checkpoints: a request that names a boundary (a marker or ``checkpoint_at``) is split there into a producer and
 consumers in the same step; later requests with the same prefix start from the READY checkpoint, which stays
@@ -22,27 +22,39 @@ does every later submission (``dead``).
 from __future__ import annotations
 
 import itertools
-from dataclasses import replace
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from gdnserve.engine.checkpoint_index import conversation_key, conversation_prefix
 from gdnserve.engine.checkpoint_tiers import build_tiers
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.engine_api import EngineDeadError, RequestOutput, ScoreResult
+from gdnserve.engine.engine_stats import EngineStats, StepReport
 from gdnserve.engine.intake import make_request, make_score_job
 from gdnserve.engine.isolation import Isolation
 from gdnserve.engine.kv_cache import KVCache
 from gdnserve.engine.memory_budget import resolve_pools, weights_bytes
 from gdnserve.engine.model_runner import ModelRunner, RunnerConfig, build_pools
 from gdnserve.engine.output_processor import OutputProcessor, Processed
-from gdnserve.engine.request import Job, Request, RequestError, ScoreJob
+from gdnserve.engine.request import Job, Request, RequestError, Sample, ScoreJob
 from gdnserve.engine.sampler import Sampler
 from gdnserve.engine.scheduler import MIN_CHUNK, Scheduler
-from gdnserve.engine.step_batch import StepBatch
+from gdnserve.engine.step_batch import StepBatch, StepOutput
+from gdnserve.engine.step_inputs import DecodeFeed
 from gdnserve.speculative.ngram import NgramDrafter
 
 __all__ = ["LLMEngine", "RequestError", "MIN_CHUNK"]
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """The overlapped loop's launched step: its batch, its output (ids on the device, the copy under way) and
+    each sampled sample's row of those ids."""
+    batch: StepBatch
+    out: StepOutput
+    rows: dict[Sample, int]
 
 
 class LLMEngine:
@@ -70,19 +82,19 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_name, self.max_model_len, self.spec_k = cfg.model_name, cfg.max_model_len, cfg.spec_k
         self.vocab_size = model.cfg.vocab_size
-        self.counters = {"prompt_tokens": 0, "tokens_generated": 0, "requests_finished": 0, "checkpoint_hits": 0,
-                         "checkpoints_published": 0, "spec_drafted": 0, "spec_accepted": 0, "preemptions": 0,
-                         "requests_failed": 0, "idle_steps": 0, "checkpoint_misses": {}}
         # n-gram drafts are proposed by the scheduler on the host; MTP drafts inside the runner's step, on the device
         drafter = NgramDrafter(cfg.spec_k) if cfg.spec_k and cfg.spec_draft == "ngram" else None
-        self.scheduler = Scheduler(cfg, self.kv, self.counters, drafter)
+        self.scheduler = Scheduler(cfg, self.kv, drafter)
         self.sampler = Sampler(cfg.seed)
-        self.outputs = OutputProcessor(tokenizer, self.sampler, self.counters, cfg.max_model_len, cfg.spec_k)
+        self.outputs = OutputProcessor(tokenizer, self.sampler, cfg.max_model_len, cfg.spec_k)
         self.isolation = Isolation()
         self.requests: dict[str, Job] = {}
         self.scores: dict[str, ScoreResult | BaseException] = {}    # finished score jobs, until taken
         self._backlog: list[RequestOutput] = []                      # outputs produced while score() stepped
         self._ids = itertools.count()
+        self._observer: Callable[[StepReport], None] | None = None
+        self.overlap = cfg.overlapped(w.device.type)       # the overlapped loop (step())
+        self._inflight: _InFlight | None = None             # its step on the device, results not read back
 
     # ------------------------------------------------------------------ views kept for callers and tests
     drafter = property(lambda self: self.scheduler.drafter,
@@ -100,6 +112,20 @@ class LLMEngine:
         """The checkpoint tiers' TierStats (None without tiers), read by /metrics."""
         t = self.kv.checkpoints.tiers
         return None if t is None else t.stats
+
+    @property
+    def counts(self) -> EngineStats:
+        """The engine's counters (the scheduler writes them; read them, do not write)."""
+        return self.scheduler.stats
+
+    def checkpoint_keys(self) -> tuple[list[bytes], list[bytes], list[int]]:
+        """READY keys, PENDING keys and READY lengths of the checkpoint index (what a replica's router reads)."""
+        return self.kv.checkpoints.index.keys()
+
+    def set_step_observer(self, observer: Callable[[StepReport], None] | None) -> None:
+        """Call ``observer`` after every ``step()`` (on the thread that steps) with its StepReport; one observer, a
+        later call replaces it (None: none)."""
+        self._observer = observer
 
     def evict_checkpoints(self, n: int) -> bool:
         """Evict up to n unreferenced READY checkpoints (LRU), freeing their slots and pages."""
@@ -147,15 +173,14 @@ class LLMEngine:
         self.scores.pop(request_id, None)     # whoever aborts a score job does not take its result
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._backlog)
+        return self.scheduler.has_work() or bool(self._backlog) or self._inflight is not None
 
     def stats(self) -> dict:
         st, pg = self.kv.state, self.kv.pages
         return {"queue_depth": len(self.waiting), "running": len(self.running),
                 "state_pool_used": st.num_slots - st.num_free, "state_pool_total": st.num_slots,
                 "page_pool_used": pg.num_pages - pg.num_free, "page_pool_total": pg.num_pages,
-                "checkpoints_ready": len(self.ckpt_pages), **self.counters,
-                "checkpoint_misses": dict(self.counters["checkpoint_misses"])}
+                "checkpoints_ready": len(self.ckpt_pages), **self.counts.as_dict()}
 
     def score(self, prefix, candidates, label_token_ids=None) -> ScoreResult:
         """Score now: the job is scheduled with everything else, in waves that fit the step (other requests'
@@ -179,38 +204,106 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
+        """One step: schedule -> run (forward, batched sampling) -> process per request -> the scheduler's update
+        -> outputs (after those produced while ``score()`` stepped). Overlapped (``overlap``): this step is
+        launched with the previous step's sampled ids still on the device, and the previous step's outputs are
+        processed while it runs; its own come out of the next call."""
+        t0 = time.monotonic()
         outs, self._backlog = self._backlog, []
-        return outs + self._step()
+        batch = None
+        try:
+            batch = self._schedule()
+            return outs + self._run(batch)
+        finally:
+            if self._observer is not None:
+                self._observer(StepReport(t0, time.monotonic() - t0, self._admitted(batch)))
 
     def _step(self) -> list[RequestOutput]:
-        batch = StepBatch()
-        self.scheduler.allowed = self.isolation.allowed()
-        try:
-            self.scheduler.schedule(batch)
-            if batch.empty:
-                self.counters["idle_steps"] += 1
-                if self.isolation.active:       # the trial's jobs cannot run now: stop isolating, retry all
-                    self.isolation.give_up()
-                    return []
-                return self._unfit()
-            logits = self.runner.step(batch.items, batch.decodes, is_ready=self.kv.checkpoints.is_ready_slot,
-                                      verifies=batch.verifies)
-        except EngineDeadError as e:
-            return self._die(batch, e)
-        except Exception as e:       # noqa: BLE001
-            return self._failed(batch, e, settled=False)
-        self._settle(batch, ok=True)
-        try:
-            sampled, accepted = self._sample(batch, logits)
-        except Exception as e:       # noqa: BLE001
-            return self._failed(batch, e, settled=True)
-        done = self._process(batch, logits, sampled, accepted)
-        self._publish(done)
-        self.isolation.passed()
-        return self._outputs(batch, done)
+        return self._run(self._schedule())
 
-    def _sample(self, batch: StepBatch, logits: torch.Tensor):
-        """The batched, device-side part of processing: sampling and draft acceptance (with the commit)."""
+    def _schedule(self) -> StepBatch:
+        fly = self._inflight
+        return self.scheduler.schedule(self.isolation.allowed(), fly.rows if fly is not None else None)
+
+    def _run(self, batch: StepBatch) -> list[RequestOutput]:
+        """Serial: launch the step and land it. Overlapped: launch it, land the step in flight while it runs, and
+        keep it in flight (unless its results must be read back at once). A failed step lands after the one in
+        flight, so a rollback never drops an output that step produced."""
+        prev, self._inflight = self._inflight, None
+        if batch.empty and batch.error is None:
+            return self._land(prev, None) if prev is not None else self._idle()
+        out = self._launch(batch, prev)
+        outs = self._land(prev, batch if out.ran else None) if prev is not None else []
+        if out.error is not None and prev is not None:     # isolation marks progress past the landed step
+            batch.marks = {job: job.progress() for job in batch.jobs}
+        if out.error is None and self._deferrable(batch):
+            self.scheduler.settle(batch)            # before the next schedule: device work is stream-ordered
+            self._inflight = _InFlight(batch, out, {s: i for i, (_, s) in enumerate(out.sampling.owners)})
+            return outs
+        try:
+            return outs + self._land(_InFlight(batch, out, {}), None)
+        except Exception:
+            self._backlog = outs + self._backlog    # the previous step's outputs are not lost with the error
+            raise
+
+    def _launch(self, batch: StepBatch, prev: _InFlight | None) -> StepOutput:
+        """The forward and the batched, device-side sampling; a failure there fails the step."""
+        out = StepOutput(error=batch.error)
+        if out.error is not None:
+            return out
+        try:
+            feed = DecodeFeed.of(prev.out.sampling.tokens, batch.feed) if batch.feed else None
+            kw = {"feed": feed} if feed is not None else {}
+            out.logits = self.runner.step(batch.items, batch.decodes, verifies=batch.verifies, ready=batch.ready,
+                                          **kw)
+            out.ran = True
+            out.sampling, out.accepted = self._sample(batch, out.logits, prev.rows if prev is not None else {})
+        except Exception as e:       # noqa: BLE001  rolled back by the scheduler, isolated here
+            out.error = e
+        return out
+
+    def _land(self, fl: _InFlight, running: StepBatch | None) -> list[RequestOutput]:
+        """A launched step's results read back (the one device-to-host copy) and applied: per request on the host
+        (a failure there is that request's alone), then the scheduler's update. ``running``: the step launched
+        after it, still on the device: a sample it decodes is not published (its state runs one id past)."""
+        batch, out = fl.batch, fl.out
+        if out.error is None:
+            try:
+                sampled = list(zip(out.sampling.owners, out.sampling.result()))
+            except Exception as e:   # noqa: BLE001
+                out.error = e
+        if out.error is None:
+            out.processed = done = self._process(batch, out.logits, sampled, out.accepted)
+            if running is not None:
+                busy = {id(seq) for seq, _ in running.decodes} | {id(it.seq) for it in running.items}
+                done.finished = [(r, s) for r, s in done.finished if id(s.seq) not in busy]
+            self.runner.flush(done.finished_seqs())   # replay-pending tokens land before a slot is published
+        self.scheduler.update_from_output(batch, out)
+        if out.error is not None:
+            return self._die(out.error) if out.dead else self._failed(batch, out.error)
+        for req, why in out.processed.failed:
+            self._fail(req, why)
+        self.isolation.passed()
+        return self._outputs(batch, out.processed)
+
+    def _deferrable(self, batch: StepBatch) -> bool:
+        """The overlapped loop keeps a step in flight unless its results must be read back at once: draft
+        acceptance, score results and prompt logprobs read the logits on the host; a failure being isolated
+        runs serially."""
+        return (self.overlap and not self.isolation.active and not batch.verified and not batch.waves
+                and not any(it.all_logits for it in batch.items))
+
+    def _admitted(self, batch: StepBatch | None) -> tuple[str, ...]:
+        """Request ids the step admitted that are out of the queue now (a failed step requeued its own)."""
+        if batch is None or not batch.admitted:
+            return ()
+        waiting = set(map(id, self.scheduler.waiting))
+        return tuple(j.request_id for j in batch.admitted if id(j) not in waiting)
+
+    def _sample(self, batch: StepBatch, logits: torch.Tensor, inflight: dict):
+        """The batched, device-side part of processing: sampling (read back later: ``Sampled.result``) and draft
+        acceptance (with the commit). ``inflight``: samples whose previous id is still on the device (one more
+        generation step than their tokens say: what a seeded row's stream reads)."""
         first, r = [], 0
         for it in batch.items:
             first.append(r)
@@ -218,7 +311,8 @@ class LLMEngine:
         last = [f + (len(it.tokens) - 1 if it.all_logits else 0) for f, it in zip(first, batch.items)]
         rows = [last[i] for i, o in enumerate(batch.owners) if o is not None] + [r + j for j in range(len(batch.decodes))]
         owners = [o for o in batch.owners if o is not None] + batch.dec_owners
-        sampled = list(zip(owners, self.outputs.sample(logits, rows, owners)))
+        sampled = self.outputs.sample_async(logits, rows, owners,
+                                            [len(s.token_ids) + (s in inflight) for _, s in owners])
         accepted = []
         if batch.verified:
             v0 = r + len(batch.decodes)
@@ -236,6 +330,8 @@ class LLMEngine:
         out = Processed()
         per_req: dict[Request, list] = {}
         for (req, s), tok in sampled:
+            if self.requests.get(req.request_id) is not req or s.finish_reason is not None:
+                continue        # overlapped loop: aborted meanwhile, or an id past its stop (never emitted)
             per_req.setdefault(req, []).append(("tok", s, tok))
         for (req, s), toks in accepted:
             per_req.setdefault(req, []).append(("spec", s, toks))
@@ -251,33 +347,14 @@ class LLMEngine:
                     elif kind == "tok":
                         self.outputs.append(req, a, b[0], b[1], b[2], out)
                     else:
-                        self.counters["spec_drafted"] += self.spec_k
-                        self.counters["spec_accepted"] += len(b) - 1
+                        out.verified += 1
+                        out.drafts_accepted += len(b) - 1
                         for tok in b:
                             if a.finish_reason is None:
                                 self.outputs.append(req, a, tok, None, None, out)
             except Exception as e:   # noqa: BLE001
                 out.failed.append((req, f"{type(e).__name__}: {e}"))
         return out
-
-    def _publish(self, done: Processed) -> None:
-        """Finished samples: an automatic checkpoint of exactly the tokens a single-sample request consumed
-        (prompt + output minus the last, unfed token), or freed; failed requests leave with their reason."""
-        for req, s in done.finished:
-            seq, s.seq = s.seq, None
-            if seq is None:
-                continue
-            self.runner.flush([seq])                   # replay-mode pending tokens land in the slot first
-            tokens = conversation_prefix(req.prompt_ids, s.token_ids)
-            if (self.config.auto_checkpoints and len(req.samples) == 1 and s.finish_reason in ("stop", "length")
-                    and seq.length == len(tokens)
-                    and self.kv.checkpoints.adopt(tokens, seq, conversation_key(req, s.token_ids)) is not None):
-                self.counters["checkpoints_published"] += 1
-                req.checkpoint = replace(req.checkpoint, published=True)
-                continue
-            self.kv.free_seq(seq)
-        for req, why in done.failed:
-            self._fail(req, why)
 
     def _outputs(self, batch: StepBatch, done: Processed) -> list[RequestOutput]:
         outs = []
@@ -290,40 +367,16 @@ class LLMEngine:
                 self._retire(w.job)
         return outs
 
-    # ------------------------------------------------------------------ after a step, failures
-    def _settle(self, batch: StepBatch, ok: bool) -> None:
-        """Producers of n-sample forks and score candidates live for one step; published checkpoints become
-        READY (their state and KV pages are final once the step has run) or are dropped if it failed;
-        references taken for the step are released; chunked producers advance."""
-        ck = self.kv.checkpoints
-        for seq in batch.temps:
-            self.kv.free_seq(seq)
-        for entry, prod in batch.pending:
-            (ck.ready if ok else ck.abort)(entry, prod.pages)
-        for entry in batch.acquired:
-            ck.release(entry)
-        batch.temps, batch.pending, batch.acquired = [], [], []
-        for job, last in batch.prod_chunks if ok else ():
-            if not last:
-                continue
-            if isinstance(job, Request):   # READY, pinned by the request until its samples read it
-                entry, pages = job.prod.entry, job.prod.seq.pages
-            else:
-                entry, pages, job.prod = job.entry, job.prod.pages, None
-            ck.ready(entry, pages)
-            ck.acquire(entry)
-            self.scheduler.producing.pop(entry.token_ids, None)
+    # ------------------------------------------------------------------ failures
+    def _idle(self) -> list[RequestOutput]:
+        if self.isolation.active:       # the trial's jobs cannot run now: stop isolating, retry all
+            self.isolation.give_up()
+            return []
+        return self._unfit()
 
-    def _failed(self, batch: StepBatch, err: Exception, settled: bool) -> list[RequestOutput]:
-        """Roll the step back (every job requeued, recomputed later) and isolate the culprit. Outside a trial the
-        error is re-raised after the rollback."""
-        if not settled:
-            self._settle(batch, ok=False)
-        for w in batch.waves:
-            w.job.todo = sorted(set(w.job.todo) | set(w.cands))
-        for i, job in enumerate(batch.jobs):
-            if job.request_id in self.requests:
-                self.scheduler.requeue(job, front=i)
+    def _failed(self, batch: StepBatch, err: Exception) -> list[RequestOutput]:
+        """The scheduler rolled the step back (every job requeued, recomputed later); isolate the culprit. Outside a
+        trial the error is re-raised."""
         live = [j for j in batch.jobs if j.request_id in self.requests]
         if not self.isolation.active:
             self.isolation.start(live, batch.admitted, batch.marks)
@@ -333,9 +386,8 @@ class LLMEngine:
             return []
         return self._fail(culprit, f"{type(err).__name__}: {err}")
 
-    def _die(self, batch: StepBatch, err: EngineDeadError) -> list[RequestOutput]:
+    def _die(self, err: EngineDeadError) -> list[RequestOutput]:
         """A fatal error (a tensor-parallel worker is gone): every job fails with it, and so will every later one."""
-        self._settle(batch, ok=False)
         self.dead = str(err)
         return [o for job in list(self.requests.values()) for o in self._fail(job, self.dead)]
 
@@ -359,18 +411,16 @@ class LLMEngine:
         return [o for job in list(self.waiting) for o in self._fail(job, why)]
 
     def _fail(self, job: Job, why: str) -> list[RequestOutput]:
-        self.counters["requests_failed"] += 1
         job.fail(why)
-        self._retire(job)
+        self._retire(job, failed=True)
         return [self.outputs.output(job)] if isinstance(job, Request) else []
 
-    def _retire(self, job: Job) -> None:
-        self.scheduler.remove(job)
+    def _retire(self, job: Job, failed: bool = False) -> None:
+        known = self.requests.pop(job.request_id, None) is not None
+        self.scheduler.retire(job, failed=failed, finished=known)
         self.isolation.forget(job)
-        if self.requests.pop(job.request_id, None) is None:
+        if not known:
             return
         if isinstance(job, ScoreJob):
             self.scores[job.request_id] = (RuntimeError(f"score failed: {job.error}") if job.error else
                                            ScoreResult(job.prefix_ids, list(job.results)))
-        else:
-            self.counters["requests_finished"] += 1

@@ -28,6 +28,7 @@ import torch
 from gdnserve.engine.config import FIXED_PAGES, EngineConfig
 from gdnserve.engine.memory_plan import Budget, Demand, MemoryPlan, MemoryPlanError, fmt_bytes, plan
 from gdnserve.engine.model_runner import pool_configs, spec_bytes_per_slot
+from gdnserve.layers.rank_shapes import GDNShape, attn_heads
 
 RUNTIME_RESERVE = 1 << 30           # CUDA, analytic plans: cuBLAS / Triton workspaces, allocator slack
 MEASURED_RESERVE = 512 << 20        # CUDA, measured plans: the workspaces are in the measurement; slack only
@@ -121,10 +122,10 @@ def estimate_activations(model_cfg, cfg: EngineConfig, dtype: torch.dtype, tp: i
     ``all_logits`` False: only the sampled rows' logits (no prompt-logprobs or score step)."""
     c, a, g, m = model_cfg, model_cfg.attn, model_cfg.gdn, model_cfg.mlp
     T, act, h = tokens if tokens is not None else cfg.max_step_tokens, dtype.itemsize, c.hidden_size
-    H, HV, NH, KVH = g.num_k_heads // tp, g.num_v_heads // tp, a.num_heads // tp, max(1, a.num_kv_heads // tp)
-    K, V, D = g.head_k_dim, g.head_v_dim, a.head_dim
-    proj = 2 * H * K + 2 * HV * V + 2 * HV            # in_proj: q k v z | b a
-    conv = 2 * H * K + HV * V
+    gs, (NH, KVH) = GDNShape.of(g, tp), attn_heads(a.num_heads, a.num_kv_heads, tp)
+    HV, K, V, D = gs.HV, gs.K, gs.V, a.head_dim
+    proj = gs.conv_dim + HV * V + 2 * HV              # in_proj: q k v z | b a
+    conv = gs.conv_dim
     seqs = -(-T // cfg.max_model_len)
     gdn = T * (proj * act * 2 + conv * act + HV * (K + V) * 4 * 2 + HV * V * act * 2) \
         + (-(-T // CHUNK) + seqs) * HV * K * V * 4 * 2      # fp32 chunk states, and their prefix pass
@@ -149,7 +150,7 @@ def estimate_graphs(model_cfg, cfg: EngineConfig, dtype: torch.dtype, device: to
     """The CUDA graphs' pool: the largest captured step's intermediates without the logits (prefill / mixed graphs
     reach max_step_tokens; decode graphs max_num_seqs x (spec_k + 1) rows), plus the hidden outputs the captured
     graphs keep (an allowance of 16 of the largest). 0 where no graphs are captured."""
-    if device.type != "cuda" or cfg.cuda_graphs is False or cfg.tensor_parallel_size > 1:
+    if device.type != "cuda" or cfg.graphs is False:
         return 0
     mixed = cfg.prefill_mode == "fused" and not (cfg.spec_k and cfg.spec_draft == "mtp")
     T = cfg.max_step_tokens if mixed else cfg.max_num_seqs * (cfg.spec_k + 1)

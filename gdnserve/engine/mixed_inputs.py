@@ -26,6 +26,7 @@ keep their addresses for the runner's lifetime), filled with ONE host-to-device 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -110,10 +111,10 @@ def span(key: MixedKey, W: int, page_size: int) -> int:
     return _layout(key, W, page_size)[1]
 
 
-def fused_group(segs: list[PrefillSegment], is_ready) -> tuple[list[int], list[int], list[int]]:
+def fused_group(segs: list[PrefillSegment], ready: AbstractSet[int]) -> tuple[list[int], list[int], list[int]]:
     """The one launch group of the fused plan (step_plan.py builds it the same way, checks included: ownership
     contract and aliasing, PlanError): per segment in token order its src, dst and same-group parent."""
-    return fused_slots(segs, is_ready)
+    return fused_slots(segs, ready)
 
 
 @dataclass

@@ -9,16 +9,18 @@ from dataclasses import dataclass
 
 import torch
 
+from gdnserve.engine.config import RunnerConfig
 from gdnserve.engine.cuda_graphs import build_step_graphs
 from gdnserve.engine.mixed_inputs import MixedKey, MixedStep, fused_group
 from gdnserve.engine.page_pool import PagePool, PagePoolConfig, PageTable
 from gdnserve.speculative.mtp import MTPDrafter, MTPStepIndex
 from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
-from gdnserve.engine.step_inputs import DeviceInputs, StepInputs
+from gdnserve.engine.step_inputs import DecodeFeed, DeviceInputs, StepInputs
 from gdnserve.engine.step_work import StepWork
 from gdnserve.engine.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan, segment_phases
 from gdnserve.layers.forward_context import AttnMeta, ForwardContext, VerifyMeta, forward_context
 from gdnserve.layers.moe import SparseMoE
+from gdnserve.layers.rank_shapes import GDNShape, attn_heads
 from gdnserve.ops.gdn.recurrent import GDNPending
 from gdnserve.ops.varlen import aligned
 
@@ -57,25 +59,6 @@ class PrefillItem:
     checkpoint: tuple[int, PageTable] | None = None   # a READY checkpoint (state slot, KV pages) this continues
 
 
-@dataclass
-class RunnerConfig:
-    num_slots: int = 32
-    num_pages: int = 512
-    page_size: int = 16
-    prefill_mode: str = "fused"
-    backend: str = "auto"
-    staging_ints: int = 1 << 20
-    spec_mode: str | None = None     # "intermediate" | "replay": speculative verify buffers
-    spec_tokens: int = 0             # L = k + 1 tokens per verify
-    spec_draft: str = "ngram"        # "ngram": verify tokens come with the step; "mtp": the runner drafts them
-    cuda_graphs: bool | None = None  # decode/verify steps via bucketed graphs (cuda_graphs.py); None = on for CUDA
-    graph_capture: bool | None = None   # False: the same padded static-buffer path, run eagerly (None = on CUDA)
-    graph_max_batch: int | None = None  # largest bucket (max_num_seqs); None = min(256, num_slots)
-    max_model_len: int = 4096        # sets the graphs' page-table width; longer sequences step eagerly
-    mixed_graphs: bool = True        # prefill and mixed steps via graphs too (prefill_mode "fused", no MTP drafter)
-    graph_max_tokens: int | None = None  # largest prefill-token bucket; None = min(max_model_len, 8192)
-
-
 def pool_shapes(model, rc: RunnerConfig) -> tuple[StatePoolConfig, PagePoolConfig]:
     """The state and KV page pools a model needs under ``rc`` (per rank: this rank's GDN value/key heads and
     attention KV heads; the MTP head's KV cache is one more page-pool layer after the target's)."""
@@ -93,11 +76,11 @@ def pool_configs(cfg, rc: RunnerConfig, dtype: torch.dtype, device: torch.device
     """:func:`pool_shapes` from the model's config alone (``cfg``: a ModelConfig; nothing is built): what the
     memory plan prices before a model is loaded (engine/memory_plan.py)."""
     g, a = cfg.gdn, cfg.attn
-    H, HV, KVH = g.num_k_heads // tp, g.num_v_heads // tp, a.num_kv_heads // tp
+    gs, (_, KVH) = GDNShape.of(g, tp), attn_heads(a.num_heads, a.num_kv_heads, tp)
     use_mtp = rc.spec_mode is not None and rc.spec_draft == "mtp"
     n_gdn, n_attn = cfg.num_linear_layers, cfg.num_layers - cfg.num_linear_layers
-    state = StatePoolConfig(num_layers=max(1, n_gdn), num_slots=rc.num_slots, HV=HV, K=g.head_k_dim,
-                            V=g.head_v_dim, conv_dim=2 * H * g.head_k_dim + HV * g.head_v_dim,
+    state = StatePoolConfig(num_layers=max(1, n_gdn), num_slots=rc.num_slots, HV=gs.HV, K=gs.K,
+                            V=gs.V, conv_dim=gs.conv_dim,
                             conv_width=g.conv_kernel, ssm_dtype=torch.float32, conv_dtype=dtype, device=device)
     pages = PagePoolConfig(num_layers=max(1, n_attn) + use_mtp, num_pages=rc.num_pages, page_size=rc.page_size,
                            num_kv_heads=KVH, head_dim=a.head_dim, dtype=dtype, device=device)
@@ -109,13 +92,13 @@ def spec_bytes_per_slot(cfg, rc: RunnerConfig, dtype: torch.dtype, tp: int = 1) 
     buffers of every GDN layer, the MTP drafter's hidden row); 0 without ``spec_mode``."""
     if rc.spec_mode is None:
         return 0
-    g, L, act = cfg.gdn, rc.spec_tokens, dtype.itemsize
-    H, HV = g.num_k_heads // tp, g.num_v_heads // tp
-    D = 2 * H * g.head_k_dim + HV * g.head_v_dim
+    L, act = rc.spec_tokens, dtype.itemsize
+    gs = GDNShape.of(cfg.gdn, tp)
+    H, HV, K, V, D = gs.H, gs.HV, gs.K, gs.V, gs.conv_dim
     if rc.spec_mode == "intermediate":      # conv scratch [S, L, D] + per-token states [S, L, HV, V, K] fp32
-        per_layer = L * D * act + L * HV * g.head_v_dim * g.head_k_dim * 4
+        per_layer = L * D * act + L * HV * V * K * 4
     else:                                   # 2 S ping-pong rows of [L, D] + GDNPending k, v, a, b
-        per_layer = 2 * L * (D * act + (H * g.head_k_dim + HV * g.head_v_dim + 2 * HV) * act)
+        per_layer = 2 * L * (D * act + (H * K + HV * V + 2 * HV) * act)
     mtp = cfg.hidden_size * act if rc.spec_draft == "mtp" else 0
     return cfg.num_linear_layers * per_layer + mtp
 
@@ -136,9 +119,7 @@ class ModelRunner:
         w = model.embed_tokens.weight
         self.device, self.dtype = w.device, w.dtype
         gdn, attn = model.gdn_layers(), model.attention_layers()
-        g = cfg.gdn
-        tp = getattr(model, "tp_size", 1)
-        H, HV = g.num_k_heads // tp, g.num_v_heads // tp
+        gs = GDNShape.of(cfg.gdn, getattr(model, "tp_size", 1))
         sc, pc = pool_shapes(model, rc)
         self.state, self.pages = pools if pools is not None else (StatePool(sc), PagePool(pc))
         if self.state.config != sc or self.pages.config != pc:
@@ -157,7 +138,7 @@ class ModelRunner:
                 m.backend = rc.backend
         self.stager = IndexStager(rc.staging_ints, self.device)
         if rc.spec_mode is not None:
-            self._bind_spec(gdn, H, HV, g)
+            self._bind_spec(gdn, gs)
         self.mtp = (MTPDrafter(model, rc.spec_tokens - 1, rc.num_slots, self.pages.k_cache(n_attn),
                                self.pages.v_cache(n_attn)) if use_mtp else None)
         if self.mtp is not None:
@@ -165,27 +146,28 @@ class ModelRunner:
         self.drafts: torch.Tensor | None = None      # [B, k] int64: the last verify step's drafts, on the device
         self.verify_slots: torch.Tensor | None = None   # [B] int32: the last verify step's slots (its upload)
         self.graphs = build_step_graphs(model, rc, self.device)
+        self._feed: DecodeFeed | None = None     # the running step's device-fed decode tokens
 
     def capture_graphs(self) -> None:
         """Capture every bucket's decode (and verify) graph now instead of on first use (no-op without capture)."""
         if self.graphs is not None and self.graphs.capture:
             self.graphs.capture_all()
 
-    def _bind_spec(self, gdn, H: int, HV: int, g) -> None:
+    def _bind_spec(self, gdn, gs: GDNShape) -> None:
         """Per GDN layer: drafted raw conv inputs (scratch rows = slots in intermediate mode, ping-pong pending rows
         slot / slot + S in replay mode), per-token states (intermediate) or drafted k, v, a, b (replay)."""
         rc, S, L = self.rc, self.rc.num_slots, self.rc.spec_tokens
         if rc.spec_mode not in ("intermediate", "replay") or L < 2:
             raise ValueError(f"spec_mode must be 'intermediate' or 'replay' with spec_tokens >= 2, got "
                              f"{rc.spec_mode!r}, {L}")
-        D = 2 * H * g.head_k_dim + HV * g.head_v_dim
+        H, HV, K, V, D = gs.H, gs.HV, gs.K, gs.V, gs.conv_dim
         for layer in gdn:
             if rc.spec_mode == "intermediate":
                 layer.bind_spec(torch.zeros(S, L, D, dtype=self.dtype, device=self.device),
-                                torch.zeros(S, L, HV, g.head_v_dim, g.head_k_dim, device=self.device), None)
+                                torch.zeros(S, L, HV, V, K, device=self.device), None)
             else:
                 layer.bind_spec(torch.zeros(2 * S, L, D, dtype=self.dtype, device=self.device), None,
-                                GDNPending.empty(2 * S, L, H, HV, g.head_k_dim, g.head_v_dim, self.dtype, self.device))
+                                GDNPending.empty(2 * S, L, H, HV, K, V, self.dtype, self.device))
 
     def _upload(self, *vecs: list[int]) -> list[torch.Tensor]:
         """Equal-length int32 vectors in one upload (flush / commit run outside the step's plan)."""
@@ -246,14 +228,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]],
-             is_ready=lambda slot: False, verifies: list[tuple[SeqState, list[int]]] = ()) -> torch.Tensor:
+             verifies: list[tuple[SeqState, list[int]]] = (), ready: frozenset[int] = frozenset(),
+             feed: DecodeFeed | None = None) -> torch.Tensor:
         """Returns fp32 logits, one row per: each prefill item's last token (every token for an item with
         ``all_logits``), then each decode token, then every token of each verify item (L rows), in order.
         After a verify step the caller must ``accept`` how many tokens each verified sequence keeps; the drafts
         that were verified are ``self.drafts`` ([B, k] on the device). Verify items carry their L tokens, or with
         ``spec_draft="mtp"`` only the last sampled token: the MTP head drafts the other k in this step.
         A decode-only or verify-only step may run a CUDA graph (``self.graphs``; not with the MTP drafter, whose
-        draft and KV passes run eagerly); its logits are the same."""
+        draft and KV passes run eagerly); its logits are the same. ``ready``: the READY checkpoint slots among
+        those the prefills write or read (the scheduler's ``StepBatch.ready``), for the plan's ownership check.
+        ``feed``: decode tokens that are still on the device (the overlapped loop), written over the placeholders
+        the host laid out."""
+        if feed is not None and (verifies or self.mtp is not None):
+            raise ValueError("feed: device-fed decode tokens go with plain decode steps only")
+        self._feed = feed
+        try:
+            return self._step(prefills, decodes, verifies, ready)
+        finally:
+            self._feed = None
+
+    def _step(self, prefills, decodes, verifies, ready) -> torch.Tensor:
         if verifies and self.rc.spec_mode is None:
             raise ValueError("verifies: this runner has no spec_mode (RunnerConfig.spec_mode / spec_tokens)")
         want = 1 if self.mtp is not None else self.rc.spec_tokens     # with the MTP head: the last sampled token
@@ -266,7 +261,7 @@ class ModelRunner:
             if not prefills:
                 key = self.graphs.select(decodes, verifies)
                 if key is not None:
-                    logits = self.graphs.run(key, list(verifies or decodes))
+                    logits = self.graphs.run(key, list(verifies or decodes), self._feed)
                     if verifies:
                         self.drafts = self.graphs.drafts(key, len(verifies))
                         self.verify_slots = self.graphs.verify_slots(key, len(verifies))
@@ -274,13 +269,13 @@ class ModelRunner:
             elif not verifies:
                 mkey = self.graphs.select_mixed(prefills, decodes)
                 if mkey is not None:
-                    return self._step_mixed(mkey, prefills, decodes, is_ready)
+                    return self._step_mixed(mkey, prefills, decodes, ready)
             if not prefills or self.graphs.mixed is not None:      # a step the graphs could have taken
                 self.graphs.stats["fallback"] += 1
-        return self.execute(self.prepare(prefills, decodes, verifies, is_ready))
+        return self.execute(self.prepare(prefills, decodes, verifies, ready))
 
     def prepare(self, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]], verifies,
-                is_ready=lambda slot: False) -> StepWork:
+                ready: frozenset[int] = frozenset()) -> StepWork:
         """The host half of an eager step: lay the tokens out (pages allocated, forks made) into plain host data.
         Nothing touches the device (copy-on-write page copies are listed in the work, run by ``execute``)."""
         segs = self._segments(prefills)
@@ -290,7 +285,7 @@ class ModelRunner:
         self._lay_decodes(decodes, verifies, host, mtp)
         L = self.rc.spec_tokens
         max_q = max([len(it.tokens) for it in prefills] + [1] * bool(decodes) + [L] * bool(verifies), default=0)
-        return StepWork.of(segs, host, [s.slot for s, _ in decodes], is_ready, len(verifies), max_q, mtp)
+        return StepWork.of(segs, host, [s.slot for s, _ in decodes], ready, len(verifies), max_q, mtp)
 
     @torch.inference_mode()
     def execute(self, work: StepWork, ship=None) -> torch.Tensor:
@@ -299,7 +294,7 @@ class ModelRunner:
         if work.copies:
             self.pages.copy_pages([s for s, _ in work.copies], [d for _, d in work.copies])
         plan = build_step_plan(work.segs, self.rc.prefill_mode, self.stager, decode_slots=work.decode_slots,
-                               extra=work.vectors, is_ready=work.ready.__contains__)
+                               extra=work.vectors, ready=work.ready)
         if ship is not None:
             ship(work)
         x = DeviceInputs.from_views(plan.extra, work.shape())
@@ -309,6 +304,8 @@ class ModelRunner:
         vmeta = VerifyMeta(self.rc.spec_mode, L, x.v_slots, x.v_out, x.v_in, x.v_num) if work.num_verifies else None
         ctx = ForwardContext(x.pos.long(), work.num_prefill, plan.prefill, plan.decode_slots, attn, vmeta)
         ids_dev = x.ids.long()
+        if self._feed is not None:
+            self._feed.apply(ids_dev, work.num_prefill)
         if work.num_verifies:
             B, v0 = work.num_verifies, work.v_start
             self.drafts = ids_dev[v0:].view(B, L)[:, 1:]
@@ -324,11 +321,11 @@ class ModelRunner:
         return logits
 
     def _step_mixed(self, key: MixedKey, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]],
-                    is_ready) -> torch.Tensor:
+                    ready: frozenset[int]) -> torch.Tensor:
         """A prefill / mixed step through its graph bucket: the segments validated (before any page moves),
         laid out as the eager step lays them (forks, pages, lengths), then padded into the bucket."""
         segs = self._segments(prefills)
-        src, dst, par = fused_group(segs, is_ready)
+        src, dst, par = fused_group(segs, ready)
         host = StepInputs()
         self._lay_prefills(prefills, segs, host, None)
         self._lay_decodes(decodes, [], host, None)
@@ -336,7 +333,7 @@ class ModelRunner:
             self.pages.copy_pages([s for s, _ in host.copies], [d for _, d in host.copies])
         st = MixedStep(host.ids, host.pos, host.slots + host.dup_slots, host.dup_rows, host.cu, host.kv,
                        host.tables, host.rows, host.num_prefill, src, dst, par, [s.slot for s, _ in decodes])
-        return self.graphs.run_mixed(key, st)
+        return self.graphs.run_mixed(key, st, self._feed)
 
     @staticmethod
     def _segments(prefills: list[PrefillItem]) -> list[PrefillSegment]:

@@ -1,7 +1,8 @@
 """From a step's logits to outputs: sampling (one vectorised call, one device-to-host read), acceptance of
 verified drafts, stop rules, append-only logprobs, incremental detokenization, prompt logprobs and score
-results. ``process`` returns the samples that finished this step (the engine publishes or frees them) and
-the requests it touched; a failure while processing one request is that request's alone (``failed``).
+results. The step's ``Processed`` holds the samples that finished this step (the scheduler publishes or frees
+them), the requests it touched and the step's counts; a failure while processing one request is that request's
+alone (``failed``).
 """
 from __future__ import annotations
 
@@ -18,34 +19,37 @@ from gdnserve.speculative.acceptance import emitted_tokens, greedy_accept, rejec
 
 @dataclass(eq=False)
 class Processed:
+    """One step's per-request results, and its counts (the scheduler adds them to its ``EngineStats``)."""
     touched: list[Request] = field(default_factory=list)
     finished: list[tuple[Request, Sample]] = field(default_factory=list)
     failed: list[tuple[Request, str]] = field(default_factory=list)
+    tokens: int = 0                 # tokens appended to samples
+    verified: int = 0               # verify rows processed (k drafts proposed each)
+    drafts_accepted: int = 0
+
+    def finished_seqs(self) -> list:
+        return [s.seq for _, s in self.finished if s.seq is not None]
 
 
-class OutputProcessor:
-    def __init__(self, tokenizer, sampler: Sampler, counters: dict, max_model_len: int, spec_k: int) -> None:
-        self.tokenizer, self.sampler, self.counters = tokenizer, sampler, counters
-        self.eos = set(tokenizer.eos_token_ids)
-        self.max_model_len, self.spec_k = max_model_len, spec_k
+@dataclass(eq=False)
+class Sampled:
+    """One step's sampled rows: ``tokens`` stay on the device ([B] int64, what the next step's DecodeFeed reads);
+    ``result()`` waits for the one device-to-host copy and parses it per owner (token, logprob, logprobs dict)."""
+    owners: list
+    tokens: torch.Tensor | None
+    flat: torch.Tensor | None
+    event: object
+    k: int
 
-    # ------------------------------------------------------------------ batched, device side
-    def sample(self, logits: torch.Tensor, rows: list[int], owners: list) -> list[tuple[int, float, dict | None]]:
-        """Sample the step's rows; per owner (token, logprob, logprobs dict). The step's one device-to-host read."""
-        if not rows:
+    def result(self) -> list[tuple[int, float, dict | None]]:
+        if not self.owners:
             return []
-        lg = logits[torch.tensor(rows, device=logits.device)]
-        params = [r.params for r, _ in owners]
-        res = self.sampler.sample(lg, params, steps=[len(s.token_ids) for _, s in owners],
-                                  sample_indices=[s.index for _, s in owners])
-        B = len(owners)
-        parts = [res.token_ids.double(), res.logprobs.double()]
-        if res.top_ids is not None:
-            parts += [res.top_ids.double().flatten(), res.top_logprobs.double().flatten()]
-        flat = torch.cat(parts).tolist()
+        if self.event is not None:
+            self.event.synchronize()
+        owners, B, k = self.owners, len(self.owners), self.k
+        flat = self.flat.tolist()
         toks, lps = [int(t) for t in flat[:B]], flat[B:2 * B]
         out = []
-        k = res.top_ids.shape[1] if res.top_ids is not None else 0
         for i, (req, _) in enumerate(owners):
             d = None
             want = req.params.logprobs
@@ -57,6 +61,48 @@ class OutputProcessor:
                     d.update(zip((int(x) for x in ti), tl))
             out.append((toks[i], lps[i], d))
         return out
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, sampler: Sampler, max_model_len: int, spec_k: int) -> None:
+        self.tokenizer, self.sampler = tokenizer, sampler
+        self.eos = set(tokenizer.eos_token_ids)
+        self.max_model_len, self.spec_k = max_model_len, spec_k
+
+    # ------------------------------------------------------------------ batched, device side
+    def sample(self, logits: torch.Tensor, rows: list[int], owners: list,
+               steps: list[int] | None = None) -> list[tuple[int, float, dict | None]]:
+        """Sample the step's rows; per owner (token, logprob, logprobs dict). The step's one device-to-host read."""
+        return self.sample_async(logits, rows, owners, steps).result()
+
+    def sample_async(self, logits: torch.Tensor, rows: list[int], owners: list,
+                     steps: list[int] | None = None) -> Sampled:
+        """Sample the step's rows on the device and start the one device-to-host copy (into pinned memory on
+        CUDA, no host sync): the ids stay on the device to feed the next step (the overlapped loop).
+        ``steps``: each row's generation step (default: its sample's tokens so far; seeded rows read it)."""
+        if not rows:
+            return Sampled([], None, None, None, 0)
+        dev = logits.device
+        ix = torch.tensor(rows, dtype=torch.int64)
+        ix = ix.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else ix.to(dev)
+        lg = logits[ix]
+        params = [r.params for r, _ in owners]
+        res = self.sampler.sample(lg, params, steps=steps if steps is not None else [len(s.token_ids) for _, s in owners],
+                                  sample_indices=[s.index for _, s in owners])
+        parts = [res.token_ids.double(), res.logprobs.double()]
+        if res.top_ids is not None:
+            parts += [res.top_ids.double().flatten(), res.top_logprobs.double().flatten()]
+        flat = torch.cat(parts)
+        event = None
+        if dev.type == "cuda":
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            flat = host
+        k = res.top_ids.shape[1] if res.top_ids is not None else 0
+        return Sampled(owners, res.token_ids, flat, event, k)
+
 
     def accept(self, logits: torch.Tensor, verified: list, drafts: torch.Tensor, generator_of) -> tuple:
         """Acceptance of the verify rows: greedy requests by exact match with the target's argmax, sampled ones by
@@ -100,7 +146,7 @@ class OutputProcessor:
             if s.logprobs is None:
                 s.logprobs = []
             s.logprobs.append(d)
-        self.counters["tokens_generated"] += 1
+        out.tokens += 1
         ended = tok in p.stop_token_ids or (tok in self.eos and not p.ignore_eos)
         full = len(s.token_ids) >= p.max_tokens or len(req.prompt_ids) + len(s.token_ids) >= self.max_model_len
         new = s.detok.step(s.token_ids, final=ended or full)

@@ -1,4 +1,7 @@
-"""The scheduler: what runs in the next step. ``schedule()`` fills a :class:`StepBatch`:
+"""The scheduler owns the step's life cycle: ``schedule()`` returns the next step's :class:`StepBatch`, and
+``update_from_output(batch, out)`` applies what the step did (checkpoints READY, references released, chunked
+producers advanced, finished samples published or freed, a failed step rolled back, the ``EngineStats``
+counters: this class and its ``Admission`` are their one writer). What goes into a step:
 
 1. make room: if the running requests cannot get their next KV pages, evict unreferenced READY checkpoints,
    then preempt the newest requests (state dropped, requeued first, recomputed on readmission) — one policy;
@@ -20,26 +23,33 @@ are done. The scheduler owns the KV cache (pools and checkpoints).
 """
 from __future__ import annotations
 
-from weakref import WeakKeyDictionary
+from dataclasses import replace
 
-from gdnserve.engine.admission import MIN_CHUNK, AdmitPass, admit_long, admit_waiting
-from gdnserve.engine.checkpoint_index import CheckpointStatus
+from gdnserve.engine.admission import MIN_CHUNK, Admission, AdmitPass
+from gdnserve.engine.checkpoint_index import (
+    CheckpointStatus,
+    conversation_key,
+    conversation_prefix,
+)
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.engine_api import CheckpointInfo
+from gdnserve.engine.engine_stats import EngineStats
 from gdnserve.engine.kv_cache import KVCache
 from gdnserve.engine.model_runner import PrefillItem
-from gdnserve.engine.request import Job, Request, ScoreJob
-from gdnserve.engine.step_batch import StepBatch
+from gdnserve.engine.request import Job, Request, Sample, ScoreJob
+from gdnserve.engine.step_batch import StepBatch, StepOutput
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, kv: KVCache, counters: dict, drafter=None) -> None:
-        self.cfg, self.kv, self.counters, self.drafter = cfg, kv, counters, drafter
+    def __init__(self, cfg: EngineConfig, kv: KVCache, drafter=None) -> None:
+        self.cfg, self.kv, self.drafter = cfg, kv, drafter
+        self.stats = EngineStats()                        # written here and by the admission only
         self.waiting: list[Job] = []
         self.running: list[Request] = []
         self.producing: dict[tuple[int, ...], Job] = {}    # PENDING prefix -> its chunked producer
         self.allowed: set[Job] | None = None              # while isolating a failure: only these run
-        self.long_memo: WeakKeyDictionary = WeakKeyDictionary()   # admission.py _known_long
+        self.inflight: dict[Sample, int] = {}             # overlapped loop: samples whose last id is on the device
+        self.admission = Admission(self)
 
     # ------------------------------------------------------------------ queues
     def add(self, job: Job) -> None:
@@ -56,15 +66,38 @@ class Scheduler:
         return self.allowed is None or job in self.allowed
 
     # ------------------------------------------------------------------ one step
-    def schedule(self, batch: StepBatch) -> None:
+    def schedule(self, allowed: set[Job] | None = None, inflight: dict[Sample, int] | None = None) -> StepBatch:
+        """The next step's batch (``allowed``: while a failure is isolated, only these jobs run). Never raises for
+        a step: an error while scheduling comes back as ``batch.error`` with the batch so far, which
+        ``update_from_output`` rolls back like a failed forward. ``inflight`` (the overlapped loop): the samples
+        of the step still running, each with its row of that step's sampled ids: their next decode reads the id
+        on the device (``batch.feed``), one that reaches its length limit with it is not decoded again, and a
+        request of theirs back in the queue waits until the id has landed."""
+        self.allowed, self.inflight = allowed, inflight or {}
+        batch = StepBatch()
         ck = self.kv.checkpoints
-        ck.poll()                                 # restores from a lower tier whose copy is done: READY
-        self._fill(batch)
-        for _ in range(4):   # nothing else to run but restores in flight: wait for them and admit their waiters
-            if not (batch.empty and ck.restoring()):
-                break
-            ck.poll(wait=True)
+        try:
+            ck.poll()                             # restores from a lower tier whose copy is done: READY
             self._fill(batch)
+            for _ in range(4):   # nothing else to run but restores in flight: wait for them and admit their waiters
+                if not (batch.empty and ck.restoring()):
+                    break
+                ck.poll(wait=True)
+                self._fill(batch)
+        except Exception as e:      # noqa: BLE001  the engine rolls the step back and isolates its culprit
+            batch.error = e
+            return batch
+        if batch.empty and not self.inflight:
+            self.stats.idle_steps += 1
+        batch.ready = self._ready_slots(batch)
+        return batch
+
+    def _ready_slots(self, batch: StepBatch) -> frozenset[int]:
+        """The READY checkpoint slots among those the step's prefills write or start from: what the plan's
+        ownership check needs to know (a READY slot is never a destination; a checkpoint read must be READY)."""
+        ck = self.kv.checkpoints
+        slots = {it.seq.slot for it in batch.items} | {it.checkpoint[0] for it in batch.items if it.checkpoint}
+        return frozenset(s for s in slots if s >= 0 and ck.is_ready_slot(s))
 
     def _fill(self, batch: StepBatch) -> None:
         self.make_room()
@@ -83,12 +116,12 @@ class Scheduler:
         p = AdmitPass(budget=budget - reserve, reserved=reserved, busy=bool(chunks or ready), live=self.live_seqs(),
                       reserve=reserve, partial=len(chunks) + scores)
         self.kv.checkpoints.promised = lambda: p.reserved   # a restore started by a lookup leaves these free
-        longs = admit_waiting(self, batch, p)
+        longs = self.admission.admit_waiting(batch, p)
         for it, o in ready:                       # after the admissions' items: producer indices unchanged
             batch.add(it, o)
         p.budget = self._continue_chunks(batch, chunks, rem, p.budget + p.reserve)
         p.partial = scores + sum(r.num_computed < self._chunk_end(r) for r in chunks)   # still chunked after it
-        admit_long(self, batch, p, longs)
+        self.admission.admit_long(batch, p, longs)
         self.kv.checkpoints.promised = None
 
     @staticmethod
@@ -118,6 +151,15 @@ class Scheduler:
 
     def _decode(self, req: Request, batch: StepBatch) -> None:
         for s in req.live_samples:
+            row = self.inflight.get(s)
+            if row is not None:               # its last id is still on the device
+                n = len(s.token_ids) + 1
+                if n >= req.params.max_tokens or len(req.prompt_ids) + n >= self.cfg.max_model_len:
+                    continue                  # that id is its last (length): nothing more to decode
+                batch.feed.append((len(batch.decodes), row))
+                batch.decodes.append((s.seq, 0))      # a placeholder: the feed writes the id on the device
+                batch.dec_owners.append((req, s))
+                continue
             if self.speculates(req, s):
                 toks = [s.token_ids[-1]]
                 if self.drafter is not None:
@@ -157,6 +199,80 @@ class Scheduler:
             batch.add(PrefillItem(smp.seq, req.prompt_ids[start:start + n]), (req, smp) if last else None)
         return left
 
+    # ------------------------------------------------------------------ after the step
+    def settle(self, batch: StepBatch) -> None:
+        """Settle a step that ran as soon as it is launched (the overlapped loop: before the next step is
+        scheduled; device work is stream-ordered, so a later step reads what this one writes)."""
+        self._settle(batch, ok=True)
+
+    def update_from_output(self, batch: StepBatch, out: StepOutput) -> None:
+        """Everything a finished step changes in the scheduler's state. Always: temporaries freed, the step's
+        references released, published checkpoints READY if the forward ran (dropped if not), chunked producers
+        advanced. A step that ran and was processed: its counts added, finished samples published as automatic
+        checkpoints or freed (the runner flushed them first). A failed step (not a dead engine): every job of
+        it requeued, recomputed later from its tokens so far."""
+        if not batch.settled:
+            self._settle(batch, ok=out.ran)
+        if out.error is not None:
+            if not out.dead:
+                self._roll_back(batch)
+            return
+        done = out.processed
+        st = self.stats
+        st.tokens_generated += done.tokens
+        st.spec_drafted += done.verified * self.cfg.spec_k
+        st.spec_accepted += done.drafts_accepted
+        for req, s in done.finished:
+            self._publish(req, s)
+
+    def _settle(self, batch: StepBatch, ok: bool) -> None:
+        """Producers of n-sample forks and score candidates live for one step; published checkpoints become
+        READY (their state and KV pages are final once the step has run) or are dropped if it failed;
+        references taken for the step are released; chunked producers advance."""
+        ck = self.kv.checkpoints
+        batch.settled = True
+        for seq in batch.temps:
+            self.kv.free_seq(seq)
+        for entry, prod in batch.pending:
+            (ck.ready if ok else ck.abort)(entry, prod.pages)
+        for entry in batch.acquired:
+            ck.release(entry)
+        batch.temps, batch.pending, batch.acquired = [], [], []
+        for job, last in batch.prod_chunks if ok else ():
+            if not last:
+                continue
+            if isinstance(job, Request):   # READY, pinned by the request until its samples read it
+                entry, pages = job.prod.entry, job.prod.seq.pages
+            else:
+                entry, pages, job.prod = job.entry, job.prod.pages, None
+            ck.ready(entry, pages)
+            ck.acquire(entry)
+            self.producing.pop(entry.token_ids, None)
+
+    def _publish(self, req: Request, s: Sample) -> None:
+        """A finished sample: an automatic checkpoint of exactly the tokens a single-sample request consumed
+        (prompt + output minus the last, unfed token), or freed."""
+        seq, s.seq = s.seq, None
+        if seq is None:
+            return
+        tokens = conversation_prefix(req.prompt_ids, s.token_ids)
+        if (self.cfg.auto_checkpoints and len(req.samples) == 1 and s.finish_reason in ("stop", "length")
+                and seq.length == len(tokens)
+                and self.kv.checkpoints.adopt(tokens, seq, conversation_key(req, s.token_ids)) is not None):
+            self.stats.checkpoints_published += 1
+            req.checkpoint = replace(req.checkpoint, published=True)
+            return
+        self.kv.free_seq(seq)
+
+    def _roll_back(self, batch: StepBatch) -> None:
+        """A failed step: score waves give their candidates back, every unfinished job returns to the queue in the
+        step's order with nothing allocated (outputs so far kept)."""
+        for w in batch.waves:
+            w.job.todo = sorted(set(w.job.todo) | set(w.cands))
+        for i, job in enumerate(batch.jobs):
+            if not job.finished:        # (overlapped loop: one that finished as the step before landed is gone)
+                self.requeue(job, front=i)
+
     # ------------------------------------------------------------------ pages and preemption
     def pages_for_running(self) -> int:
         """KV pages the running requests need this step (decode 1 / verify k+1 tokens, next prefill chunk)."""
@@ -187,7 +303,7 @@ class Scheduler:
         self.kv.checkpoints.evict(len(self.kv.checkpoints))
         while self.pages_for_running() > pages.num_free and len(self.running) > 1:
             self.requeue(self.running[-1])
-            self.counters["preemptions"] += 1
+            self.stats.preemptions += 1
 
     # ------------------------------------------------------------------ giving things back
     def free_samples(self, req: Request) -> None:
@@ -222,11 +338,7 @@ class Scheduler:
             if self.producing.get(p.entry.token_ids) is req:
                 del self.producing[p.entry.token_ids]
             ck.abort(p.entry, p.seq.pages)
-            # it was never published: undo its admission's counts (its next producer counts them)
-            self.counters["checkpoints_published"] -= 1
-            miss = req.checkpoint.miss_reason
-            if self.counters["checkpoint_misses"].get(miss):
-                self.counters["checkpoint_misses"][miss] -= 1
+            self.stats.unpublished(req.checkpoint.miss_reason)     # never published: its next producer counts
             req.checkpoint = CheckpointInfo()
         elif p.entry.status is CheckpointStatus.READY:
             ck.release(p.entry)
@@ -237,13 +349,18 @@ class Scheduler:
         if job.prod is not None and job.entry is not None and ck.is_pending(job.entry):
             self.producing.pop(job.entry.token_ids, None)
             ck.abort(job.entry, job.prod.pages)
-            miss, job.checkpoint = job.checkpoint.miss_reason, None     # never published: undo its counts
-            self.counters["checkpoints_published"] -= 1
-            if self.counters["checkpoint_misses"].get(miss):
-                self.counters["checkpoint_misses"][miss] -= 1
+            miss, job.checkpoint = job.checkpoint.miss_reason, None
+            self.stats.unpublished(miss)                             # never published: undo its counts
         elif job.entry is not None and job.entry.status is CheckpointStatus.READY:
             ck.release(job.entry)
         job.prod, job.entry, job.num_computed = None, None, 0
+
+    def retire(self, job: Job, *, failed: bool, finished: bool) -> None:
+        """A job leaves the engine (finished, aborted or ``failed``): removed with what it holds, and counted
+        (``finished``: it was the engine's until now, not retired before)."""
+        self.stats.requests_failed += failed
+        self.remove(job)
+        self.stats.requests_finished += finished and isinstance(job, Request)
 
     def remove(self, job: Job) -> None:
         """Out of every queue with everything it holds (finished, aborted, failed)."""

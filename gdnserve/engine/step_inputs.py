@@ -84,3 +84,28 @@ class DeviceInputs:
         kw = {n: views.get(n) for n in names}
         kw["table"] = views["table"].view(len(host.tables), host.width)
         return cls(**kw, mtp={k: v for k, v in views.items() if k in host.mtp or k == "v_slots"})
+
+
+@dataclass(frozen=True)
+class DecodeFeed:
+    """Decode tokens still on the device (the overlapped loop: sampled by the step before and not read back yet):
+    decode ``rows[i]`` of this step takes ``tokens[src[i]]``; the host laid a placeholder there. Applied to the
+    step's device token ids after their upload, in stream order (eager step, decode graph, mixed graph alike)."""
+    tokens: torch.Tensor      # [M] int64: the previous step's sampled ids
+    rows: torch.Tensor        # [F] int64 decode indices of this step
+    src: torch.Tensor         # [F] int64 indices into tokens
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor, pairs: Sequence[tuple[int, int]]) -> DecodeFeed | None:
+        """``pairs``: (decode index, index into ``tokens``); None for none. One small pinned upload, no sync."""
+        if not pairs:
+            return None
+        host = torch.tensor([p for pair in zip(*pairs) for p in pair], dtype=torch.int64)
+        if tokens.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(tokens.device, non_blocking=True)
+        return cls(tokens, dev[:len(pairs)], dev[len(pairs):])
+
+    def apply(self, ids: torch.Tensor, base: int) -> None:
+        """``ids[base + rows] = tokens[src]`` (decode j of the step is token row ``base + j``)."""
+        ids[base + self.rows] = self.tokens[self.src].to(ids.dtype)

@@ -8,13 +8,19 @@ Every executor uses that one layout, so the engine builds the token buffer once 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Sequence
 
 import torch
 
-from gdnserve.layers.prefill_plan import PREFILL_MODES, LaunchGroup, PrefillPlan, StateCopy
+from gdnserve.layers.prefill_plan import (
+    PREFILL_MODES,
+    LaunchGroup,
+    PrefillPlan,
+    StateCopy,
+)
 from gdnserve.ops.varlen import VarlenMeta, aligned
 
 
@@ -122,15 +128,16 @@ def segment_phases(segments: Sequence[PrefillSegment]) -> tuple[list[int], list[
 
 
 def build_step_plan(segments: Sequence[PrefillSegment], mode: str, stager: IndexStager, *,
-                    is_ready: Callable[[int], bool] = lambda slot: False,
+                    ready: AbstractSet[int] = frozenset(),
                     decode_slots: Sequence[int] = (), extra: dict[str, Sequence[int]] | None = None) -> StepPlan:
     """Validate the segments against the ownership contract and build all device vectors of the step.
-    ``is_ready(slot)``: True for READY checkpoint slots (CheckpointIndex). ``extra``: more int32 vectors of
+    ``ready``: the READY checkpoint slots among the slots the segments write or read (the scheduler's
+    ``StepBatch.ready``; a slot not in it is taken as writable). ``extra``: more int32 vectors of
     the step (attention metadata, positions) that ride in the same single upload."""
     if mode not in PREFILL_MODES:
         raise PlanError(f"mode must be one of {PREFILL_MODES}, got {mode!r}")
     segs = list(segments)
-    _validate(segs, mode, is_ready)
+    _validate(segs, mode, ready)
     pk = _Packer()
     packed = _pack_prefill(segs, mode, pk) if segs else None
     dec = pk.add(decode_slots)
@@ -201,11 +208,10 @@ def _pack_prefill(segs: list[PrefillSegment], mode: str, pk: _Packer):
     return order, start[-1], layout, ref
 
 
-def fused_slots(segs: list[PrefillSegment], is_ready: Callable[[int], bool]
-                ) -> tuple[list[int], list[int], list[int]]:
+def fused_slots(segs: list[PrefillSegment], ready: AbstractSet[int]) -> tuple[list[int], list[int], list[int]]:
     """The fused plan's one launch group without packing anything: per segment in token order its src, dst and
     same-group parent (-1: none), after the checks ``build_step_plan`` makes (ownership contract, aliasing)."""
-    _validate(segs, "fused", is_ready)
+    _validate(segs, "fused", ready)
     phase1, phase2 = segment_phases(segs)
     order = phase1 + phase2
     pos = {seg: p for p, seg in enumerate(order)}
@@ -217,7 +223,7 @@ def fused_slots(segs: list[PrefillSegment], is_ready: Callable[[int], bool]
     return srcs, dsts, parents
 
 
-def _validate(segs: list[PrefillSegment], mode: str, is_ready: Callable[[int], bool]) -> None:
+def _validate(segs: list[PrefillSegment], mode: str, ready: AbstractSet[int]) -> None:
     dsts = [s.dst_slot for s in segs if s.dst_slot >= 0]
     if len(dsts) != len(set(dsts)):
         raise PlanError(f"a slot is the destination of two segments: {sorted(dsts)}")
@@ -225,9 +231,9 @@ def _validate(segs: list[PrefillSegment], mode: str, is_ready: Callable[[int], b
         who = f"segment {i} (request {s.request!r})"
         if s.num_tokens < 0:
             raise PlanError(f"{who}: num_tokens must be >= 0")
-        if s.dst_slot >= 0 and is_ready(s.dst_slot):
+        if s.dst_slot >= 0 and s.dst_slot in ready:
             raise PlanError(f"{who}: destination slot {s.dst_slot} is a READY checkpoint")
-        if s.init is InitFrom.CHECKPOINT and not is_ready(s.init_slot):
+        if s.init is InitFrom.CHECKPOINT and s.init_slot not in ready:
             raise PlanError(f"{who}: checkpoint slot {s.init_slot} is not READY")
         if s.init in (InitFrom.OWN_SLOT, InitFrom.CHECKPOINT) and s.init_slot < 0:
             raise PlanError(f"{who}: init {s.init.value} needs init_slot >= 0")

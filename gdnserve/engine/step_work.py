@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Callable, Sequence
+from typing import Sequence
 
 from gdnserve.engine.step_inputs import StepInputs
-from gdnserve.engine.step_plan import InitFrom, PrefillSegment
+from gdnserve.engine.step_plan import PrefillSegment
 from gdnserve.speculative.mtp import MTPStepIndex
 
 
@@ -18,7 +18,7 @@ class StepWork:
     segs: list[PrefillSegment]
     vectors: dict[str, Sequence[int]]     # StepInputs.vectors(): what rides in the plan's upload
     decode_slots: list[int]
-    ready: frozenset[int]                 # READY checkpoint slots the plan's validation asks about
+    ready: frozenset[int]                 # READY checkpoint slots among those the segments write or read
     copies: list[tuple[int, int]]         # copy-on-write KV pages (src, dst), copied before the upload
     num_prefill: int
     v_start: int
@@ -31,10 +31,8 @@ class StepWork:
 
     @classmethod
     def of(cls, segs: list[PrefillSegment], host: StepInputs, decode_slots: list[int],
-           is_ready: Callable[[int], bool], num_verifies: int, max_q: int, mtp: MTPStepIndex | None) -> StepWork:
-        asked = {s for g in segs for s in (g.dst_slot, g.init_slot if g.init is InitFrom.CHECKPOINT else -1)
-                 if s >= 0}
-        return cls(segs, host.vectors(), decode_slots, frozenset(s for s in asked if is_ready(s)), host.copies,
+           ready: frozenset[int], num_verifies: int, max_q: int, mtp: MTPStepIndex | None) -> StepWork:
+        return cls(segs, host.vectors(), decode_slots, frozenset(ready), host.copies,
                    host.num_prefill, host.v_start, len(host.tables), host.width, num_verifies, max_q, mtp, tuple(host.mtp))
 
     def shape(self) -> SimpleNamespace:

@@ -25,7 +25,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
+    from gdnserve.engine.model_runner import ModelRunner, PrefillItem
+    from gdnserve.entrypoints.serve import engine_config
     from gdnserve.models.builtin import build_builtin_model
     from gdnserve.models.loader import load_model
     from gdnserve.models.tokenizer import load_tokenizer
@@ -54,9 +55,9 @@ def run_generate(args: argparse.Namespace) -> int:
     if not ids:
         print("gdnserve generate: the prompt encodes to no tokens", file=sys.stderr)
         return 2
-    runner = ModelRunner(model, RunnerConfig(num_slots=2, num_pages=-(-(len(ids) + args.max_tokens) // 16) + 2,
-                                             cuda_graphs=args.cuda_graphs,
-                                             max_model_len=len(ids) + args.max_tokens))
+    cfg = engine_config(args, max_num_seqs=1, num_slots=2, max_model_len=len(ids) + args.max_tokens,
+                        num_pages=-(-(len(ids) + args.max_tokens) // 16) + 2)
+    runner = ModelRunner(model, cfg.runner_config())
     seq = runner.new_seq()
     t0 = time.perf_counter()
     logits = runner.step([PrefillItem(seq, ids)], [])
@@ -80,10 +81,11 @@ def _generate_tp(args: argparse.Namespace, device, dtype) -> int:
     from gdnserve.engine.engine_api import EngineDeadError
     from gdnserve.engine.sampling_params import SamplingParams
     from gdnserve.entrypoints.llm import LLM
+    from gdnserve.entrypoints.serve import engine_config
     try:
-        llm = LLM(args.model, device=str(device), dtype=str(dtype).removeprefix("torch."), max_num_seqs=1,
-                  max_model_len=max(64, len(args.prompt.encode()) * 4 + args.max_tokens), num_pages=256,
-                  tensor_parallel_size=args.tensor_parallel_size)
+        cfg = engine_config(args, max_num_seqs=1, num_pages=256,
+                            max_model_len=max(64, len(args.prompt.encode()) * 4 + args.max_tokens))
+        llm = LLM(args.model, device=str(device), dtype=str(dtype).removeprefix("torch."), config=cfg)
     except (ValueError, EngineDeadError) as e:
         print(f"gdnserve generate: {e}", file=sys.stderr)
         return 2 if isinstance(e, ValueError) else 1

@@ -3,8 +3,8 @@
 - Engine state and engine counters are read from ``engine.stats()`` at scrape time by a collector
   (counters as counters, gauges as gauges).
 - Latency histograms are observed by the server: time to first token, inter-token latency, end-to-end
-  latency (from the arrival of the HTTP request), and, by watching the engine's ``step`` from outside,
-  queue time (submission to admission) and step time.
+  latency (from the arrival of the HTTP request), and, from the engine's per-step reports (the observer it
+  registers with ``engine.set_step_observer``), queue time (submission to admission) and step time.
 - HTTP responses are counted by route and status by an ASGI middleware.
 
 ``docs/serving.md`` lists every name; ``tests/entrypoints/test_metrics.py`` checks the list against a
@@ -179,6 +179,15 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def on_step(self, report: Any) -> None:
+        """One engine step (engine/engine_stats.py StepReport; the engine thread): its duration, and the queue
+        time of each tracked request it admitted (submission to the step's start)."""
+        self.step.observe(report.seconds)
+        for rid in report.admitted:
+            t = self.arrivals.pop(rid, None)
+            if t is not None:
+                self.queue.observe(max(report.start - t, 0.0))
+
     def track(self, arrival: float, request_ids: Sequence[str]) -> RequestTimer:
         return RequestTimer(self, arrival, request_ids)
 
@@ -222,42 +231,14 @@ class RequestTimer:
 
 
 def observe_steps(engine: Any, metrics: ServerMetrics) -> bool:
-    """Time the steps of the engine behind ``engine`` (``engine.engine.step``, an LLMEngine's public method)
-    and see which requests each step admitted (they left ``engine.engine.waiting``). Wraps the bound method
-    on the instance once; a later call only retargets the observations. False when the engine exposes no
-    such step (then the step and queue histograms stay empty)."""
-    inner = getattr(engine, "engine", None)
-    step = getattr(inner, "step", None)
-    if not callable(step) or not hasattr(inner, "waiting"):
+    """Register ``metrics`` as the step observer of ``engine`` (``set_step_observer``: AsyncEngine, LLMEngine;
+    one observer per engine, so a later app on the same engine takes the observations over). False when the
+    engine reports no steps (then the step and queue histograms stay empty)."""
+    register = getattr(engine, "set_step_observer", None)
+    if not callable(register):
         return False
-    if getattr(step, "gdnserve_observer", None) is not None:
-        step.gdnserve_observer[0] = metrics
-        return True
-    target = [metrics]
-
-    def timed_step(*args: Any, **kwargs: Any) -> Any:
-        m = target[0]
-        before = _waiting_ids(inner) if m.arrivals else set()
-        t0 = time.monotonic()
-        try:
-            return step(*args, **kwargs)
-        finally:
-            m.step.observe(time.monotonic() - t0)
-            for rid in before - _waiting_ids(inner) if before else ():
-                t = m.arrivals.pop(rid, None)
-                if t is not None:
-                    m.queue.observe(max(t0 - t, 0.0))
-
-    timed_step.gdnserve_observer = target  # type: ignore[attr-defined]
-    inner.step = timed_step
+    register(metrics.on_step)
     return True
-
-
-def _waiting_ids(inner: Any) -> set[str]:
-    try:
-        return {getattr(r, "request_id", r) for r in list(inner.waiting)}
-    except Exception:  # noqa: BLE001  a changed engine: no queue-time observation, never a failed step
-        return set()
 
 
 class HTTPCounter:

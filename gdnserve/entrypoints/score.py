@@ -43,10 +43,11 @@ def run_score(args: argparse.Namespace) -> int:
     except PreflightError as e:
         return _fail(str(e))
     from gdnserve.entrypoints.llm import load_engine
+    from gdnserve.entrypoints.serve import engine_config
     try:
         engine = load_engine(args.model, dtype=args.dtype, device=args.device,  # 2 * seqs + 2 slots >= 1 + candidates
-                             max_num_seqs=max(4, len(args.candidates)),
-                             num_pages=256 + 2 * len(args.candidates))
+                             config=engine_config(args, max_num_seqs=max(4, len(args.candidates)),
+                                                  num_pages=256 + 2 * len(args.candidates)))
     except (OSError, ValueError) as e:
         return _fail(f"cannot load {'the embedded model' if args.model is None else args.model}: {e}", 1)
     tok, special = engine.tokenizer, args.parse_special_tokens

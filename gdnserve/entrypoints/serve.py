@@ -82,6 +82,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         f"{_D.checkpoint_dir_max_gb:g})")
     m.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                    help="run decode and verify steps eagerly (default: bucketed CUDA graphs on a CUDA device)")
+    m.add_argument("--no-overlap", dest="overlap", action="store_const", const=False, default=None,
+                   help="the serial engine loop, for debugging (default: on a CUDA device without --spec-k or "
+                        "tensor parallelism, the next step is scheduled and launched while the GPU runs this one)")
     n = p.add_argument_group("network and access")
     n.add_argument("--host", default="127.0.0.1",
                    help="bind address (default 127.0.0.1: loopback only; 0.0.0.0 exposes the server: add --api-key)")
@@ -135,23 +138,28 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         chat_default_max_tokens=args.chat_default_max_tokens, limits=limits)
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine's config from the flags (``gdnserve serve`` and ``--replicas``); ValueError names a bad one."""
-    return EngineConfig(model_name=args.model or "gdnserve-embedded", prefill_mode=args.prefill_mode,
-                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, num_pages=args.num_pages,
-                        spec_k=args.spec_k, spec_mode=args.spec_mode, spec_draft=args.spec_draft,
-                        cuda_graphs=args.cuda_graphs, auto_checkpoints=args.auto_checkpoints,
-                        tensor_parallel_size=args.tensor_parallel_size, num_slots=args.num_slots,
-                        gpu_memory_utilization=args.gpu_memory_utilization, memory_budget_gb=args.memory_budget_gb,
-                        checkpoint_host_memory_gb=getattr(args, "checkpoint_host_memory_gb", 0.0),
-                        checkpoint_dir=getattr(args, "checkpoint_dir", None),
-                        checkpoint_dir_max_gb=getattr(args, "checkpoint_dir_max_gb", _D.checkpoint_dir_max_gb))
+# EngineConfig fields set by a flag of the same name (--max-num-seqs -> max_num_seqs; --no-cuda-graphs and
+# --no-auto-checkpoints store into cuda_graphs / auto_checkpoints). A command has the flags it offers.
+ENGINE_FLAGS = ("prefill_mode", "max_num_seqs", "max_model_len", "num_pages", "num_slots", "spec_k", "spec_mode",
+                "spec_draft", "cuda_graphs", "auto_checkpoints", "tensor_parallel_size", "gpu_memory_utilization",
+                "memory_budget_gb", "overlap",
+                "checkpoint_host_memory_gb", "checkpoint_dir", "checkpoint_dir_max_gb")
 
 
-def _flagged(message: str) -> str:
-    """``EngineConfig``'s error ("max_num_seqs must be ...") prefixed with the flag that set the field."""
-    field = message.split(" ", 1)[0]
-    return f"--{field.replace('_', '-')}: {message}" if field.isidentifier() and field.islower() else message
+def engine_config(args: argparse.Namespace, **fixed) -> EngineConfig:
+    """The engine's config from a command's flags: the one flags -> config mapping (``serve``, ``serve --replicas``,
+    ``generate``, ``score``; the flags a command does not offer keep EngineConfig's defaults), plus ``fixed``
+    fields the command decides itself. A value the config refuses raises ValueError naming the flag that set it
+    ("--max-num-seqs: max_num_seqs must be an int >= 1, got 0"): the commands print it and exit 2."""
+    flagged = {f: getattr(args, f) for f in ENGINE_FLAGS if hasattr(args, f)}
+    try:
+        return EngineConfig(**{"model_name": getattr(args, "model", None) or "gdnserve-embedded", **flagged,
+                               **fixed})
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        if field in flagged and field not in fixed:
+            raise ValueError(f"--{field.replace('_', '-')}: {e}") from None
+        raise
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -182,8 +190,8 @@ def run_serve(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         try:
             cfg = engine_config(args)
-        except ValueError as e:            # a flag out of range: the message names the field, we name its flag
-            return _fail(_flagged(str(e)))
+        except ValueError as e:            # a flag out of range: the message names the flag
+            return _fail(str(e))
         try:
             # args.load_engine: a launcher's own loader (benchmarks/serve_random.py: a random-weight model)
             engine = (getattr(args, "load_engine", None) or load_engine)(args.model, dtype=args.dtype,

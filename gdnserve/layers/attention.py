@@ -17,6 +17,7 @@ from gdnserve.layers.forward_context import get_forward_context
 from gdnserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from gdnserve.layers.norm import RMSNorm
 from gdnserve.layers.parallel import resolve
+from gdnserve.layers.rank_shapes import attn_heads
 from gdnserve.layers.rotary import PartialRotary
 from gdnserve.ops.attention import paged_attention, store_kv
 from gdnserve.ops.attention.rope import rms_norm_rope
@@ -32,7 +33,7 @@ class GatedAttention(nn.Module):
         if num_heads % tp or num_kv_heads % tp:
             raise ValueError(f"GatedAttention: num_heads={num_heads} and num_kv_heads={num_kv_heads} must be "
                              f"divisible by tp_size={tp}")
-        self.QH, self.KVH, self.Dh = num_heads // tp, num_kv_heads // tp, head_dim
+        (self.QH, self.KVH), self.Dh = attn_heads(num_heads, num_kv_heads, tp), head_dim
         self.qkv_proj = MergedColumnParallelLinear(
             hidden, (num_heads * head_dim * 2, num_kv_heads * head_dim, num_kv_heads * head_dim),
             tp_rank=self.tp_rank, tp_size=tp)

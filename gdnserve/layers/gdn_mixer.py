@@ -21,6 +21,7 @@ from gdnserve.layers.gdn_prefill import GDNCoreParams, gdn_prefill_core, split_q
 from gdnserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, Shard, local_blocks
 from gdnserve.layers.norm import GatedRMSNorm
 from gdnserve.layers.parallel import resolve
+from gdnserve.layers.rank_shapes import GDNShape
 from gdnserve.ops.backend import resolve as resolve_backend
 from gdnserve.ops.conv import causal_conv1d_fold, causal_conv1d_update
 from gdnserve.ops.gdn.recurrent import (GDNPending, gdn_commit_intermediate, gdn_decode, gdn_flush_pending,
@@ -37,8 +38,9 @@ class GatedDeltaNet(nn.Module):
         if H % tp or HV % tp:
             raise ValueError(f"GatedDeltaNet: key heads H={H} and value heads HV={HV} must be divisible by "
                              f"tp_size={tp}")
-        self.H, self.HV, self.K, self.V, self.W = H // tp, HV // tp, K, V, W
-        self.conv_dim = 2 * self.H * K + self.HV * V
+        shape = GDNShape.split(H, HV, K, V, tp)
+        self.H, self.HV, self.K, self.V, self.W = shape.H, shape.HV, K, V, W
+        self.conv_dim = shape.conv_dim
         conv_blocks = (H * K, H * K, HV * V)
         self.in_proj = MergedColumnParallelLinear(hidden, conv_blocks + (HV * V, HV, HV), tp_rank=self.tp_rank,
                                                   tp_size=tp)

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from gdnserve.layers.rank_shapes import GDNShape
+
 Family = Literal["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 LayerType = Literal["linear_attention", "full_attention"]
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -90,8 +92,8 @@ class GDNConfig:
 
     @property
     def conv_dim(self) -> int:
-        """D = 2·H·K + HV·V: channels of the depthwise conv (q, k and v)."""
-        return 2 * self.key_dim + self.value_dim
+        """D = 2·H·K + HV·V: channels of the depthwise conv (q, k and v; layers/rank_shapes.py)."""
+        return GDNShape.of(self).conv_dim
 
 
 @dataclass(frozen=True)

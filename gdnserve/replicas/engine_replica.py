@@ -58,13 +58,13 @@ class EngineReplica:
         return self.engine.stats()
 
     def record_routing_stats(self) -> dict[str, Any]:
-        ready, pending, lengths = self.engine.engine.index.keys()
+        ready, pending, lengths = self.engine.checkpoint_keys()
         st = self.engine.stats()
         return {"replica": self.replica_id, "ready": ready, "pending": pending, "lengths": lengths,
                 "queue_depth": st.get("queue_depth", 0), "running": st.get("running", 0), "engine": st}
 
     def check_health(self) -> None:
-        if not self.engine._thread.is_alive():
+        if not self.engine.is_alive():
             raise RuntimeError("the engine thread of this replica has stopped")
 
     def crash(self) -> None:

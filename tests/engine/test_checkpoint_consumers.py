@@ -38,7 +38,7 @@ def test_ready_checkpoint_bytes_survive_consumers(backend, device):
     rnd = lambda n: (torch.randn(n, D, device=device).to(dtype), torch.randn(n, HV, device=device).to(dtype),  # noqa: E731
                      torch.randn(n, HV, device=device).to(dtype))
     x, a, b = rnd(T)
-    plan = build_step_plan(step1, "fused", stager, is_ready=lambda s: not index.is_writable(s))
+    plan = build_step_plan(step1, "fused", stager, ready={s for s in range(pool.num_slots) if not index.is_writable(s)})
     gdn_prefill_core(x, a, b, p, pool.conv(0), pool.ssm(0), plan.prefill, backend=backend)
     index.mark_ready(ck)                                    # the producing step has finished
     assert index.lookup(prefix).hit and not index.is_writable(ck.slot)
@@ -50,7 +50,7 @@ def test_ready_checkpoint_bytes_survive_consumers(backend, device):
         segs = [PrefillSegment(7 + 11 * i, InitFrom.CHECKPOINT, d, init_slot=ck.slot) for i, d in enumerate(dsts)]
         segs.append(PrefillSegment(20, InitFrom.OWN_SLOT, runs[2], init_slot=runs[2]))
         assert all(index.is_writable(s.dst_slot) for s in segs)
-        plan = build_step_plan(segs, mode, stager, is_ready=lambda s: not index.is_writable(s))
+        plan = build_step_plan(segs, mode, stager, ready={s for s in range(pool.num_slots) if not index.is_writable(s)})
         T = sum(s.num_tokens for s in segs)
         x, a, b = rnd(T)
         gdn_prefill_core(x, a, b, p, pool.conv(0), pool.ssm(0), plan.prefill, backend=backend)
@@ -61,5 +61,5 @@ def test_ready_checkpoint_bytes_survive_consumers(backend, device):
             pool.free(d)
     with pytest.raises(PlanError, match="READY checkpoint"):     # and it can never be made a destination
         build_step_plan([PrefillSegment(4, InitFrom.ZEROS, ck.slot)], "fused", stager,
-                        is_ready=lambda s: not index.is_writable(s))
+                        ready={s for s in range(pool.num_slots) if not index.is_writable(s)})
     assert pool.check_integrity() == [] and index.check_integrity() == []

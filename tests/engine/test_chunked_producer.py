@@ -57,9 +57,9 @@ class Driver:
         self.e, self.steps, self.done, self.first_token = e, [], {}, {}
         real = e.runner.step
 
-        def spy(prefills, decodes, is_ready=lambda s: False, verifies=()):
+        def spy(prefills, decodes, verifies=(), ready=frozenset()):
             self.steps.append((sum(len(it.tokens) for it in prefills), len(decodes) + sum(len(v) for _, v in verifies)))
-            return real(prefills, decodes, is_ready=is_ready, verifies=verifies)
+            return real(prefills, decodes, verifies=verifies, ready=ready)
         e.runner.step = spy
 
     def add(self, name, prompt, params=GREEDY, at=C):
@@ -123,8 +123,8 @@ def test_producer_is_chunked_and_waiters_hit_it(want, mode):
         assert ck.hit_length == C and ck.miss_reason is None and not ck.published
     ck = d.done["p2"].checkpoint
     assert ck.hit_length == 0 and ck.miss_reason == "absent" and ck.published
-    assert e.counters["checkpoints_published"] == 1 and e.counters["checkpoint_hits"] == 4
-    assert e.counters["checkpoint_misses"] == {"absent": 1}
+    assert e.counts.checkpoints_published == 1 and e.counts.checkpoint_hits == 4
+    assert e.counts.checkpoint_misses == {"absent": 1}
     assert len(e.index) == 1 and entry.refcount == 0
     no_leaks(e)
 
@@ -168,7 +168,7 @@ def test_aborted_producer_hands_the_prefix_to_a_waiter(want, when):
     e.abort("p")
     if when == "chunking":
         assert not d.pending() and len(e.index) == 0 and e.runner.pages.num_free > free_pages
-        assert e.counters["checkpoints_published"] == 0
+        assert e.counts.checkpoints_published == 0
     else:
         assert len(e.index) == 1 and next(iter(e.ckpt_pages.values())).length == C
     d.drain()
@@ -182,7 +182,7 @@ def test_aborted_producer_hands_the_prefix_to_a_waiter(want, when):
     else:
         assert not w1.published and w1.hit_length == C
     assert w2.hit_length == C and not w2.published
-    assert e.counters["checkpoints_published"] == 1
+    assert e.counts.checkpoints_published == 1
     no_leaks(e)
 
 
@@ -204,7 +204,7 @@ def test_a_failed_chunk_step_drops_the_pending_prefix(want):
     for name in ("p", "w1"):
         assert [c.token_ids for c in d.done[name].outputs] == want[name], name
     assert d.done["p"].checkpoint.published and d.done["w1"].checkpoint.hit_length == C
-    assert e.counters["checkpoints_published"] == 1
+    assert e.counts.checkpoints_published == 1
     no_leaks(e)
 
 
@@ -226,11 +226,11 @@ def test_a_preempted_producer_drops_its_pending_prefix(want):
         was = d.pending()
         d.step()
         dropped |= was and not d.pending() and "p" in [r.request_id for r in e.waiting]
-    assert dropped and e.counters["preemptions"] == 1
+    assert dropped and e.counts.preemptions == 1
     for name in ["p", "w1"] + [f"x{i}" for i in range(len(XS))]:
         assert [c.token_ids for c in d.done[name].outputs] == want[name], name
     assert d.done["p"].checkpoint.published and d.done["w1"].checkpoint.hit_length == C
-    assert e.counters["checkpoints_published"] == 1 and e.counters["checkpoint_misses"] == {"absent": 1}
+    assert e.counts.checkpoints_published == 1 and e.counts.checkpoint_misses == {"absent": 1}
     no_leaks(e)
 
 

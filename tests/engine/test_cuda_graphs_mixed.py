@@ -43,7 +43,7 @@ class Pair:
     def new(self):
         return self.g.new_seq(), self.e.new_seq()
 
-    def step(self, items, decodes=(), is_ready=lambda s: False, exact: bool = True) -> torch.Tensor:
+    def step(self, items, decodes=(), ready=frozenset(), exact: bool = True) -> torch.Tensor:
         """items: (seq pair, tokens, producer index, checkpoint pair, all_logits); decodes: (seq pair, token)."""
         out = []
         for side in (0, 1):
@@ -51,7 +51,7 @@ class Pair:
             pf = [PrefillItem(s[side], t, producer=p, all_logits=al,
                               checkpoint=None if c is None else (c[side].slot, c[side].pages))
                   for s, t, p, c, al in items]
-            out.append(r.step(pf, [(s[side], t) for s, t in decodes], is_ready=is_ready))
+            out.append(r.step(pf, [(s[side], t) for s, t in decodes], ready=ready))
         if exact:
             assert torch.equal(out[0], out[1])
         else:
@@ -103,7 +103,7 @@ def test_checkpoint_group_in_one_mixed_step(seed):
     assert prod[0].slot == prod[1].slot
     d1, d2 = p.new(), p.new()
     p.step([item(d1, toks(3), checkpoint=prod), item(d2, toks(66), checkpoint=prod)],
-           [(s, random.randrange(256)) for s in (c1, c2, c3)], is_ready=lambda s: s in ready)
+           [(s, random.randrange(256)) for s in (c1, c2, c3)], ready=ready)
     assert p.g.graphs.stats["mixed_eager"] == 3 and p.g.graphs.stats["fallback"] == 0
 
 

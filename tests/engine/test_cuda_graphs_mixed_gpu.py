@@ -36,7 +36,7 @@ def mixed_lockstep(moe: bool) -> ModelRunner:
             pf = [PrefillItem(seqs[n][i], t, producer=p, all_logits=al,
                               checkpoint=None if c is None else (seqs[c][i].slot, seqs[c][i].pages))
                   for n, t, p, c, al in items]
-            outs.append(r.step(pf, [(seqs[n][i], t) for n, t in decodes], is_ready=lambda s: s in slots))
+            outs.append(r.step(pf, [(seqs[n][i], t) for n, t in decodes], ready=slots))
         torch.cuda.synchronize()
         assert torch.equal(outs[0], outs[1]), "replay != graph-shaped eager"
         assert rel_rms(outs[0], outs[2]) < 2e-2, "replay far from the eager step"

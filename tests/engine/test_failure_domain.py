@@ -24,7 +24,7 @@ def poison(e, when):
     its decodes once it has 3 tokens)."""
     real = e.runner.step
 
-    def step(prefills, decodes, is_ready=lambda s: False, verifies=()):
+    def step(prefills, decodes, verifies=(), ready=frozenset(), **kw):
         bad = e.requests.get("bad")
         if bad is not None:
             seqs = [s.seq for s in bad.samples if s.seq is not None]
@@ -32,14 +32,16 @@ def poison(e, when):
                 raise RuntimeError("injected prefill failure")
             if when == "decode" and len(bad.samples[0].token_ids) >= 3 and any(s in seqs for s, _ in decodes):
                 raise RuntimeError("injected decode failure")
-        return real(prefills, decodes, is_ready=is_ready, verifies=verifies)
+        return real(prefills, decodes, verifies=verifies, ready=ready, **kw)
     e.runner.step = step
 
 
-@pytest.mark.parametrize("when", ["prefill", "decode"])
-@pytest.mark.parametrize("auto", [False, True])
-def test_one_failing_request_among_ten(solo, when, auto):
-    llm = LLM(device="cpu", max_num_seqs=16, num_pages=256, auto_checkpoints=auto)
+@pytest.mark.parametrize("when,auto,overlap", [("prefill", False, False), ("decode", False, False),
+                                               ("prefill", True, False), ("decode", True, False),
+                                               ("prefill", False, True), ("decode", True, True)])
+def test_one_failing_request_among_ten(solo, when, auto, overlap):
+    """``overlap``: the overlapped loop (a failing step lands the one in flight before its own rollback)."""
+    llm = LLM(device="cpu", max_num_seqs=16, num_pages=256, auto_checkpoints=auto, overlap=overlap)
     e = llm.engine
     poison(e, when)
     ids = [e.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(PROMPTS[:5])]
@@ -59,7 +61,7 @@ def test_one_failing_request_among_ten(solo, when, auto):
     assert bad.finished and "injected" in bad.error and bad.outputs[0].finish_reason == "abort"
     assert [final[f"r{i}"].outputs[0].token_ids for i in range(9)] == solo
     assert all(final[f"r{i}"].error is None for i in range(9))
-    assert e.counters["requests_failed"] == 1
+    assert e.counts.requests_failed == 1
     assert e.runner.state.check_integrity() == [] and e.runner.pages.check_integrity() == []
     assert e.index.check_integrity() == []
     e.evict_checkpoints(len(e.index))

@@ -180,12 +180,12 @@ def test_score_provenance_as_completions_report_it(llm):
     e.evict_checkpoints(len(e.index))
     prefix = "Provenance check: which one fits best? Answer:"
     p = len(e.tokenizer.encode(prefix))
-    c0 = dict(e.counters, checkpoint_misses=dict(e.counters["checkpoint_misses"]))
+    c0 = e.counts.as_dict()
     first = e.score(prefix, [f" c{i}" for i in range(40)])            # 40 candidates > 34 slots: two waves or more
     assert [c.checkpoint for c in first.candidates] == [CheckpointInfo(0, "absent", True)] + [CheckpointInfo(p)] * 39
-    assert e.counters["checkpoints_published"] == c0["checkpoints_published"] + 1
-    assert e.counters["checkpoint_misses"]["absent"] == c0["checkpoint_misses"].get("absent", 0) + 1
-    assert e.counters["checkpoint_hits"] == c0["checkpoint_hits"] + 39
+    assert e.counts.checkpoints_published == c0["checkpoints_published"] + 1
+    assert e.counts.checkpoint_misses["absent"] == c0["checkpoint_misses"].get("absent", 0) + 1
+    assert e.counts.checkpoint_hits == c0["checkpoint_hits"] + 39
     again = e.score(prefix, [" a", " b"])
     assert [c.checkpoint for c in again.candidates] == [CheckpointInfo(p)] * 2
     marked = llm.generate("Provenance of a marked prompt: <|state_checkpoint|>tail", GREEDY)[0].checkpoint
@@ -196,7 +196,7 @@ def test_score_provenance_as_completions_report_it(llm):
     got = chunked.score(long_prefix, [" x", " y", " z"])
     q = len(chunked.tokenizer.encode(long_prefix))
     assert [c.checkpoint for c in got.candidates] == [CheckpointInfo(0, "absent", True)] + [CheckpointInfo(q)] * 2
-    assert chunked.counters["checkpoints_published"] == 1 and chunked.index.check_integrity() == []
+    assert chunked.counts.checkpoints_published == 1 and chunked.index.check_integrity() == []
 
 
 def full_prompt_logprobs(e, ids: list[int]) -> list[float | None]:
@@ -286,5 +286,39 @@ def test_page_pressure_preempts_and_recomputes_with_identical_outputs(llm):
     got = texts(tight.generate(prompts, params))
     assert got == want
     e = tight.engine
-    assert e.counters["preemptions"] > 0
+    assert e.counts.preemptions > 0
     assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
+
+
+def test_one_config_decides_the_runner_defaults_graphs_and_shapes():
+    """RunnerConfig's defaults are EngineConfig's; "tensor parallel => no CUDA graphs" is EngineConfig.graphs (what
+    every rank's runner config and the memory plan read); the per-rank head split and conv_dim come from
+    layers/rank_shapes.py for the layer, the state pool and the model config alike."""
+    from dataclasses import fields
+
+    import torch
+
+    from gdnserve.engine.config import EngineConfig, RunnerConfig
+    from gdnserve.engine.model_runner import pool_configs
+    from gdnserve.layers.gdn_mixer import GatedDeltaNet
+    from gdnserve.layers.rank_shapes import GDNShape
+    from gdnserve.models.builtin import builtin_config
+    e, r = EngineConfig(), RunnerConfig()
+    shared = {f.name for f in fields(RunnerConfig)} & {f.name for f in fields(EngineConfig)}
+    assert shared >= {"page_size", "prefill_mode", "backend", "spec_draft", "cuda_graphs", "max_model_len"}
+    # spec_mode: the engine's verify mode, the runner's None = no speculative buffers; the pools: a runner alone
+    assert [n for n in shared - {"num_slots", "num_pages", "spec_mode"} if getattr(r, n) != getattr(e, n)] == []
+    tp2 = EngineConfig(tensor_parallel_size=2)
+    assert tp2.graphs is False and tp2.runner_config().cuda_graphs is False
+    assert EngineConfig(cuda_graphs=True).runner_config().cuda_graphs is True and e.graphs is None
+    with pytest.raises(ValueError, match="cuda_graphs / graph_capture: not with tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=2, cuda_graphs=True)
+    cfg = builtin_config()
+    g = cfg.gdn
+    for tp in (1, 2):
+        want = 2 * (g.num_k_heads // tp) * g.head_k_dim + (g.num_v_heads // tp) * g.head_v_dim
+        layer = GatedDeltaNet(64, g.num_k_heads, g.num_v_heads, g.head_k_dim, g.head_v_dim, g.conv_kernel, 1e-6,
+                              tp_rank=0, tp_size=tp)
+        state, _ = pool_configs(cfg, r, torch.float32, tp=tp)
+        assert GDNShape.of(g, tp).conv_dim == layer.conv_dim == state.conv_dim == want
+    assert g.conv_dim == GDNShape.of(g).conv_dim

@@ -84,7 +84,7 @@ def test_spec_checkpoint_published_when_acceptance_passes_max_tokens(mode):
         assert warm.checkpoint.hit_length == len(out.prompt_token_ids) + max_tokens - 1
         assert warm.outputs[0].token_ids == cold.generate(nxt, g)[0].outputs[0].token_ids
         e.evict_checkpoints(len(e.index))
-    assert e.counters["spec_accepted"] > 0
+    assert e.counts.spec_accepted > 0
 
 
 def test_spec_commit_uploads_nothing():

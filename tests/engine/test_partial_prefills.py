@@ -53,9 +53,9 @@ class Driver:
         self.e, self.steps, self.partial, self.first, self.done = e, [], [], {}, {}
         real = e.runner.step
 
-        def spy(prefills, decodes, is_ready=lambda s: False, verifies=()):
+        def spy(prefills, decodes, verifies=(), ready=frozenset()):
             self.steps.append(sum(len(it.tokens) for it in prefills) + len(decodes))
-            return real(prefills, decodes, is_ready=is_ready, verifies=verifies)
+            return real(prefills, decodes, verifies=verifies, ready=ready)
         e.runner.step = spy
 
     def step(self):

@@ -67,7 +67,7 @@ def test_multi_sample_requests_are_preempted_with_identical_outputs(roomy, order
     llm = tight(22, auto_checkpoints=False)
     got, preempted = drive(llm, reqs)
     assert_same(got, want)
-    assert llm.engine.counters["preemptions"] > 0
+    assert llm.engine.counts.preemptions > 0
     assert victims <= {order[i] for i, _ in preempted}           # requests that lost their state on the way
     assert_nothing_leaks(llm.engine)
 
@@ -89,7 +89,7 @@ def test_mixed_requests_with_checkpoint_groups_under_pressure_all_complete(roomy
     got, preempted = drive(llm, first, later, later_at=4)
     assert_same(got, want)
     e = llm.engine
-    assert e.counters["preemptions"] > 0
+    assert e.counts.preemptions > 0
     assert {len(first), len(first) + 3} <= {i for i, _ in preempted}    # n = 3 forked and unforked were preempted
     assert any(o.checkpoint.hit_length > 0 for o in got[len(first):])    # the later wave found the prefix READY
     assert_nothing_leaks(e)

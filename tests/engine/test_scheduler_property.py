@@ -1,5 +1,5 @@
 """Property-based scheduler test (hypothesis): random arrivals, aborts, checkpoint groups, n = 2 forks, score
-calls and speculative decoding, on an engine small enough to chunk long prompts and preempt under page pressure.
+calls and speculative decoding, serial and overlapped loops, on an engine small enough to chunk long prompts and preempt under page pressure.
 Invariants: after the drain no state slot or KV page is leaked (beyond READY checkpoints, which eviction frees),
 and every greedy output equals the request run alone."""
 from __future__ import annotations
@@ -26,10 +26,12 @@ _ref_cache: dict = {}
 def engines(tmp_path_factory):
     kw = dict(device="cpu", max_num_seqs=6, num_pages=20, page_size=8, max_step_tokens=64)
     # the spec engine also runs two prompts in partial prefill at once (fair chunk shares), plain one at a time;
-    # the tiers engine has 8 state slots, so checkpoints are evicted to a host tier of ~3 of them and on to disk
+    # the tiers engine has 8 state slots, so checkpoints are evicted to a host tier of ~3 of them and on to disk;
+    # "overlap": the overlapped loop (step n + 1 launched with step n's ids on the device, outputs one step late)
     tiers = LLM(num_slots=8, checkpoint_host_memory_gb=7e-4, checkpoint_dir=str(tmp_path_factory.mktemp("ckpt")),
                 **kw).engine
     return {"plain": LLM(**kw).engine, "spec": LLM(spec_k=2, max_partial_prefills=2, **kw).engine, "tiers": tiers,
+            "overlap": LLM(overlap=True, **kw).engine,
             "ref": LLM(device="cpu", max_num_seqs=8, num_pages=512, auto_checkpoints=False).engine}
 
 
@@ -59,9 +61,10 @@ tier_op = st.tuples(st.integers(0, 14), st.sampled_from(["group", "score", "plai
                     st.integers(0, 5), st.integers(1, 16))
 
 
-@settings(max_examples=6, deadline=None, derandomize=True,
+@pytest.mark.parametrize("kind", ["plain", "spec", "overlap"])      # each loop gets its own examples
+@settings(max_examples=3, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(kind=st.sampled_from(["plain", "spec"]), ops=st.lists(op, min_size=1, max_size=10))
+@given(ops=st.lists(op, min_size=1, max_size=10))
 def test_random_traffic_drains_clean_with_solo_outputs(engines, kind, ops):
     drive(engines[kind], engines["ref"], ops)
 

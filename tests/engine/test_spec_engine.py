@@ -14,7 +14,7 @@ def test_checkpoint_after_spec_decode_is_exact():
     """A request whose last verify ends exactly at max_tokens publishes the state of exactly its tokens."""
     llm = LLM(device="cpu", spec_k=1, spec_mode="replay")
     out = llm.generate("abcabcabcabcabc", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
-    assert llm.engine.counters["spec_drafted"] > 0                  # a verify step (replay: pending flushed)
+    assert llm.engine.counts.spec_drafted > 0                  # a verify step (replay: pending flushed)
     nxt = out.prompt_token_ids + out.outputs[0].token_ids + list(b" more")
     warm = llm.generate(nxt, GREEDY)[0]
     cold = LLM(device="cpu", auto_checkpoints=False).generate(nxt, GREEDY)[0]
@@ -36,7 +36,7 @@ def test_spec_decode_equals_plain_greedy(reference, mode, k):
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference
     e = llm.engine
-    assert e.counters["spec_drafted"] > 0                    # verify steps ran
+    assert e.counts.spec_drafted > 0                    # verify steps ran
     # automatic checkpoints published after spec decoding hold exactly their tokens: the next turn matches
     nxt = outs[0].prompt_token_ids + outs[0].outputs[0].token_ids + list(b" more")
     warm = llm.generate(nxt, GREEDY)[0]
@@ -53,6 +53,6 @@ def test_sampled_requests_speculate_too(reference):
     llm = LLM(device="cpu", spec_k=2)
     topk1 = SamplingParams(temperature=0.7, top_k=1, max_tokens=24, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, topk1)] == reference
-    assert llm.engine.counters["spec_drafted"] > 0
+    assert llm.engine.counts.spec_drafted > 0
     outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 10 and o.finished for o in outs)

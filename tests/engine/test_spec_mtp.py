@@ -51,9 +51,9 @@ def test_mtp_spec_decode_equals_plain_greedy(reference, mode, k):
         _copy_head(llm)
     assert _outputs(llm) == reference
     e = llm.engine
-    assert e.counters["spec_drafted"] > 0
+    assert e.counts.spec_drafted > 0
     if k != 2:
-        assert 0 < e.counters["spec_accepted"] < e.counters["spec_drafted"]
+        assert 0 < e.counts.spec_accepted < e.counts.spec_drafted
     assert e.runner.state.check_integrity() == [] and e.runner.pages.check_integrity() == []
 
 
@@ -67,4 +67,4 @@ def test_next_turn_after_mtp_spec_decode_matches_a_cold_run():
     warm = llm.generate(nxt, GREEDY)[0]
     cold = LLM(device="cpu", auto_checkpoints=False).generate(nxt, GREEDY)[0]
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
-    assert llm.engine.counters["spec_accepted"] > 0
+    assert llm.engine.counts.spec_accepted > 0

@@ -50,7 +50,7 @@ def test_plan_invariants(case):
     uploads = []
     real = stager.upload
     stager.upload = lambda vals: uploads.append(len(vals)) or real(vals)
-    plan = build_step_plan(segs, mode, stager, is_ready=lambda s: s in ready)
+    plan = build_step_plan(segs, mode, stager, ready=ready)
     assert uploads == [plan.host_ints], "exactly one host-to-device copy per step"
     pf = plan.prefill
     T = sum(s.num_tokens for s in segs)
@@ -94,7 +94,7 @@ def test_plan_invariants(case):
     if mode == "fused":       # the mixed graphs' lean path: the same launch group, nothing packed
         g = pf.groups[0]
         par = g.parents.tolist() if g.parents is not None else [-1] * len(segs)
-        assert fused_slots(segs, lambda s: s in ready) == (g.src.tolist(), g.dst.tolist(), par)
+        assert fused_slots(segs, ready) == (g.src.tolist(), g.dst.tolist(), par)
 
 
 def test_contract_violations_are_refused():
@@ -112,7 +112,7 @@ def test_contract_violations_are_refused():
     }
     for msg, segs in cases.items():
         with pytest.raises(PlanError, match=msg):
-            build_step_plan(segs, "fused", st_, is_ready=lambda s: s in ready)
+            build_step_plan(segs, "fused", st_, ready=ready)
     with pytest.raises(PlanError, match="private slot"):
         build_step_plan([PrefillSegment(3, InitFrom.ZEROS, 1), PrefillSegment(3, InitFrom.PRODUCER, -1, producer=0)],
                         "two_phase", st_)

@@ -61,7 +61,7 @@ def test_mtp_drafts_in_intermediate_mode_then_a_worker_that_raises_ends_the_engi
     llm = LLM(tensor_parallel_size=2, **kw)
     try:
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == ref
-        assert llm.engine.counters["spec_drafted"] > 0
+        assert llm.engine.counts.spec_drafted > 0
         runner = llm.engine.runner
         runner._ops.append(("bogus", []))      # the next step's message makes rank 1 raise
         params = SamplingParams(temperature=0, max_tokens=4)

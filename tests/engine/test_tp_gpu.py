@@ -57,7 +57,7 @@ def test_embedded_model_tp2_equals_tp1_on_two_gpus(spec):
         assert toks == ref[0][0]
         _close(lps, ref[0][1])
         assert _tokens_and_logprobs(llm, plain)[0] == ref[1]      # speculative: drafts verified at TP=2
-        assert llm.engine.counters["spec_drafted"] > 0
+        assert llm.engine.counts.spec_drafted > 0
         got = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=6, n=2))[0].outputs
         assert sorted(s.token_ids for s in got) == ref_n2
     assert not torch.distributed.is_initialized()

@@ -184,3 +184,31 @@ def test_engine_flags_out_of_range_name_the_flag():
     for flags, flag in [(["--max-num-seqs", "0"], "--max-num-seqs"), (["--spec-k", "-1"], "--spec-k"),
                         (["--max-model-len", "0"], "--max-model-len")]:
         one_line_error(run_cli("serve", "--device", "cpu", "--port", "0", *flags), 2, f"gdnserve serve: {flag}: ")
+
+
+def test_every_command_maps_its_flags_through_one_engine_config(monkeypatch, capsys):
+    """``serve``, ``serve --replicas``, ``generate`` and ``score`` build their EngineConfig with serve.engine_config
+    (the one flags -> config mapping): a refused value names its flag and exits 2 on every path (the replicas
+    path printed the bare field before), and a command's flags reach the config it loads."""
+    one_line_error(run_cli("generate", "hi", "--device", "cpu", "--tensor-parallel-size", "0"), 2,
+                   "gdnserve generate: --tensor-parallel-size: tensor_parallel_size must be an int >= 1")
+    assert cli.main(["serve", "--replicas", "2", "--device", "cpu", "--port", "0", "--max-num-seqs", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "gdnserve serve: --max-num-seqs: max_num_seqs must be an int >= 1" in err or "needs Ray Serve" in err
+    args = cli.build_parser().parse_args(["serve", "--max-num-seqs", "3", "--no-cuda-graphs", "--spec-k", "2"])
+    cfg = serve.engine_config(args, num_pages=77)
+    assert (cfg.max_num_seqs, cfg.cuda_graphs, cfg.spec_k, cfg.num_pages) == (3, False, 2, 77)
+    assert cfg.overlap is None and not cfg.overlapped("cuda")            # --spec-k: the serial loop
+    no = serve.engine_config(cli.build_parser().parse_args(["serve", "--no-overlap"]))
+    assert no.overlap is False and not no.overlapped("cuda") and serve.engine_config(
+        cli.build_parser().parse_args(["serve"])).overlapped("cuda")
+    with pytest.raises(ValueError, match="^overlap: not with spec_k = 1"):    # a fixed field: no flag named
+        serve.engine_config(cli.build_parser().parse_args(["serve", "--spec-k", "1"]), overlap=True)
+    seen = {}
+
+    def fake_load(model, dtype=None, device="auto", config=None, **kw):
+        seen["config"] = config
+        raise ValueError("stop here")
+    monkeypatch.setattr("gdnserve.entrypoints.llm.load_engine", fake_load)
+    assert cli.main(["score", "a prefix", "x", "y", "--device", "cpu"]) == 1
+    assert seen["config"].max_num_seqs == 4 and seen["config"].num_pages == 260

@@ -1,13 +1,12 @@
 """/metrics (issue 13): parsed with prometheus-client's own parser; every name in docs/serving.md's table is
 scraped with its documented type and nothing undocumented is; counters are counters; the latency histograms
-fill from traffic; the step observer times steps and queue time from outside the engine."""
+fill from traffic; the engine's step reports (its public observer hook) time steps and queue time."""
 from __future__ import annotations
 
 import re
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -15,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 # test-only dependencies (the [test] extra); a machine without them skips this file with the reason
 httpx = pytest.importorskip("httpx")
 
+from gdnserve.engine.engine_stats import StepReport
 from gdnserve.entrypoints.metrics import ServerMetrics, observe_steps
 from tests.entrypoints.fake_engine import FakeEngine, Served
 
@@ -110,30 +110,57 @@ def test_counters_stay_monotonic_and_unknown_keys_stay_out():
 
 
 def test_step_observer_times_steps_and_queue_time():
-    class Inner:
-        def __init__(self) -> None:
-            self.waiting = [SimpleNamespace(request_id="a"), SimpleNamespace(request_id="b")]
-            self.steps = 0
+    """The server observes steps through the engine's public hook (no wrapping of the engine's methods): each
+    report's duration, and the queue time of the tracked requests it admitted; a second app on the same engine
+    takes the observations over."""
+    class Engine:
+        observer = None
 
-        def step(self):
-            self.steps += 1
-            self.waiting = self.waiting[1:]  # admits one request per step
-            return ["out"]
+        def set_step_observer(self, fn) -> None:
+            self.observer = fn
 
-    inner = Inner()
-    outer = SimpleNamespace(engine=inner, stats=lambda: {})
-    m = ServerMetrics(outer)
-    assert m.step_observed
+        def stats(self) -> dict:
+            return {}
+
+        def step(self, admitted: tuple[str, ...]) -> None:
+            self.observer(StepReport(time.monotonic(), 0.002, admitted))
+
+    eng = Engine()
+    m = ServerMetrics(eng)
+    assert m.step_observed and eng.observer == m.on_step
     m.arrivals.update(a=time.monotonic() - 0.5, b=time.monotonic())
-    assert inner.step() == ["out"] and inner.steps == 1
+    eng.step(("a", "untracked"))
     s = samples(m.render().decode())
     assert s[("gdnserve:engine_step_time_seconds_count", ())] == 1
     assert s[("gdnserve:request_queue_time_seconds_count", ())] == 1
     assert s[("gdnserve:request_queue_time_seconds_sum", ())] >= 0.5
     assert set(m.arrivals) == {"b"}
-    m2 = ServerMetrics(outer)      # a second app on the same engine: not wrapped twice, observations move
-    assert observe_steps(outer, m2) and inner.steps == 1
+    m2 = ServerMetrics(eng)        # a second app on the same engine: the observations move to it
+    assert observe_steps(eng, m2) and eng.observer == m2.on_step
     m2.arrivals["b"] = time.monotonic()
-    inner.step()
-    assert inner.steps == 2 and not m2.arrivals
+    eng.step(("b",))
+    assert not m2.arrivals
     assert samples(m2.render().decode())[("gdnserve:engine_step_time_seconds_count", ())] == 1
+    assert samples(m.render().decode())[("gdnserve:engine_step_time_seconds_count", ())] == 1
+
+
+def test_the_engine_reports_its_steps_and_admissions():
+    """LLMEngine.set_step_observer: one report per step() with the ids it admitted (out of the queue), none for
+    a request still waiting; the server's histograms read these (no monkeypatching of engine.step)."""
+    from gdnserve.engine.sampling_params import SamplingParams
+    from gdnserve.entrypoints.llm import LLM
+    e = LLM(device="cpu", max_num_seqs=1, num_pages=64).engine
+    reports = []
+    e.set_step_observer(reports.append)
+    a = e.add_request(None, "first prompt", SamplingParams(temperature=0, max_tokens=2))
+    b = e.add_request(None, "second prompt", SamplingParams(temperature=0, max_tokens=2))
+    e.step()
+    assert len(reports) == 1 and reports[0].admitted == (a,) and reports[0].seconds > 0
+    while e.has_unfinished():
+        e.step()
+    assert [r.admitted for r in reports if r.admitted] == [(a,), (b,)]
+    e.set_step_observer(None)
+    n = len(reports)
+    e.add_request(None, "third", SamplingParams(temperature=0, max_tokens=1))
+    e.step()
+    assert len(reports) == n

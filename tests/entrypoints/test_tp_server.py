@@ -62,12 +62,12 @@ def test_tp2_server_equals_tp1(server, reference):
         for a, b in zip(lp["top_logprobs"], want["top_logprobs"]):    # keyed by token text, as the server does
             assert a.keys() == b.keys() and max(abs(a[t] - b[t]) for t in a) <= TOL
     # without logprobs the same prompts decode speculatively (k = 2 n-gram drafts verified per step)
-    before = reference.engine.counters["spec_accepted"]
+    before = reference.engine.counts.spec_accepted
     r = httpx.post(url + "/v1/completions", json={"model": "gdnserve-embedded", "prompt": PROMPTS, "max_tokens": 12,
                                                  "temperature": 0}, timeout=120)
     assert r.status_code == 200, r.text
     ref = reference.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12))
-    assert reference.engine.counters["spec_accepted"] > before     # the workload verifies and accepts drafts
+    assert reference.engine.counts.spec_accepted > before     # the workload verifies and accepts drafts
     assert [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])] == [o.outputs[0].text
                                                                                        for o in ref]
     # n = 2: samples fork from the prompt and decode without drafts

@@ -47,7 +47,7 @@ def test_four_executors_agree(backend, dtype, device):
     results = {}
     stager = IndexStager(4096, device)
     for mode in PREFILL_MODES:
-        plan = build_step_plan(segs, mode, stager, is_ready=lambda s: s in ready)
+        plan = build_step_plan(segs, mode, stager, ready=ready)
         conv, ssm = conv0.clone(), ssm0.clone()
         o = torch.full((T, HV, V), float("nan"), dtype=dtype, device=device)
         gdn_prefill_core(x, a, b, p, conv, ssm, plan.prefill, out=o, backend=backend)
