@@ -82,9 +82,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         f"{_D.checkpoint_dir_max_gb:g})")
     m.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_const", const=False, default=None,
                    help="run decode and verify steps eagerly (default: bucketed CUDA graphs on a CUDA device)")
-    m.add_argument("--no-overlap", dest="overlap", action="store_const", const=False, default=None,
-                   help="the serial engine loop, for debugging (default: on a CUDA device without --spec-k or "
-                        "tensor parallelism, the next step is scheduled and launched while the GPU runs this one)")
+    ov = m.add_mutually_exclusive_group()
+    ov.add_argument("--overlap", dest="overlap", action="store_const", const=True, default=None,
+                    help="the overlapped engine loop: the next step is scheduled and launched while the device runs "
+                         "this one (not with --spec-k or tensor parallelism; default: off until verified on the GPU, "
+                         "docs/serving.md § Overlapped loop)")
+    ov.add_argument("--no-overlap", dest="overlap", action="store_const", const=False, default=None,
+                    help="the serial engine loop (the default for now)")
     n = p.add_argument_group("network and access")
     n.add_argument("--host", default="127.0.0.1",
                    help="bind address (default 127.0.0.1: loopback only; 0.0.0.0 exposes the server: add --api-key)")

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from gdnserve.engine.config import OVERLAP_BY_DEFAULT
 from gdnserve.entrypoints import cli, serve
 from gdnserve.entrypoints.preflight import PreflightError, bind_socket, check_device, check_model_folder
 from gdnserve.models.tokenizer import Tokenizer
@@ -200,8 +201,9 @@ def test_every_command_maps_its_flags_through_one_engine_config(monkeypatch, cap
     assert (cfg.max_num_seqs, cfg.cuda_graphs, cfg.spec_k, cfg.num_pages) == (3, False, 2, 77)
     assert cfg.overlap is None and not cfg.overlapped("cuda")            # --spec-k: the serial loop
     no = serve.engine_config(cli.build_parser().parse_args(["serve", "--no-overlap"]))
-    assert no.overlap is False and not no.overlapped("cuda") and serve.engine_config(
-        cli.build_parser().parse_args(["serve"])).overlapped("cuda")
+    on = serve.engine_config(cli.build_parser().parse_args(["serve", "--overlap"]))
+    assert no.overlap is False and not no.overlapped("cuda") and on.overlapped("cuda") and on.overlapped("cpu")
+    assert serve.engine_config(cli.build_parser().parse_args(["serve"])).overlapped("cuda") is OVERLAP_BY_DEFAULT
     with pytest.raises(ValueError, match="^overlap: not with spec_k = 1"):    # a fixed field: no flag named
         serve.engine_config(cli.build_parser().parse_args(["serve", "--spec-k", "1"]), overlap=True)
     seen = {}
