@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from gdnserve.entrypoints.cli import DEFAULT_RESULTS
@@ -55,11 +56,10 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+def pct(xs: list[float], q: float) -> float | None:
+    """The q-th percentile of ``xs`` in their own unit, linearly interpolated (numpy's default, as vLLM's serving
+    benchmark reports them); None for no values. The one percentile of the HTTP benchmarks (bench_serve_http too)."""
+    return float(np.percentile(xs, q)) if xs else None
 
 
 def wait_healthy(server: Any, log: Path, timeout_s: float, poll_s: float, what: str) -> None:
@@ -265,7 +265,7 @@ def git_commit() -> str:
 
 def markdown(res: dict[str, Any]) -> str:
     b, s, a = res["burst"], res.get("soak"), res["args"]
-    ms = lambda x: f"{x * 1e3:.0f} ms" if x == x else "-"  # noqa: E731
+    ms = lambda x: "-" if x is None else f"{x * 1e3:.0f} ms"  # noqa: E731
     p0, p1 = res["pool_after_burst"], res.get("pool_after_soak")
     lines = [
         "# HTTP load test (`benchmarks/bench_load.py`)", "",

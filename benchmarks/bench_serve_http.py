@@ -57,10 +57,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 from benchmarks import jsonfmt
-from benchmarks.bench_load import free_port, wait_healthy
+from benchmarks.bench_load import free_port, pct, wait_healthy
 from gdnserve.entrypoints.cli import DEFAULT_RESULTS
 
 MARK = "<|state_checkpoint|>"
@@ -202,8 +201,10 @@ async def conversation(client: httpx.AsyncClient, model: str, rng: random.Random
     return recs
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    return round(float(np.percentile(xs, q)) * 1e3, 2) if xs else None
+def pct_ms(xs: list[float], q: float) -> float | None:
+    """bench_load's percentile of seconds, in ms to 0.01."""
+    p = pct(xs, q)
+    return None if p is None else round(p * 1e3, 2)
 
 
 def summarize(workload: str, fmt: str, C: int, recs: list[Record], wall: float, cpu: float,
@@ -223,9 +224,9 @@ def summarize(workload: str, fmt: str, C: int, recs: list[Record], wall: float, 
             "duration_s": round(wall, 3), "requests_per_s": round(len(ok) / wall, 3) if wall > 0 else None,
             "total_tok_s": round((prompt + out) / wall, 1) if wall > 0 else None, "output_tok_s": round(out_s, 1),
             "prompt_tokens": prompt, "output_tokens": out,
-            "ttft_p50_ms": pct([r.ttft for r in ok], 50), "ttft_p99_ms": pct([r.ttft for r in ok], 99),
-            "tpot_p50_ms": pct(tpot, 50), "tpot_p99_ms": pct(tpot, 99),
-            "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+            "ttft_p50_ms": pct_ms([r.ttft for r in ok], 50), "ttft_p99_ms": pct_ms([r.ttft for r in ok], 99),
+            "tpot_p50_ms": pct_ms(tpot, 50), "tpot_p99_ms": pct_ms(tpot, 99),
+            "itl_p50_ms": pct_ms(itl, 50), "itl_p99_ms": pct_ms(itl, 99),
             "checkpoint_hit_rate": round(len(hits) / len(ok), 3) if ok else None,
             "hit_token_share": round(sum(r.hit_length for r in ok) / prompt, 3) if prompt else None,
             "client_cpu_share": round(cpu / wall, 2) if wall > 0 else None,

@@ -35,6 +35,15 @@ def test_metric_definitions():
     assert b.ceiling_for(model, "fp8", 16) == 1600 and b.ceiling_for(model, "bf16", 16) is None
 
 
+def test_one_percentile_for_both_http_benchmarks():
+    """bench_load's percentile is the one both report (it was written twice, nearest-rank in bench_load and
+    interpolated here, so the same latencies read differently): interpolated, None without values."""
+    from benchmarks import bench_load
+    assert b.pct is bench_load.pct
+    assert bench_load.pct([], 50) is None and bench_load.pct([0.3, 0.1, 0.2, 0.4], 50) == pytest.approx(0.25)
+    assert b.pct_ms([0.1, 0.3], 99) == pytest.approx(298.0) and b.pct_ms([], 50) is None
+
+
 def test_quick_run_end_to_end(tmp_path):
     rc = b.main(["--quick", "--out", str(tmp_path), "--tag", "test"])
     res = json.loads((tmp_path / "serve_http_test.json").read_text())

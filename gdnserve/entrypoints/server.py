@@ -239,7 +239,8 @@ class _Server:
         self.engine, self.tok, self.cfg = engine, engine.tokenizer, config
         self.api_key, self.limits = config.api_key, config.limits
         self.metrics = ServerMetrics(engine)
-        self.closing = asyncio.Event()  # set by close(): every open request ends with a 503
+        self._closed = False            # set by close(): every open and new request ends with a 503
+        self._closing: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
         # a few threads: work on megabytes holds the GIL in turns anyway, and leaves anyio's default threads to
         # /health and /metrics
         self.workers = anyio.CapacityLimiter(4)
@@ -248,7 +249,25 @@ class _Server:
         """End every open and new generation or score request now: streams with a 503 ``server_shutdown`` error
         event and ``data: [DONE]``, the others with that 503; their engine requests are aborted. Called on the
         event loop when the shutdown grace period is over (``shutdown.GracefulServer``)."""
-        self.closing.set()
+        self._closed = True
+        try:
+            self.closing.set()
+        except RuntimeError:        # no running loop: the next loop's event starts set
+            pass
+
+    @property
+    def closing(self) -> asyncio.Event:
+        """The running loop's shutdown event, set once ``close()`` ran. An asyncio.Event binds to the first loop
+        that waits on it, and one app may be served by several loops in a process (each test client, server or
+        ``asyncio.run`` starts its own): an event made once in ``__init__`` failed every request of a later loop
+        with "bound to a different event loop". Made per loop, on first use in it."""
+        loop = asyncio.get_running_loop()
+        if self._closing is None or self._closing[0] is not loop:
+            ev = asyncio.Event()
+            if self._closed:
+                ev.set()
+            self._closing = (loop, ev)
+        return self._closing[1]
 
     async def off_loop(self, size: int, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)``: inline when ``size`` (the bytes, characters or token entries it works on) is at most

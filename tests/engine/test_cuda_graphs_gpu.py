@@ -1,10 +1,11 @@
 """GPU-only: the captured decode and verify graphs (engine/cuda_graphs.py) on the embedded model.
 
 A replay equals the graph-shaped eager step (same padded static buffers, same kernels, no capture) bit for
-bit — logits and every byte of state — at several batch sizes (buckets 1, 4, 8, 16) for decode and for
+bit — logits and every byte of state — at several batch sizes (buckets 1, 4, 16) for decode and (1, 4) for
 verify in both spec modes (dense and MoE); it is close to the ordinary unpadded eager step; a graph step,
-accept and flush make no host synchronisation; the engine's greedy outputs are identical with and without
-graphs. The prefill / mixed graphs: test_cuda_graphs_mixed_gpu.py (the two were one file of 169 s on the H200,
+accept and flush make no host synchronisation (checked on the same runners); the engine's greedy outputs are
+identical with captured replays and graph-shaped eager steps. Every capture warms up and compiles: the tests share one draft count and a
+few buckets. The prefill / mixed graphs: test_cuda_graphs_mixed_gpu.py (the two were one file of 169 s on the H200,
 most of it Triton compiling each dtype / shape / mode's kernels).
 Run on the H200: ``python -m pytest -q tests/engine/test_cuda_graphs_gpu.py``."""
 from __future__ import annotations
@@ -39,10 +40,10 @@ def with_moe(model, experts: int = 8, top_k: int = 2):
 
 
 def make_runner(mode: str | None, k: int, graphs: bool, capture: bool | None, dtype=torch.bfloat16,
-                moe: bool = False, mixed: bool = False) -> ModelRunner:
+                moe: bool = False, mixed: bool = False, max_batch: int | None = None) -> ModelRunner:
     """``mixed``: prefill / mixed steps through graphs too (off: the decode / verify tests' prefills are eager)."""
     rc = RunnerConfig(num_slots=S, num_pages=256, page_size=4, spec_mode=mode, spec_tokens=k + 1 if mode else 0,
-                      cuda_graphs=graphs, graph_capture=capture, mixed_graphs=mixed)
+                      cuda_graphs=graphs, graph_capture=capture, mixed_graphs=mixed, graph_max_batch=max_batch)
     model = build_builtin_model(dtype=dtype, device="cuda")
     r = ModelRunner(with_moe(model) if moe else model, rc)
     for t, _ in state_buffers(r).values():
@@ -94,56 +95,60 @@ def lockstep(mode: str | None, k: int, sizes: list[int], steps: int = 4, moe: bo
         if mode == "replay":                                  # land the pending tokens before the next batch size
             for r, ss in zip((graph, shaped, plain), seqs):
                 r.flush(ss)
-    return graph
+    return graph, seqs[0]
 
 
-@pytest.mark.parametrize("sizes", [[1, 3, 8, 13]])
-def test_decode_replay_equals_graph_shaped_eager(sizes, seed):
-    g = lockstep(None, 0, sizes)
-    assert g.graphs.stats["capture"] == 4 and g.graphs.stats["replay"] == 4 * len(sizes)
+def steps_do_not_sync(r: ModelRunner, seqs: list, mode: str | None, k: int) -> None:
+    """With its graphs captured (the decode graph by the first step here), a graph step, accept and flush make no
+    host synchronisation: 4 replays under torch's sync debug mode (3 verify steps and a decode in spec modes)."""
+    seqs = seqs[:3]
+    if mode is not None:
+        r.step([], [], verifies=[(s, list(range(1, k + 2))) for s in seqs])
+        r.accept([(s, k) for s in seqs])
+        r.flush(seqs)
+    r.step([], [(s, 4) for s in seqs])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3 if mode is not None else 0):
+            r.step([], [], verifies=[(s, list(range(5, k + 6))) for s in seqs])
+            r.accept([(s, k + 1) for s in seqs])
+        if mode is not None:
+            r.flush(seqs)
+        r.step([], [(s, 8) for s in seqs])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+# batch sizes 1 (exact), 3 and 13 (padded to buckets 4 and 16): the kernels' ==1 / generic / %16 specialisations
+def test_decode_replay_equals_graph_shaped_eager_and_does_not_sync(seed):
+    g, seqs = lockstep(None, 0, [1, 3, 13])
+    assert g.graphs.stats["capture"] == 3 and g.graphs.stats["replay"] == 4 * 3
+    steps_do_not_sync(g, seqs, None, 0)
+    assert g.graphs.stats["capture"] == 3 and g.graphs.stats["replay"] == 4 * 3 + 2
     assert g.graphs.stats["fallback"] == 0
 
 
-# each mode with one draft count (k changes the verify kernels' specialisation: every variant compiles): k = 2 runs
-# in both modes below (test_graph_steps_accept_and_flush_do_not_sync), replay also in test_capture_all / MoE
-@pytest.mark.parametrize("mode,k", [("intermediate", 1), ("replay", 3)])
-def test_verify_replay_equals_graph_shaped_eager(mode, k, seed):
-    g = lockstep(mode, k, [1, 5])
+# each mode at k = 2 (k changes the verify kernels' specialisation: every variant compiles; one k serves every
+# test here): replays equal the graph-shaped eager step, then the decode graph's capture and steps without syncs
+@pytest.mark.parametrize("mode", ["intermediate", "replay"])
+def test_verify_replay_equals_graph_shaped_eager_and_does_not_sync(mode, seed):
+    g, seqs = lockstep(mode, 2, [1, 3])
     assert g.graphs.stats["capture"] == 2 and g.graphs.stats["replay"] == 8
-
-
-def test_graph_steps_accept_and_flush_do_not_sync():
-    for mode in ("intermediate", "replay"):
-        r = make_runner(mode, 2, True, None)
-        seqs = [r.new_seq() for _ in range(3)]
-        r.step([PrefillItem(s, list(range(9 + i))) for i, s in enumerate(seqs)], [])
-        r.step([], [], verifies=[(s, [1, 2, 3]) for s in seqs])      # captures the verify graph
-        r.accept([(s, 2) for s in seqs])
-        r.flush(seqs)
-        r.step([], [(s, 4) for s in seqs])                            # captures the decode graph
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(3):
-                r.step([], [], verifies=[(s, [5, 6, 7]) for s in seqs])
-                r.accept([(s, 3) for s in seqs])
-            r.flush(seqs)
-            r.step([], [(s, 8) for s in seqs])
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        assert r.graphs.stats["replay"] == 6 and r.graphs.stats["capture"] == 2
+    steps_do_not_sync(g, seqs, mode, 2)
+    assert g.graphs.stats["capture"] == 3 and g.graphs.stats["replay"] == 8 + 2 + 4
 
 
 def test_capture_all_then_every_bucket_replays():
-    r = make_runner("replay", 2, True, None)
+    """Buckets 1, 2, 4 (graph_max_batch = 4: each bucket is one more capture, all alike)."""
+    r = make_runner("replay", 2, True, None, max_batch=4)
     r.capture_graphs()
-    n = len(r.graphs.buckets)
-    assert r.graphs.stats["capture"] == 2 * n
-    seqs = [r.new_seq() for _ in range(S)]
+    assert r.graphs.buckets == (1, 2, 4) and r.graphs.stats["capture"] == 2 * 3
+    seqs = [r.new_seq() for _ in range(4)]
     r.step([PrefillItem(s, [1, 2, 3]) for s in seqs], [])
-    for B in (1, 2, 3, 9, 17, 24):
+    for B in (1, 2, 3, 4):
         r.step([], [(s, 7) for s in seqs[:B]])
-    assert r.graphs.stats["capture"] == 2 * n and r.graphs.stats["replay"] == 6
+    assert r.graphs.stats["capture"] == 2 * 3 and r.graphs.stats["replay"] == 4
 
 
 def test_moe_models_capture():
@@ -151,9 +156,9 @@ def test_moe_models_capture():
     replay equals the graph-shaped eager step bit for bit for decode and verify."""
     m = with_moe(build_builtin_model(device="cuda"))
     assert ModelRunner(m, RunnerConfig(num_slots=4)).graphs is not None
-    g = lockstep(None, 0, [1, 6], moe=True)
+    g, _ = lockstep(None, 0, [1, 6], moe=True)
     assert g.graphs.stats["replay"] == 8 and g.graphs.stats["fallback"] == 0
-    g = lockstep("replay", 2, [3], moe=True)
+    g, _ = lockstep("replay", 2, [3], moe=True)
     assert g.graphs.stats["replay"] == 4
 
 
@@ -162,19 +167,20 @@ PROMPTS = ["abcabcabcabcabc", "the cat sat on the mat, the cat sat on the", "Sha
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-@pytest.mark.parametrize("spec", [(0, "replay"), (3, "intermediate")])
-def test_engine_greedy_identical_with_and_without_graphs(spec):
-    """fp32 weights: the padded GEMMs round like the unpadded ones to ~1e-7, far from any greedy tie. Plain decode
-    and one spec mode (every fp32 variant compiles once more; the replay mode's graphs are checked bit for bit
-    above, and through the engine on the CPU in test_cuda_graphs.py)."""
+@pytest.mark.parametrize("spec", [(0, "replay"), (2, "intermediate")])
+def test_engine_greedy_identical_with_captured_and_graph_shaped_eager_steps(spec):
+    """Through the engine (continuous batching, prefill / mixed graphs, checkpoints): captured replays give the same
+    greedy tokens as the graph-shaped eager steps (same padded buffers and kernels, so bit for bit in bf16).
+    Graph-shaped eager == plain eager through the engine: test_cuda_graphs.py (CPU); a replay close to the plain
+    eager step on this GPU: the lockstep tests above. (fp32 weights against plain eager here compiled every kernel
+    once more in fp32: 118 s of this file's 162 s on the H200.)"""
     k, mode = spec
     outs = {}
-    for graphs in (False, True):
-        llm = LLM(device="cuda", dtype="float32", cuda_graphs=graphs, spec_k=k, spec_mode=mode, max_num_seqs=8)
+    for capture in (False, True):
+        llm = LLM(device="cuda", cuda_graphs=True, graph_capture=capture, spec_k=k, spec_mode=mode, max_num_seqs=8)
         res = llm.generate(PROMPTS, GREEDY)
-        outs[graphs] = [o.outputs[0].token_ids for o in res]
+        outs[capture] = [o.outputs[0].token_ids for o in res]
         g = llm.engine.runner.graphs
-        assert (g is not None) == graphs
-        if graphs:
-            assert g.stats["replay"] > 0 and g.capture
+        assert g is not None and g.capture == capture
+        assert g.stats["replay" if capture else "eager"] > 0
     assert outs[True] == outs[False]

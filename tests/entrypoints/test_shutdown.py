@@ -91,3 +91,35 @@ def test_open_requests_are_answered_at_the_end_of_the_grace_period(tmp_path):
 
     aborted = re.findall(r"^aborted (\S+)$", text, re.M)
     assert f"{rid}-0" in aborted and len(aborted) == 2, (aborted, text)  # the stream's and the waiting request's
+
+
+
+def test_one_app_serves_several_event_loops_and_close_reaches_each():
+    """One app, requests from two event loops in turn (tests and embedders start several in a process): the
+    shutdown event is the running loop's own. One event made with the app bound itself to the first loop that
+    waited on it; in a later loop every request's shutdown watcher then died ("bound to a different event loop")
+    and close() no longer ended its requests: the slow one below ran to its end (200) instead of the 503."""
+    import asyncio
+
+    from tests.entrypoints.fake_engine import MODEL, FakeEngine, build_app, expected
+
+    app = build_app(FakeEngine())
+    srv = app.state.server
+
+    async def post(prompt: str, max_tokens: int, close_after: float | None = None) -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1") as c:
+            req = asyncio.ensure_future(c.post("/v1/completions", json={"model": MODEL, "prompt": prompt,
+                                                                         "max_tokens": max_tokens}))
+            if close_after is not None:
+                await asyncio.sleep(close_after)
+                srv.close()
+            return await asyncio.wait_for(req, 10)
+
+    r = asyncio.run(post("hello", 3))                       # the first loop
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected("hello", 3), r.text
+    t0 = time.monotonic()
+    r = asyncio.run(post("SLOW hello", 200, close_after=0.3))   # a second loop: 4 s of tokens, closed at 0.3 s
+    assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown", r.text
+    assert time.monotonic() - t0 < 2.0
+    r = asyncio.run(post("hello", 3))                       # a loop started after close(): refused at once
+    assert r.status_code == 503, r.text

@@ -25,10 +25,10 @@ def gate_params(HV: int, regime: str, device) -> tuple[torch.Tensor, torch.Tenso
     return A_log.float().to(device), dt_bias.float().to(device)
 
 
-def mixed_gate_params(heads_per_regime: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A_log, dt_bias of len(GATE_REGIMES) * heads_per_regime value heads, regime i on heads i*n .. (i+1)*n - 1:
-    value heads are independent in every kernel, so one call covers all regimes."""
-    parts = [gate_params(heads_per_regime, r, device) for r in GATE_REGIMES]
+def mixed_gate_params(HV: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_log, dt_bias of HV value heads, head j in regime GATE_REGIMES[j % 4]: value heads are independent in every
+    kernel, so one call covers all regimes (HV >= 4), and any head count (an odd group of value heads) fits."""
+    parts = [gate_params(1, GATE_REGIMES[j % len(GATE_REGIMES)], device) for j in range(HV)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
