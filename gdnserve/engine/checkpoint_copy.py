@@ -150,5 +150,8 @@ class Copier:
             event.record(self.stream)
         if to_host:
             hc.event = event
-            current.wait_event(event)         # the freed slot and pages are rewritten only after the copy
+        # both ways the current stream waits for the copy: a freed slot and pages are rewritten only after the
+        # copy down, and a restored checkpoint is read only after the copy up (so it is READY at once: the host
+        # only keeps ``hc``'s pinned memory alive until the event)
+        current.wait_event(event)
         return event

@@ -1,9 +1,10 @@
 """Checkpoint tiers below the GPU: pinned host memory (``checkpoint_host_memory_gb``) and a directory on disk
 (``checkpoint_dir``, checkpoint_disk.py). A READY checkpoint evicted from the device's LRU is copied down (to the
 host tier, else to disk) instead of dropped; a host-tier eviction goes to disk. A lookup that finds the key in a
-lower tier restores it into a fresh slot and pages: the entry is PENDING (admission waits for it, as for a
-producer's) until ``poll`` sees the copy done, then READY, and the request continues as a hit whose provenance
-names the tier. LRU within each tier (a checkpoint a chat's next turn continued enters the host tier at its cold
+lower tier restores it into a fresh slot and pages and the request continues as a hit whose provenance names the
+tier: from the host tier at once (the copy up is queued before any kernel that reads it: the current stream waits
+for its event; ``landing`` keeps the pinned source alive until the event), from disk once the file is read (the
+entry is PENDING until then: admission waits for it, as for a producer's; ``poll``). LRU within each tier (a checkpoint a chat's next turn continued enters the host tier at its cold
 end: ``spill``). The host tier is exclusive (a restored checkpoint leaves it: it goes back down
 when evicted again); a disk file stays after a restore (checkpoints never change, so a second eviction writes
 nothing). Copies and their ordering: checkpoint_copy.py.
@@ -51,7 +52,8 @@ class CheckpointTiers:
         self.host: OrderedDict[bytes, HostCheckpoint] = OrderedDict()     # least recently used first
         self.host_used = 0
         self._host_lengths: Counter[int] = Counter()
-        self.restoring: dict[bytes, Restore] = {}
+        self.restoring: dict[bytes, Restore] = {}     # disk reads in flight (PENDING entries)
+        self.landing: list[Restore] = []               # copies up queued on the device, their sources kept
 
     # ---- down: an evicted READY checkpoint ----
     def spill(self, key: bytes, token_ids: tuple[int, ...], slot: int, table: PageTable, cold: bool = False) -> None:
@@ -125,15 +127,38 @@ class CheckpointTiers:
         if hc is not None:
             self._host_put(hc)
 
-    def start(self, entry, table: PageTable, tier: str, hc: HostCheckpoint | None) -> None:
+    def start(self, entry, table: PageTable, tier: str, hc: HostCheckpoint | None) -> bool:
         """Restore ``entry.key`` from ``tier`` (``hc``: the claimed host copy) into the PENDING ``entry``'s slot and
-        ``table``'s pages."""
+        ``table``'s pages. True: the copy is queued in stream order (a host restore), the entry may be READY now;
+        False: a disk read is in flight (``poll``)."""
         r = Restore(entry, table, tier, time.perf_counter(), hc=hc)
-        if tier == "host":
-            self._copy_up(r)
-        else:
+        if tier == "host" and self._copy_up(r):
+            self._land(r)
+            return True
+        if tier != "host":
             r.future = self.disk.load(entry.key)
-        self.restoring[entry.key] = r
+        self.restoring[entry.key] = r         # a host copy of the wrong shape fails at the next poll
+        return False
+
+    def _land(self, r: Restore) -> None:
+        """The copy up is queued: keep its pinned source until the event (latency counted then)."""
+        if r.event is None:
+            self.stats.restored(r.tier, time.perf_counter() - r.t0)
+            r.hc = None
+        else:
+            self.landing.append(r)
+
+    def _retire(self, wait: bool) -> None:
+        keep = []
+        for r in self.landing:
+            if wait:
+                r.event.synchronize()
+            elif not r.event.query():
+                keep.append(r)
+                continue
+            self.stats.restored(r.tier, time.perf_counter() - r.t0)
+            r.hc = None
+        self.landing = keep
 
     def _copy_up(self, r: Restore) -> bool:
         if r.hc.num_pages != len(r.table.pages) or r.hc.length != len(r.entry.token_ids):
@@ -144,29 +169,23 @@ class CheckpointTiers:
         return True
 
     def poll(self, wait: bool = False) -> list[tuple[Restore, bool]]:
-        """The restores that finished since the last call, each with whether it succeeded (a corrupt or vanished
-        file fails it). ``wait``: block until every restore in flight is done (nothing else can run)."""
+        """The disk restores whose file was read since the last call, each with whether it succeeded (a corrupt or
+        vanished file fails it; a success has its copy up queued in stream order: READY now). ``wait``: block until
+        every read in flight is done (nothing else can run), and every copy up with it."""
         done = []
         for key, r in list(self.restoring.items()):
-            if not r.started:
-                if r.future is not None:
-                    if not (wait or r.future.done()):
-                        continue
-                    r.hc, r.future = r.future.result(), None
-                if r.hc is None or not self._copy_up(r):
-                    del self.restoring[key]
-                    self.stats.restore_failures += 1
-                    done.append((r, False))
+            if r.future is not None:
+                if not (wait or r.future.done()):
                     continue
-            if r.event is not None:
-                if wait:
-                    r.event.synchronize()
-                elif not r.event.query():
-                    continue
+                r.hc, r.future = r.future.result(), None
             del self.restoring[key]
-            self.stats.restored(r.tier, time.perf_counter() - r.t0)
-            r.hc = None
+            if r.hc is None or not self._copy_up(r):
+                self.stats.restore_failures += 1
+                done.append((r, False))
+                continue
+            self._land(r)
             done.append((r, True))
+        self._retire(wait)
         return done
 
     # ---- shutdown ----

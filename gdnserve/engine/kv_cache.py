@@ -57,7 +57,10 @@ class Checkpoints:
         key = checkpoint_key(ids) if key is None else key
         found = self.tiers.find(key, ids)
         entry = None if found is None else self._restore(ids, key, *found)
-        return look if entry is None else Lookup(entry, MissReason.PENDING, 0)
+        if entry is None:
+            return look
+        return self.index.lookup(token_ids, key) if entry.status is CheckpointStatus.READY \
+            else Lookup(entry, MissReason.PENDING, 0)
 
     def longest_hit(self, ids: list[int]) -> Checkpoint | str | None:
         """The READY checkpoint of the longest proper prefix of ``ids``, RESTORING when that prefix is being
@@ -94,13 +97,17 @@ class Checkpoints:
             self.tiers.unclaim(hc)
             return None
         entry = self.index.reserve(ids, key)
-        self.tiers.start(entry, PageTable(self.page_pool, pages, len(ids)), tier, hc)
+        table = PageTable(self.page_pool, pages, len(ids))
+        if self.tiers.start(entry, table, tier, hc):      # a host restore: queued in stream order, READY now
+            entry.origin = tier
+            self.ready(entry, table)
         return entry
 
     def poll(self, wait: bool = False) -> bool:
-        """Restores whose copy is done become READY (a failed one, e.g. a corrupt file, is dropped: its waiters
-        miss); ``wait``: first wait for all of them. Whether any finished."""
-        if self.tiers is None or not self.tiers.restoring:
+        """Disk restores whose file is read become READY (a failed one, e.g. a corrupt file, is dropped: its
+        waiters miss); copies up whose event is done release their host memory. ``wait``: first wait for all of
+        them. Whether any restore finished."""
+        if self.tiers is None or not (self.tiers.restoring or self.tiers.landing):
             return False
         done = self.tiers.poll(wait)
         for r, ok in done:

@@ -111,10 +111,16 @@ class Rig:
         return "disk" if self.disk is not None and key in self.disk else "-"
 
     def restore(self, ids):
+        """A lookup that restores: from the host tier a hit at once (the copy up queued in stream order), from disk
+        PENDING until the file is read."""
+        tier = self.where(ids)
         look = self.ck.lookup(ids)
-        assert look.entry is not None and look.entry.status is CheckpointStatus.PENDING and self.ck.restoring()
+        if tier == "host":
+            assert look.hit and look.entry.status is CheckpointStatus.READY and not self.ck.restoring()
+        else:
+            assert look.entry is not None and look.entry.status is CheckpointStatus.PENDING and self.ck.restoring()
         self.ck.poll(wait=True)
-        assert look.entry.status is CheckpointStatus.READY
+        assert look.entry.status is CheckpointStatus.READY and not self.tiers.landing
         return look.entry
 
 
@@ -301,6 +307,19 @@ def test_later_turns_hit_from_the_host_tier_with_recomputed_outputs(ref):
         assert got.checkpoint.hit_length == len(c) + len(out) - 1 and got.checkpoint.tier in ("gpu", "host")
         assert got.outputs[0].token_ids == _run(ref, ids).outputs[0].token_ids
     assert e.tier_stats.hits["host"] >= 2 and e.tier_stats.restores["host"] == e.tier_stats.hits["host"]
+    # a host-tier hit costs no step of its own: the restore is queued in stream order and the request runs in the
+    # step whose admission found it (it used to wait in the queue for one step)
+    held = list(e.kv.checkpoints.tiers.host.values())
+    assert held, "no checkpoint in the host tier"
+    ids = list(held[-1].token_ids) + [11]
+    e.add_request("busy", [3, 4, 5], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    e.step()                                  # a decode in every step: the step never waits for a restore alone
+    e.add_request("one-step", ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    done = [o for o in e.step() if o.request_id == "one-step" and o.finished]
+    assert done and done[0].checkpoint.tier == "host" and done[0].checkpoint.hit_length == len(ids) - 1
+    assert done[0].outputs[0].token_ids == _run(ref, ids, 1).outputs[0].token_ids
+    while e.has_unfinished():
+        e.step()
     assert e.index.check_integrity() == [] and e.runner.state.check_integrity() == []
     e.evict_checkpoints(len(e.index))
     assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
