@@ -23,14 +23,14 @@ after every shape (a run cut short keeps what it measured).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import platform
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -194,9 +194,9 @@ def write(rows: list[dict[str, Any]], meta: dict[str, Any], out_dir: Path, tag: 
     (out_dir / f"chunk_variants_{tag}.json").write_text(jsonfmt.dumps({"meta": meta, "rows": rows}) + "\n")
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     lines = [f"# Chunked GDN prefill variants ({meta['device']})", "",
-             f"{meta['versions']}; command `{meta['command']}`. GPU µs per call, median [P10-P90]; timing method "
-             "per cell (graph = CUDA graph replay, batched = events around back-to-back eager calls); errors are "
-             "rel-RMS of o / final state against the fp32 PyTorch path (<= 8192 tokens) or the `ours` row.", "",
+             (f"{meta['versions']}; command `{meta['command']}`. GPU µs per call, median [P10-P90]; timing method "
+              "per cell (graph = CUDA graph replay, batched = events around back-to-back eager calls); errors are "
+              "rel-RMS of o / final state against the fp32 PyTorch path (<= 8192 tokens) or the `ours` row."), "",
              "| shape | " + " | ".join(impls) + " | best ours / FlashQLA |", "|" + " --- |" * (len(impls) + 2)]
     for shape in dict.fromkeys(r["shape"] for r in rows):
         cells, by = [], {r["impl"]: r for r in rows if r["shape"] == shape}
