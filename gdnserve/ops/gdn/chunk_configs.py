@@ -54,6 +54,8 @@ class ChunkConfig:
     main_bv: int = 32               # V tile of the main kernel (fixed per device: results never depend on the batch)
     main_warps: int = 4
     main_stages: int | None = None
+    main_qk_store: bool = True      # the prep stores l2-normalised q, k (activation dtype) for the main kernel, whose
+                                    # loads then feed its products directly (else it re-normalises per V tile)
     # separate output kernel (fused_out=False)
     out_bv: int = 128
     out_warps: int = 4

@@ -32,11 +32,11 @@ from gdnserve.ops.varlen import CHUNK, VarlenMeta
 
 
 @triton.jit
-def _prep_tm_tile(q, k, a, b, A_log, dt_bias, gcum, tm_t, tm_m, scale, t0, n_valid, i_h, i_s,
+def _prep_tm_tile(q, k, a, b, A_log, dt_bias, gcum, tm_t, tm_m, qn, kn, scale, t0, n_valid, i_h, i_s,
                   s_qt, s_qh, s_kt, s_kh, s_at, s_ah, s_bt, s_bh,
                   R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
                   LD: tl.constexpr, DOT_PREC: tl.constexpr, INV_MODE: tl.constexpr, PREP_BF16: tl.constexpr,
-                  SPLIT: tl.constexpr, INV_BF16: tl.constexpr, NIT: tl.constexpr):
+                  SPLIT: tl.constexpr, INV_BF16: tl.constexpr, NIT: tl.constexpr, QK_STORE: tl.constexpr):
     """One key head's programs' share of a chunk tile of C rows (t0 .. t0 + n_valid valid); 𝒯' and M' rows are
     LD (= CHUNK) apart, a C < LD tile fills their first C columns."""
     DT: tl.constexpr = tm_t.dtype.element_ty
@@ -47,6 +47,12 @@ def _prep_tm_tile(q, k, a, b, A_log, dt_bias, gcum, tm_t, tm_m, scale, t0, n_val
     m_k = o_k < K
     b_k = _l2norm_rows(k + i_h * s_kh, o_rows, m_rows, s_kt, o_k, m_k)          # [C, BK] fp32
     b_q = _l2norm_rows(q + i_h * s_qh, o_rows, m_rows, s_qt, o_k, m_k)
+    if QK_STORE:  # noqa: SIM102 — nested: a constexpr test, then a runtime one
+        if i_s == 0:   # the normalised q and k for the main kernel, one copy per key head
+            p_qk = (o_rows[:, None].to(tl.int64) * (HV // R) + i_h) * K + o_k[None, :]
+            m_qk = m_rows[:, None] & m_k[None, :]
+            tl.store(qn + p_qk, cast(b_q, DT), mask=m_qk)
+            tl.store(kn + p_qk, cast(b_k, DT), mask=m_qk)
     if PREP_BF16:   # q, k rounded to the activation dtype, as the main kernel's products see them
         b_kd = cast(b_k, DT)
         b_kk = mma(b_kd, tl.trans(b_kd), DOT_PREC)                              # [C, C]
@@ -75,11 +81,12 @@ def _prep_tm_tile(q, k, a, b, A_log, dt_bias, gcum, tm_t, tm_m, scale, t0, n_val
 
 
 @triton.jit
-def chunk_prep_tm_kernel(q, k, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, gcum, tm_t, tm_m, scale,
+def chunk_prep_tm_kernel(q, k, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, gcum, tm_t, tm_m, qn, kn, scale,
                          s_qt, s_qh, s_kt, s_kh, s_at, s_ah, s_bt, s_bh,
                          R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr,
                          DOT_PREC: tl.constexpr, INV_MODE: tl.constexpr, PREP_BF16: tl.constexpr,
-                         SPLIT: tl.constexpr, INV_BF16: tl.constexpr, SHORT: tl.constexpr, SHORT_NIT: tl.constexpr):
+                         SPLIT: tl.constexpr, INV_BF16: tl.constexpr, SHORT: tl.constexpr, SHORT_NIT: tl.constexpr,
+                         QK_STORE: tl.constexpr):
     # as chunk_prep_kernel: SPLIT programs per key head; a sequence of <= SHORT tokens takes a SHORT-row tile
     # (chosen from its own length only: varlen == per sequence bit for bit)
     i_row, i_hs = tl.program_id(0), tl.program_id(1)
@@ -91,21 +98,21 @@ def chunk_prep_tm_kernel(q, k, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, 
     bos = tl.load(cu_seqlens + i_n)
     L = tl.load(cu_seqlens + i_n + 1) - bos
     if SHORT > 0 and L <= SHORT:
-        _prep_tm_tile(q, k, a, b, A_log, dt_bias, gcum, tm_t, tm_m, scale, bos, L, i_h, i_s,
+        _prep_tm_tile(q, k, a, b, A_log, dt_bias, gcum, tm_t, tm_m, qn, kn, scale, bos, L, i_h, i_s,
                       s_qt, s_qh, s_kt, s_kh, s_at, s_ah, s_bt, s_bh, R, HV, K, BK, SHORT, C, DOT_PREC, 1,
-                      PREP_BF16, SPLIT, INV_BF16, SHORT_NIT)
+                      PREP_BF16, SPLIT, INV_BF16, SHORT_NIT, QK_STORE)
     else:
-        _prep_tm_tile(q, k, a, b, A_log, dt_bias, gcum, tm_t, tm_m, scale, bos + i_c * C, L - i_c * C, i_h, i_s,
-                      s_qt, s_qh, s_kt, s_kh, s_at, s_ah, s_bt, s_bh, R, HV, K, BK, C, C, DOT_PREC, INV_MODE,
-                      PREP_BF16, SPLIT, INV_BF16, 5)
+        _prep_tm_tile(q, k, a, b, A_log, dt_bias, gcum, tm_t, tm_m, qn, kn, scale, bos + i_c * C, L - i_c * C,
+                      i_h, i_s, s_qt, s_qh, s_kt, s_kh, s_at, s_ah, s_bt, s_bh, R, HV, K, BK, C, C, DOT_PREC,
+                      INV_MODE, PREP_BF16, SPLIT, INV_BF16, 5, QK_STORE)
 
 
 @triton.jit
-def chunk_main_kernel(q, k, v, gcum, tm_t, tm_m, o, pool, cu_seqlens, src_slots, dst_slots, parents, scale,
-                      s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,
+def chunk_main_kernel(q, k, v, gcum, tm_t, tm_m, qn, kn, o, pool, cu_seqlens, src_slots, dst_slots, parents,
+                      scale, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,
                       R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
-                      HAS_PARENT: tl.constexpr, PHASE: tl.constexpr):
+                      HAS_PARENT: tl.constexpr, PHASE: tl.constexpr, QK_STORE: tl.constexpr):
     # PHASE 0: every sequence (no parents in the call); 1: those without a parent; 2: those with one (launched
     # after phase 1: the parents' final states are in their dst slots)
     NVT: tl.constexpr = (V + BV - 1) // BV
@@ -124,43 +131,53 @@ def chunk_main_kernel(q, k, v, gcum, tm_t, tm_m, o, pool, cu_seqlens, src_slots,
     m_k = o_k < K
     o_v = i_vt * BV + tl.arange(0, BV)
     m_v = o_v < V
-    m_s = m_v[:, None] & m_k[None, :]
-    o_s = (i_hv * V + o_v[:, None]).to(tl.int64) * K + o_k[None, :]            # offset inside a slot
     SLOT: tl.constexpr = HV * V * K
     bos = tl.load(cu_seqlens + i_n)
-    L = tl.load(cu_seqlens + i_n + 1) - bos
-    b_S = _initial_state(pool, src_slots, dst_slots, parents, src_slots, i_n, i_hv, i_vt, o_s, m_s,
+    eos = tl.load(cu_seqlens + i_n + 1)
+    L = eos - bos
+    b_S = _initial_state(pool, src_slots, dst_slots, parents, src_slots, i_n, i_hv, i_vt,
+                         (i_hv * V + o_v[:, None]).to(tl.int64) * K + o_k[None, :], m_v[:, None] & m_k[None, :],
                          HV, NVT, SLOT, BV, BK, HAS_PARENT, False)
     DT: tl.constexpr = tm_t.dtype.element_ty
+    H: tl.constexpr = HV // R
+    # row bases as 64-bit scalars, in-tile offsets as int32 (q/k, v/o and 𝒯'/M' share theirs)
+    o_qk = o_c[:, None] * (H * K) + o_k[None, :]
+    o_cc = o_c[:, None] * (HV * C) + o_c[None, :]
     for i_c in range(tl.cdiv(L, C)):           # 0 chunks for an empty sequence: src -> dst only
         t0 = bos + i_c * C
         n_valid = tl.minimum(C, L - i_c * C)
         m_rows = o_c < n_valid
-        o_rows = t0 + o_c
-        b_k = cast(_l2norm_rows(k + i_h * s_kh, o_rows, m_rows, s_kt, o_k, m_k), DT)     # [C, BK]
-        b_q = cast(_l2norm_rows(q + i_h * s_qh, o_rows, m_rows, s_qt, o_k, m_k), DT)
+        t64 = t0.to(tl.int64)
+        if QK_STORE:   # the prep's normalised copies: plain loads that feed the products
+            m_qk = m_rows[:, None] & m_k[None, :]
+            b_k = tl.load(kn + (t64 * H + i_h) * K + o_qk, mask=m_qk, other=0.)
+            b_q = tl.load(qn + (t64 * H + i_h) * K + o_qk, mask=m_qk, other=0.)
+        else:          # normalised here, per V tile (the same bits as the prep's copies)
+            o_rows = t0 + o_c
+            b_k = cast(_l2norm_rows(k + i_h * s_kh, o_rows, m_rows, s_kt, o_k, m_k), DT)     # [C, BK]
+            b_q = cast(_l2norm_rows(q + i_h * s_qh, o_rows, m_rows, s_qt, o_k, m_k), DT)
         m_rv = m_rows[:, None] & m_v[None, :]
-        b_v = tl.load(v + o_rows[:, None].to(tl.int64) * s_vt + i_hv * s_vh + o_v[None, :], mask=m_rv,
+        b_v = tl.load(v + t64 * s_vt + i_hv * s_vh + (o_c[:, None] * s_vt + o_v[None, :]), mask=m_rv,
                       other=0.).to(tl.float32)
-        b_gc = tl.load(gcum + o_rows * HV + i_hv, mask=m_rows, other=0.)
+        b_gc = tl.load(gcum + (t0 + o_c) * HV + i_hv, mask=m_rows, other=0.)
         g_last = tl.load(gcum + (t0 + n_valid - 1) * HV + i_hv)
-        p_cc = (o_rows[:, None].to(tl.int64) * HV + i_hv) * C + o_c[None, :]
         m_cc = m_rows[:, None] & m_rows[None, :]           # a short tile's prep wrote only its own columns
-        b_T = tl.load(tm_t + p_cc, mask=m_cc, other=0.)
-        b_M = tl.load(tm_m + p_cc, mask=m_cc, other=0.)
+        b_T = tl.load(tm_t + (t64 * HV + i_hv) * C + o_cc, mask=m_cc, other=0.)
+        b_M = tl.load(tm_m + (t64 * HV + i_hv) * C + o_cc, mask=m_cc, other=0.)
         b_Sd = cast(b_S, DT)                               # fla's choice: the state rounded for the products
         b_eg = tl.exp(b_gc)
         b_X = b_v - b_eg[:, None] * mma(b_k, tl.trans(b_Sd), DOT_PREC)                     # [C, BV]
         b_U = mma(b_T, cast(b_X, DT), DOT_PREC)
         b_Ud = cast(b_U, DT)
         b_o = mma(b_q, tl.trans(b_Sd), DOT_PREC) * (scale * b_eg)[:, None] + mma(b_M, b_Ud, DOT_PREC)
-        tl.store(o + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :], cast(b_o, o.dtype.element_ty),
+        tl.store(o + (t64 * HV + i_hv) * V + (o_c[:, None] * (HV * V) + o_v[None, :]), cast(b_o, o.dtype.element_ty),
                  mask=m_rv)
         b_Uw = tl.where(m_rows[:, None], b_U * tl.exp(tl.where(m_rows, g_last - b_gc, 0.))[:, None], 0.)
         b_S = b_S * tl.exp(g_last) + mma(tl.trans(cast(b_Uw, DT)), b_k, DOT_PREC)
     s_dst = tl.load(dst_slots + i_n)
-    if s_dst >= 0:
-        tl.store(pool + s_dst.to(tl.int64) * SLOT + o_s, cast(b_S, pool.dtype.element_ty), mask=m_s)
+    if s_dst >= 0:   # the slot offsets recomputed here, not held across the loop
+        tl.store(pool + s_dst.to(tl.int64) * SLOT + ((i_hv * V + o_v[:, None]) * K + o_k[None, :]),
+                 cast(b_S, pool.dtype.element_ty), mask=m_v[:, None] & m_k[None, :])
 
 
 def launch_prep_tm(q, k, a, b, A_log, dt_bias, meta: VarlenMeta, ws: ChunkWorkspace, cfg: ChunkConfig,
@@ -170,12 +187,14 @@ def launch_prep_tm(q, k, a, b, A_log, dt_bias, meta: VarlenMeta, ws: ChunkWorksp
     R = HV // H
     split = R if meta.num_chunk_rows * H < cfg.prep_split_below else 1
     tm_t, tm_m = ws.tm_buffers()
+    qn, kn = ws.qk_buffers(H) if cfg.main_qk_store else (tm_t, tm_t)
     short = cfg.short_prep
     launch(chunk_prep_tm_kernel, (meta.num_chunk_rows, H * split), (
-        q, k, a, b, A_log, dt_bias, meta.cu_seqlens, meta.chunk_indices, ws.gcum, tm_t, tm_m, scale,
+        q, k, a, b, A_log, dt_bias, meta.cu_seqlens, meta.chunk_indices, ws.gcum, tm_t, tm_m, qn, kn, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         R, HV, K, max(pow2(K), cfg.prep_min_block), CHUNK, "ieee" if f32 else "tf32", cfg.inv_mode,
-        cfg.prep_bf16 and not f32, split, cfg.inv_bf16 and not f32, short, max(short.bit_length() - 2, 0)),
+        cfg.prep_bf16 and not f32, split, cfg.inv_bf16 and not f32, short, max(short.bit_length() - 2, 0),
+        cfg.main_qk_store),
         cfg.prep_warps, cfg.prep_stages)
 
 
@@ -185,12 +204,13 @@ def launch_main(q, k, v, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, paren
     HV, V = v.shape[1], v.shape[2]
     bv = min(cfg.main_bv, pow2(V))
     tm_t, tm_m = ws.tm_buffers()
+    qn, kn = ws.qk_buffers(H) if cfg.main_qk_store else (tm_t, tm_t)
     for phase in ((1, 2) if parents is not None else (0,)):
         launch(chunk_main_kernel, (cdiv(V, bv), meta.num_seqs * HV), (
-            q, k, v, ws.gcum, tm_t, tm_m, out, ssm_pool, meta.cu_seqlens, src_slots, dst_slots,
+            q, k, v, ws.gcum, tm_t, tm_m, qn, kn, out, ssm_pool, meta.cu_seqlens, src_slots, dst_slots,
             parents if parents is not None else src_slots, scale,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            HV // H, HV, K, V, pow2(K), bv, CHUNK, _prec(v), parents is not None, phase),
+            HV // H, HV, K, V, pow2(K), bv, CHUNK, _prec(v), parents is not None, phase, cfg.main_qk_store),
             cfg.main_warps, cfg.main_stages)
 
 

@@ -29,6 +29,7 @@ class ChunkWorkspace:
     seg_b: torch.Tensor | None = None  # [rows, HV, V, K] fp32  context-parallel segments: B, then the start state
     seg_p: torch.Tensor | None = None  # [rows, HV, K, K] fp32  a segment's state transition P
     tm: torch.Tensor | None = None     # [2, T, HV, C]   𝒯' = 𝒯 diag(β) and M' (``fused_main``)
+    qkn: torch.Tensor | None = None    # [2, T, H, K]    l2-normalised q and k (``fused_main`` + ``main_qk_store``)
 
     @staticmethod
     def empty(max_tokens: int, max_chunk_rows: int, HV: int, K: int, V: int, dtype: torch.dtype,
@@ -63,6 +64,13 @@ class ChunkWorkspace:
             T, HV, _ = self.w.shape
             self.tm = torch.empty(2, T, HV, CHUNK, dtype=self.w.dtype, device=self.w.device)
         return self.tm[0], self.tm[1]
+
+    def qk_buffers(self, H: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qn, kn): the fused prep's l2-normalised q and k in the activation dtype, one copy per key head."""
+        if self.qkn is None or self.qkn.shape[2] != H:
+            T, _, K = self.w.shape
+            self.qkn = torch.empty(2, T, H, K, dtype=self.w.dtype, device=self.w.device)
+        return self.qkn[0], self.qkn[1]
 
     def sync_buffer(self, n: int) -> torch.Tensor:
         """The first n ints of the state pass's sync buffer (grown on demand; fixed address afterwards)."""
