@@ -21,11 +21,11 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 5e-3}   # rel-RMS, output and final 
 SHAPE = {torch.float32: (2, 4, 16, 32), torch.bfloat16: (1, 3, 32, 16)}
 
 
-def run(q, k, v, a, b, A_log, dt_bias, pool, lens, src, dst, parents=None, out=None):
+def run(q, k, v, a, b, A_log, dt_bias, pool, lens, src, dst, parents=None, out=None, **cfg):
     dev = q.device
     meta = VarlenMeta.build(lens, dev)
     par = None if parents is None else idx(parents, dev)
-    with override(fused_main=True):
+    with override(fused_main=True, **cfg):
         return chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, pool, meta, idx(src, dev), idx(dst, dev), par,
                                       out=out, backend="triton")
 
@@ -50,6 +50,21 @@ def test_fused_against_reference(dtype, device):
     assert rel_rms(pool, ref_pool) < TOL[dtype]
     untouched = [0, 1, 3, 4, 5, n + 2, n + 3, 2 * n, 2 * n + 1]
     assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_fused_renormalising_main_kernel(device):
+    """main_qk_store off: the main kernel l2-normalises q and k itself (per V tile), the same bits as the prep's
+    stored copies: equal to the default, and within tolerance of float64."""
+    H, HV, K, V = SHAPE[torch.bfloat16]
+    lens = [1, 65, 130]
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(sum(lens), H, HV, K, V, torch.bfloat16, device)
+    pool = random_pool(6, HV, V, K, torch.float32, device)
+    p_store, p_renorm = pool.clone(), pool.clone()
+    o_store = run(q, k, v, a, b, A_log, dt_bias, p_store, lens, [0, 1, 2], [3, 4, 5])
+    o_renorm = run(q, k, v, a, b, A_log, dt_bias, p_renorm, lens, [0, 1, 2], [3, 4, 5], main_qk_store=False)
+    assert torch.equal(o_store, o_renorm) and torch.equal(p_store, p_renorm)
+    ref_o, ref_pool = naive_prefill_pool(q, k, v, a, b, A_log, dt_bias, pool, lens, [0, 1, 2], [3, 4, 5])
+    assert rel_rms(o_renorm, ref_o) < 5e-3 and rel_rms(p_renorm, ref_pool) < 5e-3
 
 
 def test_fused_long_sequence(device):
