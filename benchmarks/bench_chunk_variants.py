@@ -1,5 +1,5 @@
 """The chunked GDN prefill side by side (issue 28): our device row ("ours"), the ``fused_main`` variant (FlashQLA's
-structure, chunk_fused_triton.py) at V tiles 32 and 64, fla 0.6.0's internal forward and FlashQLA 0.1.3 (auto
+structure, chunk_fused_triton.py) at V tiles 16, 32 and 64, fla 0.6.0's internal forward and FlashQLA 0.1.3 (auto
 context parallelism on, and off), when importable, on the SAME inputs.
 
     python -m benchmarks.bench_chunk_variants --out benchmarks/results            # H200, ~2-3 min
@@ -42,6 +42,7 @@ SHAPES = [[4096] * 8, [32768], [256] * 64, [4096], [1024] * 8, [8192] * 4, [2867
 QUICK_SHAPES = [[130], [33, 65, 1]]
 VARIANTS: dict[str, dict[str, Any]] = {       # ours: ChunkConfig fields on top of the device's row
     "ours": {},
+    "ours fused bv16": {"fused_main": True, "main_bv": 16},     # 2 programs per SM at 1x32768
     "ours fused bv32": {"fused_main": True, "main_bv": 32},
     "ours fused bv64": {"fused_main": True, "main_bv": 64},
 }
