@@ -7,6 +7,8 @@ dim 64 for the gate regimes: each compiles the prep and the main kernel once on 
 kernel's two phases once more)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -150,3 +152,88 @@ def test_config_env_fields_parse_and_name_the_field():
         parse_fields("main_bw=64")
     with pytest.raises(ValueError, match="GDNSERVE_CHUNK_CONFIG"):
         parse_fields("fused_main")
+
+
+# context parallelism on the fused path: sequences of >= 3 chunks cut into 2-chunk segments (the last one shorter)
+CP = {"cp_min_chunks": 3, "cp_seg_chunks": 2}
+
+
+def _cp_gates(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two value heads each of: Qwen-like gates (a segment decays far past e^-20: warm-up from the last chunk),
+    g ≈ -0.2 per token (about -13 per chunk: the warm-up takes the whole previous segment), mild and slow gates
+    (a segment decays less than e^-20: the sequence runs sequentially in one program)."""
+    A_log, dt_bias = mixed_gate_params(2, device)           # strong, mild, slow, extreme on 2 heads each
+    # softplus(a) ≈ 0.8 for a ~ N(0, 1): A = 0.25 gives g ≈ -0.2
+    return (torch.cat([A_log[:2], torch.full((2,), math.log(0.25), device=device), A_log[2:6]]),
+            torch.cat([dt_bias[:2], torch.zeros(2, device=device), dt_bias[2:6]]))
+
+
+def test_fused_cp_against_reference(device):
+    """Segments in parallel where the decay allows, sequential where it does not, every regime within tolerance
+    of float64; in-place, fork and padded slots; the 700-token sequence has 6 segments. Head dim 64: the slow
+    regime sits at §6.4's bf16 bar already at K = 32, with or without CP."""
+    H, HV, K, V = 2, 8, 64, 16
+    lens = [1, 65, 130, 300, 700]
+    q, k, v, a, b, _, _ = gdn_inputs(sum(lens), H, HV, K, V, torch.bfloat16, device)
+    A_log, dt_bias = _cp_gates(device)
+    pool = random_pool(8, HV, V, K, torch.float32, device)
+    src, dst = [0, 1, 2, 3, 4], [5, 1, 6, -1, 4]
+    ref_o, ref_pool = naive_prefill_pool(q, k, v, a, b, A_log, dt_bias, pool, lens, src, dst)
+    before = pool.clone()
+    o = torch.full(v.shape, float("nan"), dtype=torch.bfloat16, device=device)
+    run(q, k, v, a, b, A_log, dt_bias, pool, lens, src, dst, out=o, **CP)
+    for hv in range(0, HV, 2):
+        heads = slice(hv, hv + 2)
+        assert rel_rms(o[:, heads], ref_o[:, heads]) < 5e-3, hv
+        assert rel_rms(pool[:, heads], ref_pool[:, heads]) < 5e-3, hv
+    assert torch.equal(pool[[0, 2, 3, 7]], before[[0, 2, 3, 7]])
+
+
+def test_fused_cp_engages(device):
+    """The segments run in parallel when their decay passes cp_decay (8: a one-chunk warm-up, its e^-13 cut
+    visible in the last bits), and one program walks them all when it does not (40): different bits, both within
+    tolerance of float64."""
+    H, HV, K, V = SHAPE[torch.bfloat16]
+    q, k, v, a, b, _, dt_bias = gdn_inputs(300, H, HV, K, V, torch.bfloat16, device)
+    A_log = torch.full((HV,), math.log(0.25), device=device)     # about -13 per chunk, -26 per 2-chunk segment
+    pool = random_pool(2, HV, V, K, torch.float32, device)
+    ref_o, ref_pool = naive_prefill_pool(q, k, v, a, b, A_log, dt_bias, pool, [300], [0], [1])
+    res = []
+    for decay in (8.0, 40.0):
+        p = pool.clone()
+        res.append((run(q, k, v, a, b, A_log, dt_bias, p, [300], [0], [1], cp_decay=decay, **CP), p))
+        assert rel_rms(res[-1][0], ref_o) < 5e-3 and rel_rms(p[1], ref_pool[1]) < 5e-3
+    assert not torch.equal(res[0][0], res[1][0])
+    assert torch.equal(res[0][0][:128], res[1][0][:128])         # segment 0 starts from the slot either way
+
+
+def test_fused_cp_fp32_against_reference(device):
+    """fp32 activations (IEEE products): the e^-20 cut of the warm-up stays below the 2e-5 bar."""
+    H, HV, K, V = SHAPE[torch.float32]
+    lens = [300, 130]
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(sum(lens), H, HV, K, V, torch.float32, device)
+    pool = random_pool(4, HV, V, K, torch.float32, device)
+    ref_o, ref_pool = naive_prefill_pool(q, k, v, a, b, A_log, dt_bias, pool, lens, [0, 1], [2, 1])
+    o = run(q, k, v, a, b, A_log, dt_bias, pool, lens, [0, 1], [2, 1], **CP)
+    assert rel_rms(o, ref_o) < 2e-5
+    assert rel_rms(pool, ref_pool) < 2e-5
+
+
+def test_fused_cp_varlen_and_parents_equal_serial(device):
+    """With CP: producer + consumer in one call == the producer's call, then the consumer's from its slot, and each
+    sequence alone == the batch, bit for bit (segments depend only on the sequence's own length)."""
+    H, HV, K, V = SHAPE[torch.bfloat16]
+    lens = [300, 130, 200]
+    parents = [-1, 0, -1]
+    src, dst = [0, -1, 3], [1, 2, 3]        # the third in place
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(sum(lens), H, HV, K, V, torch.bfloat16, device)
+    pool = random_pool(4, HV, V, K, torch.float32, device)
+    p_fused, p_serial = pool.clone(), pool.clone()
+    o_fused = run(q, k, v, a, b, A_log, dt_bias, p_fused, lens, src, dst, parents, **CP)
+    cu = [0, 300, 430, 630]
+    outs = []
+    for n, s_, d_ in ((0, 0, 1), (1, 1, 2), (2, 3, 3)):
+        sl = slice(cu[n], cu[n + 1])
+        outs.append(run(q[sl], k[sl], v[sl], a[sl], b[sl], A_log, dt_bias, p_serial, [lens[n]], [s_], [d_], **CP))
+    assert torch.equal(o_fused, torch.cat(outs))
+    assert torch.equal(p_fused, p_serial)

@@ -54,6 +54,8 @@ class ChunkConfig:
     main_bv: int = 32               # V tile of the main kernel (fixed per device: results never depend on the batch)
     main_warps: int = 4
     main_stages: int | None = None
+    cp_decay: float = 20.0          # fused_main with CP: a segment starts from its predecessor's tail run from zeros,
+                                    # the shortest tail whose log decay is below -cp_decay (e^-20 ≈ 2e-9 of the state)
     main_qk_store: bool = True      # the prep stores l2-normalised q, k (activation dtype) for the main kernel, whose
                                     # loads then feed its products directly (else it re-normalises per V tile)
     # separate output kernel (fused_out=False)

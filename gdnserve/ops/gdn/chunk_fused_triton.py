@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from gdnserve.ops.gdn.chunk_configs import ChunkConfig
-from gdnserve.ops.gdn.chunk_state_triton import _initial_state, _l2norm_rows
-from gdnserve.ops.gdn.chunk_triton import _gates, _inverse, _prec
+from gdnserve.ops.gdn.chunk_state_triton import _initial_state, _l2norm_rows, _num_segs
+from gdnserve.ops.gdn.chunk_triton import _gates, _inverse, _prec, max_segments
 from gdnserve.ops.gdn.chunk_workspace import ChunkWorkspace
 from gdnserve.ops.launch import cdiv, launch, pow2
 from gdnserve.ops.tl_compat import cast, mma
@@ -108,42 +108,23 @@ def chunk_prep_tm_kernel(q, k, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, 
 
 
 @triton.jit
-def chunk_main_kernel(q, k, v, gcum, tm_t, tm_m, qn, kn, o, pool, cu_seqlens, src_slots, dst_slots, parents,
-                      scale, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,
-                      R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
-                      HAS_PARENT: tl.constexpr, PHASE: tl.constexpr, QK_STORE: tl.constexpr):
-    # PHASE 0: every sequence (no parents in the call); 1: those without a parent; 2: those with one (launched
-    # after phase 1: the parents' final states are in their dst slots)
-    NVT: tl.constexpr = (V + BV - 1) // BV
-    i_vt, i_r = tl.program_id(0), tl.program_id(1)
-    i_n, i_hv = i_r // HV, i_r % HV
-    i_h = i_hv // R
-    # nested: the constexpr test compiles the load away in phase 0 (an `and` would evaluate both sides)
-    if PHASE == 1:  # noqa: SIM102
-        if tl.load(parents + i_n) >= 0:
-            return
-    if PHASE == 2:  # noqa: SIM102
-        if tl.load(parents + i_n) < 0:
-            return
+def _walk(b_S, q, k, v, gcum, tm_t, tm_m, qn, kn, o, scale, bos, eos, c_beg, c_end, i_h, i_hv, i_vt,
+          s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+          BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr, QK_STORE: tl.constexpr,
+          WITH_O: tl.constexpr):
+    """Chunks [c_beg, c_end) of a sequence on the [BV, BK] tile b_S of Sᵀ; WITH_O: also form and store O."""
+    DT: tl.constexpr = tm_t.dtype.element_ty
+    H: tl.constexpr = HV // R
+    L = eos - bos
     o_c = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_vt * BV + tl.arange(0, BV)
     m_v = o_v < V
-    SLOT: tl.constexpr = HV * V * K
-    bos = tl.load(cu_seqlens + i_n)
-    eos = tl.load(cu_seqlens + i_n + 1)
-    L = eos - bos
-    b_S = _initial_state(pool, src_slots, dst_slots, parents, src_slots, i_n, i_hv, i_vt,
-                         (i_hv * V + o_v[:, None]).to(tl.int64) * K + o_k[None, :], m_v[:, None] & m_k[None, :],
-                         HV, NVT, SLOT, BV, BK, HAS_PARENT, False)
-    DT: tl.constexpr = tm_t.dtype.element_ty
-    H: tl.constexpr = HV // R
     # row bases as 64-bit scalars, in-tile offsets as int32 (q/k, v/o and 𝒯'/M' share theirs)
     o_qk = o_c[:, None] * (H * K) + o_k[None, :]
     o_cc = o_c[:, None] * (HV * C) + o_c[None, :]
-    for i_c in range(tl.cdiv(L, C)):           # 0 chunks for an empty sequence: src -> dst only
+    for i_c in range(c_beg, c_end):
         t0 = bos + i_c * C
         n_valid = tl.minimum(C, L - i_c * C)
         m_rows = o_c < n_valid
@@ -151,11 +132,13 @@ def chunk_main_kernel(q, k, v, gcum, tm_t, tm_m, qn, kn, o, pool, cu_seqlens, sr
         if QK_STORE:   # the prep's normalised copies: plain loads that feed the products
             m_qk = m_rows[:, None] & m_k[None, :]
             b_k = tl.load(kn + (t64 * H + i_h) * K + o_qk, mask=m_qk, other=0.)
-            b_q = tl.load(qn + (t64 * H + i_h) * K + o_qk, mask=m_qk, other=0.)
+            if WITH_O:
+                b_q = tl.load(qn + (t64 * H + i_h) * K + o_qk, mask=m_qk, other=0.)
         else:          # normalised here, per V tile (the same bits as the prep's copies)
             o_rows = t0 + o_c
             b_k = cast(_l2norm_rows(k + i_h * s_kh, o_rows, m_rows, s_kt, o_k, m_k), DT)     # [C, BK]
-            b_q = cast(_l2norm_rows(q + i_h * s_qh, o_rows, m_rows, s_qt, o_k, m_k), DT)
+            if WITH_O:
+                b_q = cast(_l2norm_rows(q + i_h * s_qh, o_rows, m_rows, s_qt, o_k, m_k), DT)
         m_rv = m_rows[:, None] & m_v[None, :]
         b_v = tl.load(v + t64 * s_vt + i_hv * s_vh + (o_c[:, None] * s_vt + o_v[None, :]), mask=m_rv,
                       other=0.).to(tl.float32)
@@ -163,21 +146,114 @@ def chunk_main_kernel(q, k, v, gcum, tm_t, tm_m, qn, kn, o, pool, cu_seqlens, sr
         g_last = tl.load(gcum + (t0 + n_valid - 1) * HV + i_hv)
         m_cc = m_rows[:, None] & m_rows[None, :]           # a short tile's prep wrote only its own columns
         b_T = tl.load(tm_t + (t64 * HV + i_hv) * C + o_cc, mask=m_cc, other=0.)
-        b_M = tl.load(tm_m + (t64 * HV + i_hv) * C + o_cc, mask=m_cc, other=0.)
         b_Sd = cast(b_S, DT)                               # fla's choice: the state rounded for the products
         b_eg = tl.exp(b_gc)
         b_X = b_v - b_eg[:, None] * mma(b_k, tl.trans(b_Sd), DOT_PREC)                     # [C, BV]
         b_U = mma(b_T, cast(b_X, DT), DOT_PREC)
-        b_Ud = cast(b_U, DT)
-        b_o = mma(b_q, tl.trans(b_Sd), DOT_PREC) * (scale * b_eg)[:, None] + mma(b_M, b_Ud, DOT_PREC)
-        tl.store(o + (t64 * HV + i_hv) * V + (o_c[:, None] * (HV * V) + o_v[None, :]), cast(b_o, o.dtype.element_ty),
-                 mask=m_rv)
+        if WITH_O:
+            b_M = tl.load(tm_m + (t64 * HV + i_hv) * C + o_cc, mask=m_cc, other=0.)
+            b_o = mma(b_q, tl.trans(b_Sd), DOT_PREC) * (scale * b_eg)[:, None] + mma(b_M, cast(b_U, DT), DOT_PREC)
+            tl.store(o + (t64 * HV + i_hv) * V + (o_c[:, None] * (HV * V) + o_v[None, :]),
+                     cast(b_o, o.dtype.element_ty), mask=m_rv)
         b_Uw = tl.where(m_rows[:, None], b_U * tl.exp(tl.where(m_rows, g_last - b_gc, 0.))[:, None], 0.)
         b_S = b_S * tl.exp(g_last) + mma(tl.trans(cast(b_Uw, DT)), b_k, DOT_PREC)
-    s_dst = tl.load(dst_slots + i_n)
-    if s_dst >= 0:   # the slot offsets recomputed here, not held across the loop
-        tl.store(pool + s_dst.to(tl.int64) * SLOT + ((i_hv * V + o_v[:, None]) * K + o_k[None, :]),
-                 cast(b_S, pool.dtype.element_ty), mask=m_v[:, None] & m_k[None, :])
+    return b_S
+
+
+@triton.jit
+def _chunk_decay(gcum, bos, o_cs, m_cs, i_hv, HV: tl.constexpr, C: tl.constexpr):
+    """The log decay of whole chunks o_cs (sum of their g: the chunk-local cumsum at the last row)."""
+    return tl.load(gcum + (bos + (o_cs + 1) * C - 1) * HV + i_hv, mask=m_cs, other=0.)
+
+
+@triton.jit
+def chunk_main_kernel(q, k, v, gcum, tm_t, tm_m, qn, kn, o, pool, cu_seqlens, src_slots, dst_slots, parents,
+                      scale, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, MS,
+                      R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
+                      HAS_PARENT: tl.constexpr, PHASE: tl.constexpr, QK_STORE: tl.constexpr,
+                      CP: tl.constexpr, CP_MIN: tl.constexpr, SEG: tl.constexpr, CP_DECAY: tl.constexpr):
+    # PHASE 0: every sequence (no parents in the call); 1: those without a parent; 2: those with one (launched
+    # after phase 1: the parents' final states are in their dst slots).
+    # CP (some sequence of the call has >= CP_MIN chunks): programs (sequence, segment, head, V tile); see
+    # launch_main for the scheme.
+    NVT: tl.constexpr = (V + BV - 1) // BV
+    i_vt, i_r = tl.program_id(0), tl.program_id(1)
+    i_hv = i_r % HV
+    i_h = i_hv // R
+    if CP:
+        i_n, i_s = (i_r // HV) // MS, (i_r // HV) % MS
+    else:
+        i_n, i_s = i_r // HV, 0
+    # nested: the constexpr test compiles the load away in phase 0 (an `and` would evaluate both sides)
+    if PHASE == 1:  # noqa: SIM102
+        if tl.load(parents + i_n) >= 0:
+            return
+    if PHASE == 2:  # noqa: SIM102
+        if tl.load(parents + i_n) < 0:
+            return
+    bos = tl.load(cu_seqlens + i_n)
+    eos = tl.load(cu_seqlens + i_n + 1)
+    nc = tl.cdiv(eos - bos, C)                 # 0 for an empty sequence: src -> dst only
+    nseg = nc * 0 + 1
+    cp_ok = nc * 0                             # 1: this (sequence, head) runs its segments in parallel
+    if CP:
+        nseg = _num_segs(eos - bos, C, CP_MIN, SEG)
+        if i_s >= tl.maximum(nseg - 1, 1):     # the last segment runs in segment 0's program
+            return
+        # CP holds for this (sequence, head) iff every segment but the last decays by more than CP_DECAY: then a
+        # segment's start is, to e^-CP_DECAY of the state, the previous segment's tail run from zeros
+        o_sg = tl.arange(0, SEG)
+        worst = tl.full([], float("-inf"), tl.float32)
+        for i_b in range(nseg - 1):
+            worst = tl.maximum(worst, tl.sum(_chunk_decay(gcum, bos, i_b * SEG + o_sg, o_sg >= 0, i_hv, HV, C)))
+        cp_ok = ((nseg > 1) & (worst < -CP_DECAY)).to(tl.int32)
+        if i_s > 0:  # noqa: SIM102
+            if cp_ok == 0:                     # sequential: segment 0's program walks every chunk
+                return
+    o_k = tl.arange(0, BK)
+    o_v = i_vt * BV + tl.arange(0, BV)
+    SLOT: tl.constexpr = HV * V * K
+    if i_s == 0:
+        b_S = _initial_state(pool, src_slots, dst_slots, parents, src_slots, i_n, i_hv, i_vt,
+                             (i_hv * V + o_v[:, None]).to(tl.int64) * K + o_k[None, :],
+                             (o_v < V)[:, None] & (o_k < K)[None, :], HV, NVT, SLOT, BV, BK, HAS_PARENT, False)
+        c_end = tl.where(cp_ok != 0, SEG, nc)
+    else:
+        b_S = _warm_start(gcum, q, k, v, tm_t, tm_m, qn, kn, o, scale, bos, eos, i_s, i_h, i_hv, i_vt,
+                          s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, SEG,
+                          CP_DECAY)
+        c_end = (i_s + 1) * SEG
+    b_S = _walk(b_S, q, k, v, gcum, tm_t, tm_m, qn, kn, o, scale, bos, eos, i_s * SEG, c_end, i_h, i_hv, i_vt,
+                s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, True)
+    if i_s == 0:
+        if cp_ok != 0:   # the last segment, here: the one program that reads pool[src] is the one writing pool[dst]
+            b_S = _warm_start(gcum, q, k, v, tm_t, tm_m, qn, kn, o, scale, bos, eos, nseg - 1, i_h, i_hv, i_vt,
+                              s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, SEG,
+                              CP_DECAY)
+            b_S = _walk(b_S, q, k, v, gcum, tm_t, tm_m, qn, kn, o, scale, bos, eos, (nseg - 1) * SEG, nc, i_h, i_hv,
+                        i_vt, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, True)
+        s_dst = tl.load(dst_slots + i_n)
+        if s_dst >= 0:   # the slot offsets computed here, not held across the walks
+            tl.store(pool + s_dst.to(tl.int64) * SLOT + ((i_hv * V + o_v[:, None]) * K + o_k[None, :]),
+                     cast(b_S, pool.dtype.element_ty), mask=(o_v < V)[:, None] & (o_k < K)[None, :])
+
+
+@triton.jit
+def _warm_start(gcum, q, k, v, tm_t, tm_m, qn, kn, o, scale, bos, eos, i_s, i_h, i_hv, i_vt,
+                s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
+                QK_STORE: tl.constexpr, SEG: tl.constexpr, CP_DECAY: tl.constexpr):
+    """Segment i_s's start state: the shortest tail of segment i_s - 1 whose decay is below -CP_DECAY, run from
+    zeros (state only); what came before it reaches the start scaled by at most e^-CP_DECAY (each chunk's map
+    (I - β k kᵀ) Γ has norm <= its decay)."""
+    o_sg = tl.arange(0, SEG)
+    c0 = (i_s - 1) * SEG
+    tail = tl.cumsum(_chunk_decay(gcum, bos, c0 + o_sg, o_sg >= 0, i_hv, HV, C), 0, reverse=True)
+    j = tl.max(tl.where(tail < -CP_DECAY, o_sg, -1), 0)        # >= 0: the whole segment decays past it
+    b_S = tl.zeros([BV, BK], dtype=tl.float32)
+    return _walk(b_S, q, k, v, gcum, tm_t, tm_m, qn, kn, o, scale, bos, eos, c0 + j, c0 + SEG, i_h, i_hv, i_vt,
+                 s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, False)
 
 
 def launch_prep_tm(q, k, a, b, A_log, dt_bias, meta: VarlenMeta, ws: ChunkWorkspace, cfg: ChunkConfig,
@@ -205,12 +281,14 @@ def launch_main(q, k, v, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, paren
     bv = min(cfg.main_bv, pow2(V))
     tm_t, tm_m = ws.tm_buffers()
     qn, kn = ws.qk_buffers(H) if cfg.main_qk_store else (tm_t, tm_t)
+    ms = max_segments(meta, cfg)
     for phase in ((1, 2) if parents is not None else (0,)):
-        launch(chunk_main_kernel, (cdiv(V, bv), meta.num_seqs * HV), (
+        launch(chunk_main_kernel, (cdiv(V, bv), meta.num_seqs * ms * HV), (
             q, k, v, ws.gcum, tm_t, tm_m, qn, kn, out, ssm_pool, meta.cu_seqlens, src_slots, dst_slots,
             parents if parents is not None else src_slots, scale,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            HV // H, HV, K, V, pow2(K), bv, CHUNK, _prec(v), parents is not None, phase, cfg.main_qk_store),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), ms,
+            HV // H, HV, K, V, pow2(K), bv, CHUNK, _prec(v), parents is not None, phase, cfg.main_qk_store,
+            ms > 1, cfg.cp_min_chunks, cfg.cp_seg_chunks, cfg.cp_decay),
             cfg.main_warps, cfg.main_stages)
 
 
