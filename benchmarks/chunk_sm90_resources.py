@@ -58,10 +58,12 @@ def main() -> None:
     rows.append(("chunk_prep_tm_kernel", resources(fused.chunk_prep_tm_kernel, t, {
         **common, **prep, "QK_STORE": True})))
     t = dict.fromkeys(("q", "k", "v", "tm_t", "tm_m", "o", "qn", "kn"), BF)
-    t.update(gcum=F32, pool=F32, cu_seqlens=I32, src_slots=I32, dst_slots=I32, parents=I32, scale="fp32")
-    for bv in (16, 32, 64):
-        rows.append((f"chunk_main_kernel (BV {bv})", resources(fused.chunk_main_kernel, t, {
-            **common, "V": V, "BV": bv, "HAS_PARENT": False, "PHASE": 0, "QK_STORE": True})))
+    t.update(gcum=F32, pool=F32, cu_seqlens=I32, src_slots=I32, dst_slots=I32, parents=I32, scale="fp32",
+             cp_decay="fp32")
+    for bv, cp in ((16, False), (32, False), (64, False), (32, True)):
+        rows.append((f"chunk_main_kernel (BV {bv}{', CP' if cp else ''})", resources(fused.chunk_main_kernel, t, {
+            **common, "V": V, "BV": bv, "HAS_PARENT": False, "PHASE": 0, "QK_STORE": True, "CP": cp,
+            "CP_MIN": 64, "SEG": 32})))
     print(f"Triton {triton.__version__}, sm_90a, 4 warps, 3 stages")
     for name, r in rows:
         print(f"{name:32s} registers {r['regs']}, stack {r['stack']} B, shared {r['shared']} B")

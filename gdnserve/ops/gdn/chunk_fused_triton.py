@@ -146,12 +146,13 @@ def _walk(b_S, q, k, v, gcum, tm_t, tm_m, qn, kn, o, scale, bos, eos, c_beg, c_e
         g_last = tl.load(gcum + (t0 + n_valid - 1) * HV + i_hv)
         m_cc = m_rows[:, None] & m_rows[None, :]           # a short tile's prep wrote only its own columns
         b_T = tl.load(tm_t + (t64 * HV + i_hv) * C + o_cc, mask=m_cc, other=0.)
+        if WITH_O:
+            b_M = tl.load(tm_m + (t64 * HV + i_hv) * C + o_cc, mask=m_cc, other=0.)
         b_Sd = cast(b_S, DT)                               # fla's choice: the state rounded for the products
         b_eg = tl.exp(b_gc)
         b_X = b_v - b_eg[:, None] * mma(b_k, tl.trans(b_Sd), DOT_PREC)                     # [C, BV]
         b_U = mma(b_T, cast(b_X, DT), DOT_PREC)
         if WITH_O:
-            b_M = tl.load(tm_m + (t64 * HV + i_hv) * C + o_cc, mask=m_cc, other=0.)
             b_o = mma(b_q, tl.trans(b_Sd), DOT_PREC) * (scale * b_eg)[:, None] + mma(b_M, cast(b_U, DT), DOT_PREC)
             tl.store(o + (t64 * HV + i_hv) * V + (o_c[:, None] * (HV * V) + o_v[None, :]),
                      cast(b_o, o.dtype.element_ty), mask=m_rv)
@@ -168,11 +169,11 @@ def _chunk_decay(gcum, bos, o_cs, m_cs, i_hv, HV: tl.constexpr, C: tl.constexpr)
 
 @triton.jit
 def chunk_main_kernel(q, k, v, gcum, tm_t, tm_m, qn, kn, o, pool, cu_seqlens, src_slots, dst_slots, parents,
-                      scale, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, MS,
+                      scale, cp_decay, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, MS,
                       R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
                       HAS_PARENT: tl.constexpr, PHASE: tl.constexpr, QK_STORE: tl.constexpr,
-                      CP: tl.constexpr, CP_MIN: tl.constexpr, SEG: tl.constexpr, CP_DECAY: tl.constexpr):
+                      CP: tl.constexpr, CP_MIN: tl.constexpr, SEG: tl.constexpr):
     # PHASE 0: every sequence (no parents in the call); 1: those without a parent; 2: those with one (launched
     # after phase 1: the parents' final states are in their dst slots).
     # CP (some sequence of the call has >= CP_MIN chunks): programs (sequence, segment, head, V tile); see
@@ -201,13 +202,13 @@ def chunk_main_kernel(q, k, v, gcum, tm_t, tm_m, qn, kn, o, pool, cu_seqlens, sr
         nseg = _num_segs(eos - bos, C, CP_MIN, SEG)
         if i_s >= tl.maximum(nseg - 1, 1):     # the last segment runs in segment 0's program
             return
-        # CP holds for this (sequence, head) iff every segment but the last decays by more than CP_DECAY: then a
-        # segment's start is, to e^-CP_DECAY of the state, the previous segment's tail run from zeros
+        # CP holds for this (sequence, head) iff every segment but the last decays by more than cp_decay: then a
+        # segment's start is, to e^-cp_decay of the state, the previous segment's tail run from zeros
         o_sg = tl.arange(0, SEG)
         worst = tl.full([], float("-inf"), tl.float32)
         for i_b in range(nseg - 1):
             worst = tl.maximum(worst, tl.sum(_chunk_decay(gcum, bos, i_b * SEG + o_sg, o_sg >= 0, i_hv, HV, C)))
-        cp_ok = ((nseg > 1) & (worst < -CP_DECAY)).to(tl.int32)
+        cp_ok = ((nseg > 1) & (worst < -cp_decay)).to(tl.int32)
         if i_s > 0:  # noqa: SIM102
             if cp_ok == 0:                     # sequential: segment 0's program walks every chunk
                 return
@@ -222,17 +223,18 @@ def chunk_main_kernel(q, k, v, gcum, tm_t, tm_m, qn, kn, o, pool, cu_seqlens, sr
     else:
         b_S = _warm_start(gcum, q, k, v, tm_t, tm_m, qn, kn, o, scale, bos, eos, i_s, i_h, i_hv, i_vt,
                           s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, SEG,
-                          CP_DECAY)
+                          cp_decay)
         c_end = (i_s + 1) * SEG
     b_S = _walk(b_S, q, k, v, gcum, tm_t, tm_m, qn, kn, o, scale, bos, eos, i_s * SEG, c_end, i_h, i_hv, i_vt,
                 s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, True)
-    if i_s == 0:
-        if cp_ok != 0:   # the last segment, here: the one program that reads pool[src] is the one writing pool[dst]
+    if CP:  # noqa: SIM102 — nested: a constexpr test (no second walk compiled without CP), then runtime ones
+        if i_s == 0 and cp_ok != 0:   # the last segment, here: the one program reading pool[src] writes pool[dst]
             b_S = _warm_start(gcum, q, k, v, tm_t, tm_m, qn, kn, o, scale, bos, eos, nseg - 1, i_h, i_hv, i_vt,
                               s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, SEG,
-                              CP_DECAY)
+                              cp_decay)
             b_S = _walk(b_S, q, k, v, gcum, tm_t, tm_m, qn, kn, o, scale, bos, eos, (nseg - 1) * SEG, nc, i_h, i_hv,
                         i_vt, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, True)
+    if i_s == 0:
         s_dst = tl.load(dst_slots + i_n)
         if s_dst >= 0:   # the slot offsets computed here, not held across the walks
             tl.store(pool + s_dst.to(tl.int64) * SLOT + ((i_hv * V + o_v[:, None]) * K + o_k[None, :]),
@@ -243,14 +245,14 @@ def chunk_main_kernel(q, k, v, gcum, tm_t, tm_m, qn, kn, o, pool, cu_seqlens, sr
 def _warm_start(gcum, q, k, v, tm_t, tm_m, qn, kn, o, scale, bos, eos, i_s, i_h, i_hv, i_vt,
                 s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                 V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
-                QK_STORE: tl.constexpr, SEG: tl.constexpr, CP_DECAY: tl.constexpr):
-    """Segment i_s's start state: the shortest tail of segment i_s - 1 whose decay is below -CP_DECAY, run from
-    zeros (state only); what came before it reaches the start scaled by at most e^-CP_DECAY (each chunk's map
+                QK_STORE: tl.constexpr, SEG: tl.constexpr, cp_decay):
+    """Segment i_s's start state: the shortest tail of segment i_s - 1 whose decay is below -cp_decay, run from
+    zeros (state only); what came before it reaches the start scaled by at most e^-cp_decay (each chunk's map
     (I - β k kᵀ) Γ has norm <= its decay)."""
     o_sg = tl.arange(0, SEG)
     c0 = (i_s - 1) * SEG
     tail = tl.cumsum(_chunk_decay(gcum, bos, c0 + o_sg, o_sg >= 0, i_hv, HV, C), 0, reverse=True)
-    j = tl.max(tl.where(tail < -CP_DECAY, o_sg, -1), 0)        # >= 0: the whole segment decays past it
+    j = tl.max(tl.where(tail < -cp_decay, o_sg, -1), 0)        # >= 0: the whole segment decays past it
     b_S = tl.zeros([BV, BK], dtype=tl.float32)
     return _walk(b_S, q, k, v, gcum, tm_t, tm_m, qn, kn, o, scale, bos, eos, c0 + j, c0 + SEG, i_h, i_hv, i_vt,
                  s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, False)
@@ -285,10 +287,10 @@ def launch_main(q, k, v, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, paren
     for phase in ((1, 2) if parents is not None else (0,)):
         launch(chunk_main_kernel, (cdiv(V, bv), meta.num_seqs * ms * HV), (
             q, k, v, ws.gcum, tm_t, tm_m, qn, kn, out, ssm_pool, meta.cu_seqlens, src_slots, dst_slots,
-            parents if parents is not None else src_slots, scale,
+            parents if parents is not None else src_slots, scale, float(cfg.cp_decay),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), ms,
             HV // H, HV, K, V, pow2(K), bv, CHUNK, _prec(v), parents is not None, phase, cfg.main_qk_store,
-            ms > 1, cfg.cp_min_chunks, cfg.cp_seg_chunks, cfg.cp_decay),
+            ms > 1, cfg.cp_min_chunks, cfg.cp_seg_chunks),
             cfg.main_warps, cfg.main_stages)
 
 
