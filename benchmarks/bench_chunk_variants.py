@@ -1,5 +1,6 @@
 """The chunked GDN prefill side by side (issue 28): our device row ("ours"), the ``fused_main`` variant (FlashQLA's
-structure, chunk_fused_triton.py) at V tiles 16, 32 and 64, fla 0.6.0's internal forward and FlashQLA 0.1.3 (auto
+structure, chunk_fused_triton.py) at V tiles 16, 32 and 64 and with its context parallelism (segments of 32 and 16
+chunks), fla 0.6.0's internal forward and FlashQLA 0.1.3 (auto
 context parallelism on, and off), when importable, on the SAME inputs.
 
     python -m benchmarks.bench_chunk_variants --out benchmarks/results            # H200, ~2-3 min
@@ -45,6 +46,9 @@ VARIANTS: dict[str, dict[str, Any]] = {       # ours: ChunkConfig fields on top 
     "ours fused bv16": {"fused_main": True, "main_bv": 16},     # 2 programs per SM at 1x32768
     "ours fused bv32": {"fused_main": True, "main_bv": 32},
     "ours fused bv64": {"fused_main": True, "main_bv": 64},
+    # context parallelism on the fused path: sequences of >= 3 segments (a 2-segment sequence is one program anyway)
+    "ours fused bv32 cp32": {"fused_main": True, "main_bv": 32, "cp_min_chunks": 96, "cp_seg_chunks": 32},
+    "ours fused bv16 cp16": {"fused_main": True, "main_bv": 16, "cp_min_chunks": 48, "cp_seg_chunks": 16},
 }
 REF_MAX_TOKENS = 8192
 
@@ -241,6 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.shapes:
         shapes = [[int(L)] * int(n) for n, L in (s.split("x") for s in args.shapes.split(","))]
     variants = VARIANTS if not args.variants else {v: VARIANTS[v] for v in args.variants.split(",")}
+    if args.quick:   # the CP rows cut the smoke's short sequences too (2-chunk segments from 3 chunks on)
+        variants = {n: {**f, "cp_min_chunks": 3, "cp_seg_chunks": 2} if "cp_seg_chunks" in f else f
+                    for n, f in variants.items()}
     anchors = load_anchors(args.no_fla or not cuda, args.no_flashqla or not cuda)
     import triton
     dev_name = torch.cuda.get_device_name() if cuda else "cpu"

@@ -11,7 +11,7 @@
 #                is committed as benchmarks/results/gpu_tests_h200.log; a narrowed one is cited by its commit and
 #                command, not committed).
 #   chunkvar[:s] python -m benchmarks.bench_chunk_variants (the chunked prefill: our row, the fused_main variant at V
-#                tiles 16/32/64, fla, FlashQLA with and without auto-CP, at issue 28's nine shapes; CHUNKVAR_ARGS narrows
+#                tiles 16/32/64 and with CP, fla, FlashQLA with and without auto-CP, at issue 28's nine shapes; CHUNKVAR_ARGS narrows
 #                it, e.g. "--shapes 1x32768,8x4096 --no-fla"; default budget 170 s; FlashQLA needs its wheels in .whl/:
 #                flash-qla 0.1.3, tilelang 0.1.15, apache-tvm-ffi, torch-c-dlpack-ext, z3-solver, cloudpickle, ml-dtypes)
 #   ops[:s]      python -m benchmarks.bench_ops            (kernels vs fla, one run; OPS_ARGS="--quick
