@@ -238,3 +238,11 @@ def test_fused_cp_varlen_and_parents_equal_serial(device):
         outs.append(run(q[sl], k[sl], v[sl], a[sl], b[sl], A_log, dt_bias, p_serial, [lens[n]], [s_], [d_], **CP))
     assert torch.equal(o_fused, torch.cat(outs))
     assert torch.equal(p_fused, p_serial)
+
+
+def test_fused_cp_segment_length_is_checked(device):
+    H, HV, K, V = SHAPE[torch.float32]
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(200, H, HV, K, V, torch.float32, device)
+    pool = random_pool(1, HV, V, K, torch.float32, device)
+    with pytest.raises(ValueError, match="cp_seg_chunks"):
+        run(q, k, v, a, b, A_log, dt_bias, pool, [200], [0], [0], cp_min_chunks=2, cp_seg_chunks=3)

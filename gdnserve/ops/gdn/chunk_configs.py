@@ -49,7 +49,8 @@ class ChunkConfig:
     comb_block: int = 32            # the combine runs over column blocks of P of this width
     # FlashQLA's structure (chunk_fused_triton.py): the prep stores only 𝒯' = 𝒯 diag(β) and M' (2·C values per token
     # and value head), one main kernel per (sequence, value head, V tile) forms U, O and the state per chunk from
-    # q, k, v; the fields above about 𝒲/Ũ/Q', the state pass and CP do not apply (no CP on this path yet)
+    # q, k, v; the fields above about 𝒲/Ũ/Q' and the state pass do not apply; of CP, cp_min_chunks, cp_seg_chunks
+    # (a power of two <= 128 here) and cp_decay do
     fused_main: bool = False
     main_bv: int = 32               # V tile of the main kernel (fixed per device: results never depend on the batch)
     main_warps: int = 4

@@ -14,7 +14,9 @@ FlashQLA"): a small prep, then ONE main kernel that forms the per-chunk values, 
      Sᵀ ← Γ_C Sᵀ + (diag(Γ_C/Γ) U)ᵀ K
    q and k are re-read and re-normalised per V tile (the same bits as the prep's: rsqrt in fp32, then the
    activation dtype), so no normalised-key copy crosses HBM; then it stores the final tile to pool[dst].
-No context parallelism here yet (a long sequence is one program per tile); the launch ignores ``cp_*``.
+Context parallelism (``cp_min_chunks``, ``cp_seg_chunks``, ``cp_decay``; docs/kernels.md): a long sequence's
+segments run in parallel where their decay makes a segment's start its predecessor's tail run from zeros (to
+e^-cp_decay of the state), without flags or extra launches; segment 0's program also runs the last segment.
 """
 from __future__ import annotations
 
@@ -284,6 +286,9 @@ def launch_main(q, k, v, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, paren
     tm_t, tm_m = ws.tm_buffers()
     qn, kn = ws.qk_buffers(H) if cfg.main_qk_store else (tm_t, tm_t)
     ms = max_segments(meta, cfg)
+    seg = cfg.cp_seg_chunks
+    if ms > 1 and (seg < 2 or seg > 128 or seg & (seg - 1)):
+        raise ValueError(f"cp_seg_chunks: the fused main kernel needs a power of two in [2, 128], got {seg}")
     for phase in ((1, 2) if parents is not None else (0,)):
         launch(chunk_main_kernel, (cdiv(V, bv), meta.num_seqs * ms * HV), (
             q, k, v, ws.gcum, tm_t, tm_m, qn, kn, out, ssm_pool, meta.cu_seqlens, src_slots, dst_slots,
