@@ -46,6 +46,7 @@ VARIANTS: dict[str, dict[str, Any]] = {       # ours: ChunkConfig fields on top 
     "ours fused bv16": {"fused_main": True, "main_bv": 16},     # 2 programs per SM at 1x32768
     "ours fused bv32": {"fused_main": True, "main_bv": 32},
     "ours fused bv64": {"fused_main": True, "main_bv": 64},
+    "ours fused bv32 tf32": {"fused_main": True, "main_bv": 32, "main_tf32": True},   # X, U unrounded (error)
     # context parallelism on the fused path: sequences of >= 3 segments (a 2-segment sequence is one program anyway)
     "ours fused bv32 cp32": {"fused_main": True, "main_bv": 32, "cp_min_chunks": 96, "cp_seg_chunks": 32},
     "ours fused bv16 cp16": {"fused_main": True, "main_bv": 16, "cp_min_chunks": 48, "cp_seg_chunks": 16},

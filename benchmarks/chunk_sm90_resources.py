@@ -63,7 +63,7 @@ def main() -> None:
     for bv, cp in ((16, False), (32, False), (64, False), (32, True)):
         rows.append((f"chunk_main_kernel (BV {bv}{', CP' if cp else ''})", resources(fused.chunk_main_kernel, t, {
             **common, "V": V, "BV": bv, "HAS_PARENT": False, "PHASE": 0, "QK_STORE": True, "CP": cp,
-            "CP_MIN": 64, "SEG": 32})))
+            "CP_MIN": 64, "SEG": 32, "TF32": False})))
     print(f"Triton {triton.__version__}, sm_90a, 4 warps, 3 stages")
     for name, r in rows:
         print(f"{name:32s} registers {r['regs']}, stack {r['stack']} B, shared {r['shared']} B")

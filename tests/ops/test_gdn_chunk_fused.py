@@ -69,6 +69,23 @@ def test_fused_renormalising_main_kernel(device):
     assert rel_rms(o_renorm, ref_o) < 5e-3 and rel_rms(p_renorm, ref_pool) < 5e-3
 
 
+def test_fused_tf32_against_reference(device):
+    """main_tf32: 𝒯'X and M'U on unrounded X and U (IEEE under the interpreter), within tolerance of float64 and
+    no worse than the bf16-operand products."""
+    H, HV, K, V = SHAPE[torch.bfloat16]
+    lens = [1, 65, 130]
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(sum(lens), H, HV, K, V, torch.bfloat16, device)
+    pool = random_pool(6, HV, V, K, torch.float32, device)
+    ref_o, ref_pool = naive_prefill_pool(q, k, v, a, b, A_log, dt_bias, pool, lens, [0, 1, 2], [3, 4, 5])
+    errs = []
+    for tf32 in (False, True):
+        p = pool.clone()
+        o = run(q, k, v, a, b, A_log, dt_bias, p, lens, [0, 1, 2], [3, 4, 5], main_tf32=tf32)
+        errs.append((rel_rms(o, ref_o), rel_rms(p, ref_pool)))
+    assert errs[1][0] < 5e-3 and errs[1][1] < 5e-3
+    assert errs[1][0] <= errs[0][0] * 1.05 and errs[1][1] <= errs[0][1] * 1.05
+
+
 def test_fused_long_sequence(device):
     """1000 tokens (16 chunks, the last one partial) at the bf16 shape, Qwen-like gates, from a random state."""
     H, HV, K, V = SHAPE[torch.bfloat16]

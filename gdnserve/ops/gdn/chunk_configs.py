@@ -57,6 +57,8 @@ class ChunkConfig:
     main_stages: int | None = None
     cp_decay: float = 20.0          # fused_main with CP: a segment starts from its predecessor's tail run from zeros,
                                     # the shortest tail whose log decay is below -cp_decay (e^-20 ≈ 2e-9 of the state)
+    main_tf32: bool = False         # 𝒯'X and M'U on tf32 operands (X, U not rounded to bf16; the interpreter's IEEE
+                                    # bound: o rel-RMS 4.4e-3 -> 4.0e-3, state 2.85e-3 -> 2.59e-3 at K = 32)
     main_qk_store: bool = True      # the prep stores l2-normalised q, k (activation dtype) for the main kernel, whose
                                     # loads then feed its products directly (else it re-normalises per V tile)
     # separate output kernel (fused_out=False)

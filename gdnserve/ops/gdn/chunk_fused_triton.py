@@ -113,8 +113,9 @@ def chunk_prep_tm_kernel(q, k, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, 
 def _walk(b_S, q, k, v, gcum, tm_t, tm_m, qn, kn, o, scale, bos, eos, c_beg, c_end, i_h, i_hv, i_vt,
           s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
           BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr, QK_STORE: tl.constexpr,
-          WITH_O: tl.constexpr):
-    """Chunks [c_beg, c_end) of a sequence on the [BV, BK] tile b_S of Sᵀ; WITH_O: also form and store O."""
+          TF32: tl.constexpr, WITH_O: tl.constexpr):
+    """Chunks [c_beg, c_end) of a sequence on the [BV, BK] tile b_S of Sᵀ; WITH_O: also form and store O. TF32: the
+    two C-wide products (𝒯'X, M'U) take X and U unrounded (tf32 operands) instead of in the activation dtype."""
     DT: tl.constexpr = tm_t.dtype.element_ty
     H: tl.constexpr = HV // R
     L = eos - bos
@@ -153,9 +154,16 @@ def _walk(b_S, q, k, v, gcum, tm_t, tm_m, qn, kn, o, scale, bos, eos, c_beg, c_e
         b_Sd = cast(b_S, DT)                               # fla's choice: the state rounded for the products
         b_eg = tl.exp(b_gc)
         b_X = b_v - b_eg[:, None] * mma(b_k, tl.trans(b_Sd), DOT_PREC)                     # [C, BV]
-        b_U = mma(b_T, cast(b_X, DT), DOT_PREC)
+        if TF32:
+            b_U = mma(b_T.to(tl.float32), b_X, DOT_PREC)
+        else:
+            b_U = mma(b_T, cast(b_X, DT), DOT_PREC)
         if WITH_O:
-            b_o = mma(b_q, tl.trans(b_Sd), DOT_PREC) * (scale * b_eg)[:, None] + mma(b_M, cast(b_U, DT), DOT_PREC)
+            if TF32:
+                b_MU = mma(b_M.to(tl.float32), b_U, DOT_PREC)
+            else:
+                b_MU = mma(b_M, cast(b_U, DT), DOT_PREC)
+            b_o = mma(b_q, tl.trans(b_Sd), DOT_PREC) * (scale * b_eg)[:, None] + b_MU
             tl.store(o + (t64 * HV + i_hv) * V + (o_c[:, None] * (HV * V) + o_v[None, :]),
                      cast(b_o, o.dtype.element_ty), mask=m_rv)
         b_Uw = tl.where(m_rows[:, None], b_U * tl.exp(tl.where(m_rows, g_last - b_gc, 0.))[:, None], 0.)
@@ -175,7 +183,7 @@ def chunk_main_kernel(q, k, v, gcum, tm_t, tm_m, qn, kn, o, pool, cu_seqlens, sr
                       R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
                       HAS_PARENT: tl.constexpr, PHASE: tl.constexpr, QK_STORE: tl.constexpr,
-                      CP: tl.constexpr, CP_MIN: tl.constexpr, SEG: tl.constexpr):
+                      CP: tl.constexpr, CP_MIN: tl.constexpr, SEG: tl.constexpr, TF32: tl.constexpr):
     # PHASE 0: every sequence (no parents in the call); 1: those without a parent; 2: those with one (launched
     # after phase 1: the parents' final states are in their dst slots).
     # CP (some sequence of the call has >= CP_MIN chunks): programs (sequence, segment, head, V tile); see
@@ -224,18 +232,19 @@ def chunk_main_kernel(q, k, v, gcum, tm_t, tm_m, qn, kn, o, pool, cu_seqlens, sr
         c_end = tl.where(cp_ok != 0, SEG, nc)
     else:
         b_S = _warm_start(gcum, q, k, v, tm_t, tm_m, qn, kn, o, scale, bos, eos, i_s, i_h, i_hv, i_vt,
-                          s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, SEG,
-                          cp_decay)
+                          s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, TF32,
+                          SEG, cp_decay)
         c_end = (i_s + 1) * SEG
     b_S = _walk(b_S, q, k, v, gcum, tm_t, tm_m, qn, kn, o, scale, bos, eos, i_s * SEG, c_end, i_h, i_hv, i_vt,
-                s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, True)
+                s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, TF32, True)
     if CP:  # noqa: SIM102 — nested: a constexpr test (no second walk compiled without CP), then runtime ones
         if i_s == 0 and cp_ok != 0:   # the last segment, here: the one program reading pool[src] writes pool[dst]
             b_S = _warm_start(gcum, q, k, v, tm_t, tm_m, qn, kn, o, scale, bos, eos, nseg - 1, i_h, i_hv, i_vt,
-                              s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, SEG,
-                              cp_decay)
+                              s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, TF32,
+                              SEG, cp_decay)
             b_S = _walk(b_S, q, k, v, gcum, tm_t, tm_m, qn, kn, o, scale, bos, eos, (nseg - 1) * SEG, nc, i_h, i_hv,
-                        i_vt, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, True)
+                        i_vt, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, TF32,
+                        True)
     if i_s == 0:
         s_dst = tl.load(dst_slots + i_n)
         if s_dst >= 0:   # the slot offsets computed here, not held across the walks
@@ -247,7 +256,7 @@ def chunk_main_kernel(q, k, v, gcum, tm_t, tm_m, qn, kn, o, pool, cu_seqlens, sr
 def _warm_start(gcum, q, k, v, tm_t, tm_m, qn, kn, o, scale, bos, eos, i_s, i_h, i_hv, i_vt,
                 s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                 V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
-                QK_STORE: tl.constexpr, SEG: tl.constexpr, cp_decay):
+                QK_STORE: tl.constexpr, TF32: tl.constexpr, SEG: tl.constexpr, cp_decay):
     """Segment i_s's start state: the shortest tail of segment i_s - 1 whose decay is below -cp_decay, run from
     zeros (state only); what came before it reaches the start scaled by at most e^-cp_decay (each chunk's map
     (I - β k kᵀ) Γ has norm <= its decay)."""
@@ -257,7 +266,7 @@ def _warm_start(gcum, q, k, v, tm_t, tm_m, qn, kn, o, scale, bos, eos, i_s, i_h,
     j = tl.max(tl.where(tail < -cp_decay, o_sg, -1), 0)        # >= 0: the whole segment decays past it
     b_S = tl.zeros([BV, BK], dtype=tl.float32)
     return _walk(b_S, q, k, v, gcum, tm_t, tm_m, qn, kn, o, scale, bos, eos, c0 + j, c0 + SEG, i_h, i_hv, i_vt,
-                 s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, False)
+                 s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, TF32, False)
 
 
 def launch_prep_tm(q, k, a, b, A_log, dt_bias, meta: VarlenMeta, ws: ChunkWorkspace, cfg: ChunkConfig,
@@ -295,7 +304,7 @@ def launch_main(q, k, v, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, paren
             parents if parents is not None else src_slots, scale, float(cfg.cp_decay),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), ms,
             HV // H, HV, K, V, pow2(K), bv, CHUNK, _prec(v), parents is not None, phase, cfg.main_qk_store,
-            ms > 1, cfg.cp_min_chunks, cfg.cp_seg_chunks),
+            ms > 1, cfg.cp_min_chunks, cfg.cp_seg_chunks, cfg.main_tf32 and v.dtype != torch.float32),
             cfg.main_warps, cfg.main_stages)
 
 
