@@ -10,6 +10,11 @@
 #                TESTS="tests/ops tests/layers" narrows it. One summary line per file in gpu_tests.log (a full run
 #                is committed as benchmarks/results/gpu_tests_h200.log; a narrowed one is cited by its commit and
 #                command, not committed).
+#   chunkvar[:s] python -m benchmarks.bench_chunk_variants (the chunked prefill: our row, the fused_main variant at V
+#                tiles 16/32/64 and with CP, fla, FlashQLA with and without auto-CP, at issue 28's nine shapes; CHUNKVAR_ARGS narrows
+#                it, e.g. "--shapes 1x32768,8x4096 --no-fla"; default budget 170 s; FlashQLA needs its wheels in .whl/
+#                or $QLA_WHL: flash-qla 0.1.3, tilelang 0.1.15, apache-tvm-ffi, torch-c-dlpack-ext, z3-solver,
+#                cloudpickle, ml-dtypes)
 #   ops[:s]      python -m benchmarks.bench_ops            (kernels vs fla, one run; OPS_ARGS="--quick
 #                --only decode:1,256 --only verify:256" narrows it)
 #   grouped[:s]  python -m benchmarks.bench_grouped_prefill (four executors vs fla two-phase)
@@ -60,6 +65,13 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     fla-core==0.6.0 flash-linear-attention==0.6.0 pytest hypothesis fastapi uvicorn openai httpx \
     prometheus-client tqdm einops > "$OUT/pip.log" 2>&1 || { echo "wheel install failed:"; tail -5 "$OUT/pip.log"; }
 fi
+# FlashQLA (issue 28's anchor) only where its wheels are (~83 MB, over the 64 MiB a call carries: QLA_WHL names
+# another folder, e.g. under shared/); its absence only drops its rows
+QLA_WHL=${QLA_WHL:-.whl}
+if ls "$QLA_WHL"/flash_qla-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --find-links "$QLA_WHL" --no-compile --no-cache-dir flash-qla tilelang \
+    >> "$OUT/pip.log" 2>&1 || { echo "flash-qla install failed:"; tail -3 "$OUT/pip.log"; }
+fi
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
@@ -92,6 +104,7 @@ for arg in "$@"; do
   case $suite in
     tests)   run_tests "${b:-480}" ;;
     ops)     bench bench_ops "${b:-200}" ${OPS_ARGS:-} ;;
+    chunkvar) bench bench_chunk_variants "${b:-170}" --time-budget "${b:-170}" ${CHUNKVAR_ARGS:-} ;;
     grouped) bench bench_grouped_prefill "${b:-200}" ;;
     profile) timeout "${b:-60}" python3 -m benchmarks.profile_kernels ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
              grep -A5 "^##" "$OUT/profile.log" | head -60 ;;

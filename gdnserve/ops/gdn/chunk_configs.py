@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,20 @@ class ChunkConfig:
     comb_prec: str = "tf32"         # precision of the segment combine S·P + B (bf16/fp16 inputs; fp32: ieee);
                                     # finer than the bf16 state the chunk steps multiply with
     comb_block: int = 32            # the combine runs over column blocks of P of this width
+    # FlashQLA's structure (chunk_fused_triton.py): the prep stores only 𝒯' = 𝒯 diag(β) and M' (2·C values per token
+    # and value head), one main kernel per (sequence, value head, V tile) forms U, O and the state per chunk from
+    # q, k, v; the fields above about 𝒲/Ũ/Q' and the state pass do not apply; of CP, cp_min_chunks, cp_seg_chunks
+    # (a power of two <= 128 here) and cp_decay do
+    fused_main: bool = False
+    main_bv: int = 32               # V tile of the main kernel (fixed per device: results never depend on the batch)
+    main_warps: int = 4
+    main_stages: int | None = None
+    cp_decay: float = 20.0          # fused_main with CP: a segment starts from its predecessor's tail run from zeros,
+                                    # the shortest tail whose log decay is below -cp_decay (e^-20 ≈ 2e-9 of the state)
+    main_tf32: bool = False         # 𝒯'X and M'U on tf32 operands (X, U not rounded to bf16; the interpreter's IEEE
+                                    # bound: o rel-RMS 4.4e-3 -> 4.0e-3, state 2.85e-3 -> 2.59e-3 at K = 32)
+    main_qk_store: bool = True      # the prep stores l2-normalised q, k (activation dtype) for the main kernel, whose
+                                    # loads then feed its products directly (else it re-normalises per V tile)
     # separate output kernel (fused_out=False)
     out_bv: int = 128
     out_warps: int = 4
@@ -62,11 +77,34 @@ TABLE: dict[str, ChunkConfig] = {
     "NVIDIA H200": ChunkConfig(prep_split_below=1 << 30, inv_bf16=True),
 }
 _OVERRIDES: dict[str, object] = {}
+ENV = "GDNSERVE_CHUNK_CONFIG"   # "field=value,..." on top of the device's row (a variant measured end to end)
+
+
+def parse_fields(text: str) -> dict[str, object]:
+    """``"fused_main=1,main_bv=64"`` -> typed ChunkConfig fields (the type of each field's default)."""
+    types = {f.name: type(f.default) for f in dataclasses.fields(ChunkConfig)}
+    out: dict[str, object] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, val = item.partition("=")
+        name = name.strip()
+        if not sep or name not in types:
+            raise ValueError(f"{ENV}: {item!r} is not field=value with a ChunkConfig field")
+        t = types[name]
+        val = val.strip()
+        if t is bool:
+            out[name] = val.lower() in ("1", "true", "yes", "on")
+        elif t is type(None):       # optional ints (stages)
+            out[name] = None if val.lower() in ("", "none") else int(val)
+        else:
+            out[name] = t(val)
+    return out
 
 
 @functools.lru_cache(maxsize=16)
 def _device_row(dev: int) -> ChunkConfig:
-    return TABLE.get(torch.cuda.get_device_name(dev), DEFAULT)
+    row = TABLE.get(torch.cuda.get_device_name(dev), DEFAULT)
+    env = os.environ.get(ENV)
+    return dataclasses.replace(row, **parse_fields(env)) if env else row
 
 
 def chunk_config(device: torch.device) -> ChunkConfig:

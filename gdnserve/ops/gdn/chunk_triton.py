@@ -349,9 +349,13 @@ def chunk_gdn_triton(q, k, v, a, b, A_log, dt_bias, ssm_pool, meta: VarlenMeta, 
     ws = workspace
     if ws is None or not ws.fits(T, meta.num_chunk_rows, HV, K, V, v.dtype):
         ws = ChunkWorkspace.empty(T, meta.num_chunk_rows, HV, K, V, v.dtype, q.device)
+    cfg = chunk_config(q.device)
+    if cfg.fused_main:
+        from gdnserve.ops.gdn.chunk_fused_triton import chunk_gdn_fused
+        return chunk_gdn_fused(q, k, v, a, b, A_log, dt_bias, ssm_pool, meta, src_slots, dst_slots, parents, scale,
+                               out, ws, cfg)
     launch_prep(q, k, v, a, b, A_log, dt_bias, meta, ws, out, scale)
     launch_state(q, k, v, ssm_pool, meta, src_slots, dst_slots, parents, ws, scale, out)
-    cfg = chunk_config(q.device)
     if not cfg.fused_out and not prep_out(v, cfg):
         launch_output(q, k, v, meta, scale, out, ws)
     return out

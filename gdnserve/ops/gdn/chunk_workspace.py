@@ -3,13 +3,16 @@ steps reuse them (and CUDA graphs capture fixed addresses). Sizes: gdn_kernels.m
 
 The normalised keys and Q' exist with ``ChunkConfig.store_kn`` / ``prep_out``; the snapshots h and U (``vnew``)
 only for the unfused output kernel (``prep_out`` and ``fused_out`` off);
-the segment buffers only for context-parallel sequences. Both, like the state pass's sync buffer, are
+the segment buffers only for context-parallel sequences; 𝒯'/M' only with ``fused_main`` (which reads none of
+𝒲, Ũ, kn, Q'). Both, like the state pass's sync buffer, are
 allocated on first use (warm a bucket before capturing it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from gdnserve.ops.varlen import CHUNK
 
 
 @dataclass(slots=True)
@@ -25,6 +28,8 @@ class ChunkWorkspace:
     sync: torch.Tensor | None = None   # int32 ticket counter + ready flags of the state pass
     seg_b: torch.Tensor | None = None  # [rows, HV, V, K] fp32  context-parallel segments: B, then the start state
     seg_p: torch.Tensor | None = None  # [rows, HV, K, K] fp32  a segment's state transition P
+    tm: torch.Tensor | None = None     # [2, T, HV, C]   𝒯' = 𝒯 diag(β) and M' (``fused_main``)
+    qkn: torch.Tensor | None = None    # [2, T, H, K]    l2-normalised q and k (``fused_main`` + ``main_qk_store``)
 
     @staticmethod
     def empty(max_tokens: int, max_chunk_rows: int, HV: int, K: int, V: int, dtype: torch.dtype,
@@ -52,6 +57,20 @@ class ChunkWorkspace:
             self.vnew = torch.empty_like(self.u)
             self.h = torch.empty(self.max_chunk_rows, HV, V, K, dtype=self.w.dtype, device=self.w.device)
         return self.vnew, self.h
+
+    def tm_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(𝒯', M') of the fused main kernel (``fused_main``): C = 64 values per token and value head each."""
+        if self.tm is None:
+            T, HV, _ = self.w.shape
+            self.tm = torch.empty(2, T, HV, CHUNK, dtype=self.w.dtype, device=self.w.device)
+        return self.tm[0], self.tm[1]
+
+    def qk_buffers(self, H: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(qn, kn): the fused prep's l2-normalised q and k in the activation dtype, one copy per key head."""
+        if self.qkn is None or self.qkn.shape[2] != H:
+            T, _, K = self.w.shape
+            self.qkn = torch.empty(2, T, H, K, dtype=self.w.dtype, device=self.w.device)
+        return self.qkn[0], self.qkn[1]
 
     def sync_buffer(self, n: int) -> torch.Tensor:
         """The first n ints of the state pass's sync buffer (grown on demand; fixed address afterwards)."""
