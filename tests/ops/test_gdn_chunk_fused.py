@@ -17,7 +17,7 @@ from gdnserve.ops.gdn.chunk_configs import ChunkConfig, override, parse_fields
 from gdnserve.ops.gdn.naive import naive_prefill_pool
 from gdnserve.ops.numerics import rel_rms
 from gdnserve.ops.varlen import VarlenMeta
-from tests.ops.gdn_inputs import GATE_REGIMES, gdn_inputs, idx, mixed_gate_params, random_pool
+from tests.ops.gdn_inputs import GATE_REGIMES, gate_params, gdn_inputs, idx, random_pool
 
 TOL = {torch.float32: 2e-5, torch.bfloat16: 5e-3}   # rel-RMS, output and final state
 SHAPE = {torch.float32: (2, 4, 16, 32), torch.bfloat16: (1, 3, 32, 16)}
@@ -97,12 +97,18 @@ def test_fused_long_sequence(device):
     assert rel_rms(pool[1], ref_pool[1]) < 5e-3
 
 
+
+def gates_by_regime(n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_log, dt_bias of 4 * n value heads, regime i (GATE_REGIMES) on heads i * n .. (i + 1) * n - 1."""
+    parts = [gate_params(n, r, device) for r in GATE_REGIMES]
+    return torch.cat([a for a, _ in parts]), torch.cat([d for _, d in parts])
+
 def test_fused_gate_regimes(device):
     """Every gate regime (strong, mild, slow, extreme g ≈ -300) on two value heads each, head dim 64."""
     H, HV, K, V = 2, 2 * len(GATE_REGIMES), 64, 64
     lens = [130, 33]
     q, k, v, a, b, _, _ = gdn_inputs(sum(lens), H, HV, K, V, torch.bfloat16, device)
-    inputs = (q, k, v, a, b, *mixed_gate_params(2, device))
+    inputs = (q, k, v, a, b, *gates_by_regime(2, device))
     pool = random_pool(4, HV, V, K, torch.float32, device)
     ref_o, ref_pool = naive_prefill_pool(*inputs, pool, lens, [0, 1], [2, 3])
     o = run(*inputs, pool, lens, [0, 1], [2, 3])
@@ -179,7 +185,7 @@ def _cp_gates(device) -> tuple[torch.Tensor, torch.Tensor]:
     """Two value heads each of: Qwen-like gates (a segment decays far past e^-20: warm-up from the last chunk),
     g ≈ -0.2 per token (about -13 per chunk: the warm-up takes the whole previous segment), mild and slow gates
     (a segment decays less than e^-20: the sequence runs sequentially in one program)."""
-    A_log, dt_bias = mixed_gate_params(2, device)           # strong, mild, slow, extreme on 2 heads each
+    A_log, dt_bias = gates_by_regime(2, device)             # strong, mild, slow, extreme on 2 heads each
     # softplus(a) ≈ 0.8 for a ~ N(0, 1): A = 0.25 gives g ≈ -0.2
     return (torch.cat([A_log[:2], torch.full((2,), math.log(0.25), device=device), A_log[2:6]]),
             torch.cat([dt_bias[:2], torch.zeros(2, device=device), dt_bias[2:6]]))
