@@ -23,12 +23,12 @@ S, W = 6, 4
 def make(B, H, HV, K, V, slots, seed):
     g = torch.Generator().manual_seed(seed)
     D = 2 * H * K + HV * V
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g)
     proj = r(B, D + HV * V + 2 * HV + 5)[:, :D + HV * V + 2 * HV].to(BF16)   # a strided row view, as in_proj's
-    return dict(proj=proj, conv_weight=(0.5 * r(D, W)).to(BF16), conv_pool=r(S, W - 1, D).to(BF16),
-                A_log=(1 + 15 * torch.rand(HV, generator=g)).log(), dt_bias=0.5 * r(HV),
-                ssm_pool=0.3 * r(S, HV, V, K), slots=torch.tensor(slots, dtype=torch.int32),
-                norm_weight=(1 + 0.2 * r(V)).to(BF16))
+    return {"proj": proj, "conv_weight": (0.5 * r(D, W)).to(BF16), "conv_pool": r(S, W - 1, D).to(BF16),
+                "A_log": (1 + 15 * torch.rand(HV, generator=g)).log(), "dt_bias": 0.5 * r(HV),
+                "ssm_pool": 0.3 * r(S, HV, V, K), "slots": torch.tensor(slots, dtype=torch.int32),
+                "norm_weight": (1 + 0.2 * r(V)).to(BF16)}
 
 
 def rnd(x, dt):
