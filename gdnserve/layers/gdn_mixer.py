@@ -60,11 +60,16 @@ class GatedDeltaNet(nn.Module):
         # K·V <= 128², with ``fused``). Off unless GDNSERVE_FUSED_DECODE=1 until the H200 has timed it.
         self.fused_decode = fused_decode_default()
         self.decode_counters: torch.Tensor | None = None   # its per-(slot, key head) counters, with the pools
+        self._counters: dict[tuple[int, int], torch.Tensor] = {}
 
     def bind_state(self, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> None:
         self.conv_pool, self.ssm_pool = conv_pool, ssm_pool
-        # allocated here, never in a forward (a graph capture must find it): S x H int32, left at 0 by every launch
-        self.decode_counters = new_counters(ssm_pool.shape[0], self.H, ssm_pool.device)
+        # allocated here, never in a forward (a graph capture must find it): S x H int32, left at 0 by every launch.
+        # One per bound pool, kept alive with the mixer: a graph captured with an earlier binding still points at it
+        key = (ssm_pool.data_ptr(), ssm_pool.shape[0])
+        if key not in self._counters:
+            self._counters[key] = new_counters(ssm_pool.shape[0], self.H, ssm_pool.device)
+        self.decode_counters = self._counters[key]
 
     def bind_spec(self, conv_scratch: torch.Tensor, ssm_scratch: torch.Tensor | None,
                   pending: GDNPending | None) -> None:
