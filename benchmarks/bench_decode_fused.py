@@ -2,12 +2,12 @@
 
 The full-size random-weight Qwen3.5-35B-A3B (CUDA; ``--quick``: the tiny CPU model, a smoke run) is built once;
 for each format (bf16, then the same weights quantized in place to block FP8) and each impl (``off``: today's
-kernels; ``on``: every ``GatedDeltaNet.fused_decode`` set, the GDN decode chain as one launch) a ModelRunner is
-built, its decode steps at B = 1 and 16 (context 128) captured in CUDA graphs in warm-up and timed as replays
+kernels; ``on``: every ``GatedDeltaNet.fused_decode`` set, the GDN decode chain as one launch, one program per
+value head; ``on-nt8``: the same with eight V tiles per head, ``IMPLS``) a ModelRunner is built, its decode steps at B = 1 and 16 (context 128) captured in CUDA graphs in warm-up and timed as replays
 (perf_counter around ``runner.step`` with the device synchronised: the wall of a step, host work included);
 then a short torch.profiler pass counts kernels per step (per layer = / num layers) and their GPU time.
 
-Rows: ``kind`` (decode), ``shape`` (B=n), ``impl`` (off / on), ``format``, ``ms`` (median), ``p10``/``p90``,
+Rows: ``kind`` (decode), ``shape`` (B=n), ``impl`` (off / on / on-nt8), ``format``, ``ms`` (median), ``p10``/``p90``,
 ``pct_of_floor`` (floor as bench_model's: essential bytes / measured copy rate), ``kernels_per_step``,
 ``kernels_per_layer``, ``gpu_ms`` (kernel sum). Written to ``decode_fused_<device>.json`` and ``.md``.
 
@@ -24,11 +24,18 @@ from typing import Any
 
 import torch
 
-IMPLS = ("off", "on")
+# impl -> (fused_decode, V tiles per head of the fused GDN kernel): "on" one program per value head (32 at B = 1),
+# "on-nt8" eight per head (16-row tiles as today's recurrent kernel; the gated norm by the key head's last arrival)
+IMPLS = {"off": (False, 1), "on": (True, 1), "on-nt8": (True, 8)}
 
 
-def set_fused_decode(model, on: bool) -> int:
+def set_fused_decode(model, impl: str) -> int:
+    """Set every GDN mixer's switch and the fused kernel's V split (read at launch, i.e. fixed in a capture)."""
+    import os
+
     from gdnserve.layers.gdn_mixer import GatedDeltaNet
+    on, nt = IMPLS[impl]
+    os.environ["GDNSERVE_FUSED_DECODE_NT"] = str(nt)
     mixers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
     for m in mixers:
         m.fused_decode = on
@@ -77,7 +84,7 @@ def decode_case(runner, B: int, ctx: int, steps: int, warmup: int, dev: torch.de
 
 
 def run(dev: torch.device, quick: bool, batches: tuple[int, ...], formats: tuple[str, ...], steps: int,
-        log=print) -> dict[str, Any]:
+        impls: tuple[str, ...] = tuple(IMPLS), log=print) -> dict[str, Any]:
     from benchmarks.bench_model import decode_bytes
     from benchmarks.random_model import build_random_model, config_for
     from benchmarks.timing import measure_ceilings
@@ -101,8 +108,8 @@ def run(dev: torch.device, quick: bool, batches: tuple[int, ...], formats: tuple
             log(f"fp8 conversion {time.perf_counter() - t:.1f} s")
         elif fmt != "bf16":
             raise ValueError(f"--formats: unknown format {fmt!r} (bf16, fp8)")
-        for impl in IMPLS:
-            n_gdn = set_fused_decode(model, impl == "on")
+        for impl in impls:
+            n_gdn = set_fused_decode(model, impl)
             runner = ModelRunner(model, RunnerConfig(num_slots=max(batches) + 1, num_pages=16 * max(batches) + 32,
                                                      page_size=16, graph_max_batch=max(batches), mixed_graphs=False,
                                                      max_model_len=2 * ctx + 64))
@@ -149,11 +156,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default=None, help="comma-separated (default 1,16; --quick 1,3)")
     ap.add_argument("--formats", default=None, help="bf16,fp8 (default both on CUDA, bf16 with --quick)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per case (default 30; --quick 2)")
+    ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated of {list(IMPLS)}")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     batches = tuple(int(b) for b in (a.batches or ("1,3" if a.quick else "1,16")).split(","))
     formats = tuple((a.formats or ("bf16" if a.quick else "bf16,fp8")).split(","))
-    res = run(dev, a.quick, batches, formats, a.steps or (2 if a.quick else 30))
+    impls = tuple(a.impls.split(","))
+    if any(i not in IMPLS for i in impls):
+        raise SystemExit(f"--impls: each of {list(IMPLS)}, got {a.impls!r}")
+    res = run(dev, a.quick, batches, formats, a.steps or (2 if a.quick else 30), impls)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = "h200" if "H200" in res["device"] else dev.type

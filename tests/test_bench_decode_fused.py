@@ -5,7 +5,8 @@ from benchmarks.bench_decode_fused import main
 
 
 def test_quick_run_writes_off_and_on_rows(tmp_path):
-    assert main(["--out", str(tmp_path), "--quick", "--device", "cpu", "--steps", "1", "--batches", "1,2"]) == 0
+    assert main(["--out", str(tmp_path), "--quick", "--device", "cpu", "--steps", "1", "--batches", "1,2",
+                 "--impls", "off,on"]) == 0
     res = json.loads((tmp_path / "decode_fused_cpu.json").read_text())
     rows = res["rows"]
     assert [(r["shape"], r["impl"]) for r in rows] == [("B=1", "off"), ("B=2", "off"), ("B=1", "on"), ("B=2", "on")]

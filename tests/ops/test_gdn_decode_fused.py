@@ -66,11 +66,12 @@ def reference(x, H, scale=None):
     return y, cp, sp
 
 
-def run_fused(x, H, quant=False):
+def run_fused(x, H, quant=False, nt=1):
+    """nt: V tiles per head (> 1: the gated norm by the key head's last arrival)."""
     cp, sp = x["conv_pool"].clone(), x["ssm_pool"].clone()
     cnt = new_counters(S, H, "cpu")
     out = gdn_decode_fused(x["proj"], x["conv_weight"], cp, x["A_log"], x["dt_bias"], sp, x["slots"],
-                           x["norm_weight"], EPS, cnt, H, quant=quant)
+                           x["norm_weight"], EPS, cnt, H, quant=quant, tile=(nt, 2))
     assert (cnt == 0).all(), "counters must be left at 0"
     return out, cp, sp
 
@@ -102,33 +103,36 @@ def check(x, H, y, cp, sp):
     assert torch.equal(sp[dead], x["ssm_pool"][dead]) and torch.equal(cp[dead], x["conv_pool"][dead])
 
 
-@pytest.mark.parametrize("B,slots", [(1, [4]), (3, [2, -1, 5])])
-def test_grouped_heads_vs_float64(B, slots):
+@pytest.mark.parametrize("B,slots,nt", [(1, [4], 1), (3, [2, -1, 5], 1), (3, [-1, 0, 5], 2)])
+def test_grouped_heads_vs_float64(B, slots, nt):
     H, HV, K, V = 2, 4, 16, 16
-    x = make(B, H, HV, K, V, slots, seed=B)
-    y, cp, sp = run_fused(x, H)
+    x = make(B, H, HV, K, V, slots, seed=B + nt)
+    y, cp, sp = run_fused(x, H, nt=nt)
     check(x, H, y, cp, sp)
     yu, cpu_, spu = run_unfused(x, H)          # today's chain: same roundings, other sum orders
     assert torch.equal(cp, cpu_)
     assert rel_rms(sp, spu) < 1e-6 and rel_rms(y.float(), yu.float()) < 8e-3
 
 
-def test_one_value_head_per_key_head_twice_in_a_row():
-    """r = 1 (no counters) and a second step on the state the first left: the history shift and state chain."""
+@pytest.mark.parametrize("nt", [1, 4])
+def test_one_value_head_per_key_head_twice_in_a_row(nt):
+    """r = 1 (no counter with one V tile; the V-split's last arrival with 4) and a second step on the state the
+    first left: the history shift and state chain."""
     H, HV, K, V = 2, 2, 16, 32
     x = make(3, H, HV, K, V, [1, 3, -1], seed=7)
-    y, cp, sp = run_fused(x, H)
+    y, cp, sp = run_fused(x, H, nt=nt)
     check(x, H, y, cp, sp)
     x2 = dict(x, conv_pool=cp, ssm_pool=sp, proj=make(3, H, HV, K, V, [1, 3, -1], seed=8)["proj"])
-    y2, cp2, sp2 = run_fused(x2, H)
+    y2, cp2, sp2 = run_fused(x2, H, nt=nt)
     check(x2, H, y2, cp2, sp2)
 
 
-def test_quantized_output_for_fp8_out_proj():
+@pytest.mark.parametrize("nt", [1, 8])
+def test_quantized_output_for_fp8_out_proj(nt):
     from gdnserve.ops.quant.quant_out import quantize_out_torch
     H, HV, K, V = 1, 2, 16, 128
     x = make(3, H, HV, K, V, [0, -1, 3], seed=11)
-    (y, (q, s)), cp, sp = run_fused(x, H, quant=True)
+    (y, (q, s)), cp, sp = run_fused(x, H, quant=True, nt=nt)
     check(x, H, y, cp, sp)
     qr, sr = quantize_out_torch(y)
     assert torch.equal(q.float(), qr.float()) and torch.equal(s, sr)

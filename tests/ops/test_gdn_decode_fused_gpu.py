@@ -25,15 +25,16 @@ def inputs(B, slots):
                 "norm_weight": (1 + 0.1 * torch.randn(V, device=dev)).to(bf)}
 
 
-@pytest.mark.parametrize("quant", [False, True])
-def test_eager_equals_graph_replay_and_padding_untouched(quant):
+@pytest.mark.parametrize("quant,nt", [(False, 1), (True, 1), (True, 8)])
+def test_eager_equals_graph_replay_and_padding_untouched(quant, nt):
     x = inputs(3, [5, -1, 2])
     cnt = new_counters(S, H, "cuda")
     c0, s0 = x["conv_pool"].clone(), x["ssm_pool"].clone()
 
     def call():
         return gdn_decode_fused(x["proj"], x["conv_weight"], x["conv_pool"], x["A_log"], x["dt_bias"],
-                                x["ssm_pool"], x["slots"], x["norm_weight"], 1e-6, cnt, H, quant=quant)
+                                x["ssm_pool"], x["slots"], x["norm_weight"], 1e-6, cnt, H, quant=quant,
+                                tile=(nt, 8 if nt == 1 else 2))
     out = call()                                   # eager (also the compile)
     eager = [t.clone() for t in (out[0] if quant else out, x["conv_pool"], x["ssm_pool"])]
     assert (cnt == 0).all()
@@ -56,14 +57,16 @@ def test_eager_equals_graph_replay_and_padding_untouched(quant):
     assert (got[0][1] == 0).all()
 
 
-def test_matches_three_launches():
+@pytest.mark.parametrize("nt", [1, 4])
+def test_matches_three_launches(nt):
     from gdnserve.ops.conv import causal_conv1d_update
     from gdnserve.ops.gdn.recurrent import gdn_decode
     from gdnserve.ops.norm import gated_rms_norm
     x = inputs(4, [1, 3, 0, 6])
     c0, s0 = x["conv_pool"].clone(), x["ssm_pool"].clone()
     y = gdn_decode_fused(x["proj"], x["conv_weight"], x["conv_pool"], x["A_log"], x["dt_bias"], x["ssm_pool"],
-                         x["slots"], x["norm_weight"], 1e-6, new_counters(S, H, "cuda"), H)
+                         x["slots"], x["norm_weight"], 1e-6, new_counters(S, H, "cuda"), H,
+                         tile=(nt, 8 if nt == 1 else 4))
     D, B = 2 * H * K + HV * V, 4
     p = x["proj"]
     c = causal_conv1d_update(p[:, :D], x["conv_weight"], c0, x["slots"], tokens_per_req=1)

@@ -11,7 +11,13 @@ import os
 
 import torch
 
-from gdnserve.ops.checks import ACT_DTYPES, STATE_DTYPES, check_contiguous, check_index, check_tensor
+from gdnserve.ops.checks import (
+    ACT_DTYPES,
+    STATE_DTYPES,
+    check_contiguous,
+    check_index,
+    check_tensor,
+)
 from gdnserve.ops.gdn.decode_fused_triton import gdn_decode_fused_triton, quant_fusable
 
 MAX_TILE = 128 * 128   # the [V, K] fp32 state tile of one program, in registers
@@ -33,11 +39,13 @@ def new_counters(num_slots: int, H: int, device) -> torch.Tensor:
 
 def gdn_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor, A_log: torch.Tensor,
                      dt_bias: torch.Tensor, ssm_pool: torch.Tensor, slots: torch.Tensor, norm_weight: torch.Tensor,
-                     eps: float, counters: torch.Tensor, H: int, scale: float | None = None, quant: bool = False):
+                     eps: float, counters: torch.Tensor, H: int, scale: float | None = None, quant: bool = False,
+                     tile: tuple[int, int] | None = None):
     """proj [B, D + 2·HV·V... ] the in_proj output rows ``[q | k | v | z | b | a]`` (unit column stride, any row
     stride); conv_weight [D, W] contiguous; conv_pool [S, W-1, D]; ssm_pool [S, HV, V, K]; slots [B] int32 (-1 =
     padding: zero output, no state touched); counters ``new_counters(S, H)``. Returns y [B, HV·V] in proj's dtype,
-    with ``quant`` also its FP8 quantization (q [B, HV·V] e4m3, s [B, HV·V/128]) for out_proj's ``xq``."""
+    with ``quant`` also its FP8 quantization (q [B, HV·V] e4m3, s [B, HV·V/128]) for out_proj's ``xq``. ``tile``:
+    (V tiles per head, num_warps), default ``decode_fused_triton.fused_tile`` (environment overrides)."""
     check_tensor("ssm_pool", ssm_pool, [None] * 4, STATE_DTYPES)
     check_contiguous("ssm_pool", ssm_pool)
     S, HV, V, K = ssm_pool.shape
@@ -63,6 +71,8 @@ def gdn_decode_fused(proj: torch.Tensor, conv_weight: torch.Tensor, conv_pool: t
     check_tensor("counters", counters, [S, H], [torch.int32], dev)
     if quant and not quant_fusable(V):
         raise ValueError(f"quant: needs V a power-of-two multiple of 128, got V={V}")
+    if tile is not None and not (tile[0] >= 1 and tile[0] & (tile[0] - 1) == 0 and tile[0] <= V):
+        raise ValueError(f"tile: V tiles per head must be a power of two in 1..V, got {tile[0]}")
     scale = float(K ** -0.5 if scale is None else scale)
     return gdn_decode_fused_triton(proj, conv_weight, conv_pool, A_log, dt_bias, ssm_pool, slots, norm_weight, eps,
-                                   counters, H, scale, quant)
+                                   counters, H, scale, quant, tile)
