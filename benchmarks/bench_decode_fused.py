@@ -2,8 +2,9 @@
 
 The full-size random-weight Qwen3.5-35B-A3B (CUDA; ``--quick``: the tiny CPU model, a smoke run) is built once;
 for each format (bf16, then the same weights quantized in place to block FP8) and each impl (``off``: today's
-kernels; ``on``: every ``GatedDeltaNet.fused_decode`` set, the GDN decode chain as one launch, one program per
-value head; ``on-nt8``: the same with eight V tiles per head, ``IMPLS``) a ModelRunner is built, its decode steps at B = 1 and 16 (context 128) captured in CUDA graphs in warm-up and timed as replays
+kernels; ``on``: every ``GatedDeltaNet.fused_decode`` (the GDN decode chain as one launch, one program per value
+head) and ``GatedAttention.fused_qk_store`` (q/k norm + rotary + K/V store as one launch) set; ``on-nt8``: the same
+with eight V tiles per head, ``IMPLS``) a ModelRunner is built, its decode steps at B = 1 and 16 (context 128) captured in CUDA graphs in warm-up and timed as replays
 (perf_counter around ``runner.step`` with the device synchronised: the wall of a step, host work included);
 then a short torch.profiler pass counts kernels per step (per layer = / num layers) and their GPU time.
 
@@ -24,21 +25,28 @@ from typing import Any
 
 import torch
 
-# impl -> (fused_decode, V tiles per head of the fused GDN kernel): "on" one program per value head (32 at B = 1),
-# "on-nt8" eight per head (16-row tiles as today's recurrent kernel; the gated norm by the key head's last arrival)
+# impl -> (fused paths on, V tiles per head of the fused GDN kernel). "on": GatedDeltaNet.fused_decode (the GDN
+# chain as one launch, one program per value head: 32 at B = 1) and GatedAttention.fused_qk_store (q/k norm + rotary
+# + K/V store as one launch); "on-nt8": the same with eight V tiles per head (16-row tiles as today's recurrent
+# kernel; the gated norm by the key head's last arrival)
 IMPLS = {"off": (False, 1), "on": (True, 1), "on-nt8": (True, 8)}
 
 
 def set_fused_decode(model, impl: str) -> int:
-    """Set every GDN mixer's switch and the fused kernel's V split (read at launch, i.e. fixed in a capture)."""
+    """Set the fused-path switches of every GDN mixer and attention layer and the fused GDN kernel's V split (read
+    at launch, i.e. fixed in a capture); returns the number of GDN layers."""
     import os
 
+    from gdnserve.layers.attention import GatedAttention
     from gdnserve.layers.gdn_mixer import GatedDeltaNet
     on, nt = IMPLS[impl]
     os.environ["GDNSERVE_FUSED_DECODE_NT"] = str(nt)
     mixers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
     for m in mixers:
         m.fused_decode = on
+    for m in model.modules():
+        if isinstance(m, GatedAttention):
+            m.fused_qk_store = on
     return len(mixers)
 
 
