@@ -20,7 +20,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 def make(T, slots, seed):
     g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    r = lambda *s: torch.randn(*s, generator=g)
     row = r(T, 2 * QH * Dh + 2 * KVH * Dh + 3).to(BF16)                 # one projection row per token
     qg = row[:, :2 * QH * Dh].view(T, QH, 2 * Dh)
     k = row[:, 2 * QH * Dh:2 * QH * Dh + KVH * Dh].view(T, KVH, Dh)

@@ -25,7 +25,7 @@ def qk_rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: t
     (``store_kv`` with ``token_index=None``). Triton only (CUDA, or the interpreter)."""
     from gdnserve.ops.attention.qk_rope_store_triton import qk_rope_store_triton
     check_tensor("q", q, [None, None, None], ACT_DTYPES)
-    T, QH, Dh = q.shape
+    T, _, Dh = q.shape
     dev = q.device
     check_tensor("k", k, [T, None, Dh], [q.dtype], dev)
     KVH = k.shape[1]
