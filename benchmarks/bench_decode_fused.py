@@ -92,7 +92,11 @@ def decode_case(runner, B: int, ctx: int, steps: int, warmup: int, dev: torch.de
 
 
 def run(dev: torch.device, quick: bool, batches: tuple[int, ...], formats: tuple[str, ...], steps: int,
-        impls: tuple[str, ...] = tuple(IMPLS), log=print) -> dict[str, Any]:
+        impls: tuple[str, ...] = tuple(IMPLS), log=print, budget_s: float = float("inf"),
+        save=lambda res: None) -> dict[str, Any]:
+    """The cases in order (format, impl, batch); ``save(res)`` after every row (a run cut short keeps its rows).
+    ``budget_s``: a format's impls past the first two start only while the format is within its share of what is
+    left (the FP8 rows must not be starved by the bf16 extras); past the budget nothing new starts (``skipped``)."""
     from benchmarks.bench_model import decode_bytes
     from benchmarks.random_model import build_random_model, config_for
     from benchmarks.timing import measure_ceilings
@@ -107,8 +111,10 @@ def run(dev: torch.device, quick: bool, batches: tuple[int, ...], formats: tuple
     n_layers = model.cfg.num_layers
     res: dict[str, Any] = {"device": torch.cuda.get_device_name() if cuda else "cpu", "model_config": cfg,
                            "dtype": str(next(model.parameters()).dtype),   # the CPU smoke model is fp32
-                           "copy_TBps": copy_tbps, "rows": []}
-    for fmt in formats:
+                           "copy_TBps": copy_tbps, "rows": [], "skipped": []}
+    for fi, fmt in enumerate(formats):
+        t_fmt = time.perf_counter()
+        share = (budget_s - (t_fmt - t0)) / (len(formats) - fi)
         if fmt == "fp8":
             from gdnserve.models.loader import quantize_model_fp8_
             t = time.perf_counter()
@@ -116,7 +122,12 @@ def run(dev: torch.device, quick: bool, batches: tuple[int, ...], formats: tuple
             log(f"fp8 conversion {time.perf_counter() - t:.1f} s")
         elif fmt != "bf16":
             raise ValueError(f"--formats: unknown format {fmt!r} (bf16, fp8)")
-        for impl in impls:
+        for ii, impl in enumerate(impls):
+            spent = time.perf_counter() - t0
+            if spent > budget_s or (ii >= 2 and time.perf_counter() - t_fmt > 0.6 * share):
+                res["skipped"].append(f"{fmt} {impl}: {spent:.0f} s of the {budget_s:.0f} s budget spent")
+                log(res["skipped"][-1])
+                continue
             n_gdn = set_fused_decode(model, impl)
             runner = ModelRunner(model, RunnerConfig(num_slots=max(batches) + 1, num_pages=16 * max(batches) + 32,
                                                      page_size=16, graph_max_batch=max(batches), mixed_graphs=False,
@@ -135,6 +146,8 @@ def run(dev: torch.device, quick: bool, batches: tuple[int, ...], formats: tuple
                        "gpu_ms": None if r["gpu_ms"] is None else round(r["gpu_ms"], 4),
                        "gdn_layers": n_gdn, "graph_stats": r["graph_stats"]}
                 res["rows"].append(row)
+                res["seconds"] = round(time.perf_counter() - t0, 1)
+                save(res)
                 log(json.dumps(row))
             del runner
             gc.collect()
@@ -146,13 +159,14 @@ def run(dev: torch.device, quick: bool, batches: tuple[int, ...], formats: tuple
 
 def markdown(res: dict[str, Any]) -> str:
     out = [f"# Decode, fused paths off vs on — {res['device']}", "",
-           f"copy rate {res['copy_TBps']} TB/s; {res['seconds']} s; command `python -m benchmarks.bench_decode_fused`.",
+           f"copy rate {res['copy_TBps']} TB/s; {res.get('seconds')} s; command `python -m benchmarks.bench_decode_fused`.",
            "", "| format | shape | impl | ms | p10–p90 | floor ms | % floor | kernels / step | kernels / layer | GPU ms |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["rows"]:
         out.append(f"| {r['format']} | {r['shape']} | {r['impl']} | {r['ms']:.3f} | {r['p10']:.3f}–{r['p90']:.3f} | "
                    f"{r['floor_ms']} | {r['pct_of_floor']} | {r['kernels_per_step']} | {r['kernels_per_layer']} | "
                    f"{r['gpu_ms']} |")
+    out += [f"Skipped: {x}" for x in res.get("skipped", [])]
     return "\n".join(out) + "\n"
 
 
@@ -163,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the tiny model (CPU smoke run)")
     ap.add_argument("--batches", default=None, help="comma-separated (default 1,16; --quick 1,3)")
     ap.add_argument("--formats", default=None, help="bf16,fp8 (default both on CUDA, bf16 with --quick)")
-    ap.add_argument("--steps", type=int, default=None, help="timed steps per case (default 30; --quick 2)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per case (default 20; --quick 2)")
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated of {list(IMPLS)}")
+    ap.add_argument("--time-budget", type=float, default=float("inf"), help="seconds (see run)")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     batches = tuple(int(b) for b in (a.batches or ("1,3" if a.quick else "1,16")).split(","))
@@ -172,12 +187,16 @@ def main(argv: list[str] | None = None) -> int:
     impls = tuple(a.impls.split(","))
     if any(i not in IMPLS for i in impls):
         raise SystemExit(f"--impls: each of {list(IMPLS)}, got {a.impls!r}")
-    res = run(dev, a.quick, batches, formats, a.steps or (2 if a.quick else 30), impls)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    tag = "h200" if "H200" in res["device"] else dev.type
-    (out / f"decode_fused_{tag}.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / f"decode_fused_{tag}.md").write_text(markdown(res))
+    tag = "h200" if "H200" in (torch.cuda.get_device_name() if dev.type == "cuda" else "") else dev.type
+
+    def save(res):
+        (out / f"decode_fused_{tag}.json").write_text(json.dumps(res, indent=1) + "\n")
+        (out / f"decode_fused_{tag}.md").write_text(markdown(res))
+    res = run(dev, a.quick, batches, formats, a.steps or (2 if a.quick else 20), impls, budget_s=a.time_budget,
+              save=save)
+    save(res)
     print(markdown(res))
     return 0
 

@@ -103,7 +103,8 @@ for arg in "$@"; do
     http)    http_default="--max-num-seqs 256 --model-json benchmarks/results/model_h200.json"
              bench bench_serve_http "${b:-540}" --random full --device cuda --time-budget "${b:-540}" \
                ${HTTP_ARGS:-$http_default} ;;
-    fused)   timeout $(( ${b:-180} + 30 )) python3 -m benchmarks.bench_decode_fused --out "$OUT" ${FUSED_ARGS:-} \
+    fused)   timeout $(( ${b:-180} + 30 )) python3 -m benchmarks.bench_decode_fused --out "$OUT" \
+               --time-budget $(( ${b:-180} - 20 )) ${FUSED_ARGS:-} \
                > "$OUT/bench_decode_fused.log" 2>&1; echo "bench_decode_fused rc=$?"
              tail -14 "$OUT/bench_decode_fused.log" ;;
     engine)  timeout "${b:-240}" python3 -m benchmarks.bench_engine_overhead --device cuda --out "$OUT" ${ENGINE_ARGS:-} \

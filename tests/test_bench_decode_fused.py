@@ -14,3 +14,9 @@ def test_quick_run_writes_off_and_on_rows(tmp_path):
         assert {"kind", "shape", "impl", "format", "ms", "pct_of_floor", "kernels_per_layer"} <= set(r)
         assert r["kind"] == "decode" and r["ms"] > 0 and r["gdn_layers"] > 0
     assert "| bf16 | B=2 | on |" in (tmp_path / "decode_fused_cpu.md").read_text()
+
+
+def test_spent_budget_skips_and_still_writes(tmp_path):
+    assert main(["--out", str(tmp_path), "--quick", "--device", "cpu", "--time-budget", "0"]) == 0
+    res = json.loads((tmp_path / "decode_fused_cpu.json").read_text())
+    assert res["rows"] == [] and len(res["skipped"]) == 3 and "budget" in res["skipped"][0]
