@@ -3,7 +3,8 @@
 The full-size random-weight Qwen3.5-35B-A3B (CUDA; ``--quick``: the tiny CPU model, a smoke run) is built once;
 for each format (bf16, then the same weights quantized in place to block FP8) and each impl (``off``: today's
 kernels; ``on``: every ``GatedDeltaNet.fused_decode`` (the GDN decode chain as one launch, one program per value
-head) and ``GatedAttention.fused_qk_store`` (q/k norm + rotary + K/V store as one launch) set; ``on-nt8``: the same
+head), ``GatedAttention.fused_qk_store`` (q/k norm + rotary + K/V store as one launch) and
+``SparseMoE.fused_norm_router`` (at B = 1 the post-attention norm folded into the router GEMM) set; ``on-nt8``: the same
 with eight V tiles per head, ``IMPLS``) a ModelRunner is built, its decode steps at B = 1 and 16 (context 128) captured in CUDA graphs in warm-up and timed as replays
 (perf_counter around ``runner.step`` with the device synchronised: the wall of a step, host work included);
 then a short torch.profiler pass counts kernels per step (per layer = / num layers) and their GPU time.
@@ -26,8 +27,8 @@ from typing import Any
 import torch
 
 # impl -> (fused paths on, V tiles per head of the fused GDN kernel). "on": GatedDeltaNet.fused_decode (the GDN
-# chain as one launch, one program per value head: 32 at B = 1) and GatedAttention.fused_qk_store (q/k norm + rotary
-# + K/V store as one launch); "on-nt8": the same with eight V tiles per head (16-row tiles as today's recurrent
+# chain as one launch, one program per value head: 32 at B = 1), GatedAttention.fused_qk_store (q/k norm + rotary
+# + K/V store as one launch) and SparseMoE.fused_norm_router (B = 1: the post-attention norm in the router GEMM); "on-nt8": the same with eight V tiles per head (16-row tiles as today's recurrent
 # kernel; the gated norm by the key head's last arrival)
 IMPLS = {"off": (False, 1), "on": (True, 1), "on-nt8": (True, 8)}
 
@@ -39,6 +40,7 @@ def set_fused_decode(model, impl: str) -> int:
 
     from gdnserve.layers.attention import GatedAttention
     from gdnserve.layers.gdn_mixer import GatedDeltaNet
+    from gdnserve.layers.moe import SparseMoE
     on, nt = IMPLS[impl]
     os.environ["GDNSERVE_FUSED_DECODE_NT"] = str(nt)
     mixers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
@@ -47,6 +49,8 @@ def set_fused_decode(model, impl: str) -> int:
     for m in model.modules():
         if isinstance(m, GatedAttention):
             m.fused_qk_store = on
+        elif isinstance(m, SparseMoE):
+            m.fused_norm_router = on
     return len(mixers)
 
 

@@ -54,6 +54,7 @@ from gdnserve.layers.mlp import MLP
 from gdnserve.layers.parallel import all_reduce, resolve
 from gdnserve.ops.backend import resolve as resolve_backend
 from gdnserve.ops.gating import sigmoid_mul, silu_mul
+from gdnserve.ops.gemv.norm_gemv import add_rms_norm_gemv, fused_norm_router_default
 from gdnserve.ops.moe import moe_experts
 from gdnserve.ops.moe.router import route, route_torch
 from gdnserve.ops.quant import fp8_linear
@@ -92,6 +93,9 @@ class SparseMoE(nn.Module):
         self.backend = "auto"      # the routed experts' op (ops/moe): Triton grouped GEMM on CUDA, capturable
         self.fused = True          # on the Triton backend: the fused router (ops/moe/router: one launch at decode)
         self.fold_max_tokens = FOLD_MAX_TOKENS   # ... and folded: steps up to this size run it as expert E
+        # the decoder's post-attention norm folded into the router GEMM at one token (forward_prenorm); off unless
+        # GDNSERVE_FUSED_NORM_ROUTER=1 until the H200 has timed it
+        self.fused_norm_router = fused_norm_router_default()
         self.shared_folded = False         # storage: the shared expert is expert E (fold_shared)
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * I, hidden))
@@ -211,6 +215,22 @@ class SparseMoE(nn.Module):
         if sc is None or not self.shared_folded:
             return sc
         return sc[0][:self.num_experts], sc[1][:self.num_experts]
+
+    def forward_prenorm(self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+                        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(h + residual)), h + residual): the decoder's post-attention norm and this block. With
+        ``fused_norm_router`` at one token on the Triton backend (folded shared expert, bf16/fp16 router) the norm
+        and the router GEMM are one launch (``ops.gemv.norm_gemv``: same roundings); else the norm's own launch."""
+        if (self.fused_norm_router and self.fused and h.shape[0] == 1 and self.shared_folded
+                and self.fold_max_tokens >= 1 and h.dtype in (torch.bfloat16, torch.float16)
+                and self.gate.weight.dtype == h.dtype and resolve_backend(self.backend, h) == "triton"):
+            logits, x, s = add_rms_norm_gemv(h, residual, norm.weight, norm.eps, self.gate.weight)
+            r = route(logits, self.top_k, self.norm_topk_prob, "triton", shared=True)
+            out = moe_experts(x, r.weights, r.experts, self.experts_gate_up, self.experts_down, backend="triton",
+                              scales=self.experts_scales, alignment=r.alignment)
+            return all_reduce(out, self.tp_size), s
+        x, s = norm(h, residual, backend=backend)
+        return self(x), s
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, top_k] in x.dtype, experts [T, top_k] int64): HF's PyTorch ops."""
