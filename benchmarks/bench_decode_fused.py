@@ -54,13 +54,13 @@ def set_fused_decode(model, impl: str) -> int:
     return len(mixers)
 
 
-def kernel_counts(call, reps: int) -> tuple[float | None, float | None]:
-    """(kernels per step, GPU ms per step) from torch.profiler; (None, None) without CUDA."""
+def kernel_profile(call, reps: int) -> tuple[dict[str, list[float]] | None, float | None]:
+    """(kernel name -> [launches per step, GPU µs per step], profiled wall ms) from torch.profiler; (None, None)
+    without CUDA."""
     if not torch.cuda.is_available():
         return None, None
     from benchmarks.profile_steps import profile_steps
-    agg, _ = profile_steps(call, reps)
-    return sum(c for c, _ in agg.values()), sum(t for _, t in agg.values()) / 1e3
+    return profile_steps(call, reps)
 
 
 def decode_case(runner, B: int, ctx: int, steps: int, warmup: int, dev: torch.device, prof_reps: int
@@ -87,8 +87,10 @@ def decode_case(runner, B: int, ctx: int, steps: int, warmup: int, dev: torch.de
                 torch.cuda.synchronize()
             if i >= warmup:
                 times.append(1e3 * (time.perf_counter() - t))
-        n, gpu = kernel_counts(call, prof_reps)
-        return {"ms": percentiles(times), "kernels_per_step": n, "gpu_ms": gpu,
+        agg, _ = kernel_profile(call, prof_reps)
+        n = None if agg is None else sum(c for c, _ in agg.values())
+        gpu = None if agg is None else sum(t for _, t in agg.values()) / 1e3
+        return {"ms": percentiles(times), "kernels_per_step": n, "gpu_ms": gpu, "kernels": agg,
                 "graph_stats": dict(runner.graphs.stats) if getattr(runner, "graphs", None) else None}
     finally:
         for s in seqs:
@@ -148,8 +150,13 @@ def run(dev: torch.device, quick: bool, batches: tuple[int, ...], formats: tuple
                        "kernels_per_step": None if n is None else round(n, 1),
                        "kernels_per_layer": None if n is None else round(n / n_layers, 2),
                        "gpu_ms": None if r["gpu_ms"] is None else round(r["gpu_ms"], 4),
+                       # wall minus the kernels' sum: launch gaps and host work between replays
+                       "gap_ms": None if r["gpu_ms"] is None else round(ms - r["gpu_ms"], 4),
                        "gdn_layers": n_gdn, "graph_stats": r["graph_stats"]}
                 res["rows"].append(row)
+                if r["kernels"]:
+                    res.setdefault("kernels", {})[f"{fmt} B={B} {impl}"] = {
+                        k: [round(c, 2), round(t, 2)] for k, (c, t) in r["kernels"].items()}
                 res["seconds"] = round(time.perf_counter() - t0, 1)
                 save(res)
                 log(json.dumps(row))
@@ -164,13 +171,18 @@ def run(dev: torch.device, quick: bool, batches: tuple[int, ...], formats: tuple
 def markdown(res: dict[str, Any]) -> str:
     out = [f"# Decode, fused paths off vs on — {res['device']}", "",
            f"copy rate {res['copy_TBps']} TB/s; {res.get('seconds')} s; command `python -m benchmarks.bench_decode_fused`.",
-           "", "| format | shape | impl | ms | p10–p90 | floor ms | % floor | kernels / step | kernels / layer | GPU ms |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "", "| format | shape | impl | ms | p10–p90 | floor ms | % floor | kernels / step | kernels / layer | GPU ms "
+           "| gap ms |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["rows"]:
         out.append(f"| {r['format']} | {r['shape']} | {r['impl']} | {r['ms']:.3f} | {r['p10']:.3f}–{r['p90']:.3f} | "
                    f"{r['floor_ms']} | {r['pct_of_floor']} | {r['kernels_per_step']} | {r['kernels_per_layer']} | "
-                   f"{r['gpu_ms']} |")
+                   f"{r['gpu_ms']} | {r.get('gap_ms')} |")
     out += [f"Skipped: {x}" for x in res.get("skipped", [])]
+    for case, agg in res.get("kernels", {}).items():     # per-kernel tables (profile_steps' format), top 20
+        from benchmarks.profile_steps import markdown as kernel_table
+        row = next((r for r in res["rows"] if f"{r['format']} {r['shape']} {r['impl']}" == case), None)
+        out += [""] + kernel_table(f"{case} (wall {row['ms']:.3f} ms timed)" if row else case, agg,
+                                   row["ms"] if row else 0.0, 20)
     return "\n".join(out) + "\n"
 
 
