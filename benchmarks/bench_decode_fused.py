@@ -171,8 +171,8 @@ def run(dev: torch.device, quick: bool, batches: tuple[int, ...], formats: tuple
 def markdown(res: dict[str, Any]) -> str:
     out = [f"# Decode, fused paths off vs on — {res['device']}", "",
            f"copy rate {res['copy_TBps']} TB/s; {res.get('seconds')} s; command `python -m benchmarks.bench_decode_fused`.",
-           "", "| format | shape | impl | ms | p10–p90 | floor ms | % floor | kernels / step | kernels / layer | GPU ms "
-           "| gap ms |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "", ("| format | shape | impl | ms | p10–p90 | floor ms | % floor | kernels / step | kernels / layer | GPU ms "
+                "| gap ms |"), "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["rows"]:
         out.append(f"| {r['format']} | {r['shape']} | {r['impl']} | {r['ms']:.3f} | {r['p10']:.3f}–{r['p90']:.3f} | "
                    f"{r['floor_ms']} | {r['pct_of_floor']} | {r['kernels_per_step']} | {r['kernels_per_layer']} | "
