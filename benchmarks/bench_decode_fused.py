@@ -1,19 +1,22 @@
 """Decode step with the fused decode paths off and on, side by side in one process (issue 29).
 
 The full-size random-weight Qwen3.5-35B-A3B (CUDA; ``--quick``: the tiny CPU model, a smoke run) is built once;
-for each format (bf16, then the same weights quantized in place to block FP8) and each impl (``off``: today's
-kernels; ``on``: every ``GatedDeltaNet.fused_decode`` (the GDN decode chain as one launch, one program per value
-head), ``GatedAttention.fused_qk_store`` (q/k norm + rotary + K/V store as one launch) and
-``SparseMoE.fused_norm_router`` (at B = 1 the post-attention norm folded into the router GEMM) set; ``on-nt8``: the same
-with eight V tiles per head, ``IMPLS``) a ModelRunner is built, its decode steps at B = 1 and 16 (context 128) captured in CUDA graphs in warm-up and timed as replays
+for each format (bf16, then the same weights quantized in place to block FP8) and each impl (``IMPLS``: ``off``
+today's kernels; ``on`` every ``GatedDeltaNet.fused_decode`` (the GDN decode chain as one launch, one program per
+value head), ``GatedAttention.fused_qk_store`` (q/k norm + rotary + K/V store as one launch) and
+``SparseMoE.fused_norm_router`` (at B = 1 the post-attention norm folded into the router GEMM) set; ``on-nt8`` the
+same with eight V tiles per head; ``--impls`` also takes ``gdn``, ``qk``, ``router``: one path each) a ModelRunner
+is built, its decode steps at B = 1 and 16 (context 128) captured in CUDA graphs in warm-up and timed as replays
 (perf_counter around ``runner.step`` with the device synchronised: the wall of a step, host work included);
 then a short torch.profiler pass counts kernels per step (per layer = / num layers) and their GPU time.
 
-Rows: ``kind`` (decode), ``shape`` (B=n), ``impl`` (off / on / on-nt8), ``format``, ``ms`` (median), ``p10``/``p90``,
-``pct_of_floor`` (floor as bench_model's: essential bytes / measured copy rate), ``kernels_per_step``,
-``kernels_per_layer``, ``gpu_ms`` (kernel sum). Written to ``decode_fused_<device>.json`` and ``.md``.
+Rows: ``kind`` (decode), ``shape`` (B=n), ``impl``, ``format``, ``ms`` (median), ``p10``/``p90``, ``pct_of_floor``
+(floor as bench_model's: essential bytes / measured copy rate), ``kernels_per_step``, ``kernels_per_layer``,
+``gpu_ms`` (kernel sum), ``gap_ms`` (wall - kernel sum); per-kernel tables per case. Written to
+``decode_fused_<device>.json`` and ``.md``, after every row.
 
-    python -m benchmarks.bench_decode_fused --out DIR [--batches 1,16] [--formats bf16,fp8] [--steps 30] [--quick]
+    python -m benchmarks.bench_decode_fused --out DIR [--batches 1,16] [--formats bf16,fp8] [--steps 20]
+        [--impls off,on,on-nt8] [--time-budget S] [--quick]
 """
 from __future__ import annotations
 
@@ -26,31 +29,35 @@ from typing import Any
 
 import torch
 
-# impl -> (fused paths on, V tiles per head of the fused GDN kernel). "on": GatedDeltaNet.fused_decode (the GDN
-# chain as one launch, one program per value head: 32 at B = 1), GatedAttention.fused_qk_store (q/k norm + rotary
-# + K/V store as one launch) and SparseMoE.fused_norm_router (B = 1: the post-attention norm in the router GEMM); "on-nt8": the same with eight V tiles per head (16-row tiles as today's recurrent
-# kernel; the gated norm by the key head's last arrival)
-IMPLS = {"off": (False, 1), "on": (True, 1), "on-nt8": (True, 8)}
+# impl -> (GDN chain, q/k prologue, norm in the router, V tiles per head of the fused GDN kernel). "on":
+# GatedDeltaNet.fused_decode (the GDN chain as one launch, one program per value head: 32 at B = 1),
+# GatedAttention.fused_qk_store (q/k norm + rotary + K/V store as one launch) and SparseMoE.fused_norm_router (B = 1:
+# the post-attention norm in the router GEMM); "on-nt8": the same with eight V tiles per head (16-row tiles as
+# today's recurrent kernel; the gated norm by the key head's last arrival). The one-path impls (not run by default)
+# attribute a gain.
+IMPLS = {"off": (False, False, False, 1), "on": (True, True, True, 1), "on-nt8": (True, True, True, 8),
+         "gdn": (True, False, False, 1), "qk": (False, True, False, 1), "router": (False, False, True, 1)}
+DEFAULT_IMPLS = ("off", "on", "on-nt8")
 
 
 def set_fused_decode(model, impl: str) -> int:
-    """Set the fused-path switches of every GDN mixer and attention layer and the fused GDN kernel's V split (read
-    at launch, i.e. fixed in a capture); returns the number of GDN layers."""
+    """Set the fused-path switches of every GDN mixer, attention layer and MoE block and the fused GDN kernel's V
+    split (read at launch, i.e. fixed in a capture); returns the number of GDN layers."""
     import os
 
     from gdnserve.layers.attention import GatedAttention
     from gdnserve.layers.gdn_mixer import GatedDeltaNet
     from gdnserve.layers.moe import SparseMoE
-    on, nt = IMPLS[impl]
+    gdn, qk, router, nt = IMPLS[impl]
     os.environ["GDNSERVE_FUSED_DECODE_NT"] = str(nt)
     mixers = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
     for m in mixers:
-        m.fused_decode = on
+        m.fused_decode = gdn
     for m in model.modules():
         if isinstance(m, GatedAttention):
-            m.fused_qk_store = on
+            m.fused_qk_store = qk
         elif isinstance(m, SparseMoE):
-            m.fused_norm_router = on
+            m.fused_norm_router = router
     return len(mixers)
 
 
@@ -98,7 +105,7 @@ def decode_case(runner, B: int, ctx: int, steps: int, warmup: int, dev: torch.de
 
 
 def run(dev: torch.device, quick: bool, batches: tuple[int, ...], formats: tuple[str, ...], steps: int,
-        impls: tuple[str, ...] = tuple(IMPLS), log=print, budget_s: float = float("inf"),
+        impls: tuple[str, ...] = DEFAULT_IMPLS, log=print, budget_s: float = float("inf"),
         save=lambda res: None) -> dict[str, Any]:
     """The cases in order (format, impl, batch); ``save(res)`` after every row (a run cut short keeps its rows).
     ``budget_s``: a format's impls past the first two start only while the format is within its share of what is
@@ -194,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default=None, help="comma-separated (default 1,16; --quick 1,3)")
     ap.add_argument("--formats", default=None, help="bf16,fp8 (default both on CUDA, bf16 with --quick)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per case (default 20; --quick 2)")
-    ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated of {list(IMPLS)}")
+    ap.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"comma-separated of {list(IMPLS)}")
     ap.add_argument("--time-budget", type=float, default=float("inf"), help="seconds (see run)")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
