@@ -60,7 +60,8 @@ def test_fused_decode_equals_three_launches(monkeypatch):
 
 def test_norm_folded_into_the_router_at_one_token(monkeypatch):
     """SparseMoE.forward_prenorm at one bf16 token on the Triton backend: with fused_norm_router the norm + router
-    GEMM launch, else the norm's launch and the block; the stream bit for bit, the output to bf16 rounding."""
+    GEMM + routing launch, else the norm's launch and the block; the stream bit for bit, the output to bf16
+    rounding, the counter back at 0."""
     from benchmarks.random_model import build_random_model, tiny_hf_config
     from gdnserve.models.qwen3_5 import HybridLM
     model: HybridLM = build_random_model(tiny_hf_config(num_layers=4, num_experts=8), DEVICE, torch.bfloat16, seed=5)
@@ -74,12 +75,13 @@ def test_norm_folded_into_the_router_at_one_token(monkeypatch):
     layer.post_attention_layernorm.weight.data.normal_(0, 0.2, generator=torch.Generator().manual_seed(2))
     outs = {}
     import gdnserve.layers.moe as mo
-    calls, real = [], mo.add_rms_norm_gemv
-    monkeypatch.setattr(mo, "add_rms_norm_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls, real = [], mo.add_rms_norm_gemv_route
+    monkeypatch.setattr(mo, "add_rms_norm_gemv_route", lambda *a, **k: calls.append(1) or real(*a, **k))
     for on in (False, True):
         moe.fused_norm_router = on
         outs[on] = moe.forward_prenorm(h, res, layer.post_attention_layernorm, "triton")
     assert len(calls) == 1                           # the fused launch only with the switch on
+    assert int(moe._route_counter.item()) == 0
     (o0, s0), (o1, s1) = outs[False], outs[True]
     assert torch.equal(s0, s1)
     assert rel_rms(o1.float(), o0.float()) < 1e-2

@@ -32,6 +32,30 @@ def test_equals_norm_then_gemv_and_float64(N, K):
     assert rel_rms(x.double(), xd) < 8e-3
 
 
+@pytest.mark.parametrize("E,top_k", [(16, 4), (256, 8)])
+def test_routing_in_the_same_launch_equals_route_triton(E, top_k):
+    """The last program's routing and alignment of the row = route_triton on the logits, bit for bit (the
+    logits are the same bits); the counter back at 0, twice in a row."""
+    from gdnserve.ops.gemv.norm_gemv import add_rms_norm_gemv_route, new_counter
+    from gdnserve.ops.moe.router import route
+    g = torch.Generator().manual_seed(E)
+    K = 128
+    h, res = torch.randn(1, K, generator=g).to(BF16).to(DEV), torch.randn(1, K, generator=g).to(BF16).to(DEV)
+    nw = (0.3 * torch.randn(K, generator=g)).to(BF16).to(DEV)
+    w = (0.3 * torch.randn(E + 1, K, generator=g)).to(BF16).to(DEV)      # + the shared expert's gate row
+    cnt = new_counter(DEV)
+    for _ in range(2):
+        r, x, s = add_rms_norm_gemv_route(h, res, nw, 1e-6, w, cnt, top_k, True, True)
+        assert int(cnt.item()) == 0
+    y, x2, s2 = add_rms_norm_gemv(h, res, nw, 1e-6, w)
+    assert torch.equal(x, x2) and torch.equal(s, s2)
+    r2 = route(y, top_k, True, "triton", shared=True)
+    assert torch.equal(r.experts, r2.experts) and torch.equal(r.weights, r2.weights)
+    assert r.alignment.BM == r2.alignment.BM
+    assert torch.equal(r.alignment.rows, r2.alignment.rows)
+    assert torch.equal(r.alignment.block_expert, r2.alignment.block_expert)
+
+
 def test_rejects_two_rows():
     h = torch.randn(2, 64).to(BF16)
     with pytest.raises(ValueError, match="h"):
