@@ -54,8 +54,11 @@ from gdnserve.layers.mlp import MLP
 from gdnserve.layers.parallel import all_reduce, resolve
 from gdnserve.ops.backend import resolve as resolve_backend
 from gdnserve.ops.gating import sigmoid_mul, silu_mul
-from gdnserve.ops.gemv.norm_gemv import add_rms_norm_gemv_route, fused_norm_router_default
-from gdnserve.ops.gemv.norm_gemv import new_counter
+from gdnserve.ops.gemv.norm_gemv import (
+    add_rms_norm_gemv_route,
+    fused_norm_router_default,
+    new_counter,
+)
 from gdnserve.ops.moe import moe_experts
 from gdnserve.ops.moe.router import route, route_torch
 from gdnserve.ops.quant import fp8_linear
