@@ -4,9 +4,9 @@ The full-size random-weight Qwen3.5-35B-A3B (CUDA; ``--quick``: the tiny CPU mod
 for each format (bf16, then the same weights quantized in place to block FP8) and each impl (``IMPLS``: ``off``
 today's kernels; ``on`` every ``GatedDeltaNet.fused_decode`` (the GDN decode chain as one launch, one program per
 value head), ``GatedAttention.fused_qk_store`` (q/k norm + rotary + K/V store as one launch) and
-``SparseMoE.fused_norm_router`` (at B = 1 the post-attention norm folded into the router GEMM) set; ``on-nt8`` the
-same with eight V tiles per head; ``--impls`` also takes ``gdn``, ``qk``, ``router``: one path each) a ModelRunner
-is built, its decode steps at B = 1 and 16 (context 128) captured in CUDA graphs in warm-up and timed as replays
+``SparseMoE.fused_norm_router`` (at B = 1 the post-attention norm, the router GEMM and the routing as one launch)
+set; ``on-nt8`` the same with eight V tiles per head; ``--impls`` also takes ``gdn``, ``qk``, ``router``: one path
+each) a ModelRunner is built, its decode steps at B = 1 and 16 (context 128) captured in CUDA graphs in warm-up and timed as replays
 (perf_counter around ``runner.step`` with the device synchronised: the wall of a step, host work included);
 then a short torch.profiler pass counts kernels per step (per layer = / num layers) and their GPU time.
 
@@ -32,7 +32,7 @@ import torch
 # impl -> (GDN chain, q/k prologue, norm in the router, V tiles per head of the fused GDN kernel). "on":
 # GatedDeltaNet.fused_decode (the GDN chain as one launch, one program per value head: 32 at B = 1),
 # GatedAttention.fused_qk_store (q/k norm + rotary + K/V store as one launch) and SparseMoE.fused_norm_router (B = 1:
-# the post-attention norm in the router GEMM); "on-nt8": the same with eight V tiles per head (16-row tiles as
+# the post-attention norm, the router GEMM and the routing as one launch); "on-nt8": the same with eight V tiles per head (16-row tiles as
 # today's recurrent kernel; the gated norm by the key head's last arrival). The one-path impls (not run by default)
 # attribute a gain.
 IMPLS = {"off": (False, False, False, 1), "on": (True, True, True, 1), "on-nt8": (True, True, True, 8),
