@@ -69,3 +69,26 @@ def test_norm_router_graph_and_two_launches():
     y2 = skinny_linear(x2, w, TABLE[(N, K)][0][1])
     assert torch.equal(res["s"], s2)
     assert rel_rms(res["x"].float(), x2.float()) < 4e-3 and rel_rms(res["y"].float(), y2.float()) < 4e-3
+
+
+def test_norm_router_routing_graph_and_route_triton():
+    """The routing by the last program: eager == replay (counter back at 0 after each), == route_triton on the
+    launch's own logits (experts, weights, alignment) at the real router shape (256 + shared, top-8)."""
+    from gdnserve.ops.gemv.norm_gemv import add_rms_norm_gemv_route, new_counter
+    from gdnserve.ops.moe.router import route
+    N, K = 257, 2048
+    h, r = torch.randn(1, K, device="cuda").to(BF16), torch.randn(1, K, device="cuda").to(BF16)
+    nw, w = (0.1 * torch.randn(K, device="cuda")).to(BF16), (0.05 * torch.randn(N, K, device="cuda")).to(BF16)
+    cnt, res = new_counter("cuda"), {}
+
+    def call():
+        res["r"], res["x"], res["s"] = add_rms_norm_gemv_route(h, r, nw, 1e-6, w, cnt, 8, True, True)
+    graph_equals_eager(call, lambda: (res["r"].weights, res["r"].experts, res["r"].alignment.rows,
+                                      res["r"].alignment.block_expert, res["x"], res["s"]))
+    assert int(cnt.item()) == 0
+    y, _, _ = add_rms_norm_gemv(h, r, nw, 1e-6, w)
+    r2 = route(y, 8, True, "triton", shared=True)
+    assert torch.equal(res["r"].experts, r2.experts)
+    assert rel_rms(res["r"].weights.float(), r2.weights.float()) < 1e-2
+    assert torch.equal(res["r"].alignment.rows, r2.alignment.rows)
+    assert torch.equal(res["r"].alignment.block_expert, r2.alignment.block_expert)
