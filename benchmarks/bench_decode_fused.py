@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from benchmarks import jsonfmt
+
 # impl -> (GDN chain, q/k prologue, norm in the router, V tiles per head of the fused GDN kernel). "on":
 # GatedDeltaNet.fused_decode (the GDN chain as one launch, one program per value head: 32 at B = 1),
 # GatedAttention.fused_qk_store (q/k norm + rotary + K/V store as one launch) and SparseMoE.fused_norm_router (B = 1:
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     tag = "h200" if "H200" in (torch.cuda.get_device_name() if dev.type == "cuda" else "") else dev.type
 
     def save(res):
-        (out / f"decode_fused_{tag}.json").write_text(json.dumps(res, indent=1) + "\n")
+        (out / f"decode_fused_{tag}.json").write_text(jsonfmt.dumps(res))      # the committed results' form
         (out / f"decode_fused_{tag}.md").write_text(markdown(res))
     res = run(dev, a.quick, batches, formats, a.steps or (2 if a.quick else 20), impls, budget_s=a.time_budget,
               save=save)

@@ -20,3 +20,11 @@ def test_spent_budget_skips_and_still_writes(tmp_path):
     assert main(["--out", str(tmp_path), "--quick", "--device", "cpu", "--time-budget", "0"]) == 0
     res = json.loads((tmp_path / "decode_fused_cpu.json").read_text())
     assert res["rows"] == [] and len(res["skipped"]) == 3 and "budget" in res["skipped"][0]
+
+
+def test_json_is_jsonfmt_form(tmp_path):
+    from benchmarks import jsonfmt
+    assert main(["--out", str(tmp_path), "--quick", "--device", "cpu", "--steps", "1", "--batches", "1",
+                 "--impls", "off"]) == 0
+    text = (tmp_path / "decode_fused_cpu.json").read_text()
+    assert text == jsonfmt.dumps(json.loads(text), default=None)
