@@ -22,6 +22,8 @@
 #                PROFILE_ARGS=--host adds the host-time profile of one eager call per case)
 #   tune[:s]     python -m benchmarks.tune_chunk            (per-stage launch configs; TUNE_ARGS=--accuracy: only
 #                the state error against length, fla beside)
+#   fused[:s]    python -m benchmarks.bench_decode_fused (decode B = 1, 16, bf16 and FP8, fused decode paths off vs
+#                on in one process: ms, % of floor, kernels per layer; FUSED_ARGS adds flags, e.g. --steps 20)
 #   layers[:s]   python -m benchmarks.profile_layers        (kernels per decoder layer, fused kernels off vs on)
 #   fp8[:s]      python -m benchmarks.bench_fp8             (FP8 block GEMMs/experts/model vs bf16; FP8_ARGS=--sweep)
 #   model[:s] serve[:s] spec[:s] moe[:s]   the end-to-end benchmarks (--time-budget s)
@@ -118,6 +120,10 @@ for arg in "$@"; do
     http)    http_default="--max-num-seqs 256 --model-json benchmarks/results/model_h200.json"
              bench bench_serve_http "${b:-540}" --random full --device cuda --time-budget "${b:-540}" \
                ${HTTP_ARGS:-$http_default} ;;
+    fused)   timeout $(( ${b:-180} + 30 )) python3 -m benchmarks.bench_decode_fused --out "$OUT" \
+               --time-budget $(( ${b:-180} - 20 )) ${FUSED_ARGS:-} \
+               > "$OUT/bench_decode_fused.log" 2>&1; echo "bench_decode_fused rc=$?"
+             tail -14 "$OUT/bench_decode_fused.log" ;;
     engine)  timeout "${b:-240}" python3 -m benchmarks.bench_engine_overhead --device cuda --out "$OUT" ${ENGINE_ARGS:-} \
                > "$OUT/bench_engine_overhead.log" 2>&1; echo "bench_engine_overhead rc=$?"
              tail -12 "$OUT/bench_engine_overhead.log" ;;

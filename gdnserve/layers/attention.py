@@ -20,6 +20,7 @@ from gdnserve.layers.parallel import resolve
 from gdnserve.layers.rank_shapes import attn_heads
 from gdnserve.layers.rotary import PartialRotary
 from gdnserve.ops.attention import paged_attention, store_kv
+from gdnserve.ops.attention.qk_rope_store import fused_qk_store_default, qk_rope_store
 from gdnserve.ops.attention.rope import rms_norm_rope
 from gdnserve.ops.backend import resolve as resolve_backend
 
@@ -45,6 +46,9 @@ class GatedAttention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.backend = "auto"
         self.fused = True        # the Triton backend's q/k norm + rotary prologue (models.set_fused)
+        # q and k norm + rotary and the K/V store as one launch (ops/attention/qk_rope_store; Triton backend, with
+        # ``fused``, steps whose slot mapping is one entry per token). Off unless GDNSERVE_FUSED_QK_STORE=1.
+        self.fused_qk_store = fused_qk_store_default()
 
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
@@ -63,9 +67,14 @@ class GatedAttention(nn.Module):
         q, gate = qg[..., :Dh], qg[..., Dh:]            # gate: [T, QH, Dh] view, read in place when fused
         k = qkv[:, 2 * QH * Dh:2 * QH * Dh + KVH * Dh].view(T, KVH, Dh)
         v = qkv[:, 2 * QH * Dh + KVH * Dh:].view(T, KVH, Dh)
-        q, k = self._norm_rope(q, k, ctx.positions)
         m = ctx.attn
-        store_kv(k, v, self.k_cache, self.v_cache, m.slot_mapping, m.token_index, backend=self.backend)  # v: a view
+        if (self.fused_qk_store and self.fused and m.token_index is None and m.slot_mapping.shape[0] == T
+                and self.q_norm.eps == self.k_norm.eps and resolve_backend(self.backend, q) == "triton"):
+            q = qk_rope_store(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, ctx.positions,
+                              self.rotary.inv_freq, self.k_cache, self.v_cache, m.slot_mapping)
+        else:
+            q, k = self._norm_rope(q, k, ctx.positions)
+            store_kv(k, v, self.k_cache, self.v_cache, m.slot_mapping, m.token_index, backend=self.backend)  # v: a view
         o = paged_attention(q.contiguous(), self.k_cache, self.v_cache, m.cu_seqlens_q, m.kv_lens, m.page_table,
                             scale=Dh ** -0.5, kv_start=m.kv_start, max_q_len=m.max_q_len,
                             out=torch.zeros(T, QH, Dh, dtype=q.dtype, device=q.device) if m.zero_out else None,

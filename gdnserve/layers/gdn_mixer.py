@@ -24,6 +24,9 @@ from gdnserve.layers.parallel import resolve
 from gdnserve.layers.rank_shapes import GDNShape
 from gdnserve.ops.backend import resolve as resolve_backend
 from gdnserve.ops.conv import causal_conv1d_fold, causal_conv1d_update
+from gdnserve.ops.gdn.decode_fused import (fused_decode_default, fused_decode_supported, gdn_decode_fused,
+                                           new_counters)
+from gdnserve.ops.gdn.decode_fused_triton import quant_fusable
 from gdnserve.ops.gdn.recurrent import (GDNPending, gdn_commit_intermediate, gdn_decode, gdn_flush_pending,
                                          gdn_verify)
 
@@ -55,9 +58,20 @@ class GatedDeltaNet(nn.Module):
         self.ssm_pool: torch.Tensor | None = None    # [S, HV, V, K]
         self.backend = "auto"
         self.fused = True        # the gated norm as one Triton launch on the Triton backend (models.set_fused)
+        # A pure decode step's conv + recurrent + gated norm as one launch (ops/gdn/decode_fused; Triton backend,
+        # K·V <= 128², with ``fused``). Off unless GDNSERVE_FUSED_DECODE=1 until the H200 has timed it.
+        self.fused_decode = fused_decode_default()
+        self.decode_counters: torch.Tensor | None = None   # its per-(slot, key head) counters, with the pools
+        self._counters: dict[tuple[int, int], torch.Tensor] = {}
 
     def bind_state(self, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> None:
         self.conv_pool, self.ssm_pool = conv_pool, ssm_pool
+        # allocated here, never in a forward (a graph capture must find it): S x H int32, left at 0 by every launch.
+        # One per bound pool, kept alive with the mixer: a graph captured with an earlier binding still points at it
+        key = (ssm_pool.data_ptr(), ssm_pool.shape[0])
+        if key not in self._counters:
+            self._counters[key] = new_counters(ssm_pool.shape[0], self.H, ssm_pool.device)
+        self.decode_counters = self._counters[key]
 
     def bind_spec(self, conv_scratch: torch.Tensor, ssm_scratch: torch.Tensor | None,
                   pending: GDNPending | None) -> None:
@@ -94,6 +108,11 @@ class GatedDeltaNet(nn.Module):
                               dt_bias=self.dt_bias, backend=self.backend)
         causal_conv1d_fold(self.conv_pool, slots, self.conv_scratch, rows, num_accepted, backend=self.backend)
 
+    def _fused_decode_on(self, h: torch.Tensor) -> bool:
+        return (self.fused_decode and self.fused and self.decode_counters is not None
+                and resolve_backend(self.backend, h) == "triton"
+                and fused_decode_supported(self.H, self.HV, self.K, self.V, self.W))
+
     def params(self) -> GDNCoreParams:
         return GDNCoreParams(self.conv_weight, self.A_log, self.dt_bias, self.H, self.HV, self.K, self.V)
 
@@ -107,6 +126,13 @@ class GatedDeltaNet(nn.Module):
         T = h.shape[0]
         D, HVV, HV = self.conv_dim, self.HV * self.V, self.HV
         proj = self.in_proj(h, xq=xq)
+        if T and ctx.num_prefill == 0 and ctx.verify is None and self._fused_decode_on(h):
+            quant = quant_fusable(self.V) and self.out_proj.takes_quantized_input(proj[:, D:D + HVV])
+            y = gdn_decode_fused(proj, self.conv_weight, self.conv_pool, self.A_log, self.dt_bias, self.ssm_pool,
+                                 ctx.decode_slots, self.norm.weight, self.norm.eps, self.decode_counters, self.H,
+                                 quant=quant)
+            y, yq = y if quant else (y, None)
+            return self.out_proj(y, xq=yq)
         x, z = proj[:, :D], proj[:, D:D + HVV]
         b, a = proj[:, D + HVV:D + HVV + HV], proj[:, D + HVV + HV:]
         o = torch.empty(T, HV, self.V, dtype=h.dtype, device=h.device)

@@ -54,6 +54,11 @@ from gdnserve.layers.mlp import MLP
 from gdnserve.layers.parallel import all_reduce, resolve
 from gdnserve.ops.backend import resolve as resolve_backend
 from gdnserve.ops.gating import sigmoid_mul, silu_mul
+from gdnserve.ops.gemv.norm_gemv import (
+    add_rms_norm_gemv_route,
+    fused_norm_router_default,
+    new_counter,
+)
 from gdnserve.ops.moe import moe_experts
 from gdnserve.ops.moe.router import route, route_torch
 from gdnserve.ops.quant import fp8_linear
@@ -92,6 +97,10 @@ class SparseMoE(nn.Module):
         self.backend = "auto"      # the routed experts' op (ops/moe): Triton grouped GEMM on CUDA, capturable
         self.fused = True          # on the Triton backend: the fused router (ops/moe/router: one launch at decode)
         self.fold_max_tokens = FOLD_MAX_TOKENS   # ... and folded: steps up to this size run it as expert E
+        # the decoder's post-attention norm folded into the router GEMM at one token (forward_prenorm); off unless
+        # GDNSERVE_FUSED_NORM_ROUTER=1 until the H200 has timed it
+        self.fused_norm_router = fused_norm_router_default()
+        self._route_counter: torch.Tensor | None = None     # its arrival counter (forward_prenorm)
         self.shared_folded = False         # storage: the shared expert is expert E (fold_shared)
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(num_experts, 2 * I, hidden))
@@ -211,6 +220,26 @@ class SparseMoE(nn.Module):
         if sc is None or not self.shared_folded:
             return sc
         return sc[0][:self.num_experts], sc[1][:self.num_experts]
+
+    def forward_prenorm(self, h: torch.Tensor, residual: torch.Tensor, norm: nn.Module,
+                        backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(h + residual)), h + residual): the decoder's post-attention norm and this block. With
+        ``fused_norm_router`` at one token on the Triton backend (folded shared expert, bf16/fp16 router) the norm,
+        the router GEMM and the routing are one launch (``ops.gemv.norm_gemv``: the same roundings and routing);
+        else the norm's own launch, then the block."""
+        if self._route_counter is None or self._route_counter.device != h.device:
+            # allocated at the first call (a prefill, before any decode graph is captured), kept: left at 0
+            self._route_counter = new_counter(h.device)
+        if (self.fused_norm_router and self.fused and h.shape[0] == 1 and self.shared_folded
+                and self.fold_max_tokens >= 1 and h.dtype in (torch.bfloat16, torch.float16)
+                and self.gate.weight.dtype == h.dtype and resolve_backend(self.backend, h) == "triton"):
+            r, x, s = add_rms_norm_gemv_route(h, residual, norm.weight, norm.eps, self.gate.weight,
+                                              self._route_counter, self.top_k, self.norm_topk_prob, True)
+            out = moe_experts(x, r.weights, r.experts, self.experts_gate_up, self.experts_down, backend="triton",
+                              scales=self.experts_scales, alignment=r.alignment)
+            return all_reduce(out, self.tp_size), s
+        x, s = norm(h, residual, backend=backend)
+        return self(x), s
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, top_k] in x.dtype, experts [T, top_k] int64): HF's PyTorch ops."""

@@ -91,7 +91,10 @@ class DecoderLayer(nn.Module):
             x, residual = (out[0] if quant else out), h
         else:
             x, residual = out[0], out[1]
-        x, residual = self.post_attention_layernorm(self.mixer(x, xq=xq), residual, backend=be)
+        mixed = self.mixer(x, xq=xq)
+        if be != "torch" and hasattr(self.mlp, "forward_prenorm"):   # the MoE block may fold the norm into its router
+            return self.mlp.forward_prenorm(mixed, residual, self.post_attention_layernorm, be)
+        x, residual = self.post_attention_layernorm(mixed, residual, backend=be)
         return self.mlp(x), residual
 
 
