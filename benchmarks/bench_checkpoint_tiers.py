@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 from benchmarks import jsonfmt
-from gdnserve.engine.checkpoint_copy import Copier
+from gdnserve.engine.cache.checkpoint_copy import Copier
 from gdnserve.engine.config import EngineConfig
+from gdnserve.engine.execution.model_runner import PrefillItem
 from gdnserve.engine.llm_engine import LLMEngine
-from gdnserve.engine.model_runner import PrefillItem
 from gdnserve.engine.sampling_params import SamplingParams
 
 

@@ -62,7 +62,7 @@ from benchmarks.e2e_report import Report, fmt_pct, model_summary, pct, run_cli
 from benchmarks.random_model import FULL_EXPERTS, FULL_LAYERS, bench_hf_config, qwen3_next_hf_config, tiny_hf_config
 from benchmarks.tp_model import CollectiveTimer, TPSession
 from gdnserve.engine.config import EngineConfig
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem
+from gdnserve.engine.execution.model_runner import ModelRunner, PrefillItem
 from gdnserve.engine.sampling_params import SamplingParams
 
 SECTIONS = ("eq", "decode", "prefill", "serve", "next")

@@ -28,21 +28,31 @@ from dataclasses import dataclass
 
 import torch
 
-from gdnserve.engine.checkpoint_tiers import build_tiers
+from gdnserve.engine.cache.checkpoint_tiers import build_tiers
+from gdnserve.engine.cache.kv_cache import KVCache
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.engine_api import EngineDeadError, RequestOutput, ScoreResult
-from gdnserve.engine.engine_stats import EngineStats, StepReport
-from gdnserve.engine.intake import make_request, make_score_job
-from gdnserve.engine.isolation import Isolation
-from gdnserve.engine.kv_cache import KVCache
-from gdnserve.engine.memory_budget import resolve_pools, weights_bytes
-from gdnserve.engine.model_runner import ModelRunner, RunnerConfig, build_pools
+from gdnserve.engine.execution.model_runner import (
+    ModelRunner,
+    RunnerConfig,
+    build_pools,
+)
+from gdnserve.engine.execution.sampler import Sampler
+from gdnserve.engine.execution.step_inputs import DecodeFeed
+from gdnserve.engine.memory.memory_budget import resolve_pools, weights_bytes
 from gdnserve.engine.output_processor import OutputProcessor, Processed
-from gdnserve.engine.request import Job, Request, RequestError, Sample, ScoreJob
-from gdnserve.engine.sampler import Sampler
-from gdnserve.engine.scheduler import MIN_CHUNK, Scheduler
-from gdnserve.engine.step_batch import StepBatch, StepOutput
-from gdnserve.engine.step_inputs import DecodeFeed
+from gdnserve.engine.scheduling.engine_stats import EngineStats, StepReport
+from gdnserve.engine.scheduling.intake import make_request, make_score_job
+from gdnserve.engine.scheduling.isolation import Isolation
+from gdnserve.engine.scheduling.request import (
+    Job,
+    Request,
+    RequestError,
+    Sample,
+    ScoreJob,
+)
+from gdnserve.engine.scheduling.scheduler import MIN_CHUNK, Scheduler
+from gdnserve.engine.scheduling.step_batch import StepBatch, StepOutput
 from gdnserve.speculative.ngram import NgramDrafter
 
 __all__ = ["LLMEngine", "RequestError", "MIN_CHUNK"]

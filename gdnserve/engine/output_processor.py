@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import torch
 
 from gdnserve.engine.engine_api import CandidateScore, CompletionOutput, RequestOutput
-from gdnserve.engine.request import Request, Sample
-from gdnserve.engine.sampler import Sampler, SamplingTensors, stop_check, stop_holdback, token_logprobs
-from gdnserve.engine.step_batch import StepBatch
+from gdnserve.engine.execution.sampler import Sampler, SamplingTensors, stop_check, stop_holdback, token_logprobs
+from gdnserve.engine.scheduling.request import Request, Sample
+from gdnserve.engine.scheduling.step_batch import StepBatch
 from gdnserve.speculative.acceptance import emitted_tokens, greedy_accept, rejection_sample
 
 

@@ -188,9 +188,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return _fail(str(e))
     try:
         from gdnserve.engine.async_engine import AsyncEngine
+        from gdnserve.engine.memory.memory_plan import MemoryPlanError
         from gdnserve.entrypoints.llm import load_engine
         from gdnserve.entrypoints.server import run_server
-        from gdnserve.engine.memory_plan import MemoryPlanError
         t0 = time.perf_counter()
         try:
             cfg = engine_config(args)

@@ -12,18 +12,18 @@ import random
 import pytest
 import torch
 
-from gdnserve.engine.checkpoint_copy import Copier, page_runs
-from gdnserve.engine.checkpoint_disk import DiskTier
-from gdnserve.engine.checkpoint_index import CheckpointStatus, checkpoint_key
-from gdnserve.engine.checkpoint_tiers import (
+from gdnserve.engine.cache.checkpoint_copy import Copier, page_runs
+from gdnserve.engine.cache.checkpoint_disk import DiskTier
+from gdnserve.engine.cache.checkpoint_index import CheckpointStatus, checkpoint_key
+from gdnserve.engine.cache.checkpoint_tiers import (
     CheckpointTiers,
     TierStats,
     model_fingerprint,
 )
-from gdnserve.engine.kv_cache import KVCache
-from gdnserve.engine.page_pool import PagePool, PagePoolConfig
+from gdnserve.engine.cache.kv_cache import KVCache
+from gdnserve.engine.cache.page_pool import PagePool, PagePoolConfig
+from gdnserve.engine.cache.state_pool import SlotKind, StatePool, StatePoolConfig
 from gdnserve.engine.sampling_params import SamplingParams
-from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
 from gdnserve.entrypoints.llm import LLM
 
 PS = 4
@@ -350,13 +350,13 @@ def test_tiers_refused_with_tensor_parallel():
 
 
 def test_a_host_tier_beyond_the_ram_is_refused_at_start():
-    from gdnserve.engine.memory_budget import meminfo_available
+    from gdnserve.engine.memory.memory_budget import meminfo_available
     with pytest.raises(ValueError, match="checkpoint_host_memory_gb"):
         LLM(device="cpu", max_num_seqs=2, num_pages=64, checkpoint_host_memory_gb=meminfo_available() / 2**30)
 
 
 def test_a_full_write_queue_drops_the_checkpoint(tmp_path, monkeypatch):
-    from gdnserve.engine import checkpoint_disk
+    from gdnserve.engine.cache import checkpoint_disk
     r = Rig(tmp_path, host_ckpts=0)
     monkeypatch.setattr(checkpoint_disk, "MAX_QUEUED", 0)
     for ids in IDS[:5]:

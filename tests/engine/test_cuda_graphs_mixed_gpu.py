@@ -1,4 +1,4 @@
-"""GPU-only: the captured prefill / mixed graphs (engine/cuda_graphs.py, ``mixed_graphs``) on the embedded model.
+"""GPU-only: the captured prefill / mixed graphs (engine/execution/cuda_graphs.py, ``mixed_graphs``) on the embedded model.
 
 A replay equals the graph-shaped eager step bit for bit — logits and every byte of state — for prefill and mixed
 steps (odd lengths, a continuation, checkpoint groups, READY checkpoints, decodes beside them; dense and MoE); it
@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem
+from gdnserve.engine.execution.model_runner import ModelRunner, PrefillItem
 from gdnserve.ops.numerics import rel_rms
 from tests.engine.test_cuda_graphs_gpu import assert_same_state, make_runner
 

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig  # noqa: E402
+from gdnserve.engine.execution.model_runner import ModelRunner, PrefillItem, RunnerConfig  # noqa: E402
 from gdnserve.engine.llm_engine import LLMEngine  # noqa: E402
 from gdnserve.models.loader import CheckpointError, load_model  # noqa: E402
 from gdnserve.models.tokenizer import ByteTokenizer  # noqa: E402

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from gdnserve.engine.state_pool import PoolFullError, SlotKind, StatePool, StatePoolError
+from gdnserve.engine.cache.state_pool import PoolFullError, SlotKind, StatePool, StatePoolError
 
 INT32 = "i" if array("i").itemsize == 4 else "l"     # the array typecode of native int32
 

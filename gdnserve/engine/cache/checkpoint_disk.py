@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from gdnserve.engine.checkpoint_copy import TENSORS, HostCheckpoint
+from gdnserve.engine.cache.checkpoint_copy import TENSORS, HostCheckpoint
 
 logger = logging.getLogger(__name__)
 

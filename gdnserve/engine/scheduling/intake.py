@@ -9,11 +9,11 @@ from array import array
 
 import numpy as np
 
-from gdnserve.engine.checkpoint_index import INT32
+from gdnserve.engine.cache.checkpoint_index import INT32
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.detokenizer import IncrementalDetokenizer
-from gdnserve.engine.request import Request, RequestError, Sample, ScoreJob
 from gdnserve.engine.sampling_params import SamplingParams
+from gdnserve.engine.scheduling.request import Request, RequestError, Sample, ScoreJob
 
 
 def _token_ids(prompt, vocab_size: int) -> tuple[list[int], bytes]:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from gdnserve.engine.model_runner import ModelRunner, SeqState, pool_shapes
-from gdnserve.engine.page_pool import PagePool, PageTable
-from gdnserve.engine.state_pool import StatePool
-from gdnserve.engine.step_work import StepWork
-from gdnserve.engine.tp_workers import TPGroup
+from gdnserve.engine.cache.page_pool import PagePool, PageTable
+from gdnserve.engine.cache.state_pool import StatePool
+from gdnserve.engine.execution.model_runner import ModelRunner, SeqState, pool_shapes
+from gdnserve.engine.execution.step_work import StepWork
+from gdnserve.engine.tp.tp_workers import TPGroup
 
 
 class TPRunner(ModelRunner):

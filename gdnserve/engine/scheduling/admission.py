@@ -24,20 +24,20 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 from weakref import WeakKeyDictionary
 
-from gdnserve.engine.checkpoint_index import (
+from gdnserve.engine.cache.checkpoint_index import (
     boundary_prefix,
     checkpoint_key,
     score_prefix,
 )
+from gdnserve.engine.cache.kv_cache import RESTORING
 from gdnserve.engine.engine_api import CheckpointInfo
-from gdnserve.engine.intake import fork_pages
-from gdnserve.engine.kv_cache import RESTORING
-from gdnserve.engine.model_runner import PrefillItem
-from gdnserve.engine.request import Job, Producer, Request, ScoreJob
-from gdnserve.engine.step_batch import ScoreWave, StepBatch
+from gdnserve.engine.execution.model_runner import PrefillItem
+from gdnserve.engine.scheduling.intake import fork_pages
+from gdnserve.engine.scheduling.request import Job, Producer, Request, ScoreJob
+from gdnserve.engine.scheduling.step_batch import ScoreWave, StepBatch
 
 if TYPE_CHECKING:
-    from gdnserve.engine.scheduler import Scheduler
+    from gdnserve.engine.scheduling.scheduler import Scheduler
 
 ADMITTED, SKIP, STOP, LONG = "admitted", "skip", "stop", "long"
 NO_CACHE = "prompt_logprobs"   # miss_reason of a request that asked for prompt logprobs: it used no cached state

@@ -1,4 +1,4 @@
-"""The numbers the memory plan decides from (engine/memory_plan.py), and EngineConfig's pools resolved from them.
+"""The numbers the memory plan decides from (engine/memory/memory_plan.py), and EngineConfig's pools resolved from them.
 
 - **Budget**: on CUDA ``gpu_memory_utilization x`` the device's memory minus what is in use besides our weights
   (other processes, the CUDA context); on CPU that fraction of the RAM available (``MemAvailable`` in
@@ -26,8 +26,15 @@ from dataclasses import replace
 import torch
 
 from gdnserve.engine.config import FIXED_PAGES, EngineConfig
-from gdnserve.engine.memory_plan import Budget, Demand, MemoryPlan, MemoryPlanError, fmt_bytes, plan
-from gdnserve.engine.model_runner import pool_configs, spec_bytes_per_slot
+from gdnserve.engine.execution.model_runner import pool_configs, spec_bytes_per_slot
+from gdnserve.engine.memory.memory_plan import (
+    Budget,
+    Demand,
+    MemoryPlan,
+    MemoryPlanError,
+    fmt_bytes,
+    plan,
+)
 from gdnserve.layers.rank_shapes import GDNShape, attn_heads
 
 RUNTIME_RESERVE = 1 << 30           # CUDA, analytic plans: cuBLAS / Triton workspaces, allocator slack
@@ -104,7 +111,11 @@ def config_weights_bytes(model_cfg, dtype: torch.dtype, tp: int = 1, folder: str
     with torch.device("meta"):
         model = HybridLM(model_cfg, 0, tp)
     if folder is not None and model_cfg.quant is not None:
-        from gdnserve.models.loader import checkpoint_source, checkpoint_tensors, prepare_fp8
+        from gdnserve.models.loader import (
+            checkpoint_source,
+            checkpoint_tensors,
+            prepare_fp8,
+        )
         prepare_fp8(model, model_cfg, checkpoint_source(model_cfg, checkpoint_tensors(folder), model.mtp is not None))
     n = 0
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
@@ -207,8 +218,12 @@ def measure_activations(model, cfg: EngineConfig) -> int:
     large enough; plus the sampler's sort over max_num_seqs x (spec_k + 1) rows beyond that log-sum-exp (its
     temporaries are not in the forward). No step holds more rows of logits: a prompt_logprobs prompt or a score
     candidate longer than max_step_tokens is refused at intake (they are not chunked)."""
-    from gdnserve.engine.model_runner import ModelRunner, PrefillItem, build_pools
-    from gdnserve.engine.sampler import token_logprobs
+    from gdnserve.engine.execution.model_runner import (
+        ModelRunner,
+        PrefillItem,
+        build_pools,
+    )
+    from gdnserve.engine.execution.sampler import token_logprobs
     from gdnserve.engine.sampling_params import MAX_LOGPROBS
     dev = model.embed_tokens.weight.device
     T, L, ps = cfg.max_step_tokens, cfg.max_model_len, cfg.page_size
@@ -257,7 +272,7 @@ def check_before_load(cfg: EngineConfig, model: str | None, dtype: torch.dtype,
     from gdnserve.models.config import ModelConfig
     model_cfg = builtin_config() if model is None else ModelConfig.from_hf(Path(model))
     if cfg.tensor_parallel_size > 1:      # the shard this rank's plan prices must exist: its own message first
-        from gdnserve.engine.tp_launch import check_tensor_parallel
+        from gdnserve.engine.tp.tp_launch import check_tensor_parallel
         check_tensor_parallel(model_cfg, cfg.tensor_parallel_size, device)
     weights = config_weights_bytes(model_cfg, dtype, cfg.tensor_parallel_size, model)
     return resolve_pools(cfg, model_cfg, dtype, device, weights=weights)

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from gdnserve.engine.page_pool import PageTable
+from gdnserve.engine.cache.page_pool import PageTable
 
 _VERIFY = ("v_slots", "v_in", "v_out", "v_num")
 

@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from gdnserve.engine.state_pool import _check_int, _mib
+from gdnserve.engine.cache.state_pool import _check_int, _mib
 from gdnserve.ops.attention import copy_pages
 from gdnserve.ops.checks import ACT_DTYPES
 

@@ -1,4 +1,4 @@
-"""TierStats: the counters of the checkpoint tiers (engine/checkpoint_tiers.py) that /metrics reads. A leaf module
+"""TierStats: the counters of the checkpoint tiers (engine/cache/checkpoint_tiers.py) that /metrics reads. A leaf module
 (no torch), so the server's metrics import it without the engine."""
 from __future__ import annotations
 

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from gdnserve.engine.checkpoint_copy import Copier, HostCheckpoint
-from gdnserve.engine.checkpoint_disk import DiskTier
-from gdnserve.engine.memory_budget import meminfo_available
-from gdnserve.engine.page_pool import PagePool, PageTable
-from gdnserve.engine.tier_stats import TierStats
+from gdnserve.engine.cache.checkpoint_copy import Copier, HostCheckpoint
+from gdnserve.engine.cache.checkpoint_disk import DiskTier
+from gdnserve.engine.cache.page_pool import PagePool, PageTable
+from gdnserve.engine.cache.tier_stats import TierStats
+from gdnserve.engine.memory.memory_budget import meminfo_available
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,15 @@ from collections import Counter
 
 import torch
 
-from gdnserve.engine.graph_inputs import BUCKETS, GraphInputs, StepKind, graph_buckets, pick_bucket
-from gdnserve.engine.mixed_inputs import SEQ_BUCKETS, MixedInputs, MixedKey, MixedStep, pick_mixed, token_buckets
+from gdnserve.engine.execution.graph_inputs import BUCKETS, GraphInputs, StepKind, graph_buckets, pick_bucket
+from gdnserve.engine.execution.mixed_inputs import (
+    SEQ_BUCKETS,
+    MixedInputs,
+    MixedKey,
+    MixedStep,
+    pick_mixed,
+    token_buckets,
+)
 from gdnserve.layers.forward_context import AttnMeta, ForwardContext, VerifyMeta, forward_context
 from gdnserve.layers.prefill_plan import LaunchGroup, PrefillPlan
 

@@ -1,6 +1,6 @@
 """Memory planning: how many KV pages and recurrent-state slots the memory left after the model holds.
 
-Pure arithmetic on byte counts (no torch, nothing allocated): ``engine/memory_budget.py`` gathers the numbers (the
+Pure arithmetic on byte counts (no torch, nothing allocated): ``engine/memory/memory_budget.py`` gathers the numbers (the
 device's memory, the weights, the measured or estimated activation peak) and :func:`plan` decides. The rule
 (docs/serving.md § Memory planning):
 

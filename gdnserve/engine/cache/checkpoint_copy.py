@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gdnserve.engine.page_pool import PagePool
-from gdnserve.engine.state_pool import StatePool
+from gdnserve.engine.cache.page_pool import PagePool
+from gdnserve.engine.cache.state_pool import StatePool
 
 TENSORS = ("conv", "ssm", "k", "v")
 

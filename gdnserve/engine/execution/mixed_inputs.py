@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from gdnserve.engine.step_plan import IndexStager, PrefillSegment, fused_slots
+from gdnserve.engine.execution.step_plan import IndexStager, PrefillSegment, fused_slots
 from gdnserve.ops.varlen import CHUNK, VarlenMeta, aligned
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)

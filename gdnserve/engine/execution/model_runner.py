@@ -9,20 +9,20 @@ from dataclasses import dataclass
 
 import torch
 
+from gdnserve.engine.cache.page_pool import PagePool, PagePoolConfig, PageTable
+from gdnserve.engine.cache.state_pool import SlotKind, StatePool, StatePoolConfig
 from gdnserve.engine.config import RunnerConfig
-from gdnserve.engine.cuda_graphs import build_step_graphs
-from gdnserve.engine.mixed_inputs import MixedKey, MixedStep, fused_group
-from gdnserve.engine.page_pool import PagePool, PagePoolConfig, PageTable
-from gdnserve.speculative.mtp import MTPDrafter, MTPStepIndex
-from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
-from gdnserve.engine.step_inputs import DecodeFeed, DeviceInputs, StepInputs
-from gdnserve.engine.step_work import StepWork
-from gdnserve.engine.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan, segment_phases
+from gdnserve.engine.execution.cuda_graphs import build_step_graphs
+from gdnserve.engine.execution.mixed_inputs import MixedKey, MixedStep, fused_group
+from gdnserve.engine.execution.step_inputs import DecodeFeed, DeviceInputs, StepInputs
+from gdnserve.engine.execution.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan, segment_phases
+from gdnserve.engine.execution.step_work import StepWork
 from gdnserve.layers.forward_context import AttnMeta, ForwardContext, VerifyMeta, forward_context
 from gdnserve.layers.moe import SparseMoE
 from gdnserve.layers.rank_shapes import GDNShape, attn_heads
 from gdnserve.ops.gdn.recurrent import GDNPending
 from gdnserve.ops.varlen import aligned
+from gdnserve.speculative.mtp import MTPDrafter, MTPStepIndex
 
 
 @dataclass(eq=False)
@@ -74,7 +74,7 @@ def pool_shapes(model, rc: RunnerConfig) -> tuple[StatePoolConfig, PagePoolConfi
 def pool_configs(cfg, rc: RunnerConfig, dtype: torch.dtype, device: torch.device | str = "meta",
                  tp: int = 1) -> tuple[StatePoolConfig, PagePoolConfig]:
     """:func:`pool_shapes` from the model's config alone (``cfg``: a ModelConfig; nothing is built): what the
-    memory plan prices before a model is loaded (engine/memory_plan.py)."""
+    memory plan prices before a model is loaded (engine/memory/memory_plan.py)."""
     g, a = cfg.gdn, cfg.attn
     gs, (_, KVH) = GDNShape.of(g, tp), attn_heads(a.num_heads, a.num_kv_heads, tp)
     use_mtp = rc.spec_mode is not None and rc.spec_draft == "mtp"

@@ -9,8 +9,8 @@ import torch
 
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.llm_engine import LLMEngine
-from gdnserve.engine.tp_runner import TPRunner
-from gdnserve.engine.tp_workers import ModelSpec, TPGroup
+from gdnserve.engine.tp.tp_runner import TPRunner
+from gdnserve.engine.tp.tp_workers import ModelSpec, TPGroup
 
 
 def check_tensor_parallel(model_cfg, n: int, device: torch.device) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gdnserve.engine.checkpoint_index import (
+from gdnserve.engine.cache.checkpoint_index import (
     Checkpoint,
     CheckpointIndex,
     CheckpointStatus,
@@ -23,10 +23,10 @@ from gdnserve.engine.checkpoint_index import (
     MissReason,
     checkpoint_key,
 )
-from gdnserve.engine.checkpoint_tiers import CheckpointTiers
-from gdnserve.engine.model_runner import SeqState
-from gdnserve.engine.page_pool import PagePool, PageTable
-from gdnserve.engine.state_pool import StatePool
+from gdnserve.engine.cache.checkpoint_tiers import CheckpointTiers
+from gdnserve.engine.cache.page_pool import PagePool, PageTable
+from gdnserve.engine.cache.state_pool import StatePool
+from gdnserve.engine.execution.model_runner import SeqState
 
 RESTORING = "restoring"     # longest_hit: the longest prefix is on its way up from a lower tier (wait for it)
 

@@ -263,7 +263,7 @@ class TPGroup:
 
 def worker_main(rank: int, size: int, port: int, spec: ModelSpec, rc, conn: Connection) -> None:
     """Rank ``rank``: join the group, build the shard, then replay and execute each step rank 0 sends."""
-    from gdnserve.engine.tp_runner import ShardRunner
+    from gdnserve.engine.tp.tp_runner import ShardRunner
     code = 0
     try:
         if spec.device_type == "cpu":

@@ -1,15 +1,15 @@
 """StepWork: one eager step's device work as plain host data, between ``ModelRunner.prepare`` (host: lay the
 tokens out, allocate pages, fork) and ``ModelRunner.execute`` (device: page copies, the plan's one upload, the
 forward). No tensors and no pools inside, so it pickles small: tensor-parallel rank 0 ships it to the other
-ranks once per step (engine/tp_workers.py), and each rank executes it on its own shard."""
+ranks once per step (engine/tp/tp_workers.py), and each rank executes it on its own shard."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Sequence
 
-from gdnserve.engine.step_inputs import StepInputs
-from gdnserve.engine.step_plan import PrefillSegment
+from gdnserve.engine.execution.step_inputs import StepInputs
+from gdnserve.engine.execution.step_plan import PrefillSegment
 from gdnserve.speculative.mtp import MTPStepIndex
 
 

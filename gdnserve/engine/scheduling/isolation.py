@@ -7,7 +7,7 @@ passes its trial once it has progressed beyond where the failed step took it (it
 mark taken when it joined that step), or has finished."""
 from __future__ import annotations
 
-from gdnserve.engine.request import Job
+from gdnserve.engine.scheduling.request import Job
 
 
 class Isolation:

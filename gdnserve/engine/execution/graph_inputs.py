@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gdnserve.engine.step_plan import IndexStager
+from gdnserve.engine.execution.step_plan import IndexStager
 from gdnserve.ops.varlen import aligned
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -25,19 +25,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from gdnserve.engine.admission import MIN_CHUNK, Admission, AdmitPass
-from gdnserve.engine.checkpoint_index import (
+from gdnserve.engine.cache.checkpoint_index import (
     CheckpointStatus,
     conversation_key,
     conversation_prefix,
 )
+from gdnserve.engine.cache.kv_cache import KVCache
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.engine_api import CheckpointInfo
-from gdnserve.engine.engine_stats import EngineStats
-from gdnserve.engine.kv_cache import KVCache
-from gdnserve.engine.model_runner import PrefillItem
-from gdnserve.engine.request import Job, Request, Sample, ScoreJob
-from gdnserve.engine.step_batch import StepBatch, StepOutput
+from gdnserve.engine.execution.model_runner import PrefillItem
+from gdnserve.engine.scheduling.admission import MIN_CHUNK, Admission, AdmitPass
+from gdnserve.engine.scheduling.engine_stats import EngineStats
+from gdnserve.engine.scheduling.request import Job, Request, Sample, ScoreJob
+from gdnserve.engine.scheduling.step_batch import StepBatch, StepOutput
 
 
 class Scheduler:

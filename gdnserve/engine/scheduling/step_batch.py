@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from gdnserve.engine.checkpoint_index import Checkpoint
+from gdnserve.engine.cache.checkpoint_index import Checkpoint
 from gdnserve.engine.engine_api import EngineDeadError
-from gdnserve.engine.model_runner import PrefillItem, SeqState
-from gdnserve.engine.request import Job, Request, Sample, ScoreJob
+from gdnserve.engine.execution.model_runner import PrefillItem, SeqState
+from gdnserve.engine.scheduling.request import Job, Request, Sample, ScoreJob
 
 if TYPE_CHECKING:
     from gdnserve.engine.output_processor import Processed, Sampled
