@@ -34,8 +34,8 @@ import torch
 
 from benchmarks import jsonfmt
 from gdnserve.engine.cache.checkpoint_copy import Copier
+from gdnserve.engine.cache.sequence import PrefillItem
 from gdnserve.engine.config import EngineConfig
-from gdnserve.engine.execution.model_runner import PrefillItem
 from gdnserve.engine.llm_engine import LLMEngine
 from gdnserve.engine.sampling_params import SamplingParams
 

@@ -207,7 +207,8 @@ def merge_table(old: dict, new: dict, ms) -> dict:
 def part_step(base, table: dict, log, steps: int = 60, gate_fold: bool = True) -> dict:
     from benchmarks.profile_steps import markdown, profile_steps
     from benchmarks.random_model import build_random_model, config_for
-    from gdnserve.engine.execution.model_runner import ModelRunner, PrefillItem, RunnerConfig
+    from gdnserve.engine.cache.sequence import PrefillItem
+    from gdnserve.engine.execution.model_runner import ModelRunner, RunnerConfig
     from gdnserve.layers.attention import GatedAttention
     from gdnserve.layers.linear import ColumnParallelLinear, RowParallelLinear
     dev = torch.device("cuda")

@@ -84,7 +84,8 @@ from benchmarks.random_model import (
     qwen3_next_hf_config,
 )
 from benchmarks.timing import measure_ceilings
-from gdnserve.engine.execution.model_runner import ModelRunner, PrefillItem, RunnerConfig
+from gdnserve.engine.cache.sequence import PrefillItem
+from gdnserve.engine.execution.model_runner import ModelRunner, RunnerConfig
 from gdnserve.ops.numerics import rel_rms
 
 

@@ -19,9 +19,9 @@ from collections import defaultdict
 import torch
 
 from benchmarks.random_model import build_random_model, config_for
+from gdnserve.engine.cache.sequence import PrefillItem
 from gdnserve.engine.execution.model_runner import (
     ModelRunner,
-    PrefillItem,
     RunnerConfig,
 )
 

@@ -25,8 +25,13 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from gdnserve.engine.execution.model_runner import ModelRunner, PrefillItem
-    from gdnserve.entrypoints.preflight import PreflightError, check_device, check_model_folder
+    from gdnserve.engine.cache.sequence import PrefillItem
+    from gdnserve.engine.execution.model_runner import ModelRunner
+    from gdnserve.entrypoints.preflight import (
+        PreflightError,
+        check_device,
+        check_model_folder,
+    )
     from gdnserve.entrypoints.serve import engine_config
     from gdnserve.models.builtin import build_builtin_model
     from gdnserve.models.loader import load_model

@@ -15,9 +15,9 @@ import random
 import pytest
 import torch
 
+from gdnserve.engine.cache.sequence import PrefillItem
 from gdnserve.engine.execution.model_runner import (
     ModelRunner,
-    PrefillItem,
     RunnerConfig,
 )
 from gdnserve.engine.sampling_params import SamplingParams

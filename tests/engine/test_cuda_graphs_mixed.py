@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
+from gdnserve.engine.cache.sequence import PrefillItem
 from gdnserve.engine.execution.mixed_inputs import MixedKey, pick_mixed, token_buckets
-from gdnserve.engine.execution.model_runner import PrefillItem
 from tests.engine.test_cuda_graphs import make_runner
 
 

@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from gdnserve.engine.execution.model_runner import ModelRunner, PrefillItem
+from gdnserve.engine.cache.sequence import PrefillItem
+from gdnserve.engine.execution.model_runner import ModelRunner
 from gdnserve.ops.numerics import rel_rms
 from tests.engine.test_cuda_graphs_gpu import assert_same_state, make_runner
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from gdnserve.engine.cache.sequence import PrefillItem
 from gdnserve.engine.execution.model_runner import (
     ModelRunner,
-    PrefillItem,
     RunnerConfig,
 )
 from gdnserve.models.builtin import build_builtin_model

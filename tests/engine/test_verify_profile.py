@@ -16,9 +16,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import gdnserve.layers.attention as attention
 import gdnserve.layers.gdn_mixer as gdn_mixer
+from gdnserve.engine.cache.sequence import PrefillItem
 from gdnserve.engine.execution.model_runner import (
     ModelRunner,
-    PrefillItem,
     RunnerConfig,
 )
 from gdnserve.models.builtin import builtin_config

@@ -13,12 +13,17 @@ import torch
 pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from gdnserve.engine.execution.model_runner import ModelRunner, PrefillItem, RunnerConfig  # noqa: E402
+from gdnserve.engine.cache.sequence import PrefillItem
+from gdnserve.engine.execution.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from gdnserve.engine.llm_engine import LLMEngine  # noqa: E402
 from gdnserve.models.loader import CheckpointError, load_model  # noqa: E402
 from gdnserve.models.tokenizer import ByteTokenizer  # noqa: E402
 from gdnserve.ops.numerics import rel_rms  # noqa: E402
-from tests.models.mtp_reference import add_mtp, reference_draft_logits, reference_weights  # noqa: E402
+from tests.models.mtp_reference import (  # noqa: E402
+    add_mtp,
+    reference_draft_logits,
+    reference_weights,
+)
 from tests.models.test_hf_parity import tiny_qwen3_next, tiny_qwen35, tiny_qwen35_moe  # noqa: E402
 
 TOL = 1e-4

@@ -25,8 +25,8 @@ from gdnserve.engine.cache.checkpoint_index import (
 )
 from gdnserve.engine.cache.checkpoint_tiers import CheckpointTiers
 from gdnserve.engine.cache.page_pool import PagePool, PageTable
+from gdnserve.engine.cache.sequence import SeqState
 from gdnserve.engine.cache.state_pool import StatePool
-from gdnserve.engine.execution.model_runner import SeqState
 
 RESTORING = "restoring"     # longest_hit: the longest prefix is on its way up from a lower tier (wait for it)
 

@@ -5,58 +5,34 @@ token. The scheduler (engine loop) decides what goes into a step; this module on
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from gdnserve.engine.cache.page_pool import PagePool, PagePoolConfig, PageTable
-from gdnserve.engine.cache.state_pool import SlotKind, StatePool, StatePoolConfig
+from gdnserve.engine.cache.page_pool import PagePool, PagePoolConfig
+from gdnserve.engine.cache.sequence import PrefillItem, SeqState
+from gdnserve.engine.cache.state_pool import StatePool, StatePoolConfig
 from gdnserve.engine.config import RunnerConfig
 from gdnserve.engine.execution.cuda_graphs import build_step_graphs
 from gdnserve.engine.execution.mixed_inputs import MixedKey, MixedStep, fused_group
 from gdnserve.engine.execution.step_inputs import DecodeFeed, DeviceInputs, StepInputs
-from gdnserve.engine.execution.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan, segment_phases
+from gdnserve.engine.execution.step_plan import (
+    IndexStager,
+    InitFrom,
+    PrefillSegment,
+    build_step_plan,
+    segment_phases,
+)
 from gdnserve.engine.execution.step_work import StepWork
-from gdnserve.layers.forward_context import AttnMeta, ForwardContext, VerifyMeta, forward_context
+from gdnserve.layers.forward_context import (
+    AttnMeta,
+    ForwardContext,
+    VerifyMeta,
+    forward_context,
+)
 from gdnserve.layers.moe import SparseMoE
 from gdnserve.layers.rank_shapes import GDNShape, attn_heads
 from gdnserve.ops.gdn.recurrent import GDNPending
 from gdnserve.ops.varlen import aligned
 from gdnserve.speculative.mtp import MTPDrafter, MTPStepIndex
-
-
-@dataclass(eq=False)
-class SeqState:
-    """A live sequence: its GDN running slot, its attention pages, and how many tokens it has.
-    Speculative decoding in replay mode: the slot lags by ``pending`` accepted tokens whose raw inputs wait in
-    pending row ``slot + parity * num_slots``."""
-    slot: int
-    pages: PageTable
-    length: int = 0
-    pending: int = 0
-    parity: int = 0
-
-    @classmethod
-    def open(cls, state: StatePool, pages: PagePool) -> SeqState:
-        """A new sequence holding a RUNNING slot of ``state`` and an empty page table over ``pages``."""
-        seq = cls(-1, PageTable(pages))
-        seq.slot = state.allocate(SlotKind.RUNNING, seq)
-        return seq
-
-    def close(self, state: StatePool) -> None:
-        """Give back the slot and the pages (the inverse of :meth:`open`)."""
-        state.free(self.slot)
-        self.pages.release()
-        self.pending = 0
-
-
-@dataclass
-class PrefillItem:
-    seq: SeqState
-    tokens: list[int]
-    producer: int = -1          # index of a same-step PrefillItem whose final state and KV prefix this continues
-    all_logits: bool = False    # logits for every token of the item (scoring), not only the last
-    checkpoint: tuple[int, PageTable] | None = None   # a READY checkpoint (state slot, KV pages) this continues
 
 
 def pool_shapes(model, rc: RunnerConfig) -> tuple[StatePoolConfig, PagePoolConfig]:

@@ -218,9 +218,9 @@ def measure_activations(model, cfg: EngineConfig) -> int:
     large enough; plus the sampler's sort over max_num_seqs x (spec_k + 1) rows beyond that log-sum-exp (its
     temporaries are not in the forward). No step holds more rows of logits: a prompt_logprobs prompt or a score
     candidate longer than max_step_tokens is refused at intake (they are not chunked)."""
+    from gdnserve.engine.cache.sequence import PrefillItem
     from gdnserve.engine.execution.model_runner import (
         ModelRunner,
-        PrefillItem,
         build_pools,
     )
     from gdnserve.engine.execution.sampler import token_logprobs

@@ -30,8 +30,8 @@ from gdnserve.engine.cache.checkpoint_index import (
     score_prefix,
 )
 from gdnserve.engine.cache.kv_cache import RESTORING
+from gdnserve.engine.cache.sequence import PrefillItem
 from gdnserve.engine.engine_api import CheckpointInfo
-from gdnserve.engine.execution.model_runner import PrefillItem
 from gdnserve.engine.scheduling.intake import fork_pages
 from gdnserve.engine.scheduling.request import Job, Producer, Request, ScoreJob
 from gdnserve.engine.scheduling.step_batch import ScoreWave, StepBatch

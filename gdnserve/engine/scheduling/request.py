@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from gdnserve.engine.cache.checkpoint_index import Checkpoint, key_of_i32
+from gdnserve.engine.cache.sequence import SeqState
 from gdnserve.engine.detokenizer import IncrementalDetokenizer
 from gdnserve.engine.engine_api import CandidateScore, CheckpointInfo
-from gdnserve.engine.execution.model_runner import SeqState
 from gdnserve.engine.sampling_params import SamplingParams
 
 

@@ -31,9 +31,9 @@ from gdnserve.engine.cache.checkpoint_index import (
     conversation_prefix,
 )
 from gdnserve.engine.cache.kv_cache import KVCache
+from gdnserve.engine.cache.sequence import PrefillItem
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.engine_api import CheckpointInfo
-from gdnserve.engine.execution.model_runner import PrefillItem
 from gdnserve.engine.scheduling.admission import MIN_CHUNK, Admission, AdmitPass
 from gdnserve.engine.scheduling.engine_stats import EngineStats
 from gdnserve.engine.scheduling.request import Job, Request, Sample, ScoreJob

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from gdnserve.engine.cache.checkpoint_index import Checkpoint
+from gdnserve.engine.cache.sequence import PrefillItem, SeqState
 from gdnserve.engine.engine_api import EngineDeadError
-from gdnserve.engine.execution.model_runner import PrefillItem, SeqState
 from gdnserve.engine.scheduling.request import Job, Request, Sample, ScoreJob
 
 if TYPE_CHECKING:

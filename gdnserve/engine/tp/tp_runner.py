@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 from gdnserve.engine.cache.page_pool import PagePool, PageTable
+from gdnserve.engine.cache.sequence import SeqState
 from gdnserve.engine.cache.state_pool import StatePool
-from gdnserve.engine.execution.model_runner import ModelRunner, SeqState, pool_shapes
+from gdnserve.engine.execution.model_runner import ModelRunner, pool_shapes
 from gdnserve.engine.execution.step_work import StepWork
 from gdnserve.engine.tp.tp_workers import TPGroup
 
