@@ -97,7 +97,7 @@ class TPSession:
 
     def __init__(self, hf_cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, size: int,
                  rc: RunnerConfig, chain: bool = True, seed: int = 0) -> None:
-        from gdnserve.engine.tp.tp_launch import check_tensor_parallel
+        from gdnserve.engine.tp.tp_check import check_tensor_parallel
         self.size, self.rc = size, rc
         self.spec = RandomSpec(None, str(dtype).removeprefix("torch."), device.type, hf_cfg=hf_cfg, seed=seed,
                                chain=chain)

@@ -40,7 +40,7 @@ from gdnserve.engine.execution.model_runner import (
 from gdnserve.engine.execution.sampler import Sampler
 from gdnserve.engine.execution.step_inputs import DecodeFeed
 from gdnserve.engine.memory.memory_budget import resolve_pools, weights_bytes
-from gdnserve.engine.output_processor import OutputProcessor, Processed
+from gdnserve.engine.output_processor import OutputProcessor
 from gdnserve.engine.scheduling.engine_stats import EngineStats, StepReport
 from gdnserve.engine.scheduling.intake import make_request, make_score_job
 from gdnserve.engine.scheduling.isolation import Isolation
@@ -52,7 +52,7 @@ from gdnserve.engine.scheduling.request import (
     ScoreJob,
 )
 from gdnserve.engine.scheduling.scheduler import MIN_CHUNK, Scheduler
-from gdnserve.engine.scheduling.step_batch import StepBatch, StepOutput
+from gdnserve.engine.scheduling.step_batch import Processed, StepBatch, StepOutput
 from gdnserve.speculative.ngram import NgramDrafter
 
 __all__ = ["LLMEngine", "RequestError", "MIN_CHUNK"]

@@ -350,7 +350,7 @@ def test_tiers_refused_with_tensor_parallel():
 
 
 def test_a_host_tier_beyond_the_ram_is_refused_at_start():
-    from gdnserve.engine.memory.memory_budget import meminfo_available
+    from gdnserve.engine.cache.host_memory import meminfo_available
     with pytest.raises(ValueError, match="checkpoint_host_memory_gb"):
         LLM(device="cpu", max_num_seqs=2, num_pages=64, checkpoint_host_memory_gb=meminfo_available() / 2**30)
 

@@ -23,9 +23,9 @@ import torch
 
 from gdnserve.engine.cache.checkpoint_copy import Copier, HostCheckpoint
 from gdnserve.engine.cache.checkpoint_disk import DiskTier
+from gdnserve.engine.cache.host_memory import meminfo_available
 from gdnserve.engine.cache.page_pool import PagePool, PageTable
 from gdnserve.engine.cache.tier_stats import TierStats
-from gdnserve.engine.memory.memory_budget import meminfo_available
 
 logger = logging.getLogger(__name__)
 

@@ -20,12 +20,12 @@ banner); a model or a size that does not fit raises ``MemoryPlanError`` naming t
 from __future__ import annotations
 
 import gc
-import os
 from dataclasses import replace
 
 import torch
 
-from gdnserve.engine.config import FIXED_PAGES, EngineConfig
+from gdnserve.engine.cache.host_memory import meminfo_available
+from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.execution.model_runner import pool_configs, spec_bytes_per_slot
 from gdnserve.engine.memory.memory_plan import (
     Budget,
@@ -41,18 +41,6 @@ RUNTIME_RESERVE = 1 << 30           # CUDA, analytic plans: cuBLAS / Triton work
 MEASURED_RESERVE = 512 << 20        # CUDA, measured plans: the workspaces are in the measurement; slack only
 SAFETY = 1.25                       # on the analytic estimates: allocator rounding, temporaries not modelled
 CHUNK = 64                          # the chunked GDN prefill's chunk (a state per chunk in fp32)
-
-
-def meminfo_available() -> int:
-    """Bytes of RAM available to a new process (``MemAvailable``; free pages where /proc/meminfo is absent)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def device_budget(device: torch.device, cfg: EngineConfig, resident: int = 0) -> Budget:
@@ -272,7 +260,7 @@ def check_before_load(cfg: EngineConfig, model: str | None, dtype: torch.dtype,
     from gdnserve.models.config import ModelConfig
     model_cfg = builtin_config() if model is None else ModelConfig.from_hf(Path(model))
     if cfg.tensor_parallel_size > 1:      # the shard this rank's plan prices must exist: its own message first
-        from gdnserve.engine.tp.tp_launch import check_tensor_parallel
+        from gdnserve.engine.tp.tp_check import check_tensor_parallel
         check_tensor_parallel(model_cfg, cfg.tensor_parallel_size, device)
     weights = config_weights_bytes(model_cfg, dtype, cfg.tensor_parallel_size, model)
     return resolve_pools(cfg, model_cfg, dtype, device, weights=weights)

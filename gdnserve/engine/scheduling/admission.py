@@ -21,7 +21,7 @@ least half of every step until they are done).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 from weakref import WeakKeyDictionary
 
 from gdnserve.engine.cache.checkpoint_index import (
@@ -29,15 +29,14 @@ from gdnserve.engine.cache.checkpoint_index import (
     checkpoint_key,
     score_prefix,
 )
-from gdnserve.engine.cache.kv_cache import RESTORING
+from gdnserve.engine.cache.kv_cache import RESTORING, KVCache
 from gdnserve.engine.cache.sequence import PrefillItem
+from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.engine_api import CheckpointInfo
+from gdnserve.engine.scheduling.engine_stats import EngineStats
 from gdnserve.engine.scheduling.intake import fork_pages
-from gdnserve.engine.scheduling.request import Job, Producer, Request, ScoreJob
+from gdnserve.engine.scheduling.request import Job, Producer, Request, Sample, ScoreJob
 from gdnserve.engine.scheduling.step_batch import ScoreWave, StepBatch
-
-if TYPE_CHECKING:
-    from gdnserve.engine.scheduling.scheduler import Scheduler
 
 ADMITTED, SKIP, STOP, LONG = "admitted", "skip", "stop", "long"
 NO_CACHE = "prompt_logprobs"   # miss_reason of a request that asked for prompt logprobs: it used no cached state
@@ -101,12 +100,26 @@ def _unshared(ids: list[int], n: int) -> _Plan:
     return _Plan(split, boundary_prefix(ids, split))
 
 
+class Queues(Protocol):
+    """What admission reads and moves of its scheduler (``Scheduler`` is one): typed by shape, so that
+    admission.py does not import scheduler.py, which builds it."""
+    cfg: EngineConfig
+    kv: KVCache
+    stats: EngineStats
+    waiting: list[Job]
+    running: list[Request]
+    producing: dict[tuple[int, ...], Job]
+    inflight: dict[Sample, int]
+
+    def runnable(self, job: Job) -> bool: ...
+
+
 class Admission:
     """The scheduler's admission of waiting jobs (one per scheduler): the passes and one method per case. It
     reads and moves the scheduler's queues and writes the scheduler's stats; the step's accounting is the
     ``AdmitPass`` it is handed."""
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: Queues) -> None:
         self.sched, self.cfg, self.kv, self.stats = sched, sched.cfg, sched.kv, sched.stats
         self.long_memo: WeakKeyDictionary = WeakKeyDictionary()   # _known_long: request -> (keys seen, cost)
 

@@ -1,11 +1,11 @@
 """StepBatch: what ``Scheduler.schedule()`` hands the runner and the output processor for one step, as data (the
 READY checkpoint slots it touches included: the plan's ownership check reads them, no callback), and what the
 step holds that must be settled after it (temporaries, checkpoints published or read, producer chunks).
-StepOutput: what became of the step, for ``Scheduler.update_from_output``."""
+StepOutput: what became of the step, for ``Scheduler.update_from_output`` (with the output processor's
+``Sampled`` rows and ``Processed`` results: data the scheduler reads, so they live here)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,9 +13,6 @@ from gdnserve.engine.cache.checkpoint_index import Checkpoint
 from gdnserve.engine.cache.sequence import PrefillItem, SeqState
 from gdnserve.engine.engine_api import EngineDeadError
 from gdnserve.engine.scheduling.request import Job, Request, Sample, ScoreJob
-
-if TYPE_CHECKING:
-    from gdnserve.engine.output_processor import Processed, Sampled
 
 Owner = tuple[Request, Sample]
 
@@ -68,6 +65,52 @@ class StepBatch:
 
     def prefill_tokens(self) -> int:
         return sum(len(it.tokens) for it in self.items)
+
+
+@dataclass(eq=False)
+class Processed:
+    """One step's per-request results, and its counts (the scheduler adds them to its ``EngineStats``)."""
+    touched: list[Request] = field(default_factory=list)
+    finished: list[tuple[Request, Sample]] = field(default_factory=list)
+    failed: list[tuple[Request, str]] = field(default_factory=list)
+    tokens: int = 0                 # tokens appended to samples
+    verified: int = 0               # verify rows processed (k drafts proposed each)
+    drafts_accepted: int = 0
+
+    def finished_seqs(self) -> list:
+        return [s.seq for _, s in self.finished if s.seq is not None]
+
+
+@dataclass(eq=False)
+class Sampled:
+    """One step's sampled rows: ``tokens`` stay on the device ([B] int64, what the next step's DecodeFeed reads);
+    ``result()`` waits for the one device-to-host copy and parses it per owner (token, logprob, logprobs dict)."""
+    owners: list
+    tokens: torch.Tensor | None
+    flat: torch.Tensor | None
+    event: object
+    k: int
+
+    def result(self) -> list[tuple[int, float, dict | None]]:
+        if not self.owners:
+            return []
+        if self.event is not None:
+            self.event.synchronize()
+        owners, B, k = self.owners, len(self.owners), self.k
+        flat = self.flat.tolist()
+        toks, lps = [int(t) for t in flat[:B]], flat[B:2 * B]
+        out = []
+        for i, (req, _) in enumerate(owners):
+            d = None
+            want = req.params.logprobs
+            if want is not None:
+                d = {toks[i]: lps[i]}
+                if k:
+                    ti = flat[2 * B + i * k:2 * B + i * k + want]
+                    tl = flat[2 * B + B * k + i * k:2 * B + B * k + i * k + want]
+                    d.update(zip((int(x) for x in ti), tl))
+            out.append((toks[i], lps[i], d))
+        return out
 
 
 @dataclass(eq=False)

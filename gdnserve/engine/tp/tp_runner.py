@@ -1,17 +1,15 @@
-"""The two sides of a tensor-parallel step. Rank 0's :class:`TPRunner` is the engine's ModelRunner: it runs every
-step as at TP=1 and, once the step's plan has validated (before the first collective), ships the ``StepWork``
-with the device ops it ran since the last step (replay-mode flushes, acceptance commits: they carry slot numbers
-and counts, nothing else). A worker's :class:`ShardRunner` replays those ops and executes the work on its shard:
-the same slot and page numbers, decided by rank 0's allocators only (its own pools are never allocated from).
-Logits are replicated on every rank (the lm head is not sharded); rank 0 samples, the workers drop theirs."""
+"""Rank 0's side of a tensor-parallel step. :class:`TPRunner` is the engine's ModelRunner: it runs every step as at
+TP=1 and, once the step's plan has validated (before the first collective), ships the ``StepWork`` with the
+device ops it ran since the last step (replay-mode flushes, acceptance commits: they carry slot numbers and
+counts, nothing else). A worker's ``ShardRunner`` (tp_workers.py) replays those ops and executes the work on its
+shard. Logits are replicated on every rank (the lm head is not sharded); rank 0 samples, the workers drop
+theirs."""
 from __future__ import annotations
 
 import torch
 
-from gdnserve.engine.cache.page_pool import PagePool, PageTable
 from gdnserve.engine.cache.sequence import SeqState
-from gdnserve.engine.cache.state_pool import StatePool
-from gdnserve.engine.execution.model_runner import ModelRunner, pool_shapes
+from gdnserve.engine.execution.model_runner import ModelRunner
 from gdnserve.engine.execution.step_work import StepWork
 from gdnserve.engine.tp.tp_workers import TPGroup
 
@@ -52,28 +50,3 @@ class TPRunner(ModelRunner):
 
     def close(self) -> None:
         self.group.close()
-
-
-class _ShardPagePool(PagePool):
-    """A worker's KV pages: tensors only. Rank 0 allocates; page numbers arrive with the work (no refcount check)."""
-
-    def _check_used(self, page: int, what: str) -> None:
-        self._check_page(page)
-
-
-class ShardRunner(ModelRunner):
-    def __init__(self, model, rc):
-        sc, pc = pool_shapes(model, rc)
-        pages = _ShardPagePool(pc)
-        super().__init__(model, rc, pools=(StatePool(sc), pages))
-        self._table = PageTable(pages)       # a stand-in for the sequences' tables in replayed ops
-
-    def replay(self, ops: list[tuple], work: StepWork) -> None:
-        for kind, rows in ops:
-            if kind == "flush":
-                self.flush([SeqState(slot, self._table, 0, pending, parity) for slot, pending, parity in rows])
-            elif kind == "accept":
-                self.accept([(SeqState(slot, self._table, self.rc.spec_tokens), a) for slot, a in rows])
-            else:
-                raise ValueError(f"unknown op {kind!r} from rank 0")
-        self.execute(work)

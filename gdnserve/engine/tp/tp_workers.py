@@ -5,8 +5,10 @@ gloo on CPU; the model's all-reduces run in that group (layers/parallel.py).
 
 Control plane: one pipe per worker, not a collective. Each step rank 0 pickles its ``StepWork`` (and the device
 ops it ran since the last step: replay-mode flushes, acceptance commits) once and writes the bytes to every pipe;
-a worker replays the ops and executes the work on its shard (tp_runner.py is rank 0's side). An idle worker waits
-on its pipe, so an idle server needs no heartbeat, and a worker whose rank 0 is gone reads EOF and exits.
+a worker's :class:`ShardRunner` replays the ops and executes the work on its shard: the same slot and page
+numbers, decided by rank 0's allocators only (its own pools are never allocated from; tp_runner.py is rank 0's
+side). An idle worker waits on its pipe, so an idle server needs no heartbeat, and a worker whose rank 0 is gone
+reads EOF and exits.
 
 Liveness: a monitor thread on rank 0 waits on every worker's pipe and process sentinel. A worker that raises
 reports the error on its pipe and exits 1; a worker that is killed just exits. Either way the group is marked
@@ -32,7 +34,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gdnserve.engine.cache.page_pool import PagePool, PageTable
+from gdnserve.engine.cache.sequence import SeqState
+from gdnserve.engine.cache.state_pool import StatePool
 from gdnserve.engine.engine_api import EngineDeadError
+from gdnserve.engine.execution.model_runner import ModelRunner, pool_shapes
+from gdnserve.engine.execution.step_work import StepWork
 
 logger = logging.getLogger(__name__)
 
@@ -261,9 +268,34 @@ class TPGroup:
 
 # ---------------------------------------------------------------------- the worker process
 
+class _ShardPagePool(PagePool):
+    """A worker's KV pages: tensors only. Rank 0 allocates; page numbers arrive with the work (no refcount check)."""
+
+    def _check_used(self, page: int, what: str) -> None:
+        self._check_page(page)
+
+
+class ShardRunner(ModelRunner):
+    def __init__(self, model, rc):
+        sc, pc = pool_shapes(model, rc)
+        pages = _ShardPagePool(pc)
+        super().__init__(model, rc, pools=(StatePool(sc), pages))
+        self._table = PageTable(pages)       # a stand-in for the sequences' tables in replayed ops
+
+    def replay(self, ops: list[tuple], work: StepWork) -> None:
+        for kind, rows in ops:
+            if kind == "flush":
+                self.flush([SeqState(slot, self._table, 0, pending, parity) for slot, pending, parity in rows])
+            elif kind == "accept":
+                self.accept([(SeqState(slot, self._table, self.rc.spec_tokens), a) for slot, a in rows])
+            else:
+                raise ValueError(f"unknown op {kind!r} from rank 0")
+        self.execute(work)
+
+
+
 def worker_main(rank: int, size: int, port: int, spec: ModelSpec, rc, conn: Connection) -> None:
     """Rank ``rank``: join the group, build the shard, then replay and execute each step rank 0 sends."""
-    from gdnserve.engine.tp.tp_runner import ShardRunner
     code = 0
     try:
         if spec.device_type == "cpu":
