@@ -152,7 +152,7 @@ def run_mode(e: LLMEngine, plan: Plan, convs: list[list[list[int]]], mode: str, 
 def restore_vs_recompute(e: LLMEngine, k: int, device: torch.device) -> list[dict[str, Any]]:
     """K host-tier checkpoints: restore (lookup -> READY, room made beforehand) beside one prefill of their prefix,
     and the spill of a device checkpoint (evict -> the copy done)."""
-    ck = e.kv.checkpoints
+    ck = e.kv.checkpoint_cache
     tiers = ck.tiers
     out = []
     for hc in list(tiers.host.values())[-k:]:

@@ -111,8 +111,8 @@ class LLMEngine:
                        lambda self, d: setattr(self.scheduler, "drafter", d))
     waiting = property(lambda self: self.scheduler.waiting)
     running = property(lambda self: self.scheduler.running)
-    index = property(lambda self: self.kv.checkpoints.index)
-    ckpt_pages = property(lambda self: self.kv.checkpoints.pages)
+    index = property(lambda self: self.kv.checkpoint_cache.index)
+    ckpt_pages = property(lambda self: self.kv.checkpoint_cache.pages)
     max_num_seqs = property(lambda self: self.config.max_num_seqs)
     max_step_tokens = property(lambda self: self.config.max_step_tokens)
     auto_checkpoints = property(lambda self: self.config.auto_checkpoints)
@@ -120,7 +120,7 @@ class LLMEngine:
     @property
     def tier_stats(self):
         """The checkpoint tiers' TierStats (None without tiers), read by /metrics."""
-        t = self.kv.checkpoints.tiers
+        t = self.kv.checkpoint_cache.tiers
         return None if t is None else t.stats
 
     @property
@@ -130,7 +130,7 @@ class LLMEngine:
 
     def checkpoint_keys(self) -> tuple[list[bytes], list[bytes], list[int]]:
         """READY keys, PENDING keys and READY lengths of the checkpoint index (what a replica's router reads)."""
-        return self.kv.checkpoints.index.keys()
+        return self.kv.checkpoint_cache.index.keys()
 
     def set_step_observer(self, observer: Callable[[StepReport], None] | None) -> None:
         """Call ``observer`` after every ``step()`` (on the thread that steps) with its StepReport; one observer, a
@@ -139,7 +139,7 @@ class LLMEngine:
 
     def evict_checkpoints(self, n: int) -> bool:
         """Evict up to n unreferenced READY checkpoints (LRU), freeing their slots and pages."""
-        return self.kv.checkpoints.evict(n)
+        return self.kv.checkpoint_cache.evict(n)
 
     # ------------------------------------------------------------------ requests
     def new_request_id(self) -> str:
@@ -403,7 +403,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release what the runner holds outside this process (tensor-parallel workers); idempotent."""
-        self.kv.checkpoints.close()          # a disk tier keeps what the device and host hold
+        self.kv.checkpoint_cache.close()          # a disk tier keeps what the device and host hold
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -414,7 +414,7 @@ class LLMEngine:
         rather than wait forever."""
         if self.running or not self.waiting:
             return []
-        self.kv.checkpoints.evict(len(self.kv.checkpoints))
+        self.kv.checkpoint_cache.evict(len(self.kv.checkpoint_cache))
         st, pg = self.kv.state, self.kv.pages
         why = (f"does not fit the engine even alone ({st.num_slots} state slots, {pg.num_pages} KV pages of "
                f"{pg.page_size}, max_num_seqs {self.config.max_num_seqs})")

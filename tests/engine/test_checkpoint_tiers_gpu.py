@@ -77,7 +77,7 @@ def test_engine_with_graphs_hits_from_the_host_tier_with_the_resident_outputs():
     resident = LLM(num_slots=32, **kw).engine
     firsts = {id(e): [_run(e, c).outputs[0].token_ids for c in convs] for e in (tiered, resident)}
     assert firsts[id(tiered)] == firsts[id(resident)]
-    assert len(tiered.kv.checkpoints.tiers.host) >= 2
+    assert len(tiered.kv.checkpoint_cache.tiers.host) >= 2
     for c, out in zip(convs, firsts[id(tiered)]):
         ids = c + out + [9, 10, 11]
         a, b = _run(tiered, ids), _run(resident, ids)

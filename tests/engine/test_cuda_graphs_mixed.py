@@ -49,7 +49,7 @@ class Pair:
         for side in (0, 1):
             r = (self.g, self.e)[side]
             pf = [PrefillItem(s[side], t, producer=p, all_logits=al,
-                              checkpoint=None if c is None else (c[side].slot, c[side].pages))
+                              start_from=None if c is None else (c[side].slot, c[side].pages))
                   for s, t, p, c, al in items]
             out.append(r.step(pf, [(s[side], t) for s, t in decodes], ready=ready))
         if exact:

@@ -35,7 +35,7 @@ def mixed_lockstep(moe: bool) -> ModelRunner:
         outs = []
         for i, r in enumerate(rs):
             pf = [PrefillItem(seqs[n][i], t, producer=p, all_logits=al,
-                              checkpoint=None if c is None else (seqs[c][i].slot, seqs[c][i].pages))
+                              start_from=None if c is None else (seqs[c][i].slot, seqs[c][i].pages))
                   for n, t, p, c, al in items]
             outs.append(r.step(pf, [(seqs[n][i], t) for n, t in decodes], ready=slots))
         torch.cuda.synchronize()

@@ -183,7 +183,7 @@ def test_consumers_of_a_producer_and_of_a_ready_checkpoint_draft_like_the_refere
     cons = [runner.new_seq() for _ in suffixes]
     runner.step([PrefillItem(prod, prefix)] + [PrefillItem(c, s, producer=0) for c, s in zip(cons, suffixes[:2])], [])
     # a later consumer of the (now final) producer state and pages, read in place as a READY checkpoint
-    runner.step([PrefillItem(cons[2], suffixes[2], checkpoint=(prod.slot, prod.pages))], [],
+    runner.step([PrefillItem(cons[2], suffixes[2], start_from=(prod.slot, prod.pages))], [],
                 ready={prod.slot})
     nxt = torch.randint(0, 97, (3,)).tolist()
     runner.step([], [], verifies=[(c, [t]) for c, t in zip(cons, nxt)])

@@ -31,7 +31,7 @@ from gdnserve.engine.cache.state_pool import StatePool
 RESTORING = "restoring"     # longest_hit: the longest prefix is on its way up from a lower tier (wait for it)
 
 
-class Checkpoints:
+class CheckpointCache:
     """Checkpoint life cycle over the index: reserve (PENDING) -> ready (with its KV pages) -> acquire /
     release by consumers -> LRU eviction (copied down to ``tiers`` when given); automatic checkpoints adopt a
     finished sample's slot and pages; restores from the tiers (PENDING until ``poll``)."""
@@ -189,7 +189,7 @@ class Checkpoints:
 class KVCache:
     def __init__(self, state: StatePool, pages: PagePool, tiers: CheckpointTiers | None = None) -> None:
         self.state, self.pages = state, pages
-        self.checkpoints = Checkpoints(state, pages, tiers)
+        self.checkpoint_cache = CheckpointCache(state, pages, tiers)
 
     @property
     def page_size(self) -> int:
@@ -213,9 +213,9 @@ class KVCache:
         """Evict unreferenced READY checkpoints (LRU) until ``slots`` slots are free and ``pages`` pages are
         left after ``reserved``, as far as eviction can."""
         if slots > self.state.num_free:
-            self.checkpoints.evict(slots - self.state.num_free)
+            self.checkpoint_cache.evict(slots - self.state.num_free)
         if pages > self.page_room(reserved):
-            self.checkpoints.evict(len(self.checkpoints))
+            self.checkpoint_cache.evict(len(self.checkpoint_cache))
 
     def fits(self, slots: int, pages: int, reserved: int) -> bool:
         return slots <= self.state.num_free and pages <= self.page_room(reserved)

@@ -40,4 +40,4 @@ class PrefillItem:
     tokens: list[int]
     producer: int = -1          # index of a same-step PrefillItem whose final state and KV prefix this continues
     all_logits: bool = False    # logits for every token of the item (scoring), not only the last
-    checkpoint: tuple[int, PageTable] | None = None   # a READY checkpoint (state slot, KV pages) this continues
+    start_from: tuple[int, PageTable] | None = None   # a READY checkpoint (state slot, KV pages) this continues

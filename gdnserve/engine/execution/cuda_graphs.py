@@ -95,7 +95,7 @@ class StepGraphs:
                 p = prefills[it.producer]
                 start = p.seq.length + len(p.tokens)
             else:
-                start = it.checkpoint[1].length if it.checkpoint is not None else it.seq.length
+                start = it.start_from[1].length if it.start_from is not None else it.seq.length
             if start + n > cap:
                 return None
         if any(len(s.pages.pages) + s.pages.pages_needed(1) > W for s, _ in decodes):

@@ -318,13 +318,13 @@ class ModelRunner:
         for i, it in enumerate(prefills):
             if not it.tokens:
                 raise ValueError(f"prefill {i}: no tokens")
-            if (it.producer >= 0 or it.checkpoint is not None) and it.seq.length != 0:
+            if (it.producer >= 0 or it.start_from is not None) and it.seq.length != 0:
                 raise ValueError(f"prefill {i}: a consumer of a producer or checkpoint must be a fresh sequence")
             n, dst = len(it.tokens), it.seq.slot
             if it.producer >= 0:
                 segs.append(PrefillSegment(n, InitFrom.PRODUCER, dst, producer=it.producer))
-            elif it.checkpoint is not None:
-                segs.append(PrefillSegment(n, InitFrom.CHECKPOINT, dst, init_slot=it.checkpoint[0]))
+            elif it.start_from is not None:
+                segs.append(PrefillSegment(n, InitFrom.CHECKPOINT, dst, init_slot=it.start_from[0]))
             elif it.seq.length > 0:
                 segs.append(PrefillSegment(n, InitFrom.OWN_SLOT, dst, init_slot=dst))
             else:
@@ -349,11 +349,11 @@ class ModelRunner:
             r0, d0 = start_row[it.producer] + cow.first_position - p_before, cow.dst_page * cow.page_size
             host.dup_rows += range(r0 + o0, r0 + cow.num_tokens)
             host.dup_slots += range(d0 + o0, d0 + cow.num_tokens)
-        elif it.checkpoint is not None:
-            child, cow = it.checkpoint[1].fork(it.checkpoint[1].length)
+        elif it.start_from is not None:
+            child, cow = it.start_from[1].fork(it.start_from[1].length)
             if cow is not None:
                 host.copies.append((cow.src_page, cow.dst_page))
-            it.seq.pages, it.seq.length = child, it.checkpoint[1].length
+            it.seq.pages, it.seq.length = child, it.start_from[1].length
 
     def _lay_prefills(self, prefills: list[PrefillItem], segs: list[PrefillSegment], host: StepInputs,
                       mtp: MTPStepIndex | None) -> None:
@@ -367,7 +367,7 @@ class ModelRunner:
             row0, n, seq = len(host.ids), len(it.tokens), it.seq
             start_row[i] = row0
             if mtp is not None:      # the hidden before its first token: producer's last row, checkpoint's, own
-                src = it.checkpoint[0] if it.checkpoint is not None else (seq.slot if seq.length > 0 else None)
+                src = it.start_from[0] if it.start_from is not None else (seq.slot if seq.length > 0 else None)
                 mtp.segment(row0, n, last_row[it.producer] if it.producer >= 0 else None,
                             None if it.producer >= 0 else src, seq.slot)
             host.add(seq, it.tokens, n)

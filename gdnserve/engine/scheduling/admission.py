@@ -186,7 +186,7 @@ class Admission:
         A request that wants prompt logprobs starts from no cached state (a checkpoint keeps no logits; vLLM skips
         its prefix cache for these too): no automatic hit, and a marker whose checkpoint is READY or PENDING is
         ignored (the whole prompt computed, nothing published); a marker whose checkpoint is absent publishes it."""
-        ck, n, ids, c = self.kv.checkpoints, len(req.samples), req.prompt_ids, req.checkpoint_at
+        ck, n, ids, c = self.kv.checkpoint_cache, len(req.samples), req.prompt_ids, req.checkpoint_at
         fresh = req.params.prompt_logprobs is not None
         auto = ck.longest_hit(ids) if c is None and self.cfg.auto_checkpoints and not fresh else None
         if auto == RESTORING:                # its longest prefix comes up from a lower tier: wait for READY
@@ -248,7 +248,7 @@ class Admission:
         memo = self.long_memo.get(req)
         if memo is None or memo[1] <= max(p.budget, MIN_CHUNK):
             return False
-        pages = self.kv.checkpoints.pages
+        pages = self.kv.checkpoint_cache.pages
         if p.ready is None:
             p.ready = frozenset(pages)
         new = [k for k in p.ready - memo[0] if k in pages]
@@ -270,14 +270,14 @@ class Admission:
         cost = pl.cost
         self._chunking(req, pl, p)
         if pl.chunk is not None:
-            self.long_memo[req] = (frozenset(self.kv.checkpoints.pages), cost)
+            self.long_memo[req] = (frozenset(self.kv.checkpoint_cache.pages), cost)
         if pl.chunk is not None or pl.prod_chunk is not None:     # a long prompt (no hit to release)
             if not p.longs:
                 return LONG
             if p.partial >= limit:
                 return SKIP
         if pl.hit is not None:
-            self.kv.checkpoints.acquire(pl.hit)          # pinned now, so the evictions below cannot take it
+            self.kv.checkpoint_cache.acquire(pl.hit)          # pinned now, so the evictions below cannot take it
         self.kv.make_room(pl.need, pl.pages, p.reserved)
         why = None
         if not self.kv.fits(pl.need, pl.pages, p.reserved) or p.live + len(req.samples) > self.cfg.max_num_seqs:
@@ -290,17 +290,17 @@ class Admission:
             self._commit_fresh(req, pl, batch, p)
             return ADMITTED
         if pl.hit is not None:
-            self.kv.checkpoints.release(pl.hit)
+            self.kv.checkpoint_cache.release(pl.hit)
             if not self.running and not batch.items and pl.hit.refcount == 0:
                 # nothing runs that could free room and the checkpoint itself takes it: drop it (with every
                 # unreferenced checkpoint) and take the request again as a miss, never wait forever
-                self.kv.checkpoints.evict(len(self.kv.checkpoints))
+                self.kv.checkpoint_cache.evict(len(self.kv.checkpoint_cache))
                 return self.admit_fresh(req, batch, p)
         return why
 
     def _producer_item(self, req: Request, pl: _Plan, batch: StepBatch, p: AdmitPass) -> None:
         if pl.publish:                        # publish the prefix as a checkpoint: PENDING now, READY after the step
-            entry, prod = self.kv.checkpoints.reserve(pl.key, self.kv.pages, pl.hkey)
+            entry, prod = self.kv.checkpoint_cache.reserve(pl.key, self.kv.pages, pl.hkey)
             req.checkpoint = CheckpointInfo(hit_length=0, miss_reason=pl.miss, published=True)
             self.stats.published(pl.miss)
             if pl.prod_chunk is not None:     # READY after its last chunk's step
@@ -327,8 +327,8 @@ class Admission:
         if pl.new_producer:
             self._producer_item(req, pl, batch, p)
         elif pl.hit is not None:              # acquired; released after the step
-            ckpt = self.kv.checkpoints.kv_of(pl.hit)
-            req.checkpoint = CheckpointInfo(hit_length=pl.split, tier=self.kv.checkpoints.hit_tier(
+            ckpt = self.kv.checkpoint_cache.kv_of(pl.hit)
+            req.checkpoint = CheckpointInfo(hit_length=pl.split, tier=self.kv.checkpoint_cache.hit_tier(
                 pl.hit, continued=req.checkpoint_at is None))
             self.stats.checkpoint_hits += 1
         elif pl.key is not None:
@@ -344,7 +344,7 @@ class Admission:
             elif pl.key is None:
                 batch.add(PrefillItem(smp.seq, list(ids), all_logits=want_all), (req, smp))
             elif ckpt is not None:
-                batch.add(PrefillItem(smp.seq, list(ids[pl.split:]), checkpoint=ckpt, all_logits=want_all), (req, smp))
+                batch.add(PrefillItem(smp.seq, list(ids[pl.split:]), start_from=ckpt, all_logits=want_all), (req, smp))
             else:
                 prod = p.producers[pl.key]
                 batch.items[prod].all_logits |= want_all
@@ -398,7 +398,7 @@ class Admission:
         ("producer", item) of this step, ("zeros", None) for a one-token prefix; None: wait (PENDING elsewhere, or
         the prefix is still being produced chunk by chunk — its next chunk is added here); STOP: the budget is spent."""
         key = score_prefix(job.prefix_ids)
-        ck = self.kv.checkpoints
+        ck = self.kv.checkpoint_cache
         if not key:
             return "zeros", None
         if job.prod is not None:                      # chunked prefix in production: its next chunk
@@ -481,7 +481,7 @@ class Admission:
             seq = self.kv.new_seq()
             batch.temps.append(seq)
             item = PrefillItem(seq, toks, all_logits=True, producer=ref if kind == "producer" else -1,
-                               checkpoint=ref if kind == "ready" else None)
+                               start_from=ref if kind == "ready" else None)
             wave.items.append(batch.add(item))
             wave.cands.append(i)
             job.todo.remove(i)

@@ -75,7 +75,7 @@ class Scheduler:
         request of theirs back in the queue waits until the id has landed."""
         self.allowed, self.inflight = allowed, inflight or {}
         batch = StepBatch()
-        ck = self.kv.checkpoints
+        ck = self.kv.checkpoint_cache
         try:
             ck.poll()                             # restores from a lower tier whose copy is done: READY
             self._fill(batch)
@@ -95,8 +95,8 @@ class Scheduler:
     def _ready_slots(self, batch: StepBatch) -> frozenset[int]:
         """The READY checkpoint slots among those the step's prefills write or start from: what the plan's
         ownership check needs to know (a READY slot is never a destination; a checkpoint read must be READY)."""
-        ck = self.kv.checkpoints
-        slots = {it.seq.slot for it in batch.items} | {it.checkpoint[0] for it in batch.items if it.checkpoint}
+        ck = self.kv.checkpoint_cache
+        slots = {it.seq.slot for it in batch.items} | {it.start_from[0] for it in batch.items if it.start_from}
         return frozenset(s for s in slots if s >= 0 and ck.is_ready_slot(s))
 
     def _fill(self, batch: StepBatch) -> None:
@@ -115,14 +115,14 @@ class Scheduler:
         reserve = min(rem_all, max(budget // 2, MIN_CHUNK * (len(chunks) + scores))) if chunks or prods else 0
         p = AdmitPass(budget=budget - reserve, reserved=reserved, busy=bool(chunks or ready), live=self.live_seqs(),
                       reserve=reserve, partial=len(chunks) + scores)
-        self.kv.checkpoints.promised = lambda: p.reserved   # a restore started by a lookup leaves these free
+        self.kv.checkpoint_cache.promised = lambda: p.reserved   # a restore started by a lookup leaves these free
         longs = self.admission.admit_waiting(batch, p)
         for it, o in ready:                       # after the admissions' items: producer indices unchanged
             batch.add(it, o)
         p.budget = self._continue_chunks(batch, chunks, rem, p.budget + p.reserve)
         p.partial = scores + sum(r.num_computed < self._chunk_end(r) for r in chunks)   # still chunked after it
         self.admission.admit_long(batch, p, longs)
-        self.kv.checkpoints.promised = None
+        self.kv.checkpoint_cache.promised = None
 
     @staticmethod
     def _chunk_end(req: Request) -> int:
@@ -139,8 +139,8 @@ class Scheduler:
                 # its chunked prefix is READY now: the samples continue from it (the reference it holds is
                 # released after this step, like any READY hit's)
                 entry, tail = req.prod.entry, req.prompt_ids[req.checkpoint_at:]
-                kv = self.kv.checkpoints.kv_of(entry)
-                ready += [(PrefillItem(s.seq, list(tail), checkpoint=kv), (req, s)) for s in req.samples]
+                kv = self.kv.checkpoint_cache.kv_of(entry)
+                ready += [(PrefillItem(s.seq, list(tail), start_from=kv), (req, s)) for s in req.samples]
                 batch.acquired.append(entry)
                 req.prod, req.num_computed = None, len(req.prompt_ids)
             elif req.num_computed < len(req.prompt_ids):
@@ -229,7 +229,7 @@ class Scheduler:
         """Producers of n-sample forks and score candidates live for one step; published checkpoints become
         READY (their state and KV pages are final once the step has run) or are dropped if it failed;
         references taken for the step are released; chunked producers advance."""
-        ck = self.kv.checkpoints
+        ck = self.kv.checkpoint_cache
         batch.settled = True
         for seq in batch.temps:
             self.kv.free_seq(seq)
@@ -258,7 +258,7 @@ class Scheduler:
         tokens = conversation_prefix(req.prompt_ids, s.token_ids)
         if (self.cfg.auto_checkpoints and len(req.samples) == 1 and s.finish_reason in ("stop", "length")
                 and seq.length == len(tokens)
-                and self.kv.checkpoints.adopt(tokens, seq, conversation_key(req, s.token_ids)) is not None):
+                and self.kv.checkpoint_cache.adopt(tokens, seq, conversation_key(req, s.token_ids)) is not None):
             self.stats.checkpoints_published += 1
             req.checkpoint = replace(req.checkpoint, published=True)
             return
@@ -300,7 +300,7 @@ class Scheduler:
         pages = self.kv.pages
         if self.pages_for_running() <= pages.num_free:
             return
-        self.kv.checkpoints.evict(len(self.kv.checkpoints))
+        self.kv.checkpoint_cache.evict(len(self.kv.checkpoint_cache))
         while self.pages_for_running() > pages.num_free and len(self.running) > 1:
             self.requeue(self.running[-1])
             self.stats.preemptions += 1
@@ -333,7 +333,7 @@ class Scheduler:
         p, req.prod = req.prod, None
         if p is None:
             return
-        ck = self.kv.checkpoints
+        ck = self.kv.checkpoint_cache
         if ck.is_pending(p.entry):
             if self.producing.get(p.entry.token_ids) is req:
                 del self.producing[p.entry.token_ids]
@@ -345,7 +345,7 @@ class Scheduler:
 
     def drop_score_production(self, job: ScoreJob) -> None:
         """A score job's chunked prefix in production (PENDING) or its held READY prefix."""
-        ck = self.kv.checkpoints
+        ck = self.kv.checkpoint_cache
         if job.prod is not None and job.entry is not None and ck.is_pending(job.entry):
             self.producing.pop(job.entry.token_ids, None)
             ck.abort(job.entry, job.prod.pages)
