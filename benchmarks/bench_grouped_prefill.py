@@ -730,7 +730,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gdnserve.entrypoints.cli import add_bench_grouped_prefill_arguments
+    from gdnserve.cli import add_bench_grouped_prefill_arguments
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_grouped_prefill",
                                      description=__doc__.split("\n")[0])
     add_bench_grouped_prefill_arguments(parser)

@@ -782,7 +782,7 @@ def add_extra_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gdnserve.entrypoints.cli import add_bench_model_arguments
+    from gdnserve.cli import add_bench_model_arguments
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_model", description=__doc__.split("\n")[0])
     add_bench_model_arguments(parser)
     add_extra_arguments(parser)

@@ -377,7 +377,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gdnserve.entrypoints.cli import add_bench_serve_arguments
+    from gdnserve.cli import add_bench_serve_arguments
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_serve", description=__doc__.split("\n")[0])
     add_bench_serve_arguments(parser)
     if "--tensor-parallel-size" not in parser._option_string_actions:

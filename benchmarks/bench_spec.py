@@ -235,7 +235,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gdnserve.entrypoints.cli import add_bench_spec_arguments
+    from gdnserve.cli import add_bench_spec_arguments
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_spec", description=__doc__.split("\n")[0])
     add_bench_spec_arguments(parser)
     return run_from_args(parser.parse_args(argv))

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from gdnserve.entrypoints import cli
+from gdnserve import cli
 
 MODES = ("serial", "two_phase", "two_phase_indexed", "fused")
 

@@ -30,7 +30,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Sequence
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RESULTS = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gdnserve" / "bench"
 
 
