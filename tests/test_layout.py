@@ -102,6 +102,7 @@ def test_engine_parts_import_one_way():
     leaves = {f"{e}.config", f"{e}.engine_api", f"{e}.sampling_params", f"{e}.detokenizer"}
 
     def engine_deps(part: str) -> set[str]:
+        assert any(m.startswith(f"{e}.{part}.") for m in g), f"no engine/{part}/ package"
         return {t for t in imports_of(f"{e}.{part}", g) if t.startswith(e + ".") and not t.startswith(f"{e}.{part}.")}
 
     assert engine_deps("cache") <= leaves
