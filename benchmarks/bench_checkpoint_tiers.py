@@ -33,10 +33,10 @@ from typing import Any
 import torch
 
 from benchmarks import jsonfmt
-from gdnserve.engine.checkpoint_copy import Copier
+from gdnserve.engine.cache.checkpoint_copy import Copier
+from gdnserve.engine.cache.sequence import PrefillItem
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.llm_engine import LLMEngine
-from gdnserve.engine.model_runner import PrefillItem
 from gdnserve.engine.sampling_params import SamplingParams
 
 
@@ -152,7 +152,7 @@ def run_mode(e: LLMEngine, plan: Plan, convs: list[list[list[int]]], mode: str, 
 def restore_vs_recompute(e: LLMEngine, k: int, device: torch.device) -> list[dict[str, Any]]:
     """K host-tier checkpoints: restore (lookup -> READY, room made beforehand) beside one prefill of their prefix,
     and the spill of a device checkpoint (evict -> the copy done)."""
-    ck = e.kv.checkpoints
+    ck = e.kv.checkpoint_cache
     tiers = ck.tiers
     out = []
     for hc in list(tiers.host.values())[-k:]:

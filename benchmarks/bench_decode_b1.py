@@ -30,11 +30,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gdnserve.ops.gemv import SkinnyConfig, skinny_linear
-from gdnserve.ops.gemv import skinny_triton
+from benchmarks import jsonfmt
+from gdnserve.ops.gemv import SkinnyConfig, skinny_linear, skinny_triton
 from gdnserve.ops.moe import router_triton
 from gdnserve.ops.numerics import rel_rms
-from benchmarks import jsonfmt
 
 SHAPES = ((2048, 4096, "GDN out_proj / attention o_proj"), (12352, 2048, "GDN in_proj"),
           (9216, 2048, "attention qkv_proj"), (257, 2048, "router gate (+ the shared expert's row)"))
@@ -208,7 +207,8 @@ def merge_table(old: dict, new: dict, ms) -> dict:
 def part_step(base, table: dict, log, steps: int = 60, gate_fold: bool = True) -> dict:
     from benchmarks.profile_steps import markdown, profile_steps
     from benchmarks.random_model import build_random_model, config_for
-    from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
+    from gdnserve.engine.cache.sequence import PrefillItem
+    from gdnserve.engine.execution.model_runner import ModelRunner, RunnerConfig
     from gdnserve.layers.attention import GatedAttention
     from gdnserve.layers.linear import ColumnParallelLinear, RowParallelLinear
     dev = torch.device("cuda")

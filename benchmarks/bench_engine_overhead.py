@@ -34,11 +34,11 @@ import torch
 from benchmarks import jsonfmt
 from benchmarks.random_model import NullTokenizer, build_random_model, config_for
 from benchmarks.timing import percentiles
+from gdnserve.cli import DEFAULT_RESULTS
+from gdnserve.engine.cache.sequence import PrefillItem
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.llm_engine import LLMEngine
-from gdnserve.engine.model_runner import PrefillItem
 from gdnserve.engine.sampling_params import SamplingParams
-from gdnserve.entrypoints.cli import DEFAULT_RESULTS
 
 
 def _sync(dev: torch.device) -> None:

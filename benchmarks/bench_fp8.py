@@ -47,11 +47,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks import jsonfmt
 from benchmarks.timing import time_call
 from gdnserve.ops.numerics import rel_rms
 from gdnserve.ops.quant import fp8_linear, quantize_weight
 from gdnserve.ops.quant.fp8_ref import fp8_linear_torch
-from benchmarks import jsonfmt
 
 H = 2048
 # name -> (FP8 rows N, K, dense tail rows): one Qwen3.5-35B-A3B layer's projections
@@ -370,7 +370,7 @@ def model_rows(dev: torch.device, quick: bool, layers: int | None, experts: int 
     from benchmarks.bench_model import Plan, decode_bytes, ours_decode, ours_prefill
     from benchmarks.random_model import build_random_model, config_for
     from benchmarks.timing import measure_ceilings, percentiles
-    from gdnserve.engine.model_runner import ModelRunner, RunnerConfig
+    from gdnserve.engine.execution.model_runner import ModelRunner, RunnerConfig
     from gdnserve.models.loader import quantize_model_fp8_
     cuda = dev.type == "cuda"
     cfg = config_for(dev, layers, experts, full=full)

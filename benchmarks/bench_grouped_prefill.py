@@ -65,11 +65,26 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.bench_ops import (QWEN35_GDN, Dims, Fla, _err, _git, _layer_params, _pct, _versions, chunk_cost,
-                                  conv_cost, device_name, device_slug, load_fla, rel_rms, resolve_device,
-                                  split_qkv)
-from benchmarks.timing import host_time, measure_ceilings, time_call
 from benchmarks import jsonfmt
+from benchmarks.bench_ops import (
+    QWEN35_GDN,
+    Dims,
+    Fla,
+    _err,
+    _git,
+    _layer_params,
+    _pct,
+    _versions,
+    chunk_cost,
+    conv_cost,
+    device_name,
+    device_slug,
+    load_fla,
+    rel_rms,
+    resolve_device,
+    split_qkv,
+)
+from benchmarks.timing import host_time, measure_ceilings, time_call
 
 ACT, STATE, CONV = torch.bfloat16, torch.float32, torch.bfloat16
 CPU_DIMS = Dims(H=2, HV=4, K=16, V=16, W=4)
@@ -140,7 +155,7 @@ class Workload:
 
     def segments(self, slot0: int) -> list[Any]:
         """Producers (zeros -> checkpoint slot slot0 + p), then consumers (producer -> private slot)."""
-        from gdnserve.engine.step_plan import InitFrom, PrefillSegment
+        from gdnserve.engine.execution.step_plan import InitFrom, PrefillSegment
         segs = [PrefillSegment(self.prefix, InitFrom.ZEROS, slot0 + p, request=f"P{p}") for p in range(self.producers)]
         C = self.consumers
         segs += [PrefillSegment(self.suffix, InitFrom.PRODUCER, slot0 + self.producers + j, producer=j // C,
@@ -172,7 +187,7 @@ def make_setup(cuda: bool, quick: bool) -> Setup:
 
 def essential_bytes(d: Dims, segs: list[Any], T: int, s_a: int, s_c: int, s_s: int) -> int:
     """The module docstring's formula."""
-    from gdnserve.engine.step_plan import InitFrom
+    from gdnserve.engine.execution.step_plan import InitFrom
     n_src = sum(s.init in (InitFrom.OWN_SLOT, InitFrom.CHECKPOINT) for s in segs)
     n_dst = sum(s.dst_slot >= 0 for s in segs)
     state = (d.W - 1) * d.D * s_c + d.HV * d.V * d.K * s_s
@@ -187,7 +202,7 @@ def stager_capacity(wl: Workload, modes: tuple[str, ...]) -> int:
     """The int32s one plan of this workload stages, the most over ``modes``: measured by building each plan
     once into a host-side stager (every packed vector starts 16-byte aligned, so a count of vector lengths
     alone comes up short: 4P512x8C64 needed 904 ints against a formula's 896)."""
-    from gdnserve.engine.step_plan import IndexStager, build_step_plan
+    from gdnserve.engine.execution.step_plan import IndexStager, build_step_plan
 
     class Counting(IndexStager):
         used = 0
@@ -223,7 +238,7 @@ class Case:
 
 def build_case(wl: Workload, setup: Setup, modes: tuple[str, ...], device: torch.device, fla: Fla | None,
                l2_bytes: int) -> Case:
-    from gdnserve.engine.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan
+    from gdnserve.engine.execution.step_plan import IndexStager, InitFrom, PrefillSegment, build_step_plan
     from gdnserve.layers.gdn_prefill import GDNCoreParams, gdn_prefill_core
     from gdnserve.ops.gdn.chunk_workspace import ChunkWorkspace
     d, dev, cuda = setup.dims, device, device.type == "cuda"
@@ -715,7 +730,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gdnserve.entrypoints.cli import add_bench_grouped_prefill_arguments
+    from gdnserve.cli import add_bench_grouped_prefill_arguments
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_grouped_prefill",
                                      description=__doc__.split("\n")[0])
     add_bench_grouped_prefill_arguments(parser)

@@ -36,7 +36,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from gdnserve.entrypoints.cli import DEFAULT_RESULTS
+from gdnserve.cli import DEFAULT_RESULTS
 from benchmarks import jsonfmt
 
 MARK = "<|state_checkpoint|>"
@@ -82,7 +82,7 @@ class Server:
     def __init__(self, args: argparse.Namespace, log: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "gdnserve.entrypoints.cli", "serve", "--device", "cpu", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "gdnserve.cli", "serve", "--device", "cpu", "--port", str(self.port),
                "--max-num-seqs", str(args.max_num_seqs), "--num-pages", str(args.num_pages)]
         self.log = open(log, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,

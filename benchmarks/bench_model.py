@@ -73,10 +73,19 @@ from typing import Any, Callable, Iterator
 import torch
 
 from benchmarks.e2e_report import Report, fmt_pct, model_summary, pct, run_cli, timed
-from benchmarks.random_model import (VOCAB, bench_hf_config, build_hf_model, build_random_model, config_for,
-                                     ours_from_hf, param_bytes, qwen3_next_hf_config)
+from benchmarks.random_model import (
+    VOCAB,
+    bench_hf_config,
+    build_hf_model,
+    build_random_model,
+    config_for,
+    ours_from_hf,
+    param_bytes,
+    qwen3_next_hf_config,
+)
 from benchmarks.timing import measure_ceilings
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
+from gdnserve.engine.cache.sequence import PrefillItem
+from gdnserve.engine.execution.model_runner import ModelRunner, RunnerConfig
 from gdnserve.ops.numerics import rel_rms
 
 
@@ -773,7 +782,7 @@ def add_extra_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gdnserve.entrypoints.cli import add_bench_model_arguments
+    from gdnserve.cli import add_bench_model_arguments
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_model", description=__doc__.split("\n")[0])
     add_bench_model_arguments(parser)
     add_extra_arguments(parser)

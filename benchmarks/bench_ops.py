@@ -959,7 +959,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gdnserve.entrypoints.cli import add_bench_ops_arguments
+    from gdnserve.cli import add_bench_ops_arguments
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_ops", description=__doc__.split("\n")[0])
     add_bench_ops_arguments(parser)
     parser.add_argument("--only", action="append", default=None, metavar="KIND[:SIZES]",

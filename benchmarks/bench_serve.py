@@ -56,8 +56,8 @@ import torch
 from benchmarks.e2e_report import Report, model_summary, pct, run_cli
 from benchmarks.random_model import NullTokenizer, build_random_model, config_for
 from gdnserve.engine.config import EngineConfig
+from gdnserve.engine.execution.model_runner import RunnerConfig
 from gdnserve.engine.llm_engine import LLMEngine
-from gdnserve.engine.model_runner import RunnerConfig
 from gdnserve.engine.sampling_params import SamplingParams
 
 MODES = ("none", "fused", "two_phase", "score")   # none first: the reference of the agreement column
@@ -377,7 +377,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gdnserve.entrypoints.cli import add_bench_serve_arguments
+    from gdnserve.cli import add_bench_serve_arguments
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_serve", description=__doc__.split("\n")[0])
     add_bench_serve_arguments(parser)
     if "--tensor-parallel-size" not in parser._option_string_actions:

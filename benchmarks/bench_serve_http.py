@@ -60,7 +60,7 @@ import httpx
 
 from benchmarks import jsonfmt
 from benchmarks.bench_load import free_port, pct, wait_healthy
-from gdnserve.entrypoints.cli import DEFAULT_RESULTS
+from gdnserve.cli import DEFAULT_RESULTS
 
 MARK = "<|state_checkpoint|>"
 WORKLOADS = ("random", "prefix", "chat")
@@ -242,7 +242,7 @@ class Server:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         mod = ["-m", "benchmarks.serve_random", "--shape", args.random] if args.random else \
-            ["-m", "gdnserve.entrypoints.cli", "serve"]
+            ["-m", "gdnserve.cli", "serve"]
         flags = ["--port", str(port), "--device", args.device]
         for name in ("model", "dtype", "gpu_memory_utilization", "memory_budget_gb", "max_num_seqs", "max_model_len",
                      "num_pages", "num_slots", "spec_k", "spec_draft", "spec_oracle"):

@@ -43,8 +43,8 @@ import torch
 from benchmarks.e2e_report import Report, fmt_pct, model_summary, pct, run_cli, timed
 from benchmarks.oracle_drafter import RecordedOracleDrafter
 from benchmarks.random_model import NullTokenizer, build_random_model, config_for, make_greedy_chain_
+from gdnserve.engine.execution.model_runner import RunnerConfig
 from gdnserve.engine.llm_engine import LLMEngine
-from gdnserve.engine.model_runner import RunnerConfig
 from gdnserve.engine.sampling_params import SamplingParams
 
 MODES = ("intermediate", "replay")
@@ -235,7 +235,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gdnserve.entrypoints.cli import add_bench_spec_arguments
+    from gdnserve.cli import add_bench_spec_arguments
     parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_spec", description=__doc__.split("\n")[0])
     add_bench_spec_arguments(parser)
     return run_from_args(parser.parse_args(argv))

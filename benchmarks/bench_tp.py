@@ -59,10 +59,17 @@ import torch
 from benchmarks import bench_model as bm
 from benchmarks import bench_serve as bs
 from benchmarks.e2e_report import Report, fmt_pct, model_summary, pct, run_cli
-from benchmarks.random_model import FULL_EXPERTS, FULL_LAYERS, bench_hf_config, qwen3_next_hf_config, tiny_hf_config
+from benchmarks.random_model import (
+    FULL_EXPERTS,
+    FULL_LAYERS,
+    bench_hf_config,
+    qwen3_next_hf_config,
+    tiny_hf_config,
+)
 from benchmarks.tp_model import CollectiveTimer, TPSession
+from gdnserve.engine.cache.sequence import PrefillItem
 from gdnserve.engine.config import EngineConfig
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem
+from gdnserve.engine.execution.model_runner import ModelRunner
 from gdnserve.engine.sampling_params import SamplingParams
 
 SECTIONS = ("eq", "decode", "prefill", "serve", "next")

@@ -8,8 +8,8 @@ import triton.language as tl
 
 from gdnserve.ops.attention.rope_triton import _reduce_2pi
 from gdnserve.ops.launch import launch, pow2
-from gdnserve.ops.norm.rmsnorm import row_strides
 from gdnserve.ops.norm.rmsnorm_triton import warps_for
+from gdnserve.ops.norm.rows import row_strides
 from gdnserve.ops.tl_compat import cast
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}

@@ -37,7 +37,11 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.random_model import build_random_model, config_for
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
+from gdnserve.engine.cache.sequence import PrefillItem
+from gdnserve.engine.execution.model_runner import (
+    ModelRunner,
+    RunnerConfig,
+)
 from gdnserve.models.qwen3_5 import set_fused
 from gdnserve.ops.backend import interpreting
 

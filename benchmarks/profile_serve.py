@@ -22,10 +22,10 @@ from collections import defaultdict
 
 import torch
 
+from benchmarks import jsonfmt
 from benchmarks.bench_serve import drive, make_engine, make_plan
 from benchmarks.random_model import build_random_model, config_for
 from gdnserve.engine.sampling_params import SamplingParams
-from benchmarks import jsonfmt
 
 
 def _sync() -> None:
@@ -91,10 +91,10 @@ def kernel_table(engine, groups, mode: str, params, tag: str, top: int) -> list[
 
 def stub_engine(mode: str, plan):
     """An engine on the CPU whose graph-shaped forward returns zeros (no model time): the host path alone."""
-    from gdnserve.engine.llm_engine import LLMEngine
-    from gdnserve.engine.mixed_inputs import MixedKey
-    from gdnserve.engine.model_runner import RunnerConfig
     from benchmarks.random_model import NullTokenizer, tiny_hf_config
+    from gdnserve.engine.execution.mixed_inputs import MixedKey
+    from gdnserve.engine.execution.model_runner import RunnerConfig
+    from gdnserve.engine.llm_engine import LLMEngine
     model = build_random_model(tiny_hf_config(), torch.device("cpu"), torch.float32)
     rc = RunnerConfig(num_slots=2 * plan.max_num_seqs + 2, num_pages=plan.num_pages, page_size=16,
                       prefill_mode="fused" if mode == "none" else mode, graph_max_tokens=plan.max_step_tokens,

@@ -19,7 +19,11 @@ from collections import defaultdict
 import torch
 
 from benchmarks.random_model import build_random_model, config_for
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
+from gdnserve.engine.cache.sequence import PrefillItem
+from gdnserve.engine.execution.model_runner import (
+    ModelRunner,
+    RunnerConfig,
+)
 
 # (part, regex on the kernel name), first match wins
 PARTS = (

@@ -73,7 +73,7 @@ def load_random_engine(model: str | None, *, dtype: str | None, device: str, con
     from benchmarks.oracle_drafter import install_chain_oracle
     from benchmarks.random_model import build_random_model, make_greedy_chain_
     from gdnserve.engine.llm_engine import LLMEngine
-    from gdnserve.engine.memory_budget import config_weights_bytes, resolve_pools
+    from gdnserve.engine.memory.memory_budget import config_weights_bytes, resolve_pools
     from gdnserve.models.config import ModelConfig
     from gdnserve.models.loader import quantize_model_fp8_
     if config.tensor_parallel_size != 1:

@@ -30,9 +30,13 @@ import torch.distributed as dist
 
 from benchmarks.random_model import NullTokenizer, make_greedy_chain_
 from gdnserve.engine.config import EngineConfig
+from gdnserve.engine.execution.model_runner import (
+    ModelRunner,
+    RunnerConfig,
+    build_pools,
+)
 from gdnserve.engine.llm_engine import LLMEngine
-from gdnserve.engine.model_runner import ModelRunner, RunnerConfig, build_pools
-from gdnserve.engine.tp_workers import ModelSpec, TPGroup
+from gdnserve.engine.tp.tp_workers import ModelSpec, TPGroup
 from gdnserve.layers.moe import fold_shared_experts
 from gdnserve.models.config import ModelConfig
 
@@ -93,7 +97,7 @@ class TPSession:
 
     def __init__(self, hf_cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, size: int,
                  rc: RunnerConfig, chain: bool = True, seed: int = 0) -> None:
-        from gdnserve.engine.tp_launch import check_tensor_parallel
+        from gdnserve.engine.tp.tp_check import check_tensor_parallel
         self.size, self.rc = size, rc
         self.spec = RandomSpec(None, str(dtype).removeprefix("torch."), device.type, hf_cfg=hf_cfg, seed=seed,
                                chain=chain)
@@ -115,7 +119,7 @@ class TPSession:
         """A runner on the session's config (its own rank-0 pools; the workers' are shared by all)."""
         if self.group is None:
             return ModelRunner(self.model, self.rc)
-        from gdnserve.engine.tp_runner import TPRunner
+        from gdnserve.engine.tp.tp_runner import TPRunner
         return TPRunner(self.model, self.rc, build_pools(self.model, self.rc), self.group)
 
     def engine(self, cfg: EngineConfig) -> LLMEngine:
@@ -125,7 +129,7 @@ class TPSession:
             raise ValueError(f"engine config gives {cfg.runner_config()}, the session was started for {self.rc}")
         if self.group is None:
             return LLMEngine(self.model, NullTokenizer(), cfg)
-        from gdnserve.engine.tp_runner import TPRunner
+        from gdnserve.engine.tp.tp_runner import TPRunner
         return LLMEngine(self.model, NullTokenizer(), cfg, runner_factory=partial(TPRunner, group=self.group))
 
     def close(self) -> None:

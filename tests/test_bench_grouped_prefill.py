@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from gdnserve.entrypoints import cli
+from gdnserve import cli
 
 MODES = ("serial", "two_phase", "two_phase_indexed", "fused")
 
@@ -79,7 +79,7 @@ def test_quick_cpu_run_writes_json_and_markdown_with_executors_agreeing(tmp_path
 def test_stager_capacity_fits_every_mode_of_the_h200_workloads():
     """The staging is sized from the plans themselves (aligned vectors): 4P512x8C64 failed on the H200 with
     "step needs 904 index ints, staging capacity is 896" under a formula that ignored the alignment."""
-    from gdnserve.engine.step_plan import IndexStager, build_step_plan
+    from gdnserve.engine.execution.step_plan import IndexStager, build_step_plan
     gp = cli.load_benchmark("bench_grouped_prefill")
     for wl in (gp.Workload(4, 8, 512, 64), gp.Workload(1, 16, 512, 64), gp.Workload(1, 64, 4096, 256)):
         cap = gp.stager_capacity(wl, MODES)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gdnserve.entrypoints import cli
+from gdnserve import cli
 
 
 def test_help_lists_its_options(capsys):

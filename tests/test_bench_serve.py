@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gdnserve.entrypoints import cli
+from gdnserve import cli
 
 
 def test_help_lists_its_options(capsys):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from gdnserve.entrypoints import cli
+from gdnserve import cli
 
 
 def test_bench_ops_help_lists_its_options(capsys):

@@ -1,5 +1,5 @@
 """`gdnserve generate` runs the embedded model end to end on the CPU, deterministically."""
-from gdnserve.entrypoints.cli import main
+from gdnserve.cli import main
 
 
 def test_generate_embedded_model(capsys):

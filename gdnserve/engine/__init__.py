@@ -1,3 +1,6 @@
-"""The engine: state pool and checkpoint index, scheduler, step-plan builder, model runner, sampler,
-speculative decoding and the engine loop (architecture.md, "The nouns"). Imports flow from ``ops``,
+"""The engine (architecture.md, "The nouns"). Here, its public face and the loop: ``llm_engine`` (LLMEngine),
+``async_engine``, ``engine_api`` (the public types), ``config`` (EngineConfig), ``sampling_params``, and the
+loop's output side (``output_processor``, ``detokenizer``). The parts the loop drives: ``scheduling/`` (what
+runs in a step), ``cache/`` (pools, sequences, checkpoints and their tiers), ``execution/`` (running a step on
+the device), ``memory/`` (sizing the pools), ``tp/`` (tensor parallelism). Imports flow from ``ops``,
 ``layers`` and ``models`` into here, never back."""

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import Any, AsyncIterator
 
 from gdnserve.engine.engine_api import EngineDeadError, GenerateRequest, RequestOutput, ScoreResult
-from gdnserve.engine.engine_stats import StepReport
 from gdnserve.engine.llm_engine import LLMEngine
+from gdnserve.engine.scheduling.engine_stats import StepReport
 
 logger = logging.getLogger(__name__)
 

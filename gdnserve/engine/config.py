@@ -18,19 +18,19 @@ OVERLAP_BY_DEFAULT = False
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """``num_pages`` / ``num_slots`` None = sized by the memory plan (engine/memory_plan.py) from
+    """``num_pages`` / ``num_slots`` None = sized by the memory plan (engine/memory/memory_plan.py) from
     ``gpu_memory_utilization`` of the device (CUDA) or from ``memory_budget_gb`` (any device); on CPU without
     ``memory_budget_gb`` they are fixed: ``FIXED_PAGES`` pages and ``2 * max_num_seqs + 2`` slots (running samples,
     their fork producers and checkpoints), checked against the RAM available. Given sizes are checked, not changed.
     ``cuda_graphs`` None = on for CUDA devices (decode-only and verify-only steps replay bucketed graphs).
-    ``tensor_parallel_size`` N > 1: N processes, one GPU each (engine/tp_workers.py); steps run eagerly.
+    ``tensor_parallel_size`` N > 1: N processes, one GPU each (engine/tp/tp_workers.py); steps run eagerly.
     ``max_partial_prefills``: prompts (or checkpoint / score prefixes) prefilled chunk by chunk at once; a prompt
     that needs chunking waits while this many are in progress, without holding up shorter jobs behind it (vLLM's
     ``max_long_partial_prefills``; docs/serving.md "Chunked prefill").
     ``checkpoint_host_memory_gb`` > 0: evicted checkpoints are copied to that much pinned host memory (ordinary memory
     on CPU) and restored on a hit; ``checkpoint_dir``: below it (or below the device when the host tier is off) a
     directory of checkpoint files of at most ``checkpoint_dir_max_gb``, kept across restarts
-    (engine/checkpoint_tiers.py; docs/serving.md "Checkpoint tiers").
+    (engine/cache/checkpoint_tiers.py; docs/serving.md "Checkpoint tiers").
 
     ``overlap``: the overlapped loop (llm_engine.py: step n + 1 is scheduled and launched with step n's sampled ids
     still on the device, and step n's outputs processed while it runs); None = ``OVERLAP_BY_DEFAULT`` on a CUDA device. It needs

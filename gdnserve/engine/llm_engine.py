@@ -28,21 +28,31 @@ from dataclasses import dataclass
 
 import torch
 
-from gdnserve.engine.checkpoint_tiers import build_tiers
+from gdnserve.engine.cache.checkpoint_tiers import build_tiers
+from gdnserve.engine.cache.kv_cache import KVCache
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.engine_api import EngineDeadError, RequestOutput, ScoreResult
-from gdnserve.engine.engine_stats import EngineStats, StepReport
-from gdnserve.engine.intake import make_request, make_score_job
-from gdnserve.engine.isolation import Isolation
-from gdnserve.engine.kv_cache import KVCache
-from gdnserve.engine.memory_budget import resolve_pools, weights_bytes
-from gdnserve.engine.model_runner import ModelRunner, RunnerConfig, build_pools
-from gdnserve.engine.output_processor import OutputProcessor, Processed
-from gdnserve.engine.request import Job, Request, RequestError, Sample, ScoreJob
-from gdnserve.engine.sampler import Sampler
-from gdnserve.engine.scheduler import MIN_CHUNK, Scheduler
-from gdnserve.engine.step_batch import StepBatch, StepOutput
-from gdnserve.engine.step_inputs import DecodeFeed
+from gdnserve.engine.execution.model_runner import (
+    ModelRunner,
+    RunnerConfig,
+    build_pools,
+)
+from gdnserve.engine.execution.sampler import Sampler
+from gdnserve.engine.execution.step_inputs import DecodeFeed
+from gdnserve.engine.memory.memory_budget import resolve_pools, weights_bytes
+from gdnserve.engine.output_processor import OutputProcessor
+from gdnserve.engine.scheduling.engine_stats import EngineStats, StepReport
+from gdnserve.engine.scheduling.intake import make_request, make_score_job
+from gdnserve.engine.scheduling.isolation import Isolation
+from gdnserve.engine.scheduling.request import (
+    Job,
+    Request,
+    RequestError,
+    Sample,
+    ScoreJob,
+)
+from gdnserve.engine.scheduling.scheduler import MIN_CHUNK, Scheduler
+from gdnserve.engine.scheduling.step_batch import Processed, StepBatch, StepOutput
 from gdnserve.speculative.ngram import NgramDrafter
 
 __all__ = ["LLMEngine", "RequestError", "MIN_CHUNK"]
@@ -101,8 +111,8 @@ class LLMEngine:
                        lambda self, d: setattr(self.scheduler, "drafter", d))
     waiting = property(lambda self: self.scheduler.waiting)
     running = property(lambda self: self.scheduler.running)
-    index = property(lambda self: self.kv.checkpoints.index)
-    ckpt_pages = property(lambda self: self.kv.checkpoints.pages)
+    index = property(lambda self: self.kv.checkpoint_cache.index)
+    ckpt_pages = property(lambda self: self.kv.checkpoint_cache.pages)
     max_num_seqs = property(lambda self: self.config.max_num_seqs)
     max_step_tokens = property(lambda self: self.config.max_step_tokens)
     auto_checkpoints = property(lambda self: self.config.auto_checkpoints)
@@ -110,7 +120,7 @@ class LLMEngine:
     @property
     def tier_stats(self):
         """The checkpoint tiers' TierStats (None without tiers), read by /metrics."""
-        t = self.kv.checkpoints.tiers
+        t = self.kv.checkpoint_cache.tiers
         return None if t is None else t.stats
 
     @property
@@ -120,7 +130,7 @@ class LLMEngine:
 
     def checkpoint_keys(self) -> tuple[list[bytes], list[bytes], list[int]]:
         """READY keys, PENDING keys and READY lengths of the checkpoint index (what a replica's router reads)."""
-        return self.kv.checkpoints.index.keys()
+        return self.kv.checkpoint_cache.index.keys()
 
     def set_step_observer(self, observer: Callable[[StepReport], None] | None) -> None:
         """Call ``observer`` after every ``step()`` (on the thread that steps) with its StepReport; one observer, a
@@ -129,7 +139,7 @@ class LLMEngine:
 
     def evict_checkpoints(self, n: int) -> bool:
         """Evict up to n unreferenced READY checkpoints (LRU), freeing their slots and pages."""
-        return self.kv.checkpoints.evict(n)
+        return self.kv.checkpoint_cache.evict(n)
 
     # ------------------------------------------------------------------ requests
     def new_request_id(self) -> str:
@@ -393,7 +403,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Release what the runner holds outside this process (tensor-parallel workers); idempotent."""
-        self.kv.checkpoints.close()          # a disk tier keeps what the device and host hold
+        self.kv.checkpoint_cache.close()          # a disk tier keeps what the device and host hold
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -404,7 +414,7 @@ class LLMEngine:
         rather than wait forever."""
         if self.running or not self.waiting:
             return []
-        self.kv.checkpoints.evict(len(self.kv.checkpoints))
+        self.kv.checkpoint_cache.evict(len(self.kv.checkpoint_cache))
         st, pg = self.kv.state, self.kv.pages
         why = (f"does not fit the engine even alone ({st.num_slots} state slots, {pg.num_pages} KV pages of "
                f"{pg.page_size}, max_num_seqs {self.config.max_num_seqs})")

@@ -6,61 +6,13 @@ alone (``failed``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from gdnserve.engine.engine_api import CandidateScore, CompletionOutput, RequestOutput
-from gdnserve.engine.request import Request, Sample
-from gdnserve.engine.sampler import Sampler, SamplingTensors, stop_check, stop_holdback, token_logprobs
-from gdnserve.engine.step_batch import StepBatch
+from gdnserve.engine.execution.sampler import Sampler, SamplingTensors, stop_check, stop_holdback, token_logprobs
+from gdnserve.engine.scheduling.request import Request, Sample
+from gdnserve.engine.scheduling.step_batch import Processed, Sampled, StepBatch
 from gdnserve.speculative.acceptance import emitted_tokens, greedy_accept, rejection_sample
-
-
-@dataclass(eq=False)
-class Processed:
-    """One step's per-request results, and its counts (the scheduler adds them to its ``EngineStats``)."""
-    touched: list[Request] = field(default_factory=list)
-    finished: list[tuple[Request, Sample]] = field(default_factory=list)
-    failed: list[tuple[Request, str]] = field(default_factory=list)
-    tokens: int = 0                 # tokens appended to samples
-    verified: int = 0               # verify rows processed (k drafts proposed each)
-    drafts_accepted: int = 0
-
-    def finished_seqs(self) -> list:
-        return [s.seq for _, s in self.finished if s.seq is not None]
-
-
-@dataclass(eq=False)
-class Sampled:
-    """One step's sampled rows: ``tokens`` stay on the device ([B] int64, what the next step's DecodeFeed reads);
-    ``result()`` waits for the one device-to-host copy and parses it per owner (token, logprob, logprobs dict)."""
-    owners: list
-    tokens: torch.Tensor | None
-    flat: torch.Tensor | None
-    event: object
-    k: int
-
-    def result(self) -> list[tuple[int, float, dict | None]]:
-        if not self.owners:
-            return []
-        if self.event is not None:
-            self.event.synchronize()
-        owners, B, k = self.owners, len(self.owners), self.k
-        flat = self.flat.tolist()
-        toks, lps = [int(t) for t in flat[:B]], flat[B:2 * B]
-        out = []
-        for i, (req, _) in enumerate(owners):
-            d = None
-            want = req.params.logprobs
-            if want is not None:
-                d = {toks[i]: lps[i]}
-                if k:
-                    ti = flat[2 * B + i * k:2 * B + i * k + want]
-                    tl = flat[2 * B + B * k + i * k:2 * B + B * k + i * k + want]
-                    d.update(zip((int(x) for x in ti), tl))
-            out.append((toks[i], lps[i], d))
-        return out
 
 
 class OutputProcessor:

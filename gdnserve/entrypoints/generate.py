@@ -25,13 +25,17 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from gdnserve.engine.model_runner import ModelRunner, PrefillItem
+    from gdnserve.engine.cache.sequence import PrefillItem
+    from gdnserve.engine.execution.model_runner import ModelRunner
+    from gdnserve.entrypoints.preflight import (
+        PreflightError,
+        check_device,
+        check_model_folder,
+    )
     from gdnserve.entrypoints.serve import engine_config
     from gdnserve.models.builtin import build_builtin_model
     from gdnserve.models.loader import load_model
     from gdnserve.models.tokenizer import load_tokenizer
-
-    from gdnserve.entrypoints.preflight import PreflightError, check_device, check_model_folder
 
     if args.max_tokens < 1:
         print("gdnserve generate: --max-tokens must be >= 1", file=sys.stderr)

@@ -10,7 +10,7 @@ import torch
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.engine_api import EngineDeadError, RequestOutput, ScoreResult
 from gdnserve.engine.llm_engine import LLMEngine
-from gdnserve.engine.memory_budget import check_before_load
+from gdnserve.engine.memory.memory_budget import check_before_load
 from gdnserve.engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ def load_engine(model: str | None = None, *, dtype: str | None = None, device: s
     dt = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     planned, _ = check_before_load(cfg, model, dt, dev)
     if cfg.tensor_parallel_size > 1:     # every rank's pools the same size: planned here, once, from rank 0's GPU
-        from gdnserve.engine.tp_launch import start_tp_engine
+        from gdnserve.engine.tp.tp_launch import start_tp_engine
         return start_tp_engine(model, dt, dev, planned)
     net = build_builtin_model(dtype=dt, device=dev) if model is None else load_model(model, dtype=dt, device=dev)[0]
     return LLMEngine(net, load_tokenizer(model), cfg)

@@ -21,7 +21,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from gdnserve.engine.tier_stats import TierStats
+from gdnserve.engine.cache.tier_stats import TierStats
 
 prometheus_client.disable_created_metrics()  # no *_created series (vLLM does the same)
 
@@ -107,7 +107,7 @@ class _EngineCollector:
 
 
 class _TierCollector:
-    """The checkpoint tiers' TierStats (engine/checkpoint_tiers.py) at scrape time: hits per tier, restores per
+    """The checkpoint tiers' TierStats (engine/cache/checkpoint_tiers.py) at scrape time: hits per tier, restores per
     source tier, device -> host copies, bytes moved per direction, and the restore latency histogram (all at 0 for
     an engine without tiers, so the series exist on every server)."""
 
@@ -180,7 +180,7 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
     def on_step(self, report: Any) -> None:
-        """One engine step (engine/engine_stats.py StepReport; the engine thread): its duration, and the queue
+        """One engine step (engine/scheduling/engine_stats.py StepReport; the engine thread): its duration, and the queue
         time of each tracked request it admitted (submission to the step's start)."""
         self.step.observe(report.seconds)
         for rid in report.admitted:

@@ -188,9 +188,9 @@ def run_serve(args: argparse.Namespace) -> int:
         return _fail(str(e))
     try:
         from gdnserve.engine.async_engine import AsyncEngine
+        from gdnserve.engine.memory.memory_plan import MemoryPlanError
         from gdnserve.entrypoints.llm import load_engine
         from gdnserve.entrypoints.server import run_server
-        from gdnserve.engine.memory_plan import MemoryPlanError
         t0 = time.perf_counter()
         try:
             cfg = engine_config(args)
@@ -265,7 +265,7 @@ def max_n(engine, limit: int) -> int:
 def tier_lines(engine) -> list[str]:
     """The checkpoint tiers' capacity: the GPU's state slots (each checkpoint holds one) and the lower tiers'."""
     kv = getattr(engine, "kv", None)
-    tiers = getattr(getattr(kv, "checkpoints", None), "tiers", None)
+    tiers = getattr(getattr(kv, "checkpoint_cache", None), "tiers", None)
     if tiers is None:
         return []
     return [f"  checkpoint tiers: gpu <= {kv.state.num_slots} checkpoints (state slots); "

@@ -19,17 +19,20 @@ The engine drives it (``speculative/mtp.py``); this module only holds the weight
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from gdnserve.layers.attention import GatedAttention
 from gdnserve.layers.norm import RMSNorm
 from gdnserve.models.config import ModelConfig
-from gdnserve.models.qwen3_5 import DecoderLayer
 
 
 class MTPHead(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, cfg: ModelConfig, make_layer: Callable[..., nn.Module], tp_rank: int = 0, tp_size: int = 1):
+        """``make_layer``: the target's decoder layer class (models/qwen3_5.py's ``DecoderLayer``, which builds
+        this head: passed in, so that this module does not import the decoder that imports it)."""
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         if cfg.mtp.num_layers < 1:
@@ -37,7 +40,7 @@ class MTPHead(nn.Module):
         self.pre_fc_norm_embedding = RMSNorm(H, eps)
         self.pre_fc_norm_hidden = RMSNorm(H, eps)
         self.fc = nn.Linear(2 * H, H, bias=False)          # replicated under tensor parallelism
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp_rank, tp_size, kind="full_attention")
+        self.layers = nn.ModuleList(make_layer(cfg, i, tp_rank, tp_size, kind="full_attention")
                                     for i in range(cfg.mtp.num_layers))
         self.norm = RMSNorm(H, eps)
 

@@ -19,6 +19,7 @@ from gdnserve.layers.moe import SparseMoE
 from gdnserve.layers.norm import RMSNorm
 from gdnserve.layers.parallel import resolve
 from gdnserve.models.config import ModelConfig
+from gdnserve.models.mtp import MTPHead
 from gdnserve.ops.backend import resolve as resolve_backend
 
 
@@ -122,8 +123,7 @@ class HybridLM(nn.Module):
         self.mtp = None                   # the MTP head (models/mtp.py), registered last; None = no MTP drafter
         self.mtp_unavailable = "config.json has no MTP layers (mtp_num_hidden_layers = 0)"
         if cfg.mtp.num_layers:
-            from gdnserve.models.mtp import MTPHead    # mtp.py builds its layer from this module
-            self.mtp = MTPHead(cfg, self.tp_rank, self.tp_size)
+            self.mtp = MTPHead(cfg, DecoderLayer, self.tp_rank, self.tp_size)
             self.mtp_unavailable = None
 
     def gdn_layers(self) -> list[GatedDeltaNet]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from gdnserve.engine.checkpoint_index import boundary_prefix, checkpoint_key, conversation_prefix, score_prefix
+from gdnserve.engine.cache.checkpoint_index import boundary_prefix, checkpoint_key, conversation_prefix, score_prefix
 
 
 @dataclass(frozen=True, slots=True)

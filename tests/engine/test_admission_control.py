@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from gdnserve.engine.request import RequestError
 from gdnserve.engine.sampling_params import MIN_TOP_P, SamplingParams
+from gdnserve.engine.scheduling.request import RequestError
 from gdnserve.entrypoints.llm import LLM
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gdnserve.engine.checkpoint_index import CheckpointIndex, MissReason
-from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
-from gdnserve.engine.step_plan import IndexStager, InitFrom, PlanError, PrefillSegment, build_step_plan
+from gdnserve.engine.cache.checkpoint_index import CheckpointIndex, MissReason
+from gdnserve.engine.cache.state_pool import SlotKind, StatePool, StatePoolConfig
+from gdnserve.engine.execution.step_plan import IndexStager, InitFrom, PlanError, PrefillSegment, build_step_plan
 from gdnserve.layers.gdn_prefill import GDNCoreParams, gdn_prefill_core
 from gdnserve.layers.prefill_plan import PREFILL_MODES
 

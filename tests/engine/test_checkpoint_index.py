@@ -10,10 +10,16 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from gdnserve.engine import checkpoint_index as ci
-from gdnserve.engine.checkpoint_index import (Checkpoint, CheckpointError, CheckpointIndex, CheckpointStatus,
-                                              MissReason, checkpoint_key)
-from gdnserve.engine.state_pool import PoolFullError, SlotKind, StatePool, StatePoolConfig
+from gdnserve.engine.cache import checkpoint_index as ci
+from gdnserve.engine.cache.checkpoint_index import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointIndex,
+    CheckpointStatus,
+    MissReason,
+    checkpoint_key,
+)
+from gdnserve.engine.cache.state_pool import PoolFullError, SlotKind, StatePool, StatePoolConfig
 
 READY, PENDING, DROPPED = CheckpointStatus.READY, CheckpointStatus.PENDING, CheckpointStatus.DROPPED
 
@@ -366,8 +372,8 @@ def test_keys_from_intake_bytes_equal_checkpoint_key():
     """A request keeps its prompt's int32 bytes from intake; the keys of its prefixes and of its conversation
     prefix (prompt + output minus the last token) computed from them equal checkpoint_key of the ids."""
     from gdnserve.engine.config import EngineConfig
-    from gdnserve.engine.intake import make_request
     from gdnserve.engine.sampling_params import SamplingParams
+    from gdnserve.engine.scheduling.intake import make_request
     rng = random.Random(7)
     cfg = EngineConfig()
     for _ in range(20):

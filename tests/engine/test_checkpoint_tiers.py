@@ -12,18 +12,18 @@ import random
 import pytest
 import torch
 
-from gdnserve.engine.checkpoint_copy import Copier, page_runs
-from gdnserve.engine.checkpoint_disk import DiskTier
-from gdnserve.engine.checkpoint_index import CheckpointStatus, checkpoint_key
-from gdnserve.engine.checkpoint_tiers import (
+from gdnserve.engine.cache.checkpoint_copy import Copier, page_runs
+from gdnserve.engine.cache.checkpoint_disk import DiskTier
+from gdnserve.engine.cache.checkpoint_index import CheckpointStatus, checkpoint_key
+from gdnserve.engine.cache.checkpoint_tiers import (
     CheckpointTiers,
     TierStats,
     model_fingerprint,
 )
-from gdnserve.engine.kv_cache import KVCache
-from gdnserve.engine.page_pool import PagePool, PagePoolConfig
+from gdnserve.engine.cache.kv_cache import KVCache
+from gdnserve.engine.cache.page_pool import PagePool, PagePoolConfig
+from gdnserve.engine.cache.state_pool import SlotKind, StatePool, StatePoolConfig
 from gdnserve.engine.sampling_params import SamplingParams
-from gdnserve.engine.state_pool import SlotKind, StatePool, StatePoolConfig
 from gdnserve.entrypoints.llm import LLM
 
 PS = 4
@@ -83,7 +83,7 @@ class Rig:
         self.disk = DiskTier(tmp_path, max_bytes, fp, on_bytes=self.stats.add_bytes) if disk else None
         self.tiers = CheckpointTiers(self.copier, host_ckpts * self.per, self.disk, self.stats)
         self.kv = KVCache(self.st, self.pg, self.tiers)
-        self.ck = self.kv.checkpoints
+        self.ck = self.kv.checkpoint_cache
         self.data: dict[tuple, list[torch.Tensor]] = {}
 
     def make(self, ids: tuple[int, ...]):
@@ -300,7 +300,7 @@ def test_later_turns_hit_from_the_host_tier_with_recomputed_outputs(ref):
     e = LLM(device="cpu", max_num_seqs=2, num_slots=4, num_pages=64, page_size=8,
             checkpoint_host_memory_gb=0.01).engine
     first = [_run(e, c).outputs[0].token_ids for c in CONVS]
-    assert len(e.kv.checkpoints.tiers.host) >= 2          # the device holds at most 4 checkpoints
+    assert len(e.kv.checkpoint_cache.tiers.host) >= 2          # the device holds at most 4 checkpoints
     for c, out in zip(CONVS, first):
         ids = c + out + [7, 8, 9]
         got = _run(e, ids)
@@ -309,7 +309,7 @@ def test_later_turns_hit_from_the_host_tier_with_recomputed_outputs(ref):
     assert e.tier_stats.hits["host"] >= 2 and e.tier_stats.restores["host"] == e.tier_stats.hits["host"]
     # a host-tier hit costs no step of its own: the restore is queued in stream order and the request runs in the
     # step whose admission found it (it used to wait in the queue for one step)
-    held = list(e.kv.checkpoints.tiers.host.values())
+    held = list(e.kv.checkpoint_cache.tiers.host.values())
     assert held, "no checkpoint in the host tier"
     ids = list(held[-1].token_ids) + [11]
     e.add_request("busy", [3, 4, 5], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
@@ -332,7 +332,7 @@ def test_disk_tier_across_an_engine_restart(tmp_path, ref):
     first = [_run(e, c).outputs[0].token_ids for c in CONVS[:3]]
     e.close()
     e2 = LLM(**kw).engine
-    assert len(e2.kv.checkpoints.tiers.disk) == 3
+    assert len(e2.kv.checkpoint_cache.tiers.disk) == 3
     for c, out in zip(CONVS[:3], first):
         got = _run(e2, c + out + [5])
         assert got.checkpoint.tier == "disk" and got.checkpoint.hit_length == len(c) + len(out) - 1
@@ -350,13 +350,13 @@ def test_tiers_refused_with_tensor_parallel():
 
 
 def test_a_host_tier_beyond_the_ram_is_refused_at_start():
-    from gdnserve.engine.memory_budget import meminfo_available
+    from gdnserve.engine.cache.host_memory import meminfo_available
     with pytest.raises(ValueError, match="checkpoint_host_memory_gb"):
         LLM(device="cpu", max_num_seqs=2, num_pages=64, checkpoint_host_memory_gb=meminfo_available() / 2**30)
 
 
 def test_a_full_write_queue_drops_the_checkpoint(tmp_path, monkeypatch):
-    from gdnserve.engine import checkpoint_disk
+    from gdnserve.engine.cache import checkpoint_disk
     r = Rig(tmp_path, host_ckpts=0)
     monkeypatch.setattr(checkpoint_disk, "MAX_QUEUED", 0)
     for ids in IDS[:5]:

@@ -1,4 +1,4 @@
-"""GPU-only: the GPU <-> host path of the checkpoint tiers (engine/checkpoint_copy.py) with its stream ordering, and
+"""GPU-only: the GPU <-> host path of the checkpoint tiers (engine/cache/checkpoint_copy.py) with its stream ordering, and
 the engine with CUDA graphs on.
 
 - A snapshot is exact although the step that follows overwrites the evicted rows at once (the current stream
@@ -15,10 +15,10 @@ import random
 import pytest
 import torch
 
-from gdnserve.engine.checkpoint_copy import Copier
-from gdnserve.engine.page_pool import PagePool, PagePoolConfig
+from gdnserve.engine.cache.checkpoint_copy import Copier
+from gdnserve.engine.cache.page_pool import PagePool, PagePoolConfig
+from gdnserve.engine.cache.state_pool import StatePool, StatePoolConfig
 from gdnserve.engine.sampling_params import SamplingParams
-from gdnserve.engine.state_pool import StatePool, StatePoolConfig
 from gdnserve.entrypoints.llm import LLM
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -77,7 +77,7 @@ def test_engine_with_graphs_hits_from_the_host_tier_with_the_resident_outputs():
     resident = LLM(num_slots=32, **kw).engine
     firsts = {id(e): [_run(e, c).outputs[0].token_ids for c in convs] for e in (tiered, resident)}
     assert firsts[id(tiered)] == firsts[id(resident)]
-    assert len(tiered.kv.checkpoints.tiers.host) >= 2
+    assert len(tiered.kv.checkpoint_cache.tiers.host) >= 2
     for c, out in zip(convs, firsts[id(tiered)]):
         ids = c + out + [9, 10, 11]
         a, b = _run(tiered, ids), _run(resident, ids)

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from gdnserve.engine.checkpoint_index import CheckpointStatus
+from gdnserve.engine.cache.checkpoint_index import CheckpointStatus
 from gdnserve.engine.sampling_params import SamplingParams
 from gdnserve.entrypoints.llm import LLM
 

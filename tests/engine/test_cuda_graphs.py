@@ -11,13 +11,13 @@ from unittest import mock
 import pytest
 import torch
 
-from gdnserve.engine.graph_inputs import graph_buckets, pick_bucket
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
+from gdnserve.engine.cache.sequence import PrefillItem
+from gdnserve.engine.execution.graph_inputs import graph_buckets, pick_bucket
+from gdnserve.engine.execution.model_runner import ModelRunner, RunnerConfig
 from gdnserve.engine.sampling_params import SamplingParams
 from gdnserve.entrypoints.llm import LLM
 from gdnserve.models import builtin
 from gdnserve.models.builtin import build_builtin_model
-
 
 S = 16
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,4 +1,4 @@
-"""GPU-only: the captured decode and verify graphs (engine/cuda_graphs.py) on the embedded model.
+"""GPU-only: the captured decode and verify graphs (engine/execution/cuda_graphs.py) on the embedded model.
 
 A replay equals the graph-shaped eager step (same padded static buffers, same kernels, no capture) bit for
 bit — logits and every byte of state — at several batch sizes (buckets 1, 4, 16) for decode and (1, 4) for
@@ -15,7 +15,11 @@ import random
 import pytest
 import torch
 
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
+from gdnserve.engine.cache.sequence import PrefillItem
+from gdnserve.engine.execution.model_runner import (
+    ModelRunner,
+    RunnerConfig,
+)
 from gdnserve.engine.sampling_params import SamplingParams
 from gdnserve.entrypoints.llm import LLM
 from gdnserve.layers.moe import SparseMoE

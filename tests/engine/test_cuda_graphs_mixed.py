@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from gdnserve.engine.mixed_inputs import MixedKey, pick_mixed, token_buckets
-from gdnserve.engine.model_runner import PrefillItem
+from gdnserve.engine.cache.sequence import PrefillItem
+from gdnserve.engine.execution.mixed_inputs import MixedKey, pick_mixed, token_buckets
 from tests.engine.test_cuda_graphs import make_runner
 
 
@@ -49,7 +49,7 @@ class Pair:
         for side in (0, 1):
             r = (self.g, self.e)[side]
             pf = [PrefillItem(s[side], t, producer=p, all_logits=al,
-                              checkpoint=None if c is None else (c[side].slot, c[side].pages))
+                              start_from=None if c is None else (c[side].slot, c[side].pages))
                   for s, t, p, c, al in items]
             out.append(r.step(pf, [(s[side], t) for s, t in decodes], ready=ready))
         if exact:

@@ -1,4 +1,4 @@
-"""GPU-only: the captured prefill / mixed graphs (engine/cuda_graphs.py, ``mixed_graphs``) on the embedded model.
+"""GPU-only: the captured prefill / mixed graphs (engine/execution/cuda_graphs.py, ``mixed_graphs``) on the embedded model.
 
 A replay equals the graph-shaped eager step bit for bit — logits and every byte of state — for prefill and mixed
 steps (odd lengths, a continuation, checkpoint groups, READY checkpoints, decodes beside them; dense and MoE); it
@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem
+from gdnserve.engine.cache.sequence import PrefillItem
+from gdnserve.engine.execution.model_runner import ModelRunner
 from gdnserve.ops.numerics import rel_rms
 from tests.engine.test_cuda_graphs_gpu import assert_same_state, make_runner
 
@@ -34,7 +35,7 @@ def mixed_lockstep(moe: bool) -> ModelRunner:
         outs = []
         for i, r in enumerate(rs):
             pf = [PrefillItem(seqs[n][i], t, producer=p, all_logits=al,
-                              checkpoint=None if c is None else (seqs[c][i].slot, seqs[c][i].pages))
+                              start_from=None if c is None else (seqs[c][i].slot, seqs[c][i].pages))
                   for n, t, p, c, al in items]
             outs.append(r.step(pf, [(seqs[n][i], t) for n, t in decodes], ready=slots))
         torch.cuda.synchronize()

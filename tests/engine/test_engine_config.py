@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from gdnserve.engine.config import EngineConfig
+from gdnserve.engine.execution.model_runner import RunnerConfig
 from gdnserve.engine.llm_engine import LLMEngine
-from gdnserve.engine.model_runner import RunnerConfig
 from gdnserve.entrypoints.serve import add_serve_arguments
 from gdnserve.models.builtin import build_builtin_model
 from gdnserve.models.tokenizer import ByteTokenizer

@@ -92,7 +92,7 @@ def test_bad_requests_are_refused_and_nothing_leaks(llm):
 def test_score_equals_full_sequence_logprobs(llm):
     """score(prefix, candidates): each candidate's log-probability equals the one computed from a plain
     forward over prefix + candidate (the prefix computed once, consumers in the same step)."""
-    from gdnserve.engine.model_runner import PrefillItem
+    from gdnserve.engine.cache.sequence import PrefillItem
     e = llm.engine
     tok = e.tokenizer
     prefix, cands = "Question: which is best? Answer:", [" yes", " no", " maybe not"]
@@ -142,7 +142,7 @@ def test_prompt_logprobs_plain_grouped_and_from_checkpoint(llm):
     """prompt_logprobs equal a plain full-prompt forward: for a plain prompt, for a same-step group (prefix rows
     from the producer), and for a prompt whose marked prefix is READY (a checkpoint keeps no logits: the request
     ignores it and computes the whole prompt)."""
-    from gdnserve.engine.model_runner import PrefillItem
+    from gdnserve.engine.cache.sequence import PrefillItem
     e = llm.engine
     e.evict_checkpoints(len(e.index))
     p = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
@@ -201,7 +201,7 @@ def test_score_provenance_as_completions_report_it(llm):
 
 def full_prompt_logprobs(e, ids: list[int]) -> list[float | None]:
     """The reference: one plain forward of the whole prompt, every row's logits."""
-    from gdnserve.engine.model_runner import PrefillItem
+    from gdnserve.engine.cache.sequence import PrefillItem
     seq = e.runner.new_seq()
     lp = e.runner.step([PrefillItem(seq, ids, all_logits=True)], []).log_softmax(-1)
     e.runner.free_seq(seq)
@@ -299,7 +299,7 @@ def test_one_config_decides_the_runner_defaults_graphs_and_shapes():
     import torch
 
     from gdnserve.engine.config import EngineConfig, RunnerConfig
-    from gdnserve.engine.model_runner import pool_configs
+    from gdnserve.engine.execution.model_runner import pool_configs
     from gdnserve.layers.gdn_mixer import GatedDeltaNet
     from gdnserve.layers.rank_shapes import GDNShape
     from gdnserve.models.builtin import builtin_config

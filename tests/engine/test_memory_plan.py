@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from benchmarks.random_model import full_hf_config, param_bytes, tiny_hf_config
 from gdnserve.engine.config import EngineConfig
+from gdnserve.engine.execution.model_runner import pool_configs, spec_bytes_per_slot
 from gdnserve.engine.llm_engine import LLMEngine
-from gdnserve.engine.memory_budget import (config_weights_bytes, device_budget, estimate_activations, resolve_pools,
-                                           weights_bytes)
-from gdnserve.engine.memory_plan import Budget, Demand, MemoryPlanError, min_slots, plan, working_slots
-from gdnserve.engine.model_runner import pool_configs, spec_bytes_per_slot
+from gdnserve.engine.memory.memory_budget import (
+    config_weights_bytes,
+    device_budget,
+    estimate_activations,
+    resolve_pools,
+    weights_bytes,
+)
+from gdnserve.engine.memory.memory_plan import Budget, Demand, MemoryPlanError, min_slots, plan, working_slots
 from gdnserve.models.builtin import build_builtin_model, builtin_config
 from gdnserve.models.config import ModelConfig
 from gdnserve.models.tokenizer import ByteTokenizer
@@ -245,8 +251,8 @@ def test_resolve_pools_leaves_given_sizes_and_sizes_the_rest():
 def test_the_warm_up_measurement_runs_the_largest_step(monkeypatch):
     """measure_activations' step on CPU (the CUDA counters faked): max_step_tokens split into sequences of at most
     max_model_len, every row's logits; the result is the counted peak above the start plus the sampler's sort."""
-    from gdnserve.engine import memory_budget as mb
-    from gdnserve.engine.model_runner import ModelRunner
+    from gdnserve.engine.execution.model_runner import ModelRunner
+    from gdnserve.engine.memory import memory_budget as mb
     steps = []
     real_step = ModelRunner.step
 
@@ -279,8 +285,8 @@ def test_a_tensor_parallel_rank_0_keeps_the_workers_sizes():
 def test_steps_with_every_rows_logits_stay_within_max_step_tokens():
     """prompt_logprobs prompts and score candidates are not chunked and keep every row's logits: above
     max_step_tokens (the step the plan prices) intake refuses them, naming the field and the flag; at it they run."""
-    from gdnserve.engine.request import RequestError
     from gdnserve.engine.sampling_params import SamplingParams
+    from gdnserve.engine.scheduling.request import RequestError
     e = LLMEngine(build_builtin_model(), ByteTokenizer(), EngineConfig(max_step_tokens=64, max_model_len=512,
                                                                       num_pages=128, max_num_seqs=4))
     plp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
@@ -304,7 +310,7 @@ def test_cpu_fixed_pools_are_not_refused_for_steps_with_every_rows_logits(monkey
     sizes the pools still prices it."""
     from dataclasses import replace
 
-    from gdnserve.engine import memory_budget as mb
+    from gdnserve.engine.memory import memory_budget as mb
     monkeypatch.setattr(mb, "meminfo_available", lambda: 8 * GiB)
     small_real = replace(builtin_config(), vocab_size=248_320)
     full = estimate_activations(small_real, EngineConfig(), torch.float32)

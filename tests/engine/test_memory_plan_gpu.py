@@ -9,7 +9,7 @@ import torch
 from benchmarks.random_model import NullTokenizer, bench_hf_config, build_random_model
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.llm_engine import LLMEngine
-from gdnserve.engine.memory_budget import estimate_activations, measure_activations, weights_bytes
+from gdnserve.engine.memory.memory_budget import estimate_activations, measure_activations, weights_bytes
 from gdnserve.engine.sampling_params import SamplingParams
 from gdnserve.models.config import ModelConfig
 

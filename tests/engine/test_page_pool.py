@@ -11,8 +11,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from gdnserve.engine.page_pool import (CowCopy, PagePool, PagePoolConfig, PagePoolError, PagePoolFullError,
-                                        PageTable)
+from gdnserve.engine.cache.page_pool import (
+    CowCopy,
+    PagePool,
+    PagePoolConfig,
+    PagePoolError,
+    PagePoolFullError,
+    PageTable,
+)
 from gdnserve.ops.attention import store_kv
 
 DIMS = dict(num_layers=2, page_size=4, num_kv_heads=2, head_dim=8)

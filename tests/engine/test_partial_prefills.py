@@ -132,8 +132,8 @@ def test_waiting_long_prompts_are_not_planned_again_every_step():
     while e.has_unfinished():
         e.step()
     calls = []
-    real = e.kv.checkpoints.longest_hit
-    e.kv.checkpoints.longest_hit = lambda ids: calls.append(len(ids)) or real(ids)
+    real = e.kv.checkpoint_cache.longest_hit
+    e.kv.checkpoint_cache.longest_hit = lambda ids: calls.append(len(ids)) or real(ids)
     for i in range(4):
         e.add_request(f"L{i}", LONGS[i], LONG_P)
     steps = 0

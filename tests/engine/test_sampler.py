@@ -12,8 +12,14 @@ import random
 import pytest
 import torch
 
-from gdnserve.engine.sampler import (Sampler, SamplingTensors, row_seed, stop_check, stop_holdback,
-                                     token_logprobs)
+from gdnserve.engine.execution.sampler import (
+    Sampler,
+    SamplingTensors,
+    row_seed,
+    stop_check,
+    stop_holdback,
+    token_logprobs,
+)
 from gdnserve.engine.sampling_params import SamplingParams
 
 V = 257  # odd vocabulary

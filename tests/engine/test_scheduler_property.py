@@ -77,7 +77,7 @@ def test_random_traffic_with_checkpoint_tiers(engines, ops):
     for): no leak, solo outputs."""
     e = engines["tiers"]
     drive(e, engines["ref"], ops)
-    assert not e.kv.checkpoints.restoring()
+    assert not e.kv.checkpoint_cache.restoring()
 
 
 def drive(e, ref, ops):

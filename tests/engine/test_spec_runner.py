@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
+from gdnserve.engine.cache.sequence import PrefillItem
+from gdnserve.engine.execution.model_runner import (
+    ModelRunner,
+    RunnerConfig,
+)
 from gdnserve.models.builtin import build_builtin_model
 
 PROMPT = list(b"Speculative decoding keeps only the accepted tokens in the state.")

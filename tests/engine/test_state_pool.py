@@ -10,8 +10,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from gdnserve.engine.state_pool import (PoolFullError, SlotKind, SlotRecord, StatePool, StatePoolConfig,
-                                         StatePoolError)
+from gdnserve.engine.cache.state_pool import (
+    PoolFullError,
+    SlotKind,
+    SlotRecord,
+    StatePool,
+    StatePoolConfig,
+    StatePoolError,
+)
 from gdnserve.ops.conv import causal_conv1d_prefill
 from gdnserve.ops.gdn.chunk import chunk_gated_delta_rule
 from gdnserve.ops.varlen import VarlenMeta

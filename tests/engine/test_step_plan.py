@@ -7,7 +7,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gdnserve.engine.step_plan import IndexStager, InitFrom, PlanError, PrefillSegment, build_step_plan, fused_slots
+from gdnserve.engine.execution.step_plan import (
+    IndexStager,
+    InitFrom,
+    PlanError,
+    PrefillSegment,
+    build_step_plan,
+    fused_slots,
+)
 from gdnserve.layers.prefill_plan import PREFILL_MODES
 
 NUM_SLOTS = 64
@@ -152,8 +159,8 @@ def test_every_device_vector_is_16_byte_aligned(n_consumers):
 
 
 def test_graph_input_views_and_runner_uploads_are_16_byte_aligned():
-    from gdnserve.engine.graph_inputs import StepKind, _layout
-    from gdnserve.engine.model_runner import ModelRunner, RunnerConfig
+    from gdnserve.engine.execution.graph_inputs import StepKind, _layout
+    from gdnserve.engine.execution.model_runner import ModelRunner, RunnerConfig
     from gdnserve.models.builtin import build_builtin_model
     for kind in (StepKind(1), StepKind(3, "intermediate"), StepKind(4, "replay")):
         for Bk in (1, 3, 5, 17):

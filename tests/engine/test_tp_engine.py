@@ -12,7 +12,7 @@ import torch
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.engine_api import EngineDeadError
 from gdnserve.engine.sampling_params import SamplingParams
-from gdnserve.engine.tp_launch import check_tensor_parallel
+from gdnserve.engine.tp.tp_check import check_tensor_parallel
 from gdnserve.models.builtin import build_builtin_model, builtin_config
 
 

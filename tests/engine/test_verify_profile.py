@@ -16,7 +16,11 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 import gdnserve.layers.attention as attention
 import gdnserve.layers.gdn_mixer as gdn_mixer
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
+from gdnserve.engine.cache.sequence import PrefillItem
+from gdnserve.engine.execution.model_runner import (
+    ModelRunner,
+    RunnerConfig,
+)
 from gdnserve.models.builtin import builtin_config
 from gdnserve.models.qwen3_5 import HybridLM
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-SERVE = ["gdnserve.entrypoints.cli", "serve", "--device", "cpu"]
+SERVE = ["gdnserve.cli", "serve", "--device", "cpu"]
 FAKE = ["tests.entrypoints.fake_engine"]  # run_server over fake_engine.FakeEngine
 
 

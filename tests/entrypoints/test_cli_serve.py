@@ -15,13 +15,14 @@ import pytest
 import torch
 
 from gdnserve.engine.config import OVERLAP_BY_DEFAULT
-from gdnserve.entrypoints import cli, serve
+from gdnserve import cli
+from gdnserve.entrypoints import serve
 from gdnserve.entrypoints.preflight import PreflightError, bind_socket, check_device, check_model_folder
 from gdnserve.models.tokenizer import Tokenizer
 
 
 def run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gdnserve.entrypoints.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "gdnserve.cli", *argv], capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 

@@ -13,8 +13,12 @@ httpx = pytest.importorskip("httpx")
 
 from gdnserve.engine.async_engine import AsyncEngine  # noqa: E402
 from gdnserve.engine.config import EngineConfig  # noqa: E402
+from gdnserve.engine.execution.model_runner import (  # noqa: E402
+    ModelRunner,
+    PrefillItem,
+    RunnerConfig,
+)
 from gdnserve.engine.llm_engine import LLMEngine  # noqa: E402
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig  # noqa: E402
 from gdnserve.models.builtin import build_builtin_model  # noqa: E402
 from gdnserve.models.tokenizer import ByteTokenizer  # noqa: E402
 from tests.entrypoints.fake_engine import Served  # noqa: E402

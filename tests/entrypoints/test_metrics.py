@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 # test-only dependencies (the [test] extra); a machine without them skips this file with the reason
 httpx = pytest.importorskip("httpx")
 
-from gdnserve.engine.engine_stats import StepReport
+from gdnserve.engine.scheduling.engine_stats import StepReport
 from gdnserve.entrypoints.metrics import ServerMetrics, observe_steps
 from tests.entrypoints.fake_engine import FakeEngine, Served
 

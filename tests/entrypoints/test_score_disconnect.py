@@ -41,7 +41,7 @@ def assert_clean(engine: AsyncEngine) -> None:
     assert st["running"] == st["queue_depth"] == 0, st
     assert not e.requests and not e.scores and not e.scheduler.producing and not engine._futures
     assert st["state_pool_used"] == st["checkpoints_ready"], st
-    held = {p for pt in e.kv.checkpoints.pages.values() for p in pt.pages}
+    held = {p for pt in e.kv.checkpoint_cache.pages.values() for p in pt.pages}
     assert st["page_pool_used"] == len(held), st
     assert all(c.refcount == 0 for c in e.index._entries.values())
     assert e.index.check_integrity() == [] and e.kv.pages.check_integrity() == []

@@ -15,7 +15,7 @@ from gdnserve.entrypoints.llm import load_engine
 
 
 def test_num_pages_beyond_the_budget_exits_2_before_loading():
-    p = subprocess.run([sys.executable, "-m", "gdnserve.entrypoints.cli", "serve", "--device", "cpu", "--port", "0",
+    p = subprocess.run([sys.executable, "-m", "gdnserve.cli", "serve", "--device", "cpu", "--port", "0",
                         "--num-pages", "100000000"], capture_output=True, text=True, timeout=120,
                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
     err = p.stderr.strip()
@@ -28,7 +28,7 @@ def test_num_pages_beyond_the_budget_exits_2_before_loading():
 
 
 def test_bad_utilization_is_a_flag_error(capsys):
-    from gdnserve.entrypoints import cli
+    from gdnserve import cli
     assert cli.main(["serve", "--device", "cpu", "--port", "0", "--gpu-memory-utilization", "1.5"]) == 2
     assert "gpu_memory_utilization must be a number in (0, 1], got 1.5" in capsys.readouterr().err
 

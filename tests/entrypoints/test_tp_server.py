@@ -112,7 +112,7 @@ def test_killed_worker_fails_the_stream_and_the_server_exits_1(server):
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused_before_any_process_starts(capsys):
-    from gdnserve.entrypoints import cli
+    from gdnserve import cli
     msg = "tensor_parallel_size = 4 does not divide the model: config linear_num_key_heads = 2 is not divisible by 4"
     assert cli.main(["generate", "hi", "--device", "cpu", "--tensor-parallel-size", "4"]) == 2
     assert msg in capsys.readouterr().err

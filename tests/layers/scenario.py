@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from gdnserve.engine.step_plan import InitFrom, PrefillSegment
+from gdnserve.engine.execution.step_plan import InitFrom, PrefillSegment
 
 
 def random_step(rng: random.Random, num_slots: int, ready_slots: list[int], max_len: int = 80,

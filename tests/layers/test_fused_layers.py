@@ -8,7 +8,11 @@ import pytest
 import torch
 
 from benchmarks.random_model import build_random_model, tiny_hf_config
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
+from gdnserve.engine.cache.sequence import PrefillItem
+from gdnserve.engine.execution.model_runner import (
+    ModelRunner,
+    RunnerConfig,
+)
 from gdnserve.models.qwen3_5 import HybridLM, set_fused
 from gdnserve.ops.numerics import rel_rms
 

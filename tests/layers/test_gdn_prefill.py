@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from gdnserve.engine.step_plan import IndexStager, InitFrom, build_step_plan
+from gdnserve.engine.execution.step_plan import IndexStager, InitFrom, build_step_plan
 from gdnserve.layers.gdn_prefill import GDNCoreParams, gdn_prefill_core
 from gdnserve.layers.prefill_plan import PREFILL_MODES
 from gdnserve.ops.numerics import rel_rms

@@ -15,10 +15,11 @@ import torch
 pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig  # noqa: E402
+from gdnserve.engine.cache.sequence import PrefillItem
+from gdnserve.engine.execution.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from gdnserve.models.loader import CheckpointError, load_model  # noqa: E402
-from gdnserve.ops.numerics import rel_rms  # noqa: E402
 from gdnserve.ops.moe.fp8_torch import dequantize_gate_up  # noqa: E402
+from gdnserve.ops.numerics import rel_rms  # noqa: E402
 from gdnserve.ops.quant import dequantize_weight, quantize_weight  # noqa: E402
 from gdnserve.ops.quant.fp8_ref import qdq_act  # noqa: E402
 from tests.models.test_hf_parity import _randomise  # noqa: E402

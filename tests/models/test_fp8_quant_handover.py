@@ -13,7 +13,11 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig  # noqa: E402
+from gdnserve.engine.execution.model_runner import (  # noqa: E402
+    ModelRunner,
+    PrefillItem,
+    RunnerConfig,
+)
 from gdnserve.layers import linear  # noqa: E402
 from gdnserve.models.loader import load_model  # noqa: E402
 from tests.models.test_fp8_checkpoint import _save, quantize_checkpoint  # noqa: E402

@@ -8,7 +8,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig  # noqa: E402
+from gdnserve.engine.execution.model_runner import (  # noqa: E402
+    ModelRunner,
+    PrefillItem,
+    RunnerConfig,
+)
 from gdnserve.models.loader import load_model  # noqa: E402
 from gdnserve.ops.numerics import rel_rms  # noqa: E402
 

@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from gdnserve.engine.memory_budget import config_weights_bytes, weights_bytes  # noqa: E402
+from gdnserve.engine.memory.memory_budget import config_weights_bytes, weights_bytes  # noqa: E402
 from gdnserve.models.loader import load_model  # noqa: E402
 from tests.models.test_hf_parity import tiny_qwen35  # noqa: E402
 

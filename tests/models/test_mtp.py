@@ -13,12 +13,17 @@ import torch
 pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig  # noqa: E402
+from gdnserve.engine.cache.sequence import PrefillItem
+from gdnserve.engine.execution.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from gdnserve.engine.llm_engine import LLMEngine  # noqa: E402
 from gdnserve.models.loader import CheckpointError, load_model  # noqa: E402
 from gdnserve.models.tokenizer import ByteTokenizer  # noqa: E402
 from gdnserve.ops.numerics import rel_rms  # noqa: E402
-from tests.models.mtp_reference import add_mtp, reference_draft_logits, reference_weights  # noqa: E402
+from tests.models.mtp_reference import (  # noqa: E402
+    add_mtp,
+    reference_draft_logits,
+    reference_weights,
+)
 from tests.models.test_hf_parity import tiny_qwen3_next, tiny_qwen35, tiny_qwen35_moe  # noqa: E402
 
 TOL = 1e-4
@@ -178,7 +183,7 @@ def test_consumers_of_a_producer_and_of_a_ready_checkpoint_draft_like_the_refere
     cons = [runner.new_seq() for _ in suffixes]
     runner.step([PrefillItem(prod, prefix)] + [PrefillItem(c, s, producer=0) for c, s in zip(cons, suffixes[:2])], [])
     # a later consumer of the (now final) producer state and pages, read in place as a READY checkpoint
-    runner.step([PrefillItem(cons[2], suffixes[2], checkpoint=(prod.slot, prod.pages))], [],
+    runner.step([PrefillItem(cons[2], suffixes[2], start_from=(prod.slot, prod.pages))], [],
                 ready={prod.slot})
     nxt = torch.randint(0, 97, (3,)).tolist()
     runner.step([], [], verifies=[(c, [t]) for c, t in zip(cons, nxt)])

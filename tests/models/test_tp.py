@@ -11,8 +11,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gdnserve.engine.model_runner import ModelRunner, PrefillItem, RunnerConfig
-from gdnserve.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from gdnserve.engine.cache.sequence import PrefillItem
+from gdnserve.engine.execution.model_runner import ModelRunner, RunnerConfig
+from gdnserve.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
 from gdnserve.models.builtin import builtin_config
 from gdnserve.models.loader import CheckpointError, load_model
 from gdnserve.models.qwen3_5 import HybridLM

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import gdnserve.ops.attention.paged as paged_mod
-from gdnserve.engine.page_pool import PagePool, PagePoolConfig, PageTable
+from gdnserve.engine.cache.page_pool import PagePool, PagePoolConfig, PageTable
 from gdnserve.ops.attention import copy_pages, paged_attention, store_kv
 from gdnserve.ops.attention.naive import naive_attention
 from gdnserve.ops.numerics import rel_rms

@@ -208,7 +208,7 @@ def test_killed_replica_loses_only_streaming_requests(cluster, seed):
     async def scenario():
         await _run(client, _req("k-producer", prefix + [5, 6, 7], 1, len(prefix)))
         router = routers_for("aff", ENGINE_DEPLOYMENT)[0]
-        from gdnserve.engine.checkpoint_index import checkpoint_key
+        from gdnserve.engine.cache.checkpoint_index import checkpoint_key
         holder = router._local[checkpoint_key(prefix)][0]
         started: dict[str, bool] = {}
         first = asyncio.Event()

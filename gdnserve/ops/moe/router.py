@@ -20,19 +20,11 @@ and the alignment counts E+1 experts and k+1 pairs per token.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from gdnserve.ops.backend import Backend, resolve
 from gdnserve.ops.checks import ACT_DTYPES, check_tensor
-from gdnserve.ops.moe.align import Alignment
-
-
-class Routing(NamedTuple):
-    weights: torch.Tensor                # [T, k] in the logits' dtype
-    experts: torch.Tensor                # [T, k] expert ids: int32 (Triton) / int64 (PyTorch)
-    alignment: Alignment | None          # the grouped GEMM's alignment (Triton path), None on the PyTorch path
+from gdnserve.ops.moe.routing import Routing
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, backend: Backend = "auto",

@@ -26,7 +26,7 @@ from gdnserve.ops.launch import cdiv, launch, pow2
 from gdnserve.ops.moe.align import Alignment, align_pairs, padded_rows
 from gdnserve.ops.moe.align_triton import MAX_PAIRS, align_body, align_constexprs, align_pairs_triton
 from gdnserve.ops.moe.grouped_triton import block_rows
-from gdnserve.ops.moe.router import Routing
+from gdnserve.ops.moe.routing import Routing
 from gdnserve.ops.tl_compat import cast
 
 FUSED_MAX_TOKENS = 64

@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from gdnserve.ops.launch import cdiv, launch, pow2
-from gdnserve.ops.norm.rmsnorm import row_strides
 from gdnserve.ops.norm.rmsnorm_triton import QGROUP, warps_for
+from gdnserve.ops.norm.rows import row_strides
 from gdnserve.ops.quant.quant_out import empty_quant, quantize_out_triton
 from gdnserve.ops.quant.tl_fp8 import quant_tile
 from gdnserve.ops.tl_compat import cast

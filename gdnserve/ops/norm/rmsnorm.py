@@ -52,8 +52,3 @@ def check_rows(name: str, x: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected a [R, N] or [T, G, N] tensor, got "
                          f"{list(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
     check_tensor(name, x, (None,) * x.dim(), ACT_DTYPES)
-
-
-def row_strides(t: torch.Tensor) -> tuple[int, int]:
-    """(stride over T, stride over G) of a [R, N] (G = 1) or [T, G, N] tensor."""
-    return (t.stride(0), 0) if t.dim() == 2 else (t.stride(0), t.stride(1))

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from gdnserve.ops.launch import launch, pow2
-from gdnserve.ops.norm.rmsnorm import row_strides
+from gdnserve.ops.norm.rows import row_strides
 from gdnserve.ops.quant.fp8_ref import BLOCK as QGROUP        # the FP8 activation group (128 columns)
 from gdnserve.ops.quant.quant_out import empty_quant
 from gdnserve.ops.quant.tl_fp8 import quant_tile

@@ -1,0 +1,260 @@
+"""Checkpoint tiers below the GPU: pinned host memory (``checkpoint_host_memory_gb``) and a directory on disk
+(``checkpoint_dir``, checkpoint_disk.py). A READY checkpoint evicted from the device's LRU is copied down (to the
+host tier, else to disk) instead of dropped; a host-tier eviction goes to disk. A lookup that finds the key in a
+lower tier restores it into a fresh slot and pages and the request continues as a hit whose provenance names the
+tier: from the host tier at once (the copy up is queued before any kernel that reads it: the current stream waits
+for its event; ``landing`` keeps the pinned source alive until the event), from disk once the file is read (the
+entry is PENDING until then: admission waits for it, as for a producer's; ``poll``). LRU within each tier (a checkpoint a chat's next turn continued enters the host tier at its cold
+end: ``spill``). The host tier is exclusive (a restored checkpoint leaves it: it goes back down
+when evicted again); a disk file stays after a restore (checkpoints never change, so a second eviction writes
+nothing). Copies and their ordering: checkpoint_copy.py.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections import Counter, OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from gdnserve.engine.cache.checkpoint_copy import Copier, HostCheckpoint
+from gdnserve.engine.cache.checkpoint_disk import DiskTier
+from gdnserve.engine.cache.host_memory import meminfo_available
+from gdnserve.engine.cache.page_pool import PagePool, PageTable
+from gdnserve.engine.cache.tier_stats import TierStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, eq=False)
+class Restore:
+    """A checkpoint on its way up: the PENDING entry, the table of its fresh pages, the source tier, and either the
+    disk read (``future``) or the host -> device copy's ``event`` (None on CPU: done)."""
+    entry: object
+    table: PageTable
+    tier: str
+    t0: float
+    hc: HostCheckpoint | None = None
+    future: Future | None = None
+    event: object | None = None
+    started: bool = field(default=False)
+
+
+class CheckpointTiers:
+    """The host and disk tiers of one engine's checkpoints and the restores in flight."""
+
+    def __init__(self, copier: Copier, host_bytes: int, disk: DiskTier | None, stats: TierStats) -> None:
+        self.copier, self.host_bytes, self.disk, self.stats = copier, host_bytes, disk, stats
+        self.host: OrderedDict[bytes, HostCheckpoint] = OrderedDict()     # least recently used first
+        self.host_used = 0
+        self._host_lengths: Counter[int] = Counter()
+        self.restoring: dict[bytes, Restore] = {}     # disk reads in flight (PENDING entries)
+        self.landing: list[Restore] = []               # copies up queued on the device, their sources kept
+
+    # ---- down: an evicted READY checkpoint ----
+    def spill(self, key: bytes, token_ids: tuple[int, ...], slot: int, table: PageTable, cold: bool = False) -> None:
+        """Copy a READY checkpoint that the device evicts (call before its slot and pages are freed). ``cold``: a
+        checkpoint a chat's next turn continued (its longer successor serves the turn after) enters the host tier
+        at its least-recently-used end: under pressure it goes first, before any checkpoint not yet continued
+        (with plain LRU the host tier of a multi-turn chat needs room for two checkpoints per conversation)."""
+        on_disk = self.disk is not None and key in self.disk
+        if not self.host_bytes and (self.disk is None or on_disk):
+            return
+        nbytes = self.copier.bytes_of(len(table.pages))
+        if on_disk and nbytes > self.host_bytes:
+            return
+        try:
+            hc = self.copier.snapshot(key, token_ids, slot, list(table.pages))
+        except RuntimeError as e:       # host memory exhausted (pinned allocation): the checkpoint is dropped
+            logger.warning("checkpoint %s not copied down: %s", key.hex()[:12], e)
+            return
+        self.stats.spills += 1
+        self.stats.add_bytes("d2h", hc.nbytes)
+        if self.host_bytes and hc.footprint <= self.host_bytes:
+            self._host_put(hc, cold)
+        elif self.disk is not None:
+            self.disk.put(hc)
+
+    def _host_put(self, hc: HostCheckpoint, cold: bool = False) -> None:
+        while self.host and self.host_used + hc.footprint > self.host_bytes:
+            _, old = self.host.popitem(last=False)
+            self._host_forget(old)
+            if self.disk is not None:
+                self.disk.put(old)
+        self.host[hc.key] = hc
+        if cold:
+            self.host.move_to_end(hc.key, last=False)
+        self.host_used += hc.footprint
+        self._host_lengths[hc.length] += 1
+
+    def _host_forget(self, hc: HostCheckpoint) -> None:
+        self.host_used -= hc.footprint
+        self._host_lengths[hc.length] -= 1
+        if not self._host_lengths[hc.length]:
+            del self._host_lengths[hc.length]
+
+    # ---- up: a lookup ----
+    def lengths(self) -> set[int]:
+        """Token lengths held below the device (for the longest-prefix search)."""
+        out = set(self._host_lengths)
+        if self.disk is not None:
+            out |= self.disk.lengths()
+        return out
+
+    def find(self, key: bytes, token_ids: tuple[int, ...]) -> tuple[str, int] | None:
+        """(tier, pages needed) when a lower tier holds exactly ``token_ids`` under ``key``."""
+        hc = self.host.get(key)
+        if hc is not None and hc.token_ids == token_ids:
+            return "host", hc.num_pages
+        if self.disk is not None and self.disk.token_ids(key) == token_ids:
+            return "disk", -(-len(token_ids) // self.copier.kv.page_size)
+        return None
+
+    def claim(self, key: bytes, tier: str) -> HostCheckpoint | None:
+        """Take a host-tier checkpoint out of the tier before a restore (None for a disk one)."""
+        if tier != "host":
+            return None
+        hc = self.host.pop(key)
+        self._host_forget(hc)
+        return hc
+
+    def unclaim(self, hc: HostCheckpoint | None) -> None:
+        """Put back what ``claim`` took (no room for the restore)."""
+        if hc is not None:
+            self._host_put(hc)
+
+    def start(self, entry, table: PageTable, tier: str, hc: HostCheckpoint | None) -> bool:
+        """Restore ``entry.key`` from ``tier`` (``hc``: the claimed host copy) into the PENDING ``entry``'s slot and
+        ``table``'s pages. True: the copy is queued in stream order (a host restore), the entry may be READY now;
+        False: a disk read is in flight (``poll``)."""
+        r = Restore(entry, table, tier, time.perf_counter(), hc=hc)
+        if tier == "host" and self._copy_up(r):
+            self._land(r)
+            return True
+        if tier != "host":
+            r.future = self.disk.load(entry.key)
+        self.restoring[entry.key] = r         # a host copy of the wrong shape fails at the next poll
+        return False
+
+    def _land(self, r: Restore) -> None:
+        """The copy up is queued: keep its pinned source until the event (latency counted then)."""
+        if r.event is None:
+            self.stats.restored(r.tier, time.perf_counter() - r.t0)
+            r.hc = None
+        else:
+            self.landing.append(r)
+
+    def _retire(self, wait: bool) -> None:
+        keep = []
+        for r in self.landing:
+            if wait:
+                r.event.synchronize()
+            elif not r.event.query():
+                keep.append(r)
+                continue
+            self.stats.restored(r.tier, time.perf_counter() - r.t0)
+            r.hc = None
+        self.landing = keep
+
+    def _copy_up(self, r: Restore) -> bool:
+        if r.hc.num_pages != len(r.table.pages) or r.hc.length != len(r.entry.token_ids):
+            return False
+        r.event = self.copier.restore(r.hc, r.entry.slot, list(r.table.pages))
+        r.started = True
+        self.stats.add_bytes("h2d", r.hc.nbytes)
+        return True
+
+    def poll(self, wait: bool = False) -> list[tuple[Restore, bool]]:
+        """The disk restores whose file was read since the last call, each with whether it succeeded (a corrupt or
+        vanished file fails it; a success has its copy up queued in stream order: READY now). ``wait``: block until
+        every read in flight is done (nothing else can run), and every copy up with it."""
+        done = []
+        for key, r in list(self.restoring.items()):
+            if r.future is not None:
+                if not (wait or r.future.done()):
+                    continue
+                r.hc, r.future = r.future.result(), None
+            del self.restoring[key]
+            if r.hc is None or not self._copy_up(r):
+                self.stats.restore_failures += 1
+                done.append((r, False))
+                continue
+            self._land(r)
+            done.append((r, True))
+        self._retire(wait)
+        return done
+
+    # ---- shutdown ----
+    def flush(self, resident) -> None:
+        """Write every checkpoint above the disk to it and wait (graceful shutdown: ``resident`` yields the device's
+        READY (key, token ids, slot, table))."""
+        if self.disk is None:
+            return
+        for i, (key, token_ids, slot, table) in enumerate(resident):
+            if key not in self.disk:
+                hc = self.copier.snapshot(key, token_ids, slot, list(table.pages))
+                self.stats.add_bytes("d2h", hc.nbytes)
+                self.disk.put(hc)
+            if i % 8 == 7:          # a few host copies at a time: the device may hold hundreds of checkpoints
+                self.disk.flush()
+        for hc in list(self.host.values()):
+            self.disk.put(hc)
+        self.disk.flush()
+
+    def capacity(self) -> list[str]:
+        """Banner lines: each lower tier's size and how many checkpoints of a 2,048-token prefix it holds."""
+        per = self.copier.bytes_of(-(-2048 // self.copier.kv.page_size))
+        out = []
+        if self.host_bytes:
+            out.append(f"host {self.host_bytes / 2**30:.1f} GiB ~ {self.host_bytes // per} checkpoints")
+        if self.disk is not None:
+            out.append(f"disk {self.disk.dir} {self.disk.max_bytes / 2**30:.1f} GiB ~ "
+                       f"{self.disk.max_bytes // per} checkpoints ({len(self.disk)} found)")
+        return out
+
+
+def model_fingerprint(model, dtype: torch.dtype, tp_size: int, state_cfg, page_cfg) -> str:
+    """Hex blake2b of what a checkpoint is only valid for: the model config, the dtype, the tensor-parallel layout,
+    the pools' row shapes and dtypes (page size, state dtype; not their sizes), every parameter's name, shape and dtype, and the bytes of
+    the first and last 64 elements of every parameter (a sample: hashing 70 GB of weights at start-up would take
+    minutes; two models that differ only elsewhere in their weights would share checkpoints)."""
+    h = hashlib.blake2b(digest_size=32)
+    cfg = getattr(model, "cfg", None)
+    def shapes(c) -> dict:
+        return {f.name: str(getattr(c, f.name)) for f in fields(c)
+                if f.name not in ("device", "num_slots", "num_pages")}    # the pools' sizes may change
+    facts = {"version": 1, "config": repr(cfg), "dtype": str(dtype), "tp": tp_size, "state": shapes(state_cfg),
+             "pages": shapes(page_cfg)}
+    h.update(json.dumps(facts, sort_keys=True).encode())
+    samples = []
+    for name, p in sorted(model.state_dict().items()):
+        h.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
+        flat = p.detach().reshape(-1)
+        if flat.numel():
+            samples.append(torch.cat([flat[:64], flat[-64:]]).contiguous().view(torch.uint8))
+    if samples:
+        h.update(torch.cat(samples).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def build_tiers(cfg, model, state, pages: PagePool) -> CheckpointTiers | None:
+    """The tiers an EngineConfig asks for (None when both are off)."""
+    host = int(cfg.checkpoint_host_memory_gb * 2**30)
+    if not host and cfg.checkpoint_dir is None:
+        return None
+    ram = meminfo_available()
+    if host > 0.9 * ram:        # refused at start-up, not an allocation failure in the middle of a step
+        raise ValueError(f"checkpoint_host_memory_gb: {cfg.checkpoint_host_memory_gb:g} GiB is more than 0.9 x the "
+                         f"{ram / 2**30:.1f} GiB of RAM available")
+    stats = TierStats()
+    copier = Copier(state, pages)
+    disk = None
+    if cfg.checkpoint_dir is not None:
+        fp = model_fingerprint(model, pages.config.dtype, cfg.tensor_parallel_size, state.config, pages.config)
+        disk = DiskTier(cfg.checkpoint_dir, int(cfg.checkpoint_dir_max_gb * 2**30), fp, pin=copier.cuda,
+                        on_bytes=stats.add_bytes)
+    return CheckpointTiers(copier, host, disk, stats)

@@ -1,0 +1,216 @@
+"""Static inputs of prefill and mixed (prefill + decode) graph steps, padded to a :class:`MixedKey` bucket
+(docs/serving.md § CUDA graphs). The decode-only / verify-only buckets are graph_inputs.py's.
+
+A step with T prefill tokens in N segments (one fused launch group, the plan's token order) and B decodes
+runs in the bucket (Tb, Nb, Qb, Bb): Tb >= T, Nb >= N, Qb >= the longest segment, Bb >= B (0: no decodes).
+Its rows: [0, Tb) the prefill region — the T tokens, then Tb - T padding rows; [Tb, Tb + Bb) the B decode
+tokens, then Bb - B padding rows. Every host int a kernel launch reads is the bucket's, so one graph serves
+every step of the bucket:
+
+- GDN prefill: Nb + 1 sequences: the N segments (their src / dst / parent slots as the fused plan has them),
+  Nb - N zero-length padding sequences (src = dst = parent = -1: the kernels exit), and one padding
+  sequence over the padding rows [T, Tb) (src = dst = -1: finite outputs from token 0, no state written).
+  ``chunk_indices`` is padded with sentinel rows to ceil(Tb / 64) + Nb + 1; ``max_len`` is Tb.
+- Attention: Nb + 1 + Bb sequences: the N segments, Nb - N + 1 padding sequences with kv_len 0 (skipped;
+  their rows' attention output is zero, ``AttnMeta.zero_out``), the B decodes, and Bb - B decode padding
+  rows (one query at position 0, kv_len 1 over page 0, as graph_inputs.py's padding). ``max_q_len`` = Qb.
+- KV store: slot_mapping -1 on every padding row. A fork's copy-on-write tail rows (stored twice, through
+  ``token_index``) ride in Nb * page_size extra entries, padded with slot -1.
+- GDN decode: slot -1 on the padding rows (zero output, no pool byte touched).
+- Logits rows: the step's rows (decode rows shifted by Tb - T) in a [Tb + Bb] vector; the step reads its
+  first R entries.
+
+All of it is ONE int32 device buffer (an IndexStager's, sized for the largest bucket at start-up, so views
+keep their addresses for the runner's lifetime), filled with ONE host-to-device copy of the bucket's span.
+"""
+from __future__ import annotations
+
+import bisect
+from collections.abc import Set as AbstractSet
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from gdnserve.engine.execution.step_plan import IndexStager, PrefillSegment, fused_slots
+from gdnserve.ops.varlen import CHUNK, VarlenMeta, aligned
+
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)   # then num_slots itself
+MIN_Q = 16                     # the attention kernel's query block
+
+
+def token_buckets(cap: int) -> tuple[int, ...]:
+    """Prefill-token buckets up to ``cap`` (steps of about 1.5x: a step pads at most ~1/3 of its rows)."""
+    if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
+        raise ValueError(f"graph_max_tokens: expected an int >= 1, got {cap!r}")
+    return tuple(b for b in TOKEN_BUCKETS if b < cap) + (cap,)
+
+
+def _pick(buckets: tuple[int, ...], n: int) -> int | None:
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
+@dataclass(frozen=True, slots=True)
+class MixedKey:
+    """A prefill / mixed bucket: Tb prefill rows, Nb segments, Qb query rows per segment, Bb decode rows."""
+    T: int
+    N: int
+    Q: int
+    B: int
+
+    @property
+    def gdn_seqs(self) -> int:
+        return self.N + 1
+
+    @property
+    def attn_seqs(self) -> int:
+        return self.N + 1 + self.B
+
+    @property
+    def chunk_rows(self) -> int:
+        return -(-self.T // CHUNK) + self.N + 1
+
+    @property
+    def rows(self) -> int:
+        return self.T + self.B
+
+
+def pick_mixed(tok_buckets: tuple[int, ...], seq_buckets: tuple[int, ...], dec_buckets: tuple[int, ...],
+               T: int, N: int, Q: int, B: int) -> MixedKey | None:
+    """The smallest bucket holding the step, or None when a dimension is over its largest bucket."""
+    Tb, Nb = _pick(tok_buckets, T), _pick(seq_buckets, N)
+    Bb = 0 if B == 0 else _pick(dec_buckets, B)
+    if Tb is None or Nb is None or Bb is None or T < 1 or N < 1:
+        return None
+    Qb = MIN_Q
+    while Qb < Q:
+        Qb *= 2
+    return MixedKey(Tb, Nb, min(Qb, max(Tb, MIN_Q)), Bb)
+
+
+def _vectors(key: MixedKey, page_size: int) -> list[tuple[str, int]]:
+    M = key.rows + key.N * page_size                      # + copy-on-write duplicates
+    gm = 2 * aligned(key.gdn_seqs + 1) + 2 * key.chunk_rows
+    return [("ids", key.rows), ("pos", key.rows), ("smap", M), ("tok", M), ("cu", key.attn_seqs + 1),
+            ("kv", key.attn_seqs), ("gmeta", gm), ("src", key.gdn_seqs), ("dst", key.gdn_seqs),
+            ("par", key.gdn_seqs), ("dslots", key.B), ("rows", key.rows)]
+
+
+def _layout(key: MixedKey, W: int, page_size: int) -> tuple[dict[str, tuple[int, int]], int]:
+    lay, off = {}, 0
+    for name, n in _vectors(key, page_size):
+        lay[name] = (off, off + n)
+        off = aligned(off + n)                            # 16-byte aligned views (ops/varlen.py ALIGN_INTS)
+    lay["table"] = (off, off + key.attn_seqs * W)
+    return lay, off + key.attn_seqs * W
+
+
+def span(key: MixedKey, W: int, page_size: int) -> int:
+    return _layout(key, W, page_size)[1]
+
+
+def fused_group(segs: list[PrefillSegment], ready: AbstractSet[int]) -> tuple[list[int], list[int], list[int]]:
+    """The one launch group of the fused plan (step_plan.py builds it the same way, checks included: ownership
+    contract and aliasing, PlanError): per segment in token order its src, dst and same-group parent."""
+    return fused_slots(segs, ready)
+
+
+@dataclass
+class MixedStep:
+    """One step's host vectors in the eager layout (the runner's StepInputs, laid out by its own code) plus the
+    fused group's per-segment slots; ``fill`` pads them into the bucket."""
+    ids: list[int]
+    pos: list[int]
+    slots: list[int]          # KV slot_mapping of the step's tokens, then of the duplicated rows
+    dup_rows: list[int]
+    cu: list[int]             # prefill segments' boundaries (N + 1), then one per decode
+    kv: list[int]
+    tables: list              # PageTable per attention sequence (segments, then decodes)
+    rows: list[int]           # logits rows in the eager layout
+    num_prefill: int
+    seg_src: list[int]
+    seg_dst: list[int]
+    seg_par: list[int]
+    decode_slots: list[int]
+
+
+class MixedInputs:
+    """The persistent buffer, its per-bucket device views and GDN metas, and the per-step fill."""
+
+    def __init__(self, max_key: MixedKey, width: int, page_size: int, device: torch.device | str):
+        self.width, self.page_size = width, page_size
+        self.stager = IndexStager(span(max_key, width, page_size), device)
+        self._views: dict[MixedKey, dict[str, torch.Tensor]] = {}
+
+    def views(self, key: MixedKey) -> dict[str, torch.Tensor]:
+        """Device int32 views at fixed addresses (see ``_vectors``); ``table`` is [attn_seqs, W]."""
+        v = self._views.get(key)
+        if v is None:
+            lay, _ = _layout(key, self.width, self.page_size)
+            dev = self.stager.dev
+            v = {name: dev[a:b] for name, (a, b) in lay.items()}
+            v["table"] = v["table"].view(key.attn_seqs, self.width)
+            self._views[key] = v
+        return v
+
+    def meta(self, key: MixedKey, seqlens: list[int]) -> VarlenMeta:
+        """The GDN prefill meta over the bucket's views: host ints of the bucket (num_seqs Nb + 1, chunk rows,
+        num_tokens Tb, max_len Tb); ``seqlens`` (the step's padded lengths) only for the PyTorch path."""
+        m = VarlenMeta.from_device(self.views(key)["gmeta"], seqlens)
+        return replace(m, max_len=key.T)
+
+    def fill(self, key: MixedKey, st: MixedStep) -> list[int]:
+        """Pad ``st`` into ``key``'s layout and upload it (one copy). Returns the GDN sequence lengths."""
+        lay, n = _layout(key, self.width, self.page_size)
+        h = self.stager.stage(n).numpy()
+        Tb, Nb, Bb, W = key.T, key.N, key.B, self.width
+        T, N = st.num_prefill, len(st.seg_src)
+        B = len(st.decode_slots)
+
+        def put(name: str, live, pad) -> None:
+            a, b = lay[name]
+            h[a:a + len(live)] = live
+            h[a + len(live):b] = pad
+
+        def put2(name: str, pre, dec, pad_pre, pad_dec) -> None:     # [prefill region | decode region]
+            a, _ = lay[name]
+            h[a:a + len(pre)] = pre
+            h[a + len(pre):a + Tb] = pad_pre
+            h[a + Tb:a + Tb + len(dec)] = dec
+            h[a + Tb + len(dec):a + Tb + Bb] = pad_dec
+
+        put2("ids", st.ids[:T], st.ids[T:], 0, 0)
+        put2("pos", st.pos[:T], st.pos[T:], 0, 0)
+        n_tok = T + B
+        put2("smap", st.slots[:T], st.slots[T:n_tok], -1, -1)
+        a, b = lay["smap"]                                 # then the duplicated rows' slots
+        dups = st.slots[n_tok:]
+        h[a + key.rows:a + key.rows + len(dups)] = dups
+        h[a + key.rows + len(dups):b] = -1
+        a, b = lay["tok"]
+        h[a:a + key.rows] = np.arange(key.rows, dtype=np.int32)
+        h[a + key.rows:a + key.rows + len(st.dup_rows)] = st.dup_rows      # prefill rows: same index here
+        h[a + key.rows + len(st.dup_rows):b] = 0
+        seg_cu = st.cu[:N + 1]
+        dec_cu = [Tb + c - T for c in st.cu[N + 1:]]
+        cu = seg_cu + [T] * (Nb - N) + [Tb] + dec_cu + list(range(Tb + B + 1, Tb + Bb + 1))
+        put("cu", cu, 0)
+        put("kv", st.kv[:N] + [0] * (Nb - N + 1) + st.kv[N:], 1)
+        lens = [seg_cu[i + 1] - seg_cu[i] for i in range(N)] + [0] * (Nb - N) + [Tb - T]
+        put("gmeta", VarlenMeta.host_vectors(lens, pad_chunks_to=key.chunk_rows), 0)
+        put("src", st.seg_src, -1)
+        put("dst", st.seg_dst, -1)
+        put("par", st.seg_par, -1)
+        put("dslots", st.decode_slots, -1)
+        put("rows", [r if r < T else r - T + Tb for r in st.rows], 0)
+        a, b = lay["table"]
+        tab = h[a:b].reshape(key.attn_seqs, W)
+        for i, t in enumerate(st.tables[:N]):
+            tab[i, :len(t.pages)] = t.pages
+        for i, t in enumerate(st.tables[N:]):
+            tab[Nb + 1 + i, :len(t.pages)] = t.pages
+        tab[Nb + 1 + B:, 0] = 0                          # decode padding rows read page 0 at position 0
+        self.stager.push(n)
+        return lens
