@@ -75,7 +75,7 @@ def kernel_profile(call, reps: int) -> tuple[dict[str, list[float]] | None, floa
 def decode_case(runner, B: int, ctx: int, steps: int, warmup: int, dev: torch.device, prof_reps: int
                 ) -> dict[str, Any]:
     from benchmarks.timing import percentiles
-    from gdnserve.engine.model_runner import PrefillItem
+    from gdnserve.engine.cache.sequence import PrefillItem
     vocab = runner.model.cfg.vocab_size
     g = torch.Generator().manual_seed(B)
     seqs = [runner.new_seq() for _ in range(B)]
@@ -115,7 +115,7 @@ def run(dev: torch.device, quick: bool, batches: tuple[int, ...], formats: tuple
     from benchmarks.bench_model import decode_bytes
     from benchmarks.random_model import build_random_model, config_for
     from benchmarks.timing import measure_ceilings
-    from gdnserve.engine.model_runner import ModelRunner, RunnerConfig
+    from gdnserve.engine.execution.model_runner import ModelRunner, RunnerConfig
     cuda = dev.type == "cuda"
     t0 = time.perf_counter()
     cfg = config_for(dev, None, None, full=cuda and not quick)

@@ -1,5 +1,5 @@
 """The device-side description of one step's GDN prefill, as the engine's plan builder hands it to
-every GDN layer (built once per step, read by all layers; see engine/step_plan.py).
+every GDN layer (built once per step, read by all layers; see engine/execution/step_plan.py).
 
 A prefill is a sequence of *launch groups*. Each group is one packed launch of the conv and the
 gated-delta-rule kernels over a contiguous token range of the step, with per-sequence source,

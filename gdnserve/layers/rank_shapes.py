@@ -1,6 +1,6 @@
 """A rank's share of the mixers under tensor parallelism of size ``tp``, decided once: each rank keeps
 ``1 / tp`` of the GDN key heads (H), value heads (HV) and attention query / KV heads, head sizes whole (the
-layers check divisibility; ``engine/tp_launch.py`` before anything is built), and the GDN depthwise conv runs
+layers check divisibility; ``engine/tp/tp_check.py`` before anything is built), and the GDN depthwise conv runs
 over this rank's q, k and v: ``conv_dim = 2·H·K + HV·V`` channels. The mixers, the state and page pools, the
 speculative buffers and the memory plan read these numbers here (no torch: the memory plan prices a model
 before one exists)."""

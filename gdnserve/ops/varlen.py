@@ -97,7 +97,7 @@ class VarlenMeta:
     @staticmethod
     def build(seqlens: Sequence[int], device: torch.device | str, pad_chunks_to: int | None = None) -> "VarlenMeta":
         """Standalone meta with its own host-to-device copy (ops tests, benchmarks); the engine packs
-        every meta of a step into one copy instead (engine/step_plan.py)."""
+        every meta of a step into one copy instead (engine/execution/step_plan.py)."""
         host = torch.tensor(VarlenMeta.host_vectors(seqlens, pad_chunks_to), dtype=INDEX_DTYPE)
         if torch.device(device).type == "cuda":
             host = host.pin_memory()

@@ -8,7 +8,7 @@
 - ``naive.py``: the float64 reference on contiguous per-sequence K/V.
 
 The pages themselves (refcounts, page tables, fork with a copy-on-write tail) live in
-``gdnserve/engine/page_pool.py``.
+``gdnserve/engine/cache/page_pool.py``.
 """
 from gdnserve.ops.attention.paged import copy_pages, paged_attention, store_kv
 

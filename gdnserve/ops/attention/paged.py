@@ -167,7 +167,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         -1 = skip. Live slots must be distinct.
     token_index: [M] int64 token rows in 0..T-1, or None (= 0..M-1, then M must equal T). A token may
         appear several times: that is how a producer's tokens of a partially filled shared tail page are
-        also written into each consumer's copy-on-write page in the same step (engine/page_pool.py).
+        also written into each consumer's copy-on-write page in the same step (engine/cache/page_pool.py).
     """
     check_tensor("k", k, [None, None, None], ACT_DTYPES)
     T, KVH, Dh = k.shape

@@ -74,6 +74,14 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a:
         from gdnserve.ops.gdn.chunk_torch import chunk_gdn_torch
         return chunk_gdn_torch(q, k, v, a, b, A_log, dt_bias, ssm_pool, meta, src_slots, dst_slots, parents,
                                scale, out)
+    from gdnserve.ops.gdn.chunk_configs import chunk_config
+    cfg = chunk_config(dev)
+    if cfg.fused_main:          # the two-launch path in FlashQLA's shape (docs/kernels.md), off by default
+        from gdnserve.ops.gdn.chunk_fused_triton import chunk_gdn_fused
+        from gdnserve.ops.gdn.chunk_workspace import ChunkWorkspace
+        ws = ChunkWorkspace.ensure(workspace, meta, HV, K, V, v.dtype, dev)
+        return chunk_gdn_fused(q, k, v, a, b, A_log, dt_bias, ssm_pool, meta, src_slots, dst_slots, parents, scale,
+                               out, ws, cfg)
     from gdnserve.ops.gdn.chunk_triton import chunk_gdn_triton
     return chunk_gdn_triton(q, k, v, a, b, A_log, dt_bias, ssm_pool, meta, src_slots, dst_slots, parents,
                             scale, out, workspace)

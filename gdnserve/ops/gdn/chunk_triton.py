@@ -344,16 +344,11 @@ def launch_output(q, k, v, meta: VarlenMeta, scale: float, out, ws: ChunkWorkspa
 
 def chunk_gdn_triton(q, k, v, a, b, A_log, dt_bias, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, parents,
                      scale: float, out: torch.Tensor, workspace: ChunkWorkspace | None) -> torch.Tensor:
-    T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    ws = workspace
-    if ws is None or not ws.fits(T, meta.num_chunk_rows, HV, K, V, v.dtype):
-        ws = ChunkWorkspace.empty(T, meta.num_chunk_rows, HV, K, V, v.dtype, q.device)
+    """The three-launch path (prep, state, output); ``ops/gdn/chunk.py`` dispatches ``ChunkConfig.fused_main`` to
+    ``chunk_fused_triton`` instead."""
+    HV, K, V = v.shape[1], q.shape[2], v.shape[2]
+    ws = ChunkWorkspace.ensure(workspace, meta, HV, K, V, v.dtype, q.device)
     cfg = chunk_config(q.device)
-    if cfg.fused_main:
-        from gdnserve.ops.gdn.chunk_fused_triton import chunk_gdn_fused
-        return chunk_gdn_fused(q, k, v, a, b, A_log, dt_bias, ssm_pool, meta, src_slots, dst_slots, parents, scale,
-                               out, ws, cfg)
     launch_prep(q, k, v, a, b, A_log, dt_bias, meta, ws, out, scale)
     launch_state(q, k, v, ssm_pool, meta, src_slots, dst_slots, parents, ws, scale, out)
     if not cfg.fused_out and not prep_out(v, cfg):

@@ -88,6 +88,14 @@ class ChunkWorkspace:
             self.seg_p = torch.empty(rows, HV, K, K, dtype=torch.float32, device=dev)
         return self.seg_b, self.seg_p
 
+    @staticmethod
+    def ensure(ws: "ChunkWorkspace | None", meta, HV: int, K: int, V: int, dtype: torch.dtype,
+               device: torch.device) -> "ChunkWorkspace":
+        """``ws`` when it fits the call described by ``meta`` (a VarlenMeta), else a fresh one."""
+        if ws is None or not ws.fits(meta.num_tokens, meta.num_chunk_rows, HV, K, V, dtype):
+            ws = ChunkWorkspace.empty(meta.num_tokens, meta.num_chunk_rows, HV, K, V, dtype, device)
+        return ws
+
     def fits(self, tokens: int, chunk_rows: int, HV: int, K: int, V: int, dtype: torch.dtype) -> bool:
         return (self.w.shape[0] >= tokens and self.max_chunk_rows >= chunk_rows and self.w.shape[1:] == (HV, K)
                 and self.u.shape[2] == V and self.w.dtype == dtype)
