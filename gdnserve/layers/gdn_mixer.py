@@ -64,8 +64,12 @@ class GatedDeltaNet(nn.Module):
         self.decode_counters: torch.Tensor | None = None   # its per-(slot, key head) counters, with the pools
         self._counters: dict[tuple[int, int], torch.Tensor] = {}
 
-    def bind_state(self, conv_pool: torch.Tensor, ssm_pool: torch.Tensor) -> None:
+    def bind_state(self, conv_pool: torch.Tensor | None, ssm_pool: torch.Tensor | None) -> None:
+        """The pools this mixer reads and writes (None, None: unbound, e.g. after the memory plan's warm-up)."""
         self.conv_pool, self.ssm_pool = conv_pool, ssm_pool
+        if ssm_pool is None:
+            self.decode_counters = None
+            return
         # allocated here, never in a forward (a graph capture must find it): S x H int32, left at 0 by every launch.
         # One per bound pool, kept alive with the mixer: a graph captured with an earlier binding still points at it
         key = (ssm_pool.data_ptr(), ssm_pool.shape[0])

@@ -6,10 +6,13 @@ device's memory, the weights, the measured or estimated activation peak) and :fu
 
     room   = budget - weights - activations - CUDA graphs - runtime reserve
     seat   = 1 slot + ceil(seat_len / page_size) pages,  seat_len = min(max_model_len, SEAT_TOKENS = 8192)
-    slots  = clamp(room // seat, min(W, MIN_SLOTS = 4), 16 * max_num_seqs),  W = 2 * max_num_seqs + 2
+    slots  = clamp(min(room // seat, (room - pages_per_seq * page_bytes) // slot_bytes),
+                   min(W, MIN_SLOTS = 4), 16 * max_num_seqs),  W = 2 * max_num_seqs + 2
     pages  = min((room - slots * slot_bytes) // page_bytes, slots * pages_per_seq)
 
-A *seat* is what one typical request holds: a slot and the KV of ``seat_len`` tokens. Sizing by seats keeps the
+(the second bound keeps one max_model_len sequence's pages beside the slots when seats of a shorter typical
+length would not: a Hypothesis case, 5 seats of 128 pages leaving 640 of the 641 pages one 40,961-token sequence
+needs). A *seat* is what one typical request holds: a slot and the KV of ``seat_len`` tokens. Sizing by seats keeps the
 two pools in proportion whatever the slot costs: a GDN slot of the full-size model (61 MiB) costs as much KV as
 3000 tokens, so a floor in slots (the W = 2 x max_num_seqs + 2 working slots the fixed CPU pools keep) would take
 the whole room (H200, max_num_seqs 256: 514 slots = 31 GiB, KV for 2 requests). When the room holds more than W
@@ -210,6 +213,8 @@ def plan(budget: Budget, demand: Demand, *, page_bytes: int, slot_bytes: int, pa
         left = room - (num_pages * page_bytes if num_pages is not None else 0)
         per = slot_bytes if num_pages is not None else seat
         S = max(least, min(left // per, cap))
+        if num_pages is None:      # seats of a typical length may leave less than one max_model_len sequence's KV
+            S = max(least, min(S, (room - pps * page_bytes) // slot_bytes))
     P = num_pages
     if P is None:
         P = max(pps, min((room - S * slot_bytes) // page_bytes, S * pps))
