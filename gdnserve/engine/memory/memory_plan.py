@@ -137,7 +137,8 @@ class MemoryPlan:
         how = "sized from the budget" if self.sized else "as configured"
         held = f": {b.detail}" if b.detail else ""
         working = min(self.working_slots, self.num_slots)
-        limit = ": the memory holds fewer" if run < self.max_num_seqs else ""
+        limit = (f": the {'memory' if self.sized else 'configured pools'} hold{'s' if self.sized else ''} fewer"
+                 if run < self.max_num_seqs else "")
         seat = (f"; {self.max_concurrency(self.seat_len)} at {self.seat_len} tokens each"
                 if self.seat_len < self.max_model_len else "")
         memory = (f"  memory: budget {fmt_bytes(b.usable)} ({b.source}{held}): weights {fmt_bytes(d.weights)}, "
