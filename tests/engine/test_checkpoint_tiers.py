@@ -363,3 +363,22 @@ def test_a_full_write_queue_drops_the_checkpoint(tmp_path, monkeypatch):
         r.make(ids)                                      # IDS[0] evicted: its write does not fit the queue
     r.disk.flush()
     assert r.disk.dropped == 1 and len(r.disk) == 0 and r.where(IDS[0]) == "-"
+
+
+def test_waiting_requests_without_a_seat_start_no_restore():
+    """Next turns that arrive together while max_num_seqs = 1 runs one at a time: each restores its checkpoint from
+    the host tier once, when it is admitted (the waiters' lookups used to restore theirs every step only for the
+    next waiter's restore to evict them again: 44 restores for 6 hits)."""
+    e = LLM(device="cpu", max_num_seqs=1, num_slots=4, num_pages=64, page_size=8,
+            checkpoint_host_memory_gb=0.01).engine
+    rng = random.Random(30)
+    convs = [[rng.randrange(3, 250) for _ in range(15 + 3 * i)] for i in range(6)]
+    first = [_run(e, c).outputs[0].token_ids for c in convs]
+    assert len(e.kv.checkpoint_cache.tiers.host) >= 2
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    for c, out in zip(convs, first):
+        e.add_request(None, c + out + [7, 8], params)
+    while e.has_unfinished():
+        e.step()
+    hits, restores = e.tier_stats.hits["host"], e.tier_stats.restores["host"]
+    assert hits >= 2 and restores == hits, (hits, restores)

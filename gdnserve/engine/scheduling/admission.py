@@ -264,6 +264,10 @@ class Admission:
         limit = self.cfg.max_partial_prefills
         if (not p.longs or p.partial >= limit) and self._known_long(req, p):
             return SKIP if p.longs else LONG
+        if p.live + len(req.samples) > self.cfg.max_num_seqs:
+            # no seat for it this step: skip before planning, whose lookups would restore its checkpoint from a
+            # lower tier only for the next waiter's restore to evict it again (restores thrashed, review finding)
+            return SKIP
         pl = self._plan(req, p)
         if pl is None:
             return SKIP
