@@ -94,6 +94,7 @@ def test_score_equals_full_sequence_logprobs(llm):
     forward over prefix + candidate (the prefix computed once, consumers in the same step)."""
     from gdnserve.engine.cache.sequence import PrefillItem
     e = llm.engine
+    e.evict_checkpoints(len(e.index))            # the module's engine: whatever ran before in this process
     tok = e.tokenizer
     prefix, cands = "Question: which is best? Answer:", [" yes", " no", " maybe not"]
     res = e.score(prefix, cands, label_token_ids=[1, 2])
