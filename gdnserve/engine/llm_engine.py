@@ -286,7 +286,11 @@ class LLMEngine:
             out.processed = done = self._process(batch, out.logits, sampled, out.accepted)
             if running is not None:
                 busy = {id(seq) for seq, _ in running.decodes} | {id(it.seq) for it in running.items}
+                stale = [(r, s) for r, s in done.finished if id(s.seq) in busy]
                 done.finished = [(r, s) for r, s in done.finished if id(s.seq) not in busy]
+                for _, s in stale:    # decoded once more by the running step: one id past, never published; freed
+                    self.scheduler.free_sample(s)   # now, as the serial loop does (stream order: a later owner's
+                                                    # kernels run after that step's)
             self.runner.flush(done.finished_seqs())   # replay-pending tokens land before a slot is published
         self.scheduler.update_from_output(batch, out)
         if out.error is not None:

@@ -153,3 +153,28 @@ def test_a_failed_step_behind_a_stop_does_not_bring_the_stopped_request_back(eng
     assert final[a].outputs[0].finish_reason == "stop" and final[a].outputs[0].token_ids == toks[:j + 1]
     assert final[b].outputs[0].token_ids == ref[1]
     clean(ov)
+
+
+def test_a_stopped_sample_of_n_frees_its_slot_and_pages_as_it_lands():
+    """n = 2, sample 0 stops at a stop token while the next step is already decoding it: its state slot and KV
+    pages go back when its stop lands (one step later than the serial loop sees it), not when the whole request
+    ends (the review found them held until then)."""
+    kw = {"device": "cpu", "max_num_seqs": 6, "num_pages": 48, "page_size": 8, "max_step_tokens": 64}
+    prompt = [random.Random(2).randrange(3, 250) for _ in range(30)]
+    sp = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=30, ignore_eos=True)
+    e = LLM(overlap=False, **kw).engine
+    rid = e.add_request(None, prompt, sp)
+    while e.has_unfinished():
+        outs = [o for o in e.step() if o.request_id == rid and o.finished]
+    stop = outs[0].outputs[0].token_ids[2]
+    assert stop not in outs[0].outputs[1].token_ids[:6]
+    e = LLM(overlap=True, **kw).engine
+    rid = e.add_request(None, prompt, SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=30, ignore_eos=True,
+                                                     stop_token_ids=[stop]))
+    held = []
+    while e.has_unfinished():
+        e.step()
+        req = e.requests.get(rid)
+        if req is not None and req.samples[0].finish_reason == "stop" and req.samples[1].finish_reason is None:
+            held.append(req.samples[0].seq is not None)
+    assert held and not any(held), held

@@ -308,9 +308,13 @@ class Scheduler:
     # ------------------------------------------------------------------ giving things back
     def free_samples(self, req: Request) -> None:
         for s in req.samples:
-            if s.seq is not None:
-                self.kv.free_seq(s.seq)
-                s.seq = None
+            self.free_sample(s)
+
+    def free_sample(self, s: Sample) -> None:
+        """A sample's state slot and KV pages back to the pools (no checkpoint published)."""
+        if s.seq is not None:
+            self.kv.free_seq(s.seq)
+            s.seq = None
 
     def requeue(self, job: Job, front: int = 0) -> None:
         """Back into the queue (at ``front``) with nothing allocated: preemption, a failed step. Outputs so
