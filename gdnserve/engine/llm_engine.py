@@ -243,7 +243,14 @@ class LLMEngine:
         if batch.empty and batch.error is None:
             return self._land(prev, None) if prev is not None else self._idle()
         out = self._launch(batch, prev)
-        outs = self._land(prev, batch if out.ran else None) if prev is not None else []
+        try:
+            outs = self._land(prev, batch if out.ran else None) if prev is not None else []
+        except Exception:
+            # the step in flight failed (rolled back, its isolation started): the step just launched behind it read
+            # its ids, so it is rolled back too (its jobs requeued, its checkpoints dropped, references released)
+            out.ran, out.error = False, out.error or RuntimeError("the step before it failed")
+            self.scheduler.update_from_output(batch, out)
+            raise
         if out.error is not None and prev is not None:     # isolation marks progress past the landed step
             batch.marks = {job: job.progress() for job in batch.jobs}
         if out.error is None and self._deferrable(batch):

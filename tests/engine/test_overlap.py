@@ -178,3 +178,47 @@ def test_a_stopped_sample_of_n_frees_its_slot_and_pages_as_it_lands():
         if req is not None and req.samples[0].finish_reason == "stop" and req.samples[1].finish_reason is None:
             held.append(req.samples[0].seq is not None)
     assert held and not any(held), held
+
+
+def test_a_failed_read_back_rolls_back_the_step_launched_behind_it(monkeypatch):
+    """The in-flight step's read-back raises while the step behind it (which admitted a new request) is launched:
+    both are rolled back, one error surfaces, and every request still gives its solo output (the launched step
+    used to be dropped unsettled: its new request ran later with no tokens, an IndexError in the next schedule)."""
+    from gdnserve.engine.scheduling import step_batch
+    kw = {"device": "cpu", "max_num_seqs": 6, "num_pages": 48, "page_size": 8, "max_step_tokens": 64}
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 250) for _ in range(rng.randint(20, 40))] for _ in range(3)]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    solo = LLM(overlap=False, **kw).engine
+    ref = {}
+    for i, p in enumerate(prompts):
+        rid = solo.add_request(f"r{i}", p, sp)
+        while solo.has_unfinished():
+            for o in solo.step():
+                if o.finished and o.request_id == rid:
+                    ref[rid] = o.outputs[0].token_ids
+    e = LLM(overlap=True, **kw).engine
+    for i in range(2):
+        e.add_request(f"r{i}", prompts[i], sp)
+    real, calls = step_batch.Sampled.result, {"n": 0}
+
+    def flaky(self):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected read-back failure")
+        return real(self)
+    monkeypatch.setattr(step_batch.Sampled, "result", flaky)
+    got, errors = {}, []
+    for i in range(60):
+        if i == 2:
+            e.add_request("r2", prompts[2], sp)      # admitted by the step launched as the failing one lands
+        if i > 2 and not e.has_unfinished():
+            break
+        try:
+            for o in e.step():
+                if o.finished:
+                    got[o.request_id] = o.outputs[0].token_ids
+        except RuntimeError as err:
+            errors.append(str(err))
+    assert errors == ["injected read-back failure"] and got == ref
+    assert e.runner.state.check_integrity() == [] and e.runner.pages.check_integrity() == []
