@@ -32,65 +32,32 @@ from typing import Any
 import torch
 
 from benchmarks import jsonfmt
+from benchmarks.bench_model import Plan, ours_decode
+from benchmarks.e2e_report import sync, timed
 from benchmarks.random_model import NullTokenizer, build_random_model, config_for
 from benchmarks.timing import percentiles
 from gdnserve.cli import DEFAULT_RESULTS
-from gdnserve.engine.cache.sequence import PrefillItem
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.llm_engine import LLMEngine
 from gdnserve.engine.sampling_params import SamplingParams
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def engine_pass(eng: LLMEngine, B: int, P: int, G: int, vocab: int, rng: random.Random, dev: torch.device,
-                sync: bool) -> tuple[float, list[float]]:
-    """One pass of B requests; returns (wall s, per-step wall s when ``sync``)."""
+                synced: bool) -> tuple[float, list[float]]:
+    """One pass of B requests; returns (wall s, per-step wall s when ``synced``)."""
     sp = SamplingParams(temperature=0.0, max_tokens=G, ignore_eos=True)
     for _ in range(B):
         eng.add_request(None, [rng.randrange(vocab) for _ in range(P)], sp)
     steps: list[float] = []
-    _sync(dev)
+    sync(dev)
     t0 = time.perf_counter()
     while eng.has_unfinished():
-        if sync:
-            _sync(dev)
-            a = time.perf_counter()
-            eng.step()
-            _sync(dev)
-            steps.append(time.perf_counter() - a)
+        if synced:
+            steps.append(timed(eng.step, dev)[1])
         else:
             eng.step()
-    _sync(dev)
+    sync(dev)
     return time.perf_counter() - t0, steps
-
-
-def bare_decode(eng: LLMEngine, B: int, P: int, vocab: int, iters: int, dev: torch.device) -> list[float]:
-    """The same decode step without the engine: B sequences of P tokens on the engine's runner, argmax fed back."""
-    runner = eng.runner
-    seqs = [runner.new_seq() for _ in range(B)]
-    try:
-        gen = torch.Generator().manual_seed(1)
-        toks: list[int] = []
-        per = max(1, eng.config.max_step_tokens // P)
-        for j in range(0, B, per):
-            items = [PrefillItem(s, torch.randint(0, vocab, (P,), generator=gen).tolist()) for s in seqs[j:j + per]]
-            toks += runner.step(items, []).argmax(-1).tolist()
-        times = []
-        for i in range(iters + 3):
-            _sync(dev)
-            a = time.perf_counter()
-            toks = runner.step([], list(zip(seqs, toks))).argmax(-1).tolist()
-            _sync(dev)
-            if i >= 3:
-                times.append(time.perf_counter() - a)
-        return times
-    finally:
-        for s in seqs:
-            runner.free_seq(s)
 
 
 def measure(model, B: int, P: int, G: int, dev: torch.device, max_num_seqs: int) -> dict[str, Any]:
@@ -100,11 +67,12 @@ def measure(model, B: int, P: int, G: int, dev: torch.device, max_num_seqs: int)
                        num_slots=2 * max_num_seqs + 2, auto_checkpoints=False)
     eng = LLMEngine(model, NullTokenizer(), cfg)
     rng = random.Random(B)
-    engine_pass(eng, B, P, G, vocab, rng, dev, sync=True)               # warm-up: captures, compiles
-    _, steps = engine_pass(eng, B, P, G, vocab, rng, dev, sync=True)
+    engine_pass(eng, B, P, G, vocab, rng, dev, synced=True)             # warm-up: captures, compiles
+    _, steps = engine_pass(eng, B, P, G, vocab, rng, dev, synced=True)
     dec = steps[-(G - 1):]
-    wall, _ = engine_pass(eng, B, P, G, vocab, rng, dev, sync=False)
-    bare = bare_decode(eng, B, P, vocab, max(8, G // 2), dev)
+    wall, _ = engine_pass(eng, B, P, G, vocab, rng, dev, synced=False)
+    # the same decode step bare: bench_model's measurement, on this engine's runner and pools
+    bare = ours_decode(eng.runner, B, Plan((), (B,), P, 3, max(8, G // 2), 0.0), dev)["times"]
     e, r = percentiles(dec), percentiles(bare)
     del eng
     if dev.type == "cuda":
