@@ -17,7 +17,7 @@ import logging
 import time
 from collections import Counter, OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -41,7 +41,6 @@ class Restore:
     hc: HostCheckpoint | None = None
     future: Future | None = None
     event: object | None = None
-    started: bool = field(default=False)
 
 
 class CheckpointTiers:
@@ -164,7 +163,6 @@ class CheckpointTiers:
         if r.hc.num_pages != len(r.table.pages) or r.hc.length != len(r.entry.token_ids):
             return False
         r.event = self.copier.restore(r.hc, r.entry.slot, list(r.table.pages))
-        r.started = True
         self.stats.add_bytes("h2d", r.hc.nbytes)
         return True
 

@@ -284,7 +284,7 @@ class Admission:
             self.kv.checkpoint_cache.acquire(pl.hit)          # pinned now, so the evictions below cannot take it
         self.kv.make_room(pl.need, pl.pages, p.reserved)
         why = None
-        if not self.kv.fits(pl.need, pl.pages, p.reserved) or p.live + len(req.samples) > self.cfg.max_num_seqs:
+        if not self.kv.fits(pl.need, pl.pages, p.reserved):     # (seats: checked before planning, above)
             why = SKIP
         elif p.over(batch, pl.cost):
             why = STOP
