@@ -18,8 +18,8 @@ import torch
 from gdnserve.engine.cache.checkpoint_copy import Copier
 from gdnserve.engine.cache.page_pool import PagePool, PagePoolConfig
 from gdnserve.engine.cache.state_pool import StatePool, StatePoolConfig
-from gdnserve.engine.sampling_params import SamplingParams
 from gdnserve.entrypoints.llm import LLM
+from tests.engine.test_checkpoint_tiers import _run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -59,28 +59,18 @@ def test_copies_are_ordered_against_the_current_stream_and_exact():
     assert torch.equal(bits(pg.k_pools[:, dst]).cpu(), k) and torch.equal(bits(pg.v_pools[:, dst]).cpu(), v)
 
 
-def _run(e, ids):
-    rid = e.add_request(None, ids, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    out = None
-    while e.has_unfinished():
-        for o in e.step():
-            if o.request_id == rid and o.finished:
-                out = o
-    return out
-
-
 def test_engine_with_graphs_hits_from_the_host_tier_with_the_resident_outputs():
     rng = random.Random(5)
     convs = [[rng.randrange(3, 250) for _ in range(40 + 7 * i)] for i in range(8)]
     kw = {"device": "cuda", "max_num_seqs": 2, "num_pages": 256, "page_size": 16, "cuda_graphs": True}
     tiered = LLM(num_slots=6, checkpoint_host_memory_gb=0.05, **kw).engine
     resident = LLM(num_slots=32, **kw).engine
-    firsts = {id(e): [_run(e, c).outputs[0].token_ids for c in convs] for e in (tiered, resident)}
+    firsts = {id(e): [_run(e, c, 6).outputs[0].token_ids for c in convs] for e in (tiered, resident)}
     assert firsts[id(tiered)] == firsts[id(resident)]
     assert len(tiered.kv.checkpoint_cache.tiers.host) >= 2
     for c, out in zip(convs, firsts[id(tiered)]):
         ids = c + out + [9, 10, 11]
-        a, b = _run(tiered, ids), _run(resident, ids)
+        a, b = _run(tiered, ids, 6), _run(resident, ids, 6)
         assert a.checkpoint.hit_length == b.checkpoint.hit_length == len(c) + len(out) - 1
         assert b.checkpoint.tier == "gpu" and a.checkpoint.tier in ("gpu", "host")
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
