@@ -5,14 +5,20 @@ run). For each batch B: B requests of P random prompt tokens, G greedy tokens ea
 once to ``LLMEngine`` (the path the HTTP server drives), after a warm-up pass of the same shapes (graph captures,
 compiles). Per row:
 
-- ``engine_ms``: the median wall time of one ``engine.step()`` in the steady decode phase (the last G - 1 steps,
-  every request decoding), the device synchronised before and after each step (so the step's host work and its
-  GPU work are both inside, as the serving loop pays them when nothing overlaps);
+- ``engine_ms``: the median wall time between consecutive returns of ``engine.step()`` in the steady decode
+  phase (every request decoding) of a pass with no synchronisation between steps: the step time a client sees.
+  Serial, that is the GPU step plus the host work around it; overlapped (``--overlap``), the host work of step
+  n + 1 runs while step n is on the GPU, so it is the larger of the two;
+- ``synced_ms``: the same steps with the device synchronised before and after each (host and GPU work both
+  inside, nothing overlapping: the issue's original measurement);
 - ``replay_ms``: the median of the same decode step run bare (``ModelRunner.step`` on B sequences of P tokens, no
   scheduler, no sampling beyond argmax, no output processing: ``bench_model``'s decode measurement; a graph
   replay where graphs are on), on the same engine's runner and pools, in the same run;
-- ``ratio`` = engine / replay (goal <= 1.03), P10-P90 of both, and ``pass_out_tok_s``: the output tokens/s of a
+- ``ratio`` = engine / replay (goal <= 1.03), P10-P90 of each, and ``pass_out_tok_s``: the output tokens/s of a
   whole pass (prefill + decode) with no synchronisation between steps, the throughput a client sees.
+
+Each batch runs with the serial loop and with the overlapped one (``loop`` = "serial" / "overlap"), one engine
+each, same model, same run.
 
     python -m benchmarks.bench_engine_overhead --device cuda --out benchmarks/results     # B = 1, 64, 256
     python -m benchmarks.bench_engine_overhead --quick                                   # CPU smoke
@@ -44,42 +50,52 @@ from gdnserve.engine.sampling_params import SamplingParams
 
 def engine_pass(eng: LLMEngine, B: int, P: int, G: int, vocab: int, rng: random.Random, dev: torch.device,
                 synced: bool) -> tuple[float, list[float]]:
-    """One pass of B requests; returns (wall s, per-step wall s when ``synced``)."""
+    """One pass of B requests; returns (wall s, per-step s): each step's synchronised wall time when ``synced``,
+    else the time between consecutive returns of ``step()``."""
     sp = SamplingParams(temperature=0.0, max_tokens=G, ignore_eos=True)
     for _ in range(B):
         eng.add_request(None, [rng.randrange(vocab) for _ in range(P)], sp)
     steps: list[float] = []
     sync(dev)
-    t0 = time.perf_counter()
+    t0 = last = time.perf_counter()
     while eng.has_unfinished():
         if synced:
             steps.append(timed(eng.step, dev)[1])
         else:
             eng.step()
+            now = time.perf_counter()
+            steps.append(now - last)
+            last = now
     sync(dev)
     return time.perf_counter() - t0, steps
 
 
-def measure(model, B: int, P: int, G: int, dev: torch.device, max_num_seqs: int) -> dict[str, Any]:
+def measure(model, B: int, P: int, G: int, dev: torch.device, max_num_seqs: int, overlap: bool) -> dict[str, Any]:
     vocab = model.cfg.vocab_size
     pages = max_num_seqs * (-(-(P + G) // 16) + 2) + 64
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_step_tokens=8192, max_model_len=P + G + 16, num_pages=pages,
-                       num_slots=2 * max_num_seqs + 2, auto_checkpoints=False)
+                       num_slots=2 * max_num_seqs + 2, auto_checkpoints=False, overlap=overlap)
     eng = LLMEngine(model, NullTokenizer(), cfg)
     rng = random.Random(B)
     engine_pass(eng, B, P, G, vocab, rng, dev, synced=True)             # warm-up: captures, compiles
     _, steps = engine_pass(eng, B, P, G, vocab, rng, dev, synced=True)
-    dec = steps[-(G - 1):]
-    wall, _ = engine_pass(eng, B, P, G, vocab, rng, dev, synced=False)
+    synced = steps[-(G - 1):]
+    wall, gaps = engine_pass(eng, B, P, G, vocab, rng, dev, synced=False)
+    # the steady decode phase: every request decoding (the last G - 1 steps), less the last few (the overlapped
+    # loop's final steps only drain what is in flight)
+    dec = gaps[-(G - 1):]
+    dec = dec[:-4] if len(dec) > 8 else dec
     # the same decode step bare: bench_model's measurement, on this engine's runner and pools
     bare = ours_decode(eng.runner, B, Plan((), (B,), P, 3, max(8, G // 2), 0.0), dev)["times"]
-    e, r = percentiles(dec), percentiles(bare)
+    e, y, r = percentiles(dec), percentiles(synced), percentiles(bare)
     del eng
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     ms = lambda v: round(v * 1e3, 3)
-    return {"batch": B, "prompt": P, "generated": G, "engine_ms": ms(e["p50"]), "replay_ms": ms(r["p50"]),
-            "ratio": round(e["p50"] / r["p50"], 3), "engine_p10_p90_ms": [ms(e["p10"]), ms(e["p90"])],
+    return {"batch": B, "loop": "overlap" if overlap else "serial", "prompt": P, "generated": G,
+            "engine_ms": ms(e["p50"]), "replay_ms": ms(r["p50"]), "ratio": round(e["p50"] / r["p50"], 3),
+            "synced_ms": ms(y["p50"]), "engine_p10_p90_ms": [ms(e["p10"]), ms(e["p90"])],
+            "synced_p10_p90_ms": [ms(y["p10"]), ms(y["p90"])],
             "replay_p10_p90_ms": [ms(r["p10"]), ms(r["p90"])], "decode_steps": len(dec),
             "pass_s": round(wall, 3), "pass_out_tok_s": round(B * G / wall, 1)}
 
@@ -88,10 +104,12 @@ def markdown(res: dict[str, Any]) -> str:
     out = [f"# Engine overhead per decode step — {res['device']}", "",
            (f"Code {res['git']}, {res['date']}, torch {res.get('torch')}, triton {res.get('triton')}; model "
            f"{res['model']}; command `{' '.join(res['argv'])}`. Definitions: benchmarks/bench_engine_overhead.py."),
-           "", "| B | engine step ms (P10–P90) | bare step ms (P10–P90) | engine / bare | whole pass out tok/s |",
-           "|---|---|---|---|---|"]
+           "", "| B | loop | engine step ms (P10–P90) | synced step ms (P10–P90) | bare step ms (P10–P90) | engine / bare | "
+           "whole pass out tok/s |", "|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        out.append(f"| {r['batch']} | {r['engine_ms']} ({r['engine_p10_p90_ms'][0]}–{r['engine_p10_p90_ms'][1]}) | "
+        out.append(f"| {r['batch']} | {r['loop']} | {r['engine_ms']} ({r['engine_p10_p90_ms'][0]}–"
+                   f"{r['engine_p10_p90_ms'][1]}) | {r['synced_ms']} ({r['synced_p10_p90_ms'][0]}–"
+                   f"{r['synced_p10_p90_ms'][1]}) | "
                    f"{r['replay_ms']} ({r['replay_p10_p90_ms'][0]}–{r['replay_p10_p90_ms'][1]}) | "
                    f"{r['ratio']}x | {r['pass_out_tok_s']} |")
     out += ["", "Goal (issue 26): engine <= 1.03x bare at every batch.", ""]
@@ -137,13 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"engine_overhead_{device_slug(dev)}"
     for B in batches:
-        try:
-            row = measure(model, B, P, G, dev, max(batches))
-            res["rows"].append(row)
-            print(f"[engine_overhead] B={B}: engine {row['engine_ms']} ms, bare {row['replay_ms']} ms, "
-                  f"{row['ratio']}x, pass {row['pass_out_tok_s']} out tok/s", file=sys.stderr, flush=True)
-        except Exception as e:  # noqa: BLE001  recorded; the other rows still run
-            res["errors"].append(f"B={B}: {type(e).__name__}: {e}"[:500])
+        for overlap in (False, True):
+            try:
+                row = measure(model, B, P, G, dev, max(batches), overlap)
+                res["rows"].append(row)
+                print(f"[engine_overhead] B={B} {row['loop']}: engine {row['engine_ms']} ms (synced "
+                      f"{row['synced_ms']}), bare {row['replay_ms']} ms, {row['ratio']}x, pass "
+                      f"{row['pass_out_tok_s']} out tok/s", file=sys.stderr, flush=True)
+            except Exception as e:  # noqa: BLE001  recorded; the other rows still run
+                res["errors"].append(f"B={B} overlap={overlap}: {type(e).__name__}: {e}"[:500])
         stem.with_suffix(".json").write_text(jsonfmt.dumps(res))
         stem.with_suffix(".md").write_text(markdown(res))
     print(markdown(res))
