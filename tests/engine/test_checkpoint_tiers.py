@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from gdnserve.engine.cache.checkpoint_copy import Copier, page_runs
+from gdnserve.engine.cache.checkpoint_copy import Copier, Piece, page_runs, pieces
 from gdnserve.engine.cache.checkpoint_disk import DiskTier
 from gdnserve.engine.cache.checkpoint_index import CheckpointStatus, checkpoint_key
 from gdnserve.engine.cache.checkpoint_tiers import (
@@ -41,14 +41,29 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.element_size() == 2 else torch.int32).clone()
 
 
+def test_pieces_cut_a_checkpoint_to_the_staging_buffer():
+    per, layers = {"conv": 84, "ssm": 160, "k": 192, "v": 192}, {"conv": 3, "ssm": 3, "k": 2, "v": 2}
+    whole = pieces(per, layers, 4, 48, 2**20)
+    assert whole == [Piece("conv", 0, 3), Piece("ssm", 0, 3), Piece("k", 0, 2, 0, 4), Piece("v", 0, 2, 0, 4)]
+    cut = pieces(per, layers, 4, 48, 160)
+    assert cut[:4] == [Piece("conv", 0, 1), Piece("conv", 1, 2), Piece("conv", 2, 3), Piece("ssm", 0, 1)]
+    assert [p for p in cut if p.name == "k"] == [Piece("k", 0, 1, 0, 3), Piece("k", 0, 1, 3, 4),
+                                                 Piece("k", 1, 2, 0, 3), Piece("k", 1, 2, 3, 4)]
+    with pytest.raises(ValueError, match="stage_bytes"):
+        pieces(per, layers, 4, 48, 100)
+
+
 def test_page_runs_split_at_gaps():
     assert page_runs([5, 6, 2, 9, 10, 11]) == [(5, 2, 0), (2, 1, 2), (9, 3, 3)]
     assert page_runs([]) == []
 
 
-def test_copy_and_restore_are_bit_identical_and_touch_nothing_else():
+# stage None: straight into the host tensors (CPU's default); 160 B: one SSM layer a piece, a layer's 4 pages cut
+# into runs of 3 + 1, many staging batches (CUDA's path, whose default is 128 MiB: one batch); 1 MB: one batch
+@pytest.mark.parametrize("stage", [None, 160, 2**20])
+def test_copy_and_restore_are_bit_identical_and_touch_nothing_else(stage):
     st, pg = pools()
-    cp = Copier(st, pg)
+    cp = Copier(st, pg, stage_bytes=stage)
     src_pages, dst_pages = [5, 6, 2, 9], [0, 1, 3, 17]
     want = {"conv": bits(st.conv_pools[:, 1]), "ssm": bits(st.ssm_pools[:, 1]),
             "k": bits(pg.k_pools[:, src_pages]), "v": bits(pg.v_pools[:, src_pages])}

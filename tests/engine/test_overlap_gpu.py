@@ -1,4 +1,4 @@
-"""GPU-only: the overlapped loop (EngineConfig.overlap, on by default on CUDA) with CUDA graphs, on the embedded
+"""GPU-only: the overlapped loop (EngineConfig.overlap, opt-in until this file passes on the H200) with CUDA graphs, on the embedded
 model: decode steps replay their bucket's graph and prefill / mixed steps the mixed graphs, each with the decode
 ids fed on the device (DecodeFeed written into the graph's static ids after the upload). Greedy outputs with
 stop tokens, and seeded sampling with logprobs, equal the serial loop's; nothing leaks.
@@ -28,7 +28,7 @@ def run(e, params):
 
 
 def test_overlap_with_graphs_equals_the_serial_loop():
-    serial, ov = LLM(overlap=False, **KW).engine, LLM(**KW).engine
+    serial, ov = LLM(overlap=False, **KW).engine, LLM(overlap=True, **KW).engine
     assert ov.overlap and ov.runner.graphs is not None and ov.runner.graphs.mixed is not None
     free = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True) for _ in PROMPTS]
     ref = run(serial, free)

@@ -2,21 +2,29 @@
 prefix's attention KV pages, as a :class:`HostCheckpoint`.
 
 Layout on the host: ``conv [L, W-1, D]``, ``ssm [L, HV, V, K]`` (the slot's row of every layer of the state pool),
-``k, v [La, n, page_size, KVH, Dh]`` (the table's ``n`` pages of every attention layer, in table order). The copies go
-per layer and per run of consecutive pages, so every source and destination is a contiguous block: no gather
-into a temporary on the device (the pools fill the GPU; a 100 MB temporary could be an OOM).
+``k, v [La, n, page_size, KVH, Dh]`` (the table's ``n`` pages of every attention layer, in table order), in one
+pinned buffer.
 
-Ordering on CUDA (the exact scheme; docs/architecture.md "Checkpoint tiers"):
+The copies go through a staging buffer on the device (``STAGE_BYTES``, 128 MiB, allocated at the first copy; the
+memory plan's runtime reserve holds it): a checkpoint is cut into a few pieces (a range of layers of one tensor, or
+a range of pages of one attention layer where one layer's pages do not fit), packed into the staging buffer, and
+each piece crosses PCIe as ONE transfer. Gathering the slot's rows and the scattered pages happens on the device
+(``copy_`` of the strided rows, ``index_select`` / ``index_copy_`` of the pages). The first version copied per
+layer and per run of consecutive pages: for a 1,343-token checkpoint of the full-size model that was ~1,700
+transfers of ~16 KB, which moved 92 MB at 1-22 GB/s on the H200 (``benchmarks/results/checkpoint_tier_h200.md``
+at 2c905df): slower than recomputing the prefix.
 
-- device -> host (``snapshot``, a GPU eviction): the copy runs on the copier's own stream after
-  ``stream.wait_stream(current)`` (so it reads what the steps already queued wrote), and the current stream then
-  waits on the copy's event: the evicted slot and pages go back to the free lists at once, and any later kernel
-  that could write them is ordered after the copy on the GPU. The host never blocks; the GPU's next kernels start
-  after the copy (PCIe at ~50 GB/s: ~2 ms per 100 MB). Readers of the host copy (the disk writer) wait on its event.
-- host -> device (``restore``, a lookup that found the key below): the copy writes a freshly allocated slot and
-  pages on the copier's stream after ``wait_stream(current)`` (their previous owner's queued kernels finish
-  first); the entry stays PENDING until ``event.query()`` says the copy is done (``CheckpointTiers.poll``), so no
-  kernel reads it earlier and no stream needs to wait.
+Ordering on CUDA (the exact scheme; docs/architecture.md "Checkpoint tiers"), everything on the copier's own
+stream after ``stream.wait_stream(current)`` (so it reads what the steps already queued wrote):
+
+- device -> host (``snapshot``, a GPU eviction): per batch of pieces that fits the staging buffer, gather them
+  all, then issue their transfers down. The current stream waits only for the last batch's gathers (a device copy
+  at HBM speed): the evicted slot and pages go back to the free lists at once, and any later kernel that could
+  write them is ordered after the gather; the transfers down run on behind the steps. ``hc.event`` marks the last
+  transfer: readers of the host copy (the disk writer) wait on it. The staging buffer is reused in stream order.
+- host -> device (``restore``, a lookup that found the key below): per batch, the transfers up, then the
+  scatters into the freshly allocated slot and pages; the current stream waits on the copy's event, so the
+  restored checkpoint is READY at once (no kernel that reads it runs earlier).
 
 On CPU the copies are synchronous (``event`` None) and the host tensors are ordinary memory.
 """
@@ -31,6 +39,7 @@ from gdnserve.engine.cache.page_pool import PagePool
 from gdnserve.engine.cache.state_pool import StatePool
 
 TENSORS = ("conv", "ssm", "k", "v")
+STAGE_BYTES = 128 * 2**20       # the device staging buffer of the host <-> device copies (CUDA only)
 
 
 @dataclass(slots=True, eq=False)
@@ -79,14 +88,52 @@ def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-class Copier:
-    """The device <-> host copies of checkpoints, on their own CUDA stream (synchronous on CPU)."""
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One transfer: layers ``[l0, l1)`` of tensor ``name``, and for ``k`` / ``v`` the table's pages ``[i0, i1)``
+    (all of them unless one layer's pages do not fit the staging buffer). Contiguous in the host buffer."""
+    name: str
+    l0: int
+    l1: int
+    i0: int = 0
+    i1: int = 0
 
-    def __init__(self, state: StatePool, kv: PagePool) -> None:
+
+def pieces(layer_bytes: dict[str, int], num_layers: dict[str, int], num_pages: int, page_bytes: int,
+           stage: int) -> list[Piece]:
+    """The checkpoint cut into pieces of at most ``stage`` bytes: whole layers where they fit, else (attention
+    KV of a long prefix) runs of pages of one layer."""
+    out: list[Piece] = []
+    for name in TENSORS:
+        per, L = layer_bytes[name], num_layers[name]
+        if per == 0 or L == 0:
+            continue
+        paged = name in ("k", "v")
+        if per <= stage:
+            step = min(stage // per, L)
+            out += [Piece(name, a, min(a + step, L), 0, num_pages if paged else 0) for a in range(0, L, step)]
+        elif paged and page_bytes <= stage:
+            step = min(stage // page_bytes, num_pages)
+            out += [Piece(name, layer, layer + 1, i, min(i + step, num_pages))
+                    for layer in range(L) for i in range(0, num_pages, step)]
+        else:
+            raise ValueError(f"stage_bytes: {stage} bytes hold no layer of {name!r} ({per} bytes)")
+    return out
+
+
+class Copier:
+    """The device <-> host copies of checkpoints, on their own CUDA stream (synchronous on CPU) through a device
+    staging buffer of ``stage_bytes`` (CUDA default ``STAGE_BYTES``; on CPU none unless given, which tests use to
+    run the piece logic)."""
+
+    def __init__(self, state: StatePool, kv: PagePool, stage_bytes: int | None = None) -> None:
         self.state, self.kv = state, kv
         self.device = state.config.device
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.stage_bytes = stage_bytes if stage_bytes is not None else (STAGE_BYTES if self.cuda else 0)
+        self._stage: torch.Tensor | None = None
+        self._idx: torch.Tensor | None = None       # the pages of the copy in flight (device)
 
     def _layout(self, num_pages: int) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype, int]], int]:
         """name -> (shape, dtype, byte offset) of a checkpoint's tensors in its one host buffer, and its bytes."""
@@ -127,31 +174,102 @@ class Copier:
             raise ValueError(f"pages: the checkpoint holds {hc.num_pages} pages, got {len(pages)}")
         return self._copy(hc, slot, pages, to_host=False)
 
-    def _copy(self, hc: HostCheckpoint, slot: int, pages: list[int], to_host: bool) -> object | None:
-        st, kv, t = self.state, self.kv, hc.tensors
-        pairs = []
-        for layer in range(st.config.num_layers):
-            pairs.append((t["conv"][layer], st.conv_pools[layer, slot]))
-            pairs.append((t["ssm"][layer], st.ssm_pools[layer, slot]))
-        for first, n, i in page_runs(pages):
-            for layer in range(kv.config.num_layers):
-                pairs.append((t["k"][layer, i:i + n], kv.k_pools[layer, first:first + n]))
-                pairs.append((t["v"][layer, i:i + n], kv.v_pools[layer, first:first + n]))
+    # ---------------------------------------------------------------- the pieces
+    def _pieces(self, hc: HostCheckpoint) -> list[Piece]:
+        t = hc.tensors
+        per = {n: t[n][0].numel() * t[n].element_size() if t[n].shape[0] else 0 for n in TENSORS}
+        layers = {n: t[n].shape[0] for n in TENSORS}
+        page_bytes = t["k"][0, :1].numel() * t["k"].element_size() if t["k"].shape[0] else 0
+        return pieces(per, layers, hc.num_pages, page_bytes, self.stage_bytes or 1 << 62)   # no stage: whole tensors
+
+    def _host(self, hc: HostCheckpoint, p: Piece) -> torch.Tensor:
+        t = hc.tensors[p.name][p.l0:p.l1]
+        return t if p.name in ("conv", "ssm") or (p.i0 == 0 and p.i1 == hc.num_pages) else t[:, p.i0:p.i1]
+
+    def _device(self, p: Piece, slot: int):
+        """(read, write) of piece ``p`` on the device: ``read(out)`` gathers it into ``out``, ``write(src)``
+        scatters ``src`` into the pools."""
+        st, kv = self.state, self.kv
+        if p.name in ("conv", "ssm"):
+            rows = (st.conv_pools if p.name == "conv" else st.ssm_pools)[p.l0:p.l1, slot]
+            return (lambda out: out.copy_(rows)), (lambda src: rows.copy_(src))
+        pool = (kv.k_pools if p.name == "k" else kv.v_pools)[p.l0:p.l1]
+        idx = self._idx[p.i0:p.i1]
+        return ((lambda out: torch.index_select(pool, 1, idx, out=out)),
+                (lambda src: pool.index_copy_(1, idx, src)))
+
+    def _page_index(self, pages: list[int]) -> torch.Tensor:
+        idx = torch.tensor(pages, dtype=torch.long)
         if not self.cuda:
-            for host, dev in pairs:
-                (host.copy_(dev) if to_host else dev.copy_(host))
+            return idx
+        # pinned + non_blocking: no host wait (the pinned allocator keeps the block until the copy's event)
+        return idx.pin_memory().to(self.device, non_blocking=True)
+
+    def _batches(self, items: list[Piece], hc: HostCheckpoint) -> list[list[tuple[Piece, torch.Tensor]]]:
+        """Pieces packed into the staging buffer: batches of (piece, its staging view)."""
+        if self._stage is None:
+            self._stage = torch.empty(self.stage_bytes, dtype=torch.uint8, device=self.device)
+        out: list[list[tuple[Piece, torch.Tensor]]] = [[]]
+        off = 0
+        for p in items:
+            host = self._host(hc, p)
+            n = host.numel() * host.element_size()
+            if off + n > self.stage_bytes:
+                out.append([])
+                off = 0
+            view = self._stage[off:off + n].view(host.dtype).view(host.shape)
+            out[-1].append((p, view))
+            off += -(-n // 256) * 256
+        return out
+
+    def _copy(self, hc: HostCheckpoint, slot: int, pages: list[int], to_host: bool) -> object | None:
+        if not self.stage_bytes:            # CPU: gather / scatter straight into / out of the host tensors
+            self._idx = self._page_index(pages)
+            for p in self._pieces(hc):
+                read, write = self._device(p, slot)
+                read(self._host(hc, p)) if to_host else write(self._host(hc, p))
+            return None
+        items = self._pieces(hc)
+        if not self.cuda:                   # CPU with a staging buffer (tests): the same batches, synchronous
+            self._idx = self._page_index(pages)
+            for batch in self._batches(items, hc):
+                self._run_batch(hc, batch, slot, to_host)
             return None
         current = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(current)      # after every kernel already queued that writes these rows
+        self.stream.wait_stream(current)      # after every kernel already queued that reads or writes these rows
         with torch.cuda.stream(self.stream):
-            for host, dev in pairs:
-                (host.copy_(dev, non_blocking=True) if to_host else dev.copy_(host, non_blocking=True))
+            self._idx = self._page_index(pages)
+            batches = self._batches(items, hc)
+            gathered = None
+            for batch in batches:
+                gathered = self._run_batch(hc, batch, slot, to_host)
             event = torch.cuda.Event()
             event.record(self.stream)
+        self._idx = None
         if to_host:
             hc.event = event
-        # both ways the current stream waits for the copy: a freed slot and pages are rewritten only after the
-        # copy down, and a restored checkpoint is read only after the copy up (so it is READY at once: the host
-        # only keeps ``hc``'s pinned memory alive until the event)
-        current.wait_event(event)
+            current.wait_event(gathered or event)   # the slot and pages are free once gathered; the transfers run on
+        else:
+            current.wait_event(event)         # the restored rows are read only after the scatter
         return event
+
+    def _run_batch(self, hc: HostCheckpoint, batch: list[tuple[Piece, torch.Tensor]], slot: int,
+                   to_host: bool) -> object | None:
+        """One staging batch: gathers then transfers down, or transfers up then scatters. Returns (CUDA, down)
+        the event after the gathers."""
+        nb = self.cuda
+        if to_host:
+            for p, view in batch:
+                self._device(p, slot)[0](view)
+            gathered = None
+            if self.cuda:
+                gathered = torch.cuda.Event()
+                gathered.record(self.stream)
+            for p, view in batch:
+                self._host(hc, p).copy_(view, non_blocking=nb)
+            return gathered
+        for p, view in batch:
+            view.copy_(self._host(hc, p), non_blocking=nb)
+        for p, view in batch:
+            self._device(p, slot)[1](view)
+        return None
