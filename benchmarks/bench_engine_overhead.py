@@ -74,7 +74,7 @@ def measure(model, B: int, P: int, G: int, dev: torch.device, max_num_seqs: int,
     vocab = model.cfg.vocab_size
     pages = max_num_seqs * (-(-(P + G) // 16) + 2) + 64
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_step_tokens=8192, max_model_len=P + G + 16, num_pages=pages,
-                       num_slots=2 * max_num_seqs + 2, auto_checkpoints=False, overlap=overlap)
+                       num_slots=max_num_seqs + 2, auto_checkpoints=False, overlap=overlap)
     eng = LLMEngine(model, NullTokenizer(), cfg)
     rng = random.Random(B)
     engine_pass(eng, B, P, G, vocab, rng, dev, synced=True)             # warm-up: captures, compiles
