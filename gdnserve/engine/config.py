@@ -11,10 +11,10 @@ PREFILL_MODES = ("serial", "two_phase", "two_phase_indexed", "fused")
 FIXED_PAGES = 2048      # num_pages when nothing sizes the pools (CPU without memory_budget_gb)
 
 
-# The overlapped loop is built and exact on the CPU (tests/engine/test_overlap.py, the property test) but has not
-# yet run on a GPU: until tests/engine/test_overlap_gpu.py has passed on the H200 it is opt-in there
-# (``overlap=True``, ``gdnserve serve --overlap``); then this turns it on for CUDA by default (issue 26).
-OVERLAP_BY_DEFAULT = False
+# The overlapped loop is the default on CUDA (issue 26): exact on the CPU (tests/engine/test_overlap.py, the
+# property test in both modes) and on the H200 (tests/engine/test_overlap_gpu.py with graphs, and every engine and
+# server GPU test running on it by default). ``overlap=False`` / ``gdnserve serve --no-overlap`` is the serial loop.
+OVERLAP_BY_DEFAULT = True
 
 @dataclass(frozen=True)
 class EngineConfig:

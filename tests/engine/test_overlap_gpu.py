@@ -1,4 +1,4 @@
-"""GPU-only: the overlapped loop (EngineConfig.overlap, opt-in until this file passes on the H200) with CUDA graphs, on the embedded
+"""GPU-only: the overlapped loop (EngineConfig.overlap, the default on CUDA) with CUDA graphs, on the embedded
 model: decode steps replay their bucket's graph and prefill / mixed steps the mixed graphs, each with the decode
 ids fed on the device (DecodeFeed written into the graph's static ids after the upload). Greedy outputs with
 stop tokens, and seeded sampling with logprobs, equal the serial loop's; nothing leaks.
