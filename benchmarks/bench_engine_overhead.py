@@ -17,8 +17,8 @@ compiles). Per row:
 - ``ratio`` = engine / replay (goal <= 1.03), P10-P90 of each, and ``pass_out_tok_s``: the output tokens/s of a
   whole pass (prefill + decode) with no synchronisation between steps, the throughput a client sees.
 
-Each batch runs with the serial loop and with the overlapped one (``loop`` = "serial" / "overlap"), one engine
-each, same model, same run.
+Each batch runs with the serial loop and with the overlapped one (``loop`` = "serial" / "overlap") on one engine
+(its graphs captured once), same model, same run.
 
     python -m benchmarks.bench_engine_overhead --device cuda --out benchmarks/results     # B = 1, 64, 256
     python -m benchmarks.bench_engine_overhead --quick                                   # CPU smoke
@@ -70,34 +70,41 @@ def engine_pass(eng: LLMEngine, B: int, P: int, G: int, vocab: int, rng: random.
     return time.perf_counter() - t0, steps
 
 
-def measure(model, B: int, P: int, G: int, dev: torch.device, max_num_seqs: int, overlap: bool) -> dict[str, Any]:
+def measure(model, B: int, P: int, G: int, dev: torch.device, max_num_seqs: int) -> list[dict[str, Any]]:
+    """One engine (graphs captured once), the serial loop then the overlapped one (``LLMEngine.overlap`` switched
+    while idle), each after a warm-up pass; one bare measurement beside both."""
     vocab = model.cfg.vocab_size
     pages = max_num_seqs * (-(-(P + G) // 16) + 2) + 64
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_step_tokens=8192, max_model_len=P + G + 16, num_pages=pages,
-                       num_slots=max_num_seqs + 2, auto_checkpoints=False, overlap=overlap)
+                       num_slots=max_num_seqs + 2, auto_checkpoints=False, overlap=False)
     eng = LLMEngine(model, NullTokenizer(), cfg)
     rng = random.Random(B)
-    engine_pass(eng, B, P, G, vocab, rng, dev, synced=True)             # warm-up: captures, compiles
-    _, steps = engine_pass(eng, B, P, G, vocab, rng, dev, synced=True)
-    synced = steps[-(G - 1):]
-    wall, gaps = engine_pass(eng, B, P, G, vocab, rng, dev, synced=False)
-    # the steady decode phase: every request decoding (the last G - 1 steps), less the last few (the overlapped
-    # loop's final steps only drain what is in flight)
-    dec = gaps[-(G - 1):]
-    dec = dec[:-4] if len(dec) > 8 else dec
+    runs = {}
+    for overlap in (False, True):
+        eng.overlap = overlap
+        engine_pass(eng, B, P, G, vocab, rng, dev, synced=True)             # warm-up: captures, compiles
+        _, steps = engine_pass(eng, B, P, G, vocab, rng, dev, synced=True)
+        wall, gaps = engine_pass(eng, B, P, G, vocab, rng, dev, synced=False)
+        # the steady decode phase: every request decoding (the last G - 1 steps), less the last few (the
+        # overlapped loop's final steps only drain what is in flight)
+        dec = gaps[-(G - 1):]
+        runs[overlap] = (steps[-(G - 1):], dec[:-4] if len(dec) > 8 else dec, wall)
     # the same decode step bare: bench_model's measurement, on this engine's runner and pools
-    bare = ours_decode(eng.runner, B, Plan((), (B,), P, 3, max(8, G // 2), 0.0), dev)["times"]
-    e, y, r = percentiles(dec), percentiles(synced), percentiles(bare)
+    r = percentiles(ours_decode(eng.runner, B, Plan((), (B,), P, 3, max(8, G // 2), 0.0), dev)["times"])
     del eng
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     ms = lambda v: round(v * 1e3, 3)
-    return {"batch": B, "loop": "overlap" if overlap else "serial", "prompt": P, "generated": G,
-            "engine_ms": ms(e["p50"]), "replay_ms": ms(r["p50"]), "ratio": round(e["p50"] / r["p50"], 3),
-            "synced_ms": ms(y["p50"]), "engine_p10_p90_ms": [ms(e["p10"]), ms(e["p90"])],
-            "synced_p10_p90_ms": [ms(y["p10"]), ms(y["p90"])],
-            "replay_p10_p90_ms": [ms(r["p10"]), ms(r["p90"])], "decode_steps": len(dec),
-            "pass_s": round(wall, 3), "pass_out_tok_s": round(B * G / wall, 1)}
+    rows = []
+    for overlap, (synced, dec, wall) in runs.items():
+        e, y = percentiles(dec), percentiles(synced)
+        rows.append({"batch": B, "loop": "overlap" if overlap else "serial", "prompt": P, "generated": G,
+                     "engine_ms": ms(e["p50"]), "replay_ms": ms(r["p50"]), "ratio": round(e["p50"] / r["p50"], 3),
+                     "synced_ms": ms(y["p50"]), "engine_p10_p90_ms": [ms(e["p10"]), ms(e["p90"])],
+                     "synced_p10_p90_ms": [ms(y["p10"]), ms(y["p90"])],
+                     "replay_p10_p90_ms": [ms(r["p10"]), ms(r["p90"])], "decode_steps": len(dec),
+                     "pass_s": round(wall, 3), "pass_out_tok_s": round(B * G / wall, 1)})
+    return rows
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -155,15 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"engine_overhead_{device_slug(dev)}"
     for B in batches:
-        for overlap in (False, True):
-            try:
-                row = measure(model, B, P, G, dev, max(batches), overlap)
+        try:
+            for row in measure(model, B, P, G, dev, max(batches)):
                 res["rows"].append(row)
                 print(f"[engine_overhead] B={B} {row['loop']}: engine {row['engine_ms']} ms (synced "
                       f"{row['synced_ms']}), bare {row['replay_ms']} ms, {row['ratio']}x, pass "
                       f"{row['pass_out_tok_s']} out tok/s", file=sys.stderr, flush=True)
-            except Exception as e:  # noqa: BLE001  recorded; the other rows still run
-                res["errors"].append(f"B={B} overlap={overlap}: {type(e).__name__}: {e}"[:500])
+        except Exception as e:  # noqa: BLE001  recorded; the other rows still run
+            res["errors"].append(f"B={B}: {type(e).__name__}: {e}"[:500])
         stem.with_suffix(".json").write_text(jsonfmt.dumps(res))
         stem.with_suffix(".md").write_text(markdown(res))
     print(markdown(res))
