@@ -166,6 +166,27 @@ def test_fused_parents_equal_running_parent_first(device):
     assert rel_rms(o_fused, ref_o) < 5e-3 and rel_rms(p_fused, ref_pool) < 5e-3
 
 
+def test_fused_main_tiles_are_at_least_64(monkeypatch):
+    """The main kernel's K and V tiles are >= 64 (V = 16, K = 32 pad one 64-wide tile) and its K tile is the prep's;
+    a smaller main_bv is refused naming the field. At V tiles 16 and 32 Triton 3.6 computed the bf16 𝒯'X and M'U
+    products wrongly on the H200 (rel-RMS 0.75-0.89, an illegal address with CP), which the interpreter cannot show:
+    this pins the tile choice."""
+    import gdnserve.ops.gdn.chunk_fused_triton as fused
+    seen = {}
+    monkeypatch.setattr(fused, "launch", lambda fn, grid, args, *_: seen.setdefault(fn.fn.__name__, (grid, dict(
+        zip(fn.arg_names, args)))))
+    H, HV, K, V = SHAPE[torch.bfloat16]
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(70, H, HV, K, V, torch.bfloat16, torch.device("cpu"))
+    pool = random_pool(2, HV, V, K, torch.float32, torch.device("cpu"))
+    run(q, k, v, a, b, A_log, dt_bias, pool, [70], [0], [1])
+    grid, main = seen["chunk_main_kernel"]
+    assert main["BV"] == 64 and main["BK"] == 64 and grid[0] == 1
+    assert seen["chunk_prep_tm_kernel"][1]["BK"] == main["BK"]
+    for bv in (16, 32, 96):
+        with pytest.raises(ValueError, match="main_bv"):
+            run(q, k, v, a, b, A_log, dt_bias, pool, [70], [0], [1], main_bv=bv)
+
+
 def test_config_env_fields_parse_and_name_the_field():
     assert parse_fields("fused_main=1, main_bv=64,prep_stages=none,main_stages=3,comb_prec=ieee") == {
         "fused_main": True, "main_bv": 64, "prep_stages": None, "main_stages": 3, "comb_prec": "ieee"}

@@ -52,7 +52,9 @@ class ChunkConfig:
     # q, k, v; the fields above about 𝒲/Ũ/Q' and the state pass do not apply; of CP, cp_min_chunks, cp_seg_chunks
     # (a power of two <= 128 here) and cp_decay do
     fused_main: bool = False
-    main_bv: int = 32               # V tile of the main kernel (fixed per device: results never depend on the batch)
+    main_bv: int = 64               # V tile of the main kernel (fixed per device: results never depend on the batch);
+                                    # a power of two >= 64 (chunk_fused_triton.MIN_TILE: Triton 3.6's bf16 products
+                                    # were wrong at 16 and 32 on the H200), V < 64 pads one 64-wide tile
     main_warps: int = 4
     main_stages: int | None = None
     cp_decay: float = 20.0          # fused_main with CP: a segment starts from its predecessor's tail run from zeros,

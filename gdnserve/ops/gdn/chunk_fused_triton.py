@@ -269,6 +269,24 @@ def _warm_start(gcum, q, k, v, tm_t, tm_m, qn, kn, o, scale, bos, eos, i_s, i_h,
                  s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, TF32, False)
 
 
+MIN_TILE = 64
+"""The smallest K and V tile of the main kernel (V < 64 pads a 64-wide tile, masked: no result changes). Triton 3.6
+lowers the 4-warp bf16 dots below that wrongly on the H200: 𝒯'X and M'U ([64, 64] x [64, BV], the right operand a
+bf16 cast of a product in registers) gave rel-RMS 0.75-0.89 at BV 16 and 32 and an illegal address with CP, as the
+state pass's fused output did at BV 32 (docs/kernels.md); at K = 16 the prep's dot read shared memory out of bounds
+(hence ``prep_min_block``). Right on the same run: fp32 activations (IEEE products, no tensor cores) at BV 32 and
+K 16, and main_tf32 (fp32 operands for those two products) at BV 16."""
+
+
+def main_tiles(K: int, V: int, cfg: ChunkConfig) -> tuple[int, int]:
+    """(BK, BV) of the main kernel. BK is the prep's K tile: with ``main_qk_store`` off the main kernel's l2norm
+    then sums the same [C, BK] rows as the prep's (the same bits on the GPU too)."""
+    if cfg.main_bv < MIN_TILE or cfg.main_bv & (cfg.main_bv - 1):
+        raise ValueError(f"main_bv: the fused main kernel needs a power of two >= {MIN_TILE} (Triton 3.6 computes "
+                         f"its bf16 products wrongly on smaller V tiles), got {cfg.main_bv}")
+    return max(pow2(K), cfg.prep_min_block, MIN_TILE), max(min(cfg.main_bv, pow2(V)), MIN_TILE)
+
+
 def launch_prep_tm(q, k, a, b, A_log, dt_bias, meta: VarlenMeta, ws: ChunkWorkspace, cfg: ChunkConfig,
                    scale: float, f32: bool) -> None:
     H, K = q.shape[1], q.shape[2]
@@ -281,7 +299,7 @@ def launch_prep_tm(q, k, a, b, A_log, dt_bias, meta: VarlenMeta, ws: ChunkWorksp
     launch(chunk_prep_tm_kernel, (meta.num_chunk_rows, H * split), (
         q, k, a, b, A_log, dt_bias, meta.cu_seqlens, meta.chunk_indices, ws.gcum, tm_t, tm_m, qn, kn, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        R, HV, K, max(pow2(K), cfg.prep_min_block), CHUNK, "ieee" if f32 else "tf32", cfg.inv_mode,
+        R, HV, K, main_tiles(K, 1, cfg)[0], CHUNK, "ieee" if f32 else "tf32", cfg.inv_mode,
         cfg.prep_bf16 and not f32, split, cfg.inv_bf16 and not f32, short, max(short.bit_length() - 2, 0),
         cfg.main_qk_store),
         cfg.prep_warps, cfg.prep_stages)
@@ -291,7 +309,7 @@ def launch_main(q, k, v, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, paren
                 cfg: ChunkConfig, scale: float, out) -> None:
     H, K = q.shape[1], q.shape[2]
     HV, V = v.shape[1], v.shape[2]
-    bv = min(cfg.main_bv, pow2(V))
+    bk, bv = main_tiles(K, V, cfg)
     tm_t, tm_m = ws.tm_buffers()
     qn, kn = ws.qk_buffers(H) if cfg.main_qk_store else (tm_t, tm_t)
     ms = max_segments(meta, cfg)
@@ -303,7 +321,7 @@ def launch_main(q, k, v, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, paren
             q, k, v, ws.gcum, tm_t, tm_m, qn, kn, out, ssm_pool, meta.cu_seqlens, src_slots, dst_slots,
             parents if parents is not None else src_slots, scale, float(cfg.cp_decay),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), ms,
-            HV // H, HV, K, V, pow2(K), bv, CHUNK, _prec(v), parents is not None, phase, cfg.main_qk_store,
+            HV // H, HV, K, V, bk, bv, CHUNK, _prec(v), parents is not None, phase, cfg.main_qk_store,
             ms > 1, cfg.cp_min_chunks, cfg.cp_seg_chunks, cfg.main_tf32 and v.dtype != torch.float32),
             cfg.main_warps, cfg.main_stages)
 
