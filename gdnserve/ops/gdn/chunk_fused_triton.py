@@ -264,6 +264,9 @@ def _warm_start(gcum, q, k, v, tm_t, tm_m, qn, kn, o, scale, bos, eos, i_s, i_h,
     c0 = (i_s - 1) * SEG
     tail = tl.cumsum(_chunk_decay(gcum, bos, c0 + o_sg, o_sg >= 0, i_hv, HV, C), 0, reverse=True)
     j = tl.max(tl.where(tail < -cp_decay, o_sg, -1), 0)        # >= 0: the whole segment decays past it
+    # clamped: the caller chose this segment for CP by a decay summed in another order (tl.sum vs this cumsum),
+    # and at a decay exactly at the bar the two can round to either side: then start at the segment's first chunk
+    j = tl.maximum(j, 0)
     b_S = tl.zeros([BV, BK], dtype=tl.float32)
     return _walk(b_S, q, k, v, gcum, tm_t, tm_m, qn, kn, o, scale, bos, eos, c0 + j, c0 + SEG, i_h, i_hv, i_vt,
                  s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, R, HV, K, V, BK, BV, C, DOT_PREC, QK_STORE, TF32, False)
