@@ -13,7 +13,7 @@ def test_fused_paths_replay_equals_graph_shaped_eager(monkeypatch):
     from tests.engine.test_cuda_graphs_gpu import lockstep
     for name in ("GDNSERVE_FUSED_DECODE", "GDNSERVE_FUSED_QK_STORE", "GDNSERVE_FUSED_NORM_ROUTER"):
         monkeypatch.setenv(name, "1")
-    g = lockstep(None, 0, [1, 3], steps=3, moe=True)
+    g, _ = lockstep(None, 0, [1, 3], steps=3, moe=True)      # (the captured runner, its sequences)
     from gdnserve.layers.gdn_mixer import GatedDeltaNet
     assert all(m.fused_decode for m in g.model.modules() if isinstance(m, GatedDeltaNet))
     assert g.graphs.stats["fallback"] == 0

@@ -4,7 +4,16 @@ GDNSERVE_FUSED_NORM_ROUTER: the post-attention norm folded into the router GEMM 
 too but engaged only by the block test below): on the Triton backend
 (interpreted on CPU) a runner with them on gives the same logits as one with them off to fp32 rounding, over a
 prefill and decode steps of two sequences (the GDN chain runs the pure decode steps, the prologue every step);
-the GDN pools and the KV caches end equal to fp32 rounding."""
+the GDN pools and the KV caches end equal to fp32 rounding.
+
+Bit for bit only where the roundings are the same: under the CPU interpreter both paths do the same fp32 ops in
+the same order (numpy: one rounding per op, no FMAs), so everything is equal. Compiled for a GPU (Triton's
+enable_fp_fusion, on by default) the conv kernel's chain acc += h·w contracts into FMAs while the fused kernel
+reduces its 4 products with tl.sum (fp32 model: the products are not exact, so other roundings), and every row
+sum (l2 norms, St·k, St·q, the gated norm) reduces in the order of its kernel's layout and warps; so from the
+first fused GDN launch on the fp32 bits differ (on the H200 the logits still agreed to 1e-5). On a GPU every
+tensor a fused launch feeds is therefore held to fp32 rounding (1e-5, as the logits), and the first GDN layer's
+conv history, which no fused launch feeds (copies of in_proj(norm(embedding)) rows), stays bit for bit."""
 from __future__ import annotations
 
 import torch
@@ -14,6 +23,8 @@ from gdnserve.layers.gdn_mixer import GatedDeltaNet
 from gdnserve.layers.moe import SparseMoE
 from gdnserve.ops.numerics import rel_rms
 from tests.layers.test_fused_layers import DEVICE, runner_for, steps
+
+EXACT = DEVICE.type == "cpu"     # the interpreter: the same ops in the same order in both paths (docstring)
 
 
 def _runner(on: bool):
@@ -50,12 +61,21 @@ def test_fused_decode_equals_three_launches(monkeypatch):
     for a, b in zip(on, off):
         assert rel_rms(a, b) < 1e-5
         assert torch.equal(a.argmax(-1), b.argmax(-1))
-    for a, b in zip(m_on, m_off):
+    assert r_on.model.layers[0].mixer is m_on[0]           # the first layer is GDN: its input is no fused output
+    for i, (a, b) in enumerate(zip(m_on, m_off)):
         assert rel_rms(a.ssm_pool, b.ssm_pool) < 1e-5
-        assert torch.equal(a.conv_pool, b.conv_pool)
+        if EXACT or i == 0:
+            assert torch.equal(a.conv_pool, b.conv_pool)       # the history is copied, never computed
+        else:
+            assert rel_rms(a.conv_pool, b.conv_pool) < 1e-5
+        # two sequences in 4 slots: the other two slots' rows stay zero (the zero rows of a printed pool)
+        used = a.conv_pool.flatten(1).ne(0).any(1)
+        assert int(used.sum()) == 2 and torch.equal(used, b.conv_pool.flatten(1).ne(0).any(1))
         assert (a.decode_counters == 0).all()
     for a, b in zip(a_on, a_off):
-        assert rel_rms(a.k_cache, b.k_cache) < 1e-5 and torch.equal(a.v_cache, b.v_cache)
+        assert rel_rms(a.k_cache, b.k_cache) < 1e-5
+        # v is stored as in_proj wrote it: equal where the layer's input is (the interpreter), else fp32 rounding
+        assert torch.equal(a.v_cache, b.v_cache) if EXACT else rel_rms(a.v_cache, b.v_cache) < 1e-5
 
 
 def test_norm_folded_into_the_router_at_one_token(monkeypatch):
@@ -72,7 +92,9 @@ def test_norm_folded_into_the_router_at_one_token(monkeypatch):
     g = torch.Generator().manual_seed(1)
     h = torch.randn(1, moe.hidden, generator=g).to(torch.bfloat16).to(DEVICE)
     res = (2 * torch.randn(1, moe.hidden, generator=g)).to(torch.bfloat16).to(DEVICE)
-    layer.post_attention_layernorm.weight.data.normal_(0, 0.2, generator=torch.Generator().manual_seed(2))
+    w = layer.post_attention_layernorm.weight
+    # drawn on the CPU then copied (a CPU generator cannot fill a CUDA tensor): the same weights on every device
+    w.data.copy_(torch.empty(w.shape, dtype=w.dtype).normal_(0, 0.2, generator=torch.Generator().manual_seed(2)))
     outs = {}
     import gdnserve.layers.moe as mo
     calls, real = [], mo.add_rms_norm_gemv_route

@@ -2,7 +2,9 @@
 kernels round (conv output and recurrent output to the activation dtype), and against today's three-launch
 chain (conv update + recurrent decode + gated norm). Fresh random inputs and non-zero pools every run, grouped
 value heads (r = 2) and r = 1, B = 1 and B = 3 with a padded slot; untouched slots bit for bit; the arrival
-counters back at 0 after every launch (a graph replay finds them so)."""
+counters back at 0 after every launch (a graph replay finds them so). The inputs are drawn on the CPU (the same
+values on every device) and the kernels run on the ``device`` fixture's device (the interpreter on the CPU); the
+float64 reference runs on the CPU."""
 from __future__ import annotations
 
 import pytest
@@ -20,15 +22,18 @@ EPS = 1e-6
 S, W = 6, 4
 
 
-def make(B, H, HV, K, V, slots, seed):
+def make(B, H, HV, K, V, slots, seed, device):
+    """Drawn by a CPU generator (the same values on every device), then moved to ``device``."""
     g = torch.Generator().manual_seed(seed)
     D = 2 * H * K + HV * V
     r = lambda *s: torch.randn(*s, generator=g)
-    proj = r(B, D + HV * V + 2 * HV + 5)[:, :D + HV * V + 2 * HV].to(BF16)   # a strided row view, as in_proj's
-    return {"proj": proj, "conv_weight": (0.5 * r(D, W)).to(BF16), "conv_pool": r(S, W - 1, D).to(BF16),
-                "A_log": (1 + 15 * torch.rand(HV, generator=g)).log(), "dt_bias": 0.5 * r(HV),
-                "ssm_pool": 0.3 * r(S, HV, V, K), "slots": torch.tensor(slots, dtype=torch.int32),
-                "norm_weight": (1 + 0.2 * r(V)).to(BF16)}
+    wide = r(B, D + HV * V + 2 * HV + 5).to(BF16).to(device)
+    x = {"conv_weight": (0.5 * r(D, W)).to(BF16), "conv_pool": r(S, W - 1, D).to(BF16),
+         "A_log": (1 + 15 * torch.rand(HV, generator=g)).log(), "dt_bias": 0.5 * r(HV),
+         "ssm_pool": 0.3 * r(S, HV, V, K), "slots": torch.tensor(slots, dtype=torch.int32),
+         "norm_weight": (1 + 0.2 * r(V)).to(BF16)}
+    # proj sliced after the cast and the move: a strided row view, as in_proj's (.to() would make it contiguous)
+    return {"proj": wide[:, :D + HV * V + 2 * HV], **{n: t.to(device) for n, t in x.items()}}
 
 
 def rnd(x, dt):
@@ -36,7 +41,8 @@ def rnd(x, dt):
 
 
 def reference(x, H, scale=None):
-    """float64 of the chain, rounding to bf16 where the kernels do; returns (y, conv_pool, ssm_pool)."""
+    """float64 of the chain on the CPU, rounding to bf16 where the kernels do; returns (y, conv_pool, ssm_pool)."""
+    x = {n: t.cpu() for n, t in x.items()}
     cp, sp = x["conv_pool"].to(F64).clone(), x["ssm_pool"].to(F64).clone()
     proj, w = x["proj"].to(F64), x["conv_weight"].to(F64)
     _, HV, V, K = sp.shape
@@ -69,7 +75,7 @@ def reference(x, H, scale=None):
 def run_fused(x, H, quant=False, nt=1):
     """nt: V tiles per head (> 1: the gated norm by the key head's last arrival)."""
     cp, sp = x["conv_pool"].clone(), x["ssm_pool"].clone()
-    cnt = new_counters(S, H, "cpu")
+    cnt = new_counters(S, H, x["ssm_pool"].device)
     out = gdn_decode_fused(x["proj"], x["conv_weight"], cp, x["A_log"], x["dt_bias"], sp, x["slots"],
                            x["norm_weight"], EPS, cnt, H, quant=quant, tile=(nt, 2))
     assert (cnt == 0).all(), "counters must be left at 0"
@@ -93,6 +99,8 @@ def run_unfused(x, H):
 
 def check(x, H, y, cp, sp):
     yr, cpr, spr = reference(x, H)
+    x = {n: t.cpu() for n, t in x.items()}
+    y, cp, sp = y.cpu(), cp.cpu(), sp.cpu()
     live = [n for n, s in enumerate(x["slots"].tolist()) if s >= 0]
     dead = [s for s in range(S) if s not in x["slots"].tolist()]
     assert rel_rms(y[live].double(), yr[live]) < 8e-3
@@ -104,9 +112,9 @@ def check(x, H, y, cp, sp):
 
 
 @pytest.mark.parametrize("B,slots,nt", [(1, [4], 1), (3, [2, -1, 5], 1), (3, [-1, 0, 5], 2)])
-def test_grouped_heads_vs_float64(B, slots, nt):
+def test_grouped_heads_vs_float64(B, slots, nt, device):
     H, HV, K, V = 2, 4, 16, 16
-    x = make(B, H, HV, K, V, slots, seed=B + nt)
+    x = make(B, H, HV, K, V, slots, seed=B + nt, device=device)
     y, cp, sp = run_fused(x, H, nt=nt)
     check(x, H, y, cp, sp)
     yu, cpu_, spu = run_unfused(x, H)          # today's chain: same roundings, other sum orders
@@ -115,34 +123,34 @@ def test_grouped_heads_vs_float64(B, slots, nt):
 
 
 @pytest.mark.parametrize("nt", [1, 4])
-def test_one_value_head_per_key_head_twice_in_a_row(nt):
+def test_one_value_head_per_key_head_twice_in_a_row(nt, device):
     """r = 1 (no counter with one V tile; the V-split's last arrival with 4) and a second step on the state the
     first left: the history shift and state chain."""
     H, HV, K, V = 2, 2, 16, 32
-    x = make(3, H, HV, K, V, [1, 3, -1], seed=7)
+    x = make(3, H, HV, K, V, [1, 3, -1], seed=7, device=device)
     y, cp, sp = run_fused(x, H, nt=nt)
     check(x, H, y, cp, sp)
-    x2 = dict(x, conv_pool=cp, ssm_pool=sp, proj=make(3, H, HV, K, V, [1, 3, -1], seed=8)["proj"])
+    x2 = dict(x, conv_pool=cp, ssm_pool=sp, proj=make(3, H, HV, K, V, [1, 3, -1], seed=8, device=device)["proj"])
     y2, cp2, sp2 = run_fused(x2, H, nt=nt)
     check(x2, H, y2, cp2, sp2)
 
 
 @pytest.mark.parametrize("nt", [1, 8])
-def test_quantized_output_for_fp8_out_proj(nt):
+def test_quantized_output_for_fp8_out_proj(nt, device):
     from gdnserve.ops.quant.quant_out import quantize_out_torch
     H, HV, K, V = 1, 2, 16, 128
-    x = make(3, H, HV, K, V, [0, -1, 3], seed=11)
+    x = make(3, H, HV, K, V, [0, -1, 3], seed=11, device=device)
     (y, (q, s)), cp, sp = run_fused(x, H, quant=True, nt=nt)
     check(x, H, y, cp, sp)
     qr, sr = quantize_out_torch(y)
     assert torch.equal(q.float(), qr.float()) and torch.equal(s, sr)
 
 
-def test_rejects_bad_shapes():
-    x = make(1, 2, 4, 16, 16, [0], seed=1)
+def test_rejects_bad_shapes(device):
+    x = make(1, 2, 4, 16, 16, [0], seed=1, device=device)
     with pytest.raises(ValueError, match="H"):
         gdn_decode_fused(x["proj"], x["conv_weight"], x["conv_pool"], x["A_log"], x["dt_bias"], x["ssm_pool"],
-                         x["slots"], x["norm_weight"], EPS, new_counters(S, 3, "cpu"), 3)
+                         x["slots"], x["norm_weight"], EPS, new_counters(S, 3, device), 3)
     with pytest.raises(ValueError, match="quant"):
         gdn_decode_fused(x["proj"], x["conv_weight"], x["conv_pool"], x["A_log"], x["dt_bias"], x["ssm_pool"],
-                         x["slots"], x["norm_weight"], EPS, new_counters(S, 2, "cpu"), 2, quant=True)
+                         x["slots"], x["norm_weight"], EPS, new_counters(S, 2, device), 2, quant=True)
