@@ -27,8 +27,14 @@ def run(e, params):
     return [[(c.token_ids, c.finish_reason, c.logprobs) for c in final[r].outputs] for r in ids]
 
 
-def test_overlap_with_graphs_equals_the_serial_loop():
-    serial, ov = LLM(overlap=False, **KW).engine, LLM(overlap=True, **KW).engine
+@pytest.fixture(scope="module")
+def engines():
+    """(serial, overlapped) engines, built once for the file (each captures its graphs: most of its time)."""
+    return LLM(overlap=False, **KW).engine, LLM(overlap=True, **KW).engine
+
+
+def test_overlap_with_graphs_equals_the_serial_loop(engines):
+    serial, ov = engines
     assert ov.overlap and ov.runner.graphs is not None and ov.runner.graphs.mixed is not None
     free = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True) for _ in PROMPTS]
     ref = run(serial, free)
@@ -45,3 +51,39 @@ def test_overlap_with_graphs_equals_the_serial_loop():
         assert e.runner.state.check_integrity() == [] and e.runner.pages.check_integrity() == []
         e.evict_checkpoints(len(e.index))
         assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
+
+
+def test_overlapped_decode_steps_never_synchronise_the_host(engines):
+    """In the steady decode phase the overlapped loop's one wait is the event of the step before (its sampled
+    ids' copy): no synchronising CUDA call (``.item()``, ``.tolist()`` of a device tensor, a pageable copy) in
+    the scheduling, the launch, the graph replay or the processing. ``torch.cuda.set_sync_debug_mode`` names the
+    caller of each."""
+    import warnings
+
+    import torch
+    _, ov = engines
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for p in PROMPTS[:4]:
+        ov.add_request(None, p, sp)
+    for _ in range(6):                       # prefills done, every request decoding
+        ov.step()
+    import traceback
+    syncs: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):     # where our code called it: the innermost gdnserve frames
+            ours = [f"{f.filename.split('gdnserve/')[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack()
+                    if "/gdnserve/" in f.filename]
+            syncs.append(f"{message}; at " + " <- ".join(reversed(ours[-4:])))
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            for _ in range(12):
+                ov.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    while ov.has_unfinished():
+        ov.step()
+    assert not syncs, f"{len(syncs)} synchronising calls in 12 decode steps:\n" + "\n".join(dict.fromkeys(syncs))
