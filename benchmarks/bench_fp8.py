@@ -139,19 +139,16 @@ def linear_rows(dev: torch.device, quick: bool, log: Callable[[str], None]) -> l
 
 def _alt_row(row: dict[str, Any], x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, sets: list,
              dev: torch.device, quick: bool) -> None:
-    """Paths fp8_linear does not take by default, timed on the same inputs ("alt"): M <= GEMV_MAX_M the
+    """Paths fp8_linear does not take by default, timed on the same inputs ("alt"): M <= gemv_max_m the
     two-launch path the GEMV replaced (quantization + the Triton GEMM, the dense tail by ``F.linear``); M >= 512
     the Triton GEMM when cuBLAS's block-scaled ``_scaled_mm`` is the default (or the reverse)."""
     from gdnserve.ops.quant import fp8_scaled_mm as sm
     op = importlib.import_module("gdnserve.ops.quant.fp8_linear")
     M = x.shape[0]
-    if M <= op.GEMV_MAX_M:
+    if M <= op.linear_config(x.device).gemv_max_m:
         row["alt"] = "quant + GEMM (2 launches) + F.linear tail"
-        saved, op.GEMV_MAX_M = op.GEMV_MAX_M, 0
-        try:
-            _timed(row, "alt_us", lambda t: fp8_linear(x, t[0], t[1], tail=t[2]), sets, dev, quick)
-        finally:
-            op.GEMV_MAX_M = saved
+        no_gemv = op.Fp8LinearConfig(gemv_max_m=0)
+        _timed(row, "alt_us", lambda t: fp8_linear(x, t[0], t[1], tail=t[2], config=no_gemv), sets, dev, quick)
         if M == 1:
             saved = op.GEMV_QUANT_IN_KERNEL
             fused = op.gemv_quantizes_inside(M, *q.shape)
@@ -281,11 +278,10 @@ def sweep_m1_rows(dev: torch.device, log: Callable[[str], None]) -> list[dict[st
         xq, xs = quantize_act_triton(x)
         y = torch.empty(1, N + tail_rows, dtype=x.dtype, device=dev)
         for c in (c for c in GEMV_M1_SWEEP if c[1] <= max(1024, 2 * K)):
-            gv.CONFIG_OVERRIDE = GemvConfig(*c)
             rows.append(_sweep_one({"kernel": "gemv-cols", "shape": shape, "M": 1, "config": list(c)},
-                                   lambda t: fp8_gemv(x, xq, xs, t[0], t[1], y, tail=t[2]), sets, dev))
+                                   lambda t, g=GemvConfig(*c): fp8_gemv(x, xq, xs, t[0], t[1], y, tail=t[2], config=g),
+                                   sets, dev))
             log("measured " + json.dumps(rows[-1]))
-        gv.CONFIG_OVERRIDE = None
         rows.append(_sweep_one({"kernel": "gemv-qx", "shape": shape, "M": 1, "config": list(gv.config(1, N, K))},
                                lambda t: fp8_gemv(x, None, None, t[0], t[1], y, tail=t[2]), sets, dev))
     rows.sort(key=lambda r: (r["kernel"], r["shape"], r["M"], r.get("us", math.inf)))
@@ -298,11 +294,8 @@ def sweep_rows(dev: torch.device, log: Callable[[str], None], moe: bool = False)
     """The decode kernels' configs on every dense projection (in_proj with its dense tail): the CUDA-core GEMV
     (``fp8_gemv_triton``: BN weight rows, BK, warps, stages) at M = 1, 2, 4, the Triton GEMM's at M = 1, 4, 16;
     ``moe``: the FP8 experts' ((BNH, warps, stages), (BN, warps, stages)) at T = 1, 16, 64, 4096."""
-    from gdnserve.ops.quant import fp8_gemm_triton as gt
-    from gdnserve.ops.quant import fp8_gemv_triton as gv
     from gdnserve.ops.quant.fp8_gemv_triton import MAX_M, GemvConfig
     op = importlib.import_module("gdnserve.ops.quant.fp8_linear")
-    gemv_max = op.GEMV_MAX_M
     rows: list[dict[str, Any]] = []
     for shape, (N, K, tail_rows) in LINEARS.items():
         sets = _weight_sets(N, K, tail_rows, dev)
@@ -311,16 +304,11 @@ def sweep_rows(dev: torch.device, log: Callable[[str], None], moe: bool = False)
                 (4, "gemm", GEMM16_SWEEP[::2]), (16, "gemm", GEMM16_SWEEP)]
         for M, kernel, cfgs in plan:
             x = torch.randn(M, K, device=dev).bfloat16()
-            op.GEMV_MAX_M = MAX_M if kernel == "gemv" else 0      # (the GEMM's rows at M <= 4 too)
-            for c in cfgs:
-                if kernel == "gemv":
-                    gv.CONFIG_OVERRIDE = GemvConfig(*c)
-                else:
-                    gt.CONFIG_OVERRIDE = c
+            for c in cfgs:       # (the GEMM's rows at M <= 4 too: gemv_max_m = 0)
+                lc = (op.Fp8LinearConfig(gemv_max_m=MAX_M, gemv=GemvConfig(*c)) if kernel == "gemv"
+                      else op.Fp8LinearConfig(gemv_max_m=0, gemm=tuple(c)))
                 rows.append(_sweep_one({"kernel": kernel, "shape": shape, "M": M, "config": list(c)},
-                                       lambda t: fp8_linear(x, t[0], t[1], tail=t[2]), sets, dev))
-            gv.CONFIG_OVERRIDE = gt.CONFIG_OVERRIDE = None
-            op.GEMV_MAX_M = gemv_max
+                                       lambda t, lc=lc: fp8_linear(x, t[0], t[1], tail=t[2], config=lc), sets, dev))
     if moe:
         rows += _moe_sweep(dev)
     rows.sort(key=lambda r: (r["kernel"], r["shape"], r["M"], r.get("us", math.inf)))
@@ -330,7 +318,6 @@ def sweep_rows(dev: torch.device, log: Callable[[str], None], moe: bool = False)
 
 
 def _moe_sweep(dev: torch.device) -> list[dict[str, Any]]:
-    from gdnserve.ops.moe import grouped_fp8_triton as gm
     from gdnserve.ops.moe import moe_experts
     rows: list[dict[str, Any]] = []
     E, I, k = 256, 512, 8
@@ -344,11 +331,9 @@ def _moe_sweep(dev: torch.device) -> list[dict[str, Any]]:
     for T, cfgs in moe_cfgs.items():
         sets = [_routing(T, H, E, k, dev) for _ in range(1 if T >= 256 else 8)]
         for c in cfgs:
-            gm.CONFIG_OVERRIDE = c
             rows.append(_sweep_one({"kernel": "moe", "shape": f"E={E} k={k}", "M": T, "config": [list(t) for t in c]},
-                                   lambda r: moe_experts(*r, q_gu, qd.contiguous(), scales=(s_gu, sd.contiguous())),
-                                   sets, dev))
-        gm.CONFIG_OVERRIDE = None
+                                   lambda r, c=c: moe_experts(*r, q_gu, qd.contiguous(), scales=(s_gu, sd.contiguous()),
+                                                              config=c), sets, dev))
     return rows
 
 

@@ -3,7 +3,7 @@ given (the model's path), old (``main``: the row block and tiles of commit 3743c
 new side by side, aligning inside (``inside``), against ``torch._grouped_mm`` driven the same way (what HF
 transformers' ``grouped_mm`` experts do) and the per-expert PyTorch loop (our CPU path: a host read of the counts,
 ~4 launches per expert). ``--impls`` picks the rows; ``--tiles F`` runs the new rows with ``sweep_moe --best F``'s
-row block and tiles where F has the shape (through ``grouped_triton.CONFIG_OVERRIDE``).
+row block and tiles where F has the shape (through ``moe_experts_triton``'s ``config=``).
 
 Shape: the Qwen3.5-35B-A3B MoE block (hidden 2048, moe_intermediate 512, top-8) with E in {64, 256}
 experts, bf16, T in {1, 16, 64, 256, 1024, 4096, 8192} tokens, router probabilities from random logits (8
@@ -70,15 +70,6 @@ def main_tiles(N: int, E: int) -> tuple[int, Config]:
     return BM, Config(Tiles(128, 64, 8, 3, True, True), Tiles(128, 64, 8, 3, True))
 
 
-def with_tiles(cfg: Config | None, fn):
-    """fn run with the grouped GEMM's tiles forced to cfg (None: its own choice)."""
-    def call(s):
-        old, gt.CONFIG_OVERRIDE = gt.CONFIG_OVERRIDE, cfg
-        try:
-            return fn(s)
-        finally:
-            gt.CONFIG_OVERRIDE = old
-    return call
 
 
 def load_tiles(path: str | None) -> dict[tuple[int, int], tuple[int, Config]]:
@@ -124,10 +115,10 @@ def main() -> None:
             ref = naive_moe_experts(x[:8], w[:8], idx[:8], gu, dn)
             main_cfg = main_tiles(T * K, E)[1]
             variants = {
-                "main": ("3743c21 tiles, alignment given", with_tiles(main_cfg, lambda s: gt.moe_experts_triton(
-                    s[0], s[1], s[4], gu, dn, K))),
-                "new": ("new, alignment given" + (" (--tiles)" if cfg_new else ""), with_tiles(
-                    cfg_new, lambda s: gt.moe_experts_triton(s[0], s[1], s[3], gu, dn, K))),
+                "main": ("3743c21 tiles, alignment given", lambda s: gt.moe_experts_triton(
+                    s[0], s[1], s[4], gu, dn, K, config=main_cfg)),
+                "new": ("new, alignment given" + (" (--tiles)" if cfg_new else ""), lambda s: gt.moe_experts_triton(
+                    s[0], s[1], s[3], gu, dn, K, config=cfg_new)),
                 "inside": ("new, aligns inside", lambda s: moe_experts(s[0], s[1], s[2], gu, dn, backend="triton")),
                 "grouped_mm": ("torch _grouped_mm", lambda s: grouped_mm_experts(s[0], s[1], s[2], gu_t, dn_t)),
                 "loop": ("torch loop", lambda s: moe_experts(s[0], s[1], s[2], gu, dn, backend="torch"))}

@@ -101,9 +101,6 @@ class Plan:
 
 
 VERIFY_L = 4
-# the H200 ChunkConfig row at commit 3743c21: snapshots h, U and the separate output kernel
-OLD_CHUNK = dict(prep_out=False, store_kn=False, short_prep=0, inv_bf16=False, prep_warps=4, state_bv=32,
-                 state_warps=4, state_stages=None)
 NAIVE_BUDGET = 1 << 30   # tokens * HV * K * V of the float64 reference check (about 2k tokens at Qwen3.5)
 
 
@@ -150,12 +147,6 @@ def load_ours() -> SimpleNamespace:
         from gdnserve.ops.gdn.chunk_workspace import ChunkWorkspace
     except ImportError:
         ChunkWorkspace = None
-    try:  # optional: launch-config overrides of the chunk pass (the "ours old" prefill row)
-        from gdnserve.ops.gdn.chunk_configs import ChunkConfig, override as chunk_override
-        if not all(f in ChunkConfig.__dataclass_fields__ for f in OLD_CHUNK):
-            chunk_override = None
-    except ImportError:
-        chunk_override = None
 
     def prepared_plan(*args, **overrides):   # a config variant: the planner's overrides, launched prepared
         fn, grid, targs, nw, key = recurrent_plan(*args[:17], float(args[0].shape[-1] ** -0.5), args[17],
@@ -165,7 +156,7 @@ def load_ours() -> SimpleNamespace:
     return SimpleNamespace(conv=causal_conv1d_prefill, chunk=chunk_gated_delta_rule, decode=gdn_decode,
                            verify=gdn_verify, commit=gdn_commit_intermediate, Pending=GDNPending, Meta=VarlenMeta,
                            Workspace=ChunkWorkspace, prepare_decode=prepare_decode, prepare_verify=prepare_verify,
-                           prepared_plan=prepared_plan, chunk_override=chunk_override)
+                           prepared_plan=prepared_plan)
 
 
 class Fla:
@@ -359,11 +350,6 @@ def build_prefill(ctx: Ctx, N: int, L: int) -> Case:
             return chunk(s)
 
         case.impls.append(Impl("ours", ours_fn, {"conv_prefill": conv, "chunk": chunk}, True))
-        if ctx.cuda and ours.chunk_override is not None:
-            def old_fn(s):   # the chunk pass before prep_out: snapshots h, U and the separate output kernel
-                with ours.chunk_override(**OLD_CHUNK):
-                    return ours_fn(s)
-            case.impls.append(Impl("ours old (output kernel)", old_fn, {}, True))
 
     if fla is not None:
         cu, ci = fla.varlen(seqlens, dev)

@@ -160,17 +160,18 @@ def prep_warps(dev, ceil: float) -> list[dict[str, Any]]:
     A_log = torch.rand(HV, device=dev).mul(15).add(1).log()
     dt = torch.rand(HV, device=dev).bfloat16()
     ws = ChunkWorkspace.empty(T, meta.num_chunk_rows, HV, K, V, torch.bfloat16, dev)
+    o = torch.empty(T, HV, V, device=dev).bfloat16()     # the prep writes the output's state-independent half
     nbytes = T * (2 * H * K + HV * V + 2 * HV) * 2 + T * HV * (4 + 2 * K + 2 * V)
     out, ref = [], None
     for warps in (4, 2, 8):
         with chunk_configs.override(prep_warps=warps):
-            launch_prep(q, k, v, a, b, A_log, dt, meta, ws)
+            launch_prep(q, k, v, a, b, A_log, dt, meta, ws, o)
             _sync()
             got = (ws.w.clone(), ws.u.clone())
             ref = ref or got
             row = {"op": "chunk_prep", "case": "T=4096", "variant": f"prep_warps={warps}", "default": warps == 4,
                    "bytes": nbytes, "rel_rms_vs_warps4": max(rel_rms(got[0], ref[0]), rel_rms(got[1], ref[1]))}
-            row.update(timed(lambda _: launch_prep(q, k, v, a, b, A_log, dt, meta, ws), [None], nbytes, ceil))
+            row.update(timed(lambda _: launch_prep(q, k, v, a, b, A_log, dt, meta, ws, o), [None], nbytes, ceil))
         out.append(row)
         print(_line(row), flush=True)
     return out

@@ -45,14 +45,13 @@ def main() -> None:
     t = dict.fromkeys(("q", "k", "v", "a", "b", "w", "u", "kn", "qp", "o", "dt_bias"), BF)
     t.update(A_log=F32, gcum=F32, cu_seqlens=I32, chunk_indices=I32, scale="fp32")
     rows.append(("chunk_prep_kernel (H200 row)", resources(old.chunk_prep_kernel, t, {
-        **common, **prep, "V": V, "BV": 128, "PREP_OUT": True, "STORE_KN": True})))
-    t = dict.fromkeys(("q", "k", "kn", "qp", "w", "u", "vnew", "h", "o"), BF)
+        **common, **prep, "V": V, "BV": 128})))
+    t = dict.fromkeys(("kn", "qp", "w", "u", "o"), BF)
     t.update(gcum=F32, pool=F32, seg_b=F32, seg_p=F32, cu_seqlens=I32, chunk_offsets=I32, src_slots=I32,
-             dst_slots=I32, parents=I32, sync=I32, scale="fp32")
+             dst_slots=I32, parents=I32, sync=I32)
     rows.append(("chunk_state_kernel (BV 32)", resources(state.chunk_state_kernel, t, {
         **common, "V": V, "BV": 32, "CP": False, "CP_MIN": 1 << 30, "SEG": 16, "HAS_PARENT": False,
-        "TICKETS": False, "FUSED_OUT": False, "COMB_PREC": "tf32", "STATE_F32": False, "CB": 32, "KN": True,
-        "PREP_OUT": True, "PHASE": 0})))
+        "TICKETS": False, "COMB_PREC": "tf32", "CB": 32, "PHASE": 0})))
     t = dict.fromkeys(("q", "k", "a", "b", "tm_t", "tm_m", "dt_bias", "qn", "kn"), BF)
     t.update(A_log=F32, gcum=F32, cu_seqlens=I32, chunk_indices=I32, scale="fp32")
     rows.append(("chunk_prep_tm_kernel", resources(fused.chunk_prep_tm_kernel, t, {

@@ -63,24 +63,23 @@ def main(argv: list[str] | None = None) -> int:
     del gu, dn
     Ts = (1, 16) if args.tiny else (1, 2, 4, 8, 16, 32)
     sets = {T: [_routing(T, H, E, k, dev) for _ in range(8)] for T in Ts}
-    fp8 = lambda r: moe_experts(*r, q_gu, q_dn, scales=(s_gu, s_dn))       # noqa: E731
+    fp8 = lambda r, cfg=None: moe_experts(*r, q_gu, q_dn, scales=(s_gu, s_dn), config=cfg)   # noqa: E731
     rep: dict[str, Any] = {"device": "cpu" if args.tiny else torch.cuda.get_device_name(dev), "sweep": [], "final": [],
                            "parts": []}
     d.DECODE_MAX_PAIRS = 10 ** 6
     log = lambda s: print(s, flush=True)     # noqa: E731
 
     def one(T: int, cfg: C, stage: str) -> dict[str, Any]:
-        d.CONFIG_OVERRIDE = cfg
         x, w, idx = sets[T][0]
         row = {"stage": stage, "T": T, "config": cfg._asdict()}
         try:
-            y = fp8((x, w, idx))
+            y = fp8((x, w, idx), cfg)
             ref = moe_experts(x, w, idx, q_gu, q_dn, scales=(s_gu, s_dn), backend="torch")
             row["rel_err"] = rel_rms(y, ref)
         except Exception as e:               # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {e}"[:200]
             return row
-        row.update(_time(fp8, sets[T], dev))
+        row.update(_time(lambda r: fp8(r, cfg), sets[T], dev))
         log(json.dumps(row))
         rep["sweep"].append(row)
         return row
@@ -113,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
         if not args.tiny:
             for T, cfg in best.items():        # each launch alone (the intermediate precomputed)
                 x, w, idx = sets[T][0]
-                d.CONFIG_OVERRIDE = cfg
                 inter = d.gate_up_decode(x, idx, q_gu, s_gu, cfg)
                 up = _time(lambda r: d.gate_up_decode(r[0], r[2], q_gu, s_gu, cfg), sets[T], dev)
                 down = _time(lambda r: d.down_decode(inter, r[1], r[2], q_dn, s_dn, cfg), sets[T], dev)
@@ -127,17 +125,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, cfg in (("decode_b1", best.get(1)), ("decode_b16", best.get(16)), ("default", None)):
             if name != "default" and cfg is None:
                 continue
-            d.CONFIG_OVERRIDE = cfg
             d.DECODE_MAX_PAIRS = 10 ** 6 if name != "default" else default_max
-            row[name] = _time(fp8, sets[T], dev, quick=False)
-        d.CONFIG_OVERRIDE = None
+            row[name] = _time(lambda r, cfg=cfg: fp8(r, cfg), sets[T], dev, quick=False)
         d.DECODE_MAX_PAIRS = 0
         row["grouped"] = _time(fp8, sets[T], dev, quick=False)
         d.DECODE_MAX_PAIRS = 10 ** 6
         row["bf16"] = _time(lambda r: moe_experts(*r, gu16, dn16), sets[T], dev, quick=False)
         log(json.dumps(row))
         rep["final"].append(row)
-    d.CONFIG_OVERRIDE = None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"moe_fp8_decode_sweep_{_tag(dev)}.json").write_text(jsonfmt.dumps(rep))

@@ -31,13 +31,14 @@ from benchmarks import jsonfmt
 H, HV, K, V = 16, 32, 128, 128
 dev = "cuda"
 BIG = dict(state_bv=128, state_warps=8, seg_bv=128, seg_warps=8)
-VARIANTS = {   # name -> ChunkConfig overrides (the first round, see docs/kernels.md, ruled out BV 32 fused)
-    "before: unfused, no CP, BV 32": dict(fused_out=False, cp_min_chunks=1 << 20),
-    "unfused + CP (state BV 32; seg BV 128, 8 warps)": dict(fused_out=False, seg_bv=128, seg_warps=8),
-    "fused + CP, BV 128 8 warps": BIG,
-    "fused + CP, BV 128 16 warps": {**BIG, "state_warps": 16},
-    "fused + CP seg 32, BV 128 8 warps": {**BIG, "cp_seg_chunks": 32},
-    "fused + CP, BV 64 4 warps": dict(state_bv=64, seg_bv=128, seg_warps=8),
+CP = dict(cp_min_chunks=32)
+VARIANTS = {   # name -> ChunkConfig overrides (the rounds in docs/kernels.md ruled out the state pass forming O itself)
+    "sequential, BV 32": {},
+    "CP (state BV 32; seg BV 128, 8 warps)": dict(CP, seg_bv=128, seg_warps=8),
+    "CP, BV 128 8 warps": dict(CP, **BIG),
+    "CP, BV 128 16 warps": {**CP, **BIG, "state_warps": 16},
+    "CP seg 32, BV 128 8 warps": {**CP, **BIG, "cp_seg_chunks": 32},
+    "CP, BV 64 4 warps": dict(CP, state_bv=64, seg_bv=128, seg_warps=8),
 }
 SHAPES = {"1x32768": [32768], "64x256": [256] * 64, "8x4096": [4096] * 8, "1x8192": [8192],
           "1P512+16C64 (independent)": [512] + [64] * 16}
@@ -173,8 +174,8 @@ def tune(quick: bool) -> list[dict]:
                     row["err_o"], row["err_state"] = rel_rms(o, ref_o), rel_rms(p[N:2 * N], ref_pool[N:2 * N])
                     row["us"] = events(lambda: chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, p, meta, src,
                                                                       dst, out=o, workspace=ws))
-                    if name == next(iter(VARIANTS)) or name == "fused + CP, BV 128 8 warps":
-                        row["prep_us"] = events(lambda: ct.launch_prep(q, k, v, a, b, A_log, dt_bias, meta, ws))
+                    if name == next(iter(VARIANTS)) or name == "CP, BV 128 8 warps":
+                        row["prep_us"] = events(lambda: ct.launch_prep(q, k, v, a, b, A_log, dt_bias, meta, ws, o))
                         row["state_us"] = events(lambda: ct.launch_state(q, k, v, p, meta, src, dst, None, ws,
                                                                          K ** -0.5, o))
             except Exception as e:  # noqa: BLE001
@@ -193,11 +194,7 @@ def tune(quick: bool) -> list[dict]:
     return rows
 
 
-# the H200 row at commit 3743c21 (snapshots h, U and the separate output kernel), every field the variants touch
-OLD = dict(prep_out=False, store_kn=False, short_prep=0, inv_bf16=False, prep_warps=4, state_bv=32, state_warps=4,
-           state_stages=None)
 STAGE_VARIANTS = {   # name -> ChunkConfig overrides, timed per stage by --stages
-    "old (output kernel)": OLD,
     "new": {},
     "new prep split always": dict(prep_split_below=1 << 30),
     "new state BV 64 8 warps": dict(state_bv=64, state_warps=8),
@@ -206,14 +203,14 @@ STAGE_VARIANTS = {   # name -> ChunkConfig overrides, timed per stage by --stage
     "new no short tile": dict(short_prep=0),
 }
 RFC_ONLY = ("new no short tile",)                      # variants timed only at the RFC shape
-RFC_VARIANTS = ("old (output kernel)", "new", "new no short tile")
+RFC_VARIANTS = ("new", "new no short tile")
 
 
 def best_variant(rows: list[dict], shapes=("1x4096", "8x1024")) -> str:
     """The new variant of least summed whole-call time over ``shapes`` among those within §6.4's 5e-3."""
     tot: dict[str, float] = {}
     for r in rows:
-        if r["shape"] in shapes and "us" in r and r["variant"] != "old (output kernel)":
+        if r["shape"] in shapes and "us" in r:
             ok = r["err_o"] < 5e-3 and r["err_state"] < 5e-3
             tot[r["variant"]] = tot.get(r["variant"], 0.) + (r["us"]["p50"] if ok else float("inf"))
     return min(tot, key=tot.get) if tot else "new"
@@ -256,7 +253,6 @@ def stages(names: list[str] | None = None, shapes: dict | None = None) -> list[d
             row = {"shape": label, "T": T, "variant": name, "overrides": var}
             try:
                 with override(**var):
-                    cfg = chunk_config(torch.device(dev))
                     p = pool.clone()
                     def call():
                         return chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, p, meta, src, dst, pa, out=o,
@@ -266,8 +262,6 @@ def stages(names: list[str] | None = None, shapes: dict | None = None) -> list[d
                     row["us"] = events(call)
                     row["prep_us"] = events(lambda: ct.launch_prep(q, k, v, a, b, A_log, dt_bias, meta, ws, o, scale))
                     row["state_us"] = events(lambda: ct.launch_state(q, k, v, p, meta, src, dst, pa, ws, scale, o))
-                    if not cfg.prep_out and not cfg.fused_out:
-                        row["output_us"] = events(lambda: ct.launch_output(q, k, v, meta, scale, o, ws))
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
@@ -292,7 +286,7 @@ def accuracy(quick: bool) -> list[dict]:
                 ref = pool.clone()
                 chunk_gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ref, meta, s0, s1, backend="torch")
                 row = {"K=V": kd, "gates": regime, "L": L}
-                for name, var in (("ours", {}), ("ours state_f32", dict(state_f32=True)), ("ours fused+CP BV128", BIG)):
+                for name, var in (("ours", {}), ("ours CP BV128", dict(CP, **BIG))):
                     try:
                         with override(**var):
                             p = pool.clone()
@@ -323,8 +317,7 @@ def cpu_accuracy(heads=(32, 64), lengths=(1, 64, 1024, 4096)) -> list[dict]:
             pool = torch.randn(2, 2, kd, kd) * 0.5
             ro, rp = naive_prefill_pool(q, k, v, a, b, A_log, dt_bias, pool, [L], [0], [1])
             row = {"K=V": kd, "L": L}
-            for name, cfg, be in (("default", {}, "triton"), ("state_f32", dict(state_f32=True), "triton"),
-                                  ("cp+fused", dict(cp_min_chunks=4, cp_seg_chunks=4, fused_out=True), "triton"),
+            for name, cfg, be in (("default", {}, "triton"), ("cp", dict(cp_min_chunks=4, cp_seg_chunks=4), "triton"),
                                   ("torch fp32", {}, "torch")):
                 p = pool.clone()
                 with override(**cfg):
@@ -337,7 +330,7 @@ def cpu_accuracy(heads=(32, 64), lengths=(1, 64, 1024, 4096)) -> list[dict]:
 
 
 def bench_prefill(out: Path, shapes=((1, 8192), (1, 32768), (8, 4096), (64, 256)), cfg: dict | None = None) -> None:
-    """bench_ops' prefill rows only (conv + chunk, ours vs ours old vs fla, same run) with the ChunkConfig
+    """bench_ops' prefill rows only (conv + chunk, ours vs fla, same run) with the ChunkConfig
     overrides ``cfg`` on "ours", written as ops_prefill_<gpu>.*"""
     from benchmarks import bench_ops as bo
     bo.make_plan = lambda cuda, quick: bo.Plan(bo.QWEN35_GDN, tuple(shapes), (), (), iters=30, warmup=3, host_iters=50)

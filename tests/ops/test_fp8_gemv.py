@@ -2,7 +2,7 @@
 stream on the CUDA cores, the dense tail in the same launch) against the float64 reference of the same quantized
 math, on fresh random inputs: M = 1 ... 4, N not a multiple of 128 (partial weight blocks) nor of the row tile,
 K with a partial last block and K not a multiple of the K step, each config; deterministic; and the op
-``fp8_linear`` dispatching M <= GEMV_MAX_M to it. Triton's CPU interpreter in CI, the GPU on the device."""
+``fp8_linear`` dispatching M <= ``Fp8LinearConfig.gemv_max_m`` to it. Triton's CPU interpreter in CI, the GPU on the device."""
 from __future__ import annotations
 
 import importlib
@@ -37,7 +37,8 @@ def gemv(x, q, s, tail=None, fused=False):
 ])
 def test_gemv_against_float64(M, N, K, N2, cfg, device, monkeypatch):
     from gdnserve.ops.quant import fp8_gemv_triton as k
-    monkeypatch.setattr(k, "CONFIG_OVERRIDE", cfg)
+    if cfg is not None:
+        monkeypatch.setattr(k, "_pick", lambda *a: cfg)      # (fp8_gemv's config= for direct calls)
     x = torch.randn(M, K, device=device).bfloat16()
     q, s = weights(N, K, device)
     tail = torch.randn(N2, K, device=device).bfloat16() * 0.05 if N2 else None
@@ -55,7 +56,8 @@ def test_gemv_against_float64(M, N, K, N2, cfg, device, monkeypatch):
 def test_gemv_quantizing_in_kernel(N, K, N2, cfg, device, monkeypatch):
     """M = 1 with x quantized inside the GEMV's programs: the same math as the two-launch path."""
     from gdnserve.ops.quant import fp8_gemv_triton as k
-    monkeypatch.setattr(k, "CONFIG_OVERRIDE", cfg)
+    if cfg is not None:
+        monkeypatch.setattr(k, "_pick", lambda *a: cfg)      # (fp8_gemv's config= for direct calls)
     x = torch.randn(1, K, device=device).bfloat16()
     q, s = weights(N, K, device)
     tail = torch.randn(N2, K, device=device).bfloat16() * 0.05 if N2 else None
@@ -84,7 +86,7 @@ def test_gemv_refuses_more_rows(device):
 
 
 def test_op_dispatches_small_m_to_gemv(device, monkeypatch):
-    """fp8_linear at M <= GEMV_MAX_M takes the GEMV (its tail fused), above it quantization + GEMM: both equal
+    """fp8_linear at M <= Fp8LinearConfig.gemv_max_m takes the GEMV (its tail fused), above it quantization + GEMM: both equal
     to the PyTorch path up to accumulation order; a strided x (a row view) is read correctly."""
     op = importlib.import_module("gdnserve.ops.quant.fp8_linear")      # (the package exports the function)
     from gdnserve.ops.quant import fp8_gemv_triton as k
@@ -93,12 +95,12 @@ def test_op_dispatches_small_m_to_gemv(device, monkeypatch):
     monkeypatch.setattr(k, "fp8_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     q, s = weights(256, 384, device)
     tail = torch.randn(8, 384, device=device) * 0.05
-    monkeypatch.setattr(op, "GEMV_MAX_M", 4)
+    cfg = op.Fp8LinearConfig(gemv_max_m=4)
     # where x is quantized is decided at M = 1 only (gemv_quantizes_inside): M = 4 and 5 run once
     for fused, sizes in ((False, (1, 4, 5)), (True, (1,)), (None, (1,))):   # None: by the weight's size (inside)
         monkeypatch.setattr(op, "GEMV_QUANT_IN_KERNEL", fused)
         for M in sizes:
             x = torch.randn(M, 400, device=device)[:, :384]
-            y = fp8_linear(x, q, s, tail=tail, backend="triton")
+            y = fp8_linear(x, q, s, tail=tail, backend="triton", config=cfg)
             assert rel_rms(y, fp8_linear(x, q, s, tail=tail, backend="torch")) < 2 * TOL[torch.float32]
     assert calls == [1, 4, 1, 1]

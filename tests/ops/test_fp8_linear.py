@@ -69,12 +69,11 @@ def test_against_float64(M, N, K, backend, device):
 ])
 def test_tiles_and_split_k(M, N, K, cfg, device, monkeypatch):
     from gdnserve.ops.quant import fp8_gemm_triton as g
-    monkeypatch.setattr(g, "CONFIG_OVERRIDE", cfg)
     x = torch.randn(M, K, device=device).bfloat16()
     _, q, s = weights(N, K, device)
-    y = g.fp8_gemm_triton(x, q, s)              # (fp8_linear sends M <= 16 to the skinny kernel)
+    y = g.fp8_gemm_triton(x, q, s, config=cfg)
     assert rel_rms(y, fp8_linear_float64(x, q, s)) < TOL[torch.bfloat16]
-    assert torch.equal(y, g.fp8_gemm_triton(x, q, s))                  # fixed reduction order
+    assert torch.equal(y, g.fp8_gemm_triton(x, q, s, config=cfg))      # fixed reduction order
 
 
 def test_split_k_plan():

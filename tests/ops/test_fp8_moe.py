@@ -77,7 +77,7 @@ def test_fp8_experts_against_float64(T, H, I, backend, device):
 def test_fp8_triton_tile_configs(T, H, I, cfg, device, monkeypatch):
     from gdnserve.ops.moe import decode_fp8_triton as d
     from gdnserve.ops.moe import grouped_fp8_triton as g
-    monkeypatch.setattr(g, "CONFIG_OVERRIDE", cfg)
+    monkeypatch.setattr(g, "_pick", lambda *a: cfg)         # (moe_experts_fp8_triton's config= for direct calls)
     monkeypatch.setattr(d, "DECODE_MAX_PAIRS", 0)          # the grouped kernels at every size
     E, k = 5, 2
     q_gu, s_gu, q_dn, s_dn = fp8_experts(E, H, I, device)

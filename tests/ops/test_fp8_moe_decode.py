@@ -42,7 +42,7 @@ def _check(out, x, w, idx, wts):
 ])
 def test_decode_against_float64(T, H, I, E, k, cfg, device, monkeypatch):
     if cfg is not None:
-        monkeypatch.setattr(d, "CONFIG_OVERRIDE", cfg)
+        monkeypatch.setattr(d, "_pick", lambda *a: cfg)      # (moe_experts_fp8_decode's config= for direct calls)
     x, w, idx, wts = _case(T, H, I, E, k, torch.bfloat16, device)
     assert d.uses_decode(T * k)
     out = moe_experts(x, w, idx, wts[0], wts[2], backend="triton", scales=(wts[1], wts[3]))

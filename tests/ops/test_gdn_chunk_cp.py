@@ -1,8 +1,8 @@
-"""Context-parallel state pass (segments + affine combine) under each output mode, Triton path, at small
+"""Context-parallel state pass (segments + affine combine), Triton path, at small
 shapes with a small segmentation so that CPU runs (interpreter) cover every branch.
 
-On the GPU each mode x dtype x flag compiles its kernels (seconds each): every test runs at SHAPE, a case's inputs
-and float64 reference are shared by the modes run against it, and one call checks several properties (float64,
+On the GPU each dtype x flag compiles its kernels (seconds each): every test runs at SHAPE, a case's inputs
+and float64 reference are made once per dtype, and one call checks several properties (float64,
 padded and source slots, varlen = per sequence)."""
 from __future__ import annotations
 
@@ -22,9 +22,6 @@ TOL = {torch.float32: 2e-5, torch.bfloat16: 5e-3}
 SHAPE = (1, 2, 32, 16)                          # H, HV, K, V (K = 32: two combine blocks of 16 in close_to_sequential)
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CP = dict(cp_min_chunks=3, cp_seg_chunks=2)     # sequences of >= 3 chunks run as segments of 2 chunks
-OUT = {"prep": {},                                                    # the prep forms Q' (default)
-       "fused": dict(prep_out=False, fused_out=True),                 # the state pass forms O from q, k, U
-       "unfused": dict(prep_out=False, fused_out=False, store_kn=False)}   # snapshots + output kernel
 
 
 def run(q, k, v, a, b, A_log, dt_bias, pool, lens, src, dst, parents=None, **cfg):
@@ -51,24 +48,22 @@ def _ref_case(dtype):
 
 @pytest.fixture
 def ref_case(request):
-    """Fresh inputs and their float64 reference, made once per dtype for all the modes run against it (a
-    module-scoped fixture with indirect parameters is made once per case, and the reference takes seconds)."""
+    """Fresh inputs and their float64 reference, made once per dtype (a module-scoped fixture with indirect
+    parameters is made once per case, and the reference takes seconds)."""
     return _ref_case(request.param)
 
 
-# The default output mode in both dtypes, the two others in bf16 (the engine's activations). fp32 runs the combine
+# Both dtypes. fp32 runs the combine
 # over two column blocks of 16 (K = 32; bf16: one block of 32) at its ieee precision, against float64 at 2e-5: the
 # segments + combine are the sequential walk's math up to rounding. Every bf16 case also runs each sequence alone:
 # the short ones then take the kernels without context parallelism, the long ones their own segments, and both
 # equal the batch bit for bit (the segmentation depends only on a sequence's own length).
-@pytest.mark.parametrize("mode,ref_case", [("prep", torch.float32), ("prep", torch.bfloat16),
-                                           ("fused", torch.bfloat16), ("unfused", torch.bfloat16)],
-                         indirect=["ref_case"], ids=["prep-fp32", "prep-bf16", "fused-bf16", "unfused-bf16"])
-def test_cp_against_reference_and_per_sequence(ref_case, mode):
+@pytest.mark.parametrize("ref_case", [torch.float32, torch.bfloat16], indirect=True, ids=["fp32", "bf16"])
+def test_cp_against_reference_and_per_sequence(ref_case):
     (q, k, v, a, b, A_log, dt_bias), pool0, (ref_o, ref_pool) = ref_case
     dtype, pool = q.dtype, pool0.clone()
     cfg = {"comb_block": 16} if dtype == torch.float32 else {}
-    o = run(q, k, v, a, b, A_log, dt_bias, pool, REF_LENS, REF_SRC, REF_DST, **OUT[mode], **cfg)
+    o = run(q, k, v, a, b, A_log, dt_bias, pool, REF_LENS, REF_SRC, REF_DST, **cfg)
     assert rel_rms(o, ref_o) < TOL[dtype]
     assert rel_rms(pool, ref_pool) < TOL[dtype]
     assert torch.equal(pool[UNTOUCHED], pool0[UNTOUCHED])      # padded dst -1 writes nothing
@@ -79,7 +74,7 @@ def test_cp_against_reference_and_per_sequence(ref_case, mode):
         sl = slice(start, start + L)
         # fresh (16-byte aligned) rows: an unaligned view of a, b would only add a specialisation to compile
         o_n = run(*(x[sl].clone() for x in (q, k, v, a, b)), A_log, dt_bias, p_seq, [L], [REF_SRC[n]],
-                  [REF_DST[n]], **OUT[mode])
+                  [REF_DST[n]])
         assert torch.equal(o_n, o[sl]), f"sequence {n}"
         start += L
     assert torch.equal(p_seq, pool)
@@ -87,7 +82,7 @@ def test_cp_against_reference_and_per_sequence(ref_case, mode):
 
 def test_cp_parents_equal_serial(device):
     """A context-parallel producer with a long (context-parallel) and a short consumer in one call == the producer
-    first, then the consumers from its slot (the default output mode; parents on a bf16 pool: test_gdn_chunk.py)."""
+    first, then the consumers from its slot (parents on a bf16 pool: test_gdn_chunk.py)."""
     H, HV, K, V = SHAPE
     lens = [300, 260, 37]
     parents = [-1, 0, 0]

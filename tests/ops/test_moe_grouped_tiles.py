@@ -27,8 +27,7 @@ def case(T, E, k, dtype, device):
 
 
 def run(cfg, BM, x, w, idx, gu, dn, monkeypatch):
-    monkeypatch.setattr(gt, "CONFIG_OVERRIDE", cfg)
-    return gt.moe_experts_triton(x, w, align_pairs(idx, gu.shape[0], BM), gu, dn, idx.shape[1])
+    return gt.moe_experts_triton(x, w, align_pairs(idx, gu.shape[0], BM), gu, dn, idx.shape[1], config=cfg)
 
 
 @pytest.mark.parametrize("T,BM,cfg,dtype", [

@@ -26,19 +26,11 @@ class ChunkConfig:
     inv_bf16: bool = False          # bf16 operands in the product-form inverse
     prep_bf16: bool = True          # bf16 operands for K Kᵀ, 𝒲, Ũ (fp32 accumulation)
     prep_stages: int | None = None  # num_stages of the prep (None: Triton's default)
-    prep_out: bool = True           # the prep also forms s·(M ⊙ QKᵀ)Ũ (into o) and Q' = s·[diag(Γ)Q − (M ⊙ QKᵀ)𝒲];
-                                    # the state pass adds Q'S₀ᵀ: no snapshots h, no U round trip, no output kernel
-    store_kn: bool = True           # the prep stores the normalised keys; the state pass loads them (no l2norm)
     short_prep: int = 32            # a sequence of <= this many tokens takes a 32-row prep tile (0: off; 16 or 32)
-    # state pass (and, fused, the output)
+    # state pass
     state_bv: int = 32
     state_warps: int = 4
-    state_f32: bool = False         # tf32 products on the fp32 state instead of bf16-rounded state
     state_stages: int | None = None  # num_stages of the state pass (None: Triton's default)
-    parent_phases: bool = True      # with parents (no CP): sequences without a parent, then those with one, as two
-                                    # launches (one ticketed launch interleaves producers with their spinning
-                                    # consumers; not yet timed on the H200)
-    fused_out: bool = False         # (prep_out off) the state pass writes the outputs itself from q, k and U
     # context parallelism: a sequence of >= cp_min_chunks chunks runs as segments of cp_seg_chunks chunks
     cp_min_chunks: int = 1 << 30    # off (see TABLE)
     cp_seg_chunks: int = 16
@@ -63,10 +55,6 @@ class ChunkConfig:
                                     # bound: o rel-RMS 4.4e-3 -> 4.0e-3, state 2.85e-3 -> 2.59e-3 at K = 32)
     main_qk_store: bool = True      # the prep stores l2-normalised q, k (activation dtype) for the main kernel, whose
                                     # loads then feed its products directly (else it re-normalises per V tile)
-    # separate output kernel (fused_out=False)
-    out_bv: int = 128
-    out_warps: int = 4
-    out_f32: bool = False
 
 
 DEFAULT = ChunkConfig()

@@ -7,7 +7,7 @@ FlashQLA"): a small prep, then ONE main kernel that forms the per-chunk values, 
    the activation dtype: 𝒯' = 𝒯 diag(β) and M' = s·(causal ⊙ Γᵢ/Γⱼ ⊙ Q Kᵀ). No V, no 𝒲/Ũ/Q'/o here: the prep
    writes 2·C + 1 values per token and value head instead of 2·K + 2·V + K/R + 1.
 2. ``chunk_main_kernel`` grid (V tiles, N·HV) (two launches with same-call parents: producers, then consumers
-   reading their parent's dst slot, as ``parent_phases``): one program per (sequence, value head, V tile) holds
+   reading their parent's dst slot, as the state pass does): one program per (sequence, value head, V tile) holds
    its [BV, K] fp32 tile of Sᵀ in registers from pool[src] (or zeros, or the parent's final state) and per chunk
      X  = V − diag(Γ) K Sᵀ          U = 𝒯' X   (= Ũ − 𝒲 Sᵀ of the other path)
      O  = s·diag(Γ) Q Sᵀ + M' U     (stored once, rounded once)

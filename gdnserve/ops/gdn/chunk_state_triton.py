@@ -10,10 +10,8 @@ P = ∏ M_c with M_c = Γ_C I − 𝒲_cᵀ diag(Γ_C/Γ) K_c, and B = the segme
 2. ``chunk_state_kernel`` grid (V tiles, N·MS·HV): a segment's program obtains its start state — the source
    slot, zeros or the parent's final state for segment 0, else the start its predecessor published — and at
    once publishes the next segment's start S·P + B (overwriting B in place), then walks its chunks: the output
-   rows: with ``PREP_OUT`` o += s·Q' S₀ᵀ on the prep's s·(M ⊙ QKᵀ) Ũ (Q' = diag(Γ) Q − (M ⊙ QKᵀ) 𝒲, formed by
-   the prep); else O = s·[diag(Γ) Q Sᵀ + (M ⊙ QKᵀ) U] (``FUSED_OUT``) or the snapshots h and U for the output
-   kernel
-   and the state; a sequence's last segment stores the final state to ``pool[dst]``.
+   rows o += s·Q' S₀ᵀ on the prep's s·(M ⊙ QKᵀ) Ũ (Q' = diag(Γ) Q − (M ⊙ QKᵀ) 𝒲, formed by the prep) and the
+   state; a sequence's last segment stores the final state to ``pool[dst]``.
    Programs take tickets from an atomic counter, laid out (sequence, segment, head, tile): whoever a program
    waits for (its parent's tile, its predecessor segment's tile) holds a lower ticket and is already running,
    and never waits for a higher one, so every wait ends. Hand-off: store, bar.sync, release flag; the waiter
@@ -45,72 +43,58 @@ def _num_segs(L, C: tl.constexpr, CP_MIN: tl.constexpr, SEG: tl.constexpr):
 
 
 @triton.jit
-def _advance(b_S, b_u, b_w, b_k, b_gc, g_last, m_rows, DT: tl.constexpr, DOT_PREC: tl.constexpr,
-             STATE_F32: tl.constexpr):
-    """One chunk on a [BV, BK] tile of Sᵀ: returns (U = Ũ − 𝒲 S  [C, BV] fp32, the state after the chunk)."""
-    if STATE_F32:   # tf32 products on the fp32 state
-        b_U = b_u - mma(b_w.to(tl.float32), tl.trans(b_S), DOT_PREC)
-    else:           # fla's choice: the state rounded to the activation dtype for the product
-        b_U = b_u - mma(b_w, tl.trans(cast(b_S, DT)), DOT_PREC)
+def _advance(b_S, b_u, b_w, b_k, b_gc, g_last, m_rows, DT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One chunk on a [BV, BK] tile of Sᵀ: returns (U = Ũ − 𝒲 S  [C, BV] fp32, the state after the chunk).
+    fla's choice: the state rounded to the activation dtype for the products."""
+    b_U = b_u - mma(b_w, tl.trans(cast(b_S, DT)), DOT_PREC)
     b_Uw = tl.where(m_rows[:, None], b_U * tl.exp(tl.where(m_rows, g_last - b_gc, 0.))[:, None], 0.)
-    if STATE_F32:
-        b_S = b_S * tl.exp(g_last) + mma(tl.trans(b_Uw), b_k, DOT_PREC)
-    else:
-        b_S = b_S * tl.exp(g_last) + mma(tl.trans(cast(b_Uw, DT)), cast(b_k, DT), DOT_PREC)
+    b_S = b_S * tl.exp(g_last) + mma(tl.trans(cast(b_Uw, DT)), cast(b_k, DT), DOT_PREC)
     return b_U, b_S
 
 
 @triton.jit
-def _load_kw(k, kn, w, t0, n_valid, i_h, i_hv, s_kt, s_kh, o_c, o_k, m_k,
-             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, KN: tl.constexpr):
-    """A chunk's rows: mask, token offsets, normalised keys (fp32, or with KN the prep's copy in the activation
-    dtype: the same values the 16-bit products see) and 𝒲."""
+def _load_kw(kn, w, t0, n_valid, i_h, i_hv, o_c, o_k, m_k, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr):
+    """A chunk's rows: mask, token offsets, normalised keys (the prep's copy in the activation dtype: the same
+    values the 16-bit products see) and 𝒲."""
     m_rows = o_c < n_valid
     o_rows = t0 + o_c
-    if KN:
-        b_k = tl.load(kn + (o_rows[:, None].to(tl.int64) * H + i_h) * K + o_k[None, :],
-                      mask=m_rows[:, None] & m_k[None, :], other=0.)
-    else:
-        b_k = _l2norm_rows(k + i_h * s_kh, o_rows, m_rows, s_kt, o_k, m_k)
+    b_k = tl.load(kn + (o_rows[:, None].to(tl.int64) * H + i_h) * K + o_k[None, :],
+                  mask=m_rows[:, None] & m_k[None, :], other=0.)
     b_w = tl.load(w + (o_rows[:, None].to(tl.int64) * HV + i_hv) * K + o_k[None, :],
                   mask=m_rows[:, None] & m_k[None, :], other=0.)
     return m_rows, o_rows, b_k, b_w
 
 
 @triton.jit
-def _load_chunk(k, kn, w, gcum, t0, n_valid, i_h, i_hv, s_kt, s_kh, o_c, o_k, m_k,
-                H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, KN: tl.constexpr):
+def _load_chunk(kn, w, gcum, t0, n_valid, i_h, i_hv, o_c, o_k, m_k, H: tl.constexpr, HV: tl.constexpr,
+                K: tl.constexpr):
     """_load_kw, then the cumulative gates and the last one."""
-    m_rows, o_rows, b_k, b_w = _load_kw(k, kn, w, t0, n_valid, i_h, i_hv, s_kt, s_kh, o_c, o_k, m_k, H, HV, K, KN)
+    m_rows, o_rows, b_k, b_w = _load_kw(kn, w, t0, n_valid, i_h, i_hv, o_c, o_k, m_k, H, HV, K)
     b_gc = tl.load(gcum + o_rows * HV + i_hv, mask=m_rows, other=0.)
     g_last = tl.load(gcum + (t0 + n_valid - 1) * HV + i_hv)
     return m_rows, o_rows, b_k, b_w, b_gc, g_last
 
 
 @triton.jit
-def _load_small(u, o, gcum, t0, n_valid, i_hv, o_c, o_v, m_v, HV: tl.constexpr, V: tl.constexpr,
-                PREP_OUT: tl.constexpr):
-    """A chunk's Ũ tile, its o tile (the prep's part, with PREP_OUT; else zeros), both in their storage dtypes (half
-    the registers of fp32 while prefetched), cumulative gates and the last one; masked off for n_valid <= 0."""
+def _load_small(u, o, gcum, t0, n_valid, i_hv, o_c, o_v, m_v, HV: tl.constexpr, V: tl.constexpr):
+    """A chunk's Ũ tile, its o tile (the prep's part), both in their storage dtypes (half the registers of fp32
+    while prefetched), cumulative gates and the last one; masked off for n_valid <= 0."""
     m_rows = o_c < n_valid
     o_rows = t0 + o_c
     p_rv = (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :]
     m_rv = m_rows[:, None] & m_v[None, :]
     b_u = tl.load(u + p_rv, mask=m_rv, other=0.)
-    if PREP_OUT:
-        b_o = tl.load(o + p_rv, mask=m_rv, other=0.)
-    else:
-        b_o = tl.zeros_like(b_u)
+    b_o = tl.load(o + p_rv, mask=m_rv, other=0.)
     b_gc = tl.load(gcum + o_rows * HV + i_hv, mask=m_rows, other=0.)
     g_last = tl.load(gcum + (t0 + n_valid - 1) * HV + i_hv, mask=n_valid > 0, other=0.)
     return b_u, b_o, b_gc, g_last
 
 
 @triton.jit
-def chunk_seg_kernel(k, kn, w, u, gcum, seg_b, seg_p, cu_seqlens, chunk_offsets, s_kt, s_kh,
+def chunk_seg_kernel(kn, w, u, gcum, seg_b, seg_p, cu_seqlens, chunk_offsets,
                      MS, R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                      BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, CP_MIN: tl.constexpr, SEG: tl.constexpr,
-                     DOT_PREC: tl.constexpr, STATE_F32: tl.constexpr, KN: tl.constexpr):
+                     DOT_PREC: tl.constexpr):
     i_t, i_ns, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_s = i_ns // MS, i_ns % MS
     bos = tl.load(cu_seqlens + i_n)
@@ -130,11 +114,11 @@ def chunk_seg_kernel(k, kn, w, u, gcum, seg_b, seg_p, cu_seqlens, chunk_offsets,
     m_u = (m_r & (i_t < NVT)) != 0
     for i_c in range(i_s * SEG, i_s * SEG + SEG):                    # full chunks: not the last segment
         t0 = bos + i_c * C
-        m_rows, o_rows, b_k, b_w, b_gc, g_last = _load_chunk(k, kn, w, gcum, t0, C, i_h, i_hv, s_kt, s_kh,
-                                                             o_c, o_k, m_k, HV // R, HV, K, KN)
+        m_rows, o_rows, b_k, b_w, b_gc, g_last = _load_chunk(kn, w, gcum, t0, C, i_h, i_hv, o_c, o_k, m_k,
+                                                             HV // R, HV, K)
         b_u = tl.load(u + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_r[None, :],
                       mask=m_rows[:, None] & m_u[None, :], other=0.).to(tl.float32)
-        b_U, b_S = _advance(b_S, b_u, b_w, b_k, b_gc, g_last, m_rows, w.dtype.element_ty, DOT_PREC, STATE_F32)
+        b_U, b_S = _advance(b_S, b_u, b_w, b_k, b_gc, g_last, m_rows, w.dtype.element_ty, DOT_PREC)
     i_x = (tl.load(chunk_offsets + i_n) + (i_s + 1) * SEG) // SEG     # compact index of segment i_s + 1
     m_s = m_r[:, None] & m_k[None, :]
     if i_t < NVT:
@@ -181,17 +165,15 @@ def _initial_state(pool, src_slots, dst_slots, parents, sync, i_n, i_hv, i_vt, o
 
 
 @triton.jit
-def chunk_state_kernel(q, k, kn, qp, w, u, gcum, vnew, h, o, pool, seg_b, seg_p, cu_seqlens, chunk_offsets,
-                       src_slots, dst_slots, parents, sync, scale, s_qt, s_qh, s_kt, s_kh, MS, NSEQ_FLAGS,
+def chunk_state_kernel(kn, qp, w, u, gcum, o, pool, seg_b, seg_p, cu_seqlens, chunk_offsets,
+                       src_slots, dst_slots, parents, sync, MS, NSEQ_FLAGS,
                        R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, CP: tl.constexpr,
                        CP_MIN: tl.constexpr, SEG: tl.constexpr, HAS_PARENT: tl.constexpr, TICKETS: tl.constexpr,
-                       FUSED_OUT: tl.constexpr, DOT_PREC: tl.constexpr, COMB_PREC: tl.constexpr,
-                       STATE_F32: tl.constexpr, CB: tl.constexpr, KN: tl.constexpr, PREP_OUT: tl.constexpr,
-                       PHASE: tl.constexpr):
+                       DOT_PREC: tl.constexpr, COMB_PREC: tl.constexpr, CB: tl.constexpr, PHASE: tl.constexpr):
     # CP (a constexpr: some sequence of the call is long enough to be cut) compiles the segment machinery;
     # without it the kernel is the plain sequential walk, one program per (sequence, value head, V tile).
-    # PHASE 0: every sequence in one launch (a consumer waits for its parent's flag); 1: only the sequences
+    # PHASE 0: every sequence in one launch (with CP: a consumer waits for its parent's flag); 1: only the sequences
     # without a parent; 2: only those with one (launched after phase 1: the parents' final states are in their
     # dst slots, no waiting, no tickets)
     NVT: tl.constexpr = (V + BV - 1) // BV
@@ -264,42 +246,22 @@ def chunk_state_kernel(q, k, kn, qp, w, u, gcum, vnew, h, o, pool, seg_b, seg_p,
     # the small per-chunk operands (Ũ tile, o tile, gates) are loaded one chunk ahead, in registers; the large
     # ones (𝒲, keys, Q') feed the products directly and are left to Triton's pipeliner
     x_u, x_o, x_gc, x_gl = _load_small(u, o, gcum, bos + c_beg * C, tl.minimum(C, L - c_beg * C), i_hv, o_c, o_v, m_v,
-                                       HV, V, PREP_OUT)
+                                       HV, V)
     for i_c in range(c_beg, c_end):
         t0 = bos + i_c * C
         n_valid = tl.minimum(C, L - i_c * C)
         b_u, b_oi, b_gc, g_last = x_u.to(tl.float32), x_o.to(tl.float32), x_gc, x_gl
         n_next = tl.where(i_c + 1 < c_end, tl.minimum(C, L - (i_c + 1) * C), 0)
-        x_u, x_o, x_gc, x_gl = _load_small(u, o, gcum, t0 + C, n_next, i_hv, o_c, o_v, m_v, HV, V, PREP_OUT)
-        m_rows, o_rows, b_k, b_w = _load_kw(k, kn, w, t0, n_valid, i_h, i_hv, s_kt, s_kh, o_c, o_k, m_k,
-                                            HV // R, HV, K, KN)
+        x_u, x_o, x_gc, x_gl = _load_small(u, o, gcum, t0 + C, n_next, i_hv, o_c, o_v, m_v, HV, V)
+        m_rows, o_rows, b_k, b_w = _load_kw(kn, w, t0, n_valid, i_h, i_hv, o_c, o_k, m_k, HV // R, HV, K)
         p_rv = (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :]
         m_rv = m_rows[:, None] & m_v[None, :]
-        if PREP_OUT:
-            # o holds the prep's s·(M ⊙ Q Kᵀ) Ũ; add s·Q' S₀ᵀ (Q' from the prep, scaled), S₀ as the U product sees it
-            b_qp = tl.load(qp + (o_rows[:, None].to(tl.int64) * HV + i_hv) * K + o_k[None, :],
-                           mask=m_rows[:, None] & m_k[None, :], other=0.)
-            if STATE_F32:
-                b_oi += mma(b_qp.to(tl.float32), tl.trans(b_S), DOT_PREC)
-            else:
-                b_oi += mma(b_qp, tl.trans(cast(b_S, DT)), DOT_PREC)
-            tl.store(o + p_rv, cast(b_oi, o.dtype.element_ty), mask=m_rv)
-        elif not FUSED_OUT:
-            tl.store(h + ((off + i_c).to(tl.int64) * SLOT) + o_s, cast(b_S, h.dtype.element_ty), mask=m_s)
-        b_U, b_S1 = _advance(b_S, b_u, b_w, b_k, b_gc, g_last, m_rows, DT, DOT_PREC, STATE_F32)
-        if FUSED_OUT and not PREP_OUT:
-            # O = s·[diag(Γ) Q S₀ᵀ + (M ⊙ Q Kᵀ) U], S₀ and U rounded to the activation dtype as the
-            # separate output kernel sees them (snapshot h and U stored in that dtype)
-            b_q = cast(_l2norm_rows(q + i_h * s_qh, o_rows, m_rows, s_qt, o_k, m_k), DT)
-            incl = (o_c[:, None] >= o_c[None, :]) & m_rows[:, None]
-            b_qk = mma(b_q, tl.trans(cast(b_k, DT)), DOT_PREC)
-            b_qk = tl.where(incl, b_qk * tl.exp(tl.where(incl, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
-            b_o = mma(b_q, tl.trans(cast(b_S, DT)), DOT_PREC) * tl.exp(b_gc)[:, None]
-            b_o += mma(cast(b_qk, DT), cast(b_U, DT), DOT_PREC)
-            tl.store(o + p_rv, cast(b_o * scale, o.dtype.element_ty), mask=m_rv)
-        elif not PREP_OUT:
-            tl.store(vnew + p_rv, cast(b_U, vnew.dtype.element_ty), mask=m_rv)
-        b_S = b_S1
+        # o holds the prep's s·(M ⊙ Q Kᵀ) Ũ; add s·Q' S₀ᵀ (Q' from the prep, scaled), S₀ as the U product sees it
+        b_qp = tl.load(qp + (o_rows[:, None].to(tl.int64) * HV + i_hv) * K + o_k[None, :],
+                       mask=m_rows[:, None] & m_k[None, :], other=0.)
+        b_oi += mma(b_qp, tl.trans(cast(b_S, DT)), DOT_PREC)
+        tl.store(o + p_rv, cast(b_oi, o.dtype.element_ty), mask=m_rv)
+        b_U, b_S = _advance(b_S, b_u, b_w, b_k, b_gc, g_last, m_rows, DT, DOT_PREC)
     if is_last:
         s_dst = tl.load(dst_slots + i_n)
         if s_dst >= 0:

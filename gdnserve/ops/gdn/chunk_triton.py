@@ -1,17 +1,15 @@
 """Triton kernels of the chunked gated-delta-rule prefill (gdn_kernels.md §2), two launches (+1 for
-context-parallel sequences, +1 for the consumers of same-call parents, +1 with ``prep_out`` and ``fused_out`` off):
+context-parallel sequences, +1 for the consumers of same-call parents):
 
 1. ``chunk_prep_kernel``   grid (chunk rows, H·split): per chunk and key head, l2-normalise k (stored for the
    state pass), form K Kᵀ, then per value head of the program: gates, chunk-local cumsum, the strictly lower
-   𝒜 = diag(β) (Γᵢ/Γₘ ⊙ K Kᵀ), 𝒯 = (I + 𝒜)⁻¹, 𝒲 = 𝒯 diag(βΓ) K, Ũ = 𝒯 diag(β) V and (``prep_out``) the output's
+   𝒜 = diag(β) (Γᵢ/Γₘ ⊙ K Kᵀ), 𝒯 = (I + 𝒜)⁻¹, 𝒲 = 𝒯 diag(βΓ) K, Ũ = 𝒯 diag(β) V and the output's
    state-independent half s·M Ũ (into o) and Q' = s·[diag(Γ) Q − M 𝒲], M = causal ⊙ Γᵢ/Γⱼ ⊙ Q Kᵀ.
    No state is read: producers and consumers of one step run together here. Sequences of <= 32 tokens take
    a 32-row tile.
 2. the state pass (``chunk_state_triton.py``): segment transitions of long sequences, then one program per
    (sequence segment, value head, V tile) walking its chunks from pool[src], zeros, its parent's final state
    or its predecessor segment's published start, adding Q' S₀ᵀ to the outputs and writing pool[dst].
-3. ``chunk_output_kernel`` grid (V tiles, chunk rows, HV), only with ``prep_out`` and ``fused_out`` off:
-   O = s·[diag(Γ) Q S₀ᵀ + (M ⊙ Q Kᵀ) U] from the snapshots h and U.
 Launch configs: ``chunk_configs.py`` (one row per GPU model).
 
 𝒯 by default by the product form ∏ (I + (−𝒜)^(2^j)) (5 factors of 64×64, 4 of 32×32 for the short tile), all on
@@ -44,23 +42,12 @@ def _gates(p_a, p_b, o_rows, m_rows, stride_a, stride_b, A_log, dt_bias):
 
 
 @triton.jit
-def _chunk_rows(chunk_indices, cu_seqlens, i_row, C: tl.constexpr):
-    """Chunk row -> (sequence, token offsets of the chunk's rows, row mask); sequence -1 = sentinel row."""
-    i_n = tl.load(chunk_indices + 2 * i_row)
-    i_c = tl.load(chunk_indices + 2 * i_row + 1)
-    bos = tl.load(cu_seqlens + tl.maximum(i_n, 0))
-    L = tl.load(cu_seqlens + tl.maximum(i_n, 0) + 1) - bos
-    o_c = tl.arange(0, C)
-    return i_n, bos + i_c * C + o_c, i_c * C + o_c < L
-
-
-@triton.jit
 def _prep_tile(q, k, v, a, b, A_log, dt_bias, gcum, w, u, kn, qp, o, scale, t0, n_valid, i_h, i_s,
                s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_at, s_ah, s_bt, s_bh,
                R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
                INV_MODE: tl.constexpr, PREP_BF16: tl.constexpr, SPLIT: tl.constexpr, INV_BF16: tl.constexpr,
-               NIT: tl.constexpr, PREP_OUT: tl.constexpr, STORE_KN: tl.constexpr):
+               NIT: tl.constexpr):
     """One key head's programs' share of a chunk tile of C rows (t0 .. t0 + n_valid valid)."""
     DT: tl.constexpr = w.dtype.element_ty
     o_c = tl.arange(0, C)
@@ -72,10 +59,9 @@ def _prep_tile(q, k, v, a, b, A_log, dt_bias, gcum, w, u, kn, qp, o, scale, t0, 
     m_v = o_v < V
 
     b_k = _l2norm_rows(k + i_h * s_kh, o_rows, m_rows, s_kt, o_k, m_k)          # [C, BK] fp32
-    if STORE_KN:
-        if i_s == 0:   # the normalised keys for the state pass (one copy per key head)
-            tl.store(kn + (o_rows[:, None].to(tl.int64) * (HV // R) + i_h) * K + o_k[None, :], cast(b_k, DT),
-                     mask=m_rows[:, None] & m_k[None, :])
+    if i_s == 0:   # the normalised keys for the state pass (one copy per key head)
+        tl.store(kn + (o_rows[:, None].to(tl.int64) * (HV // R) + i_h) * K + o_k[None, :], cast(b_k, DT),
+                 mask=m_rows[:, None] & m_k[None, :])
     if PREP_BF16:
         b_kd = cast(b_k, DT)
         b_kk = mma(b_kd, tl.trans(b_kd), DOT_PREC)                              # [C, C]
@@ -113,24 +99,23 @@ def _prep_tile(q, k, v, a, b, A_log, dt_bias, gcum, w, u, kn, qp, o, scale, t0, 
         p_u = (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :]
         m_rv = m_rows[:, None] & m_v[None, :]
         tl.store(u + p_u, b_u, mask=m_rv)
-        if PREP_OUT:
-            # O = s·[(M ⊙ Q Kᵀ) Ũ + Q' S₀ᵀ],  Q' = diag(Γ) Q − (M ⊙ Q Kᵀ) 𝒲  (M: causal, decayed)
-            # the state-independent halves here; the state pass adds Q' S₀ᵀ to o in place. Q Kᵀ is formed per
-            # value head, where it is used (short live ranges; one program per value head when split); with
-            # PREP_BF16 q and k rounded to the activation dtype, as fla's output stage does
-            b_q = _l2norm_rows(q + i_h * s_qh, o_rows, m_rows, s_qt, o_k, m_k)
-            if PREP_BF16:
-                b_q = cast(b_q, DT)
-                b_qk = mma(b_q, tl.trans(b_kd), DOT_PREC)
-            else:
-                b_qk = mma(b_q, tl.trans(b_k), DOT_PREC)
-            incl = (o_c[:, None] >= o_c[None, :]) & m_rows[:, None]
-            b_M = tl.where(incl, b_qk * tl.exp(tl.where(incl, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
-            b_Md = cast(b_M, DT)
-            b_oi = mma(b_Md, b_u, DOT_PREC)
-            tl.store(o + p_u, cast(b_oi * scale, o.dtype.element_ty), mask=m_rv)
-            b_qp = b_q.to(tl.float32) * tl.exp(b_gc)[:, None] - mma(b_Md, b_w, DOT_PREC)
-            tl.store(qp + p_w, cast(b_qp * scale, DT), mask=m_rk)
+        # O = s·[(M ⊙ Q Kᵀ) Ũ + Q' S₀ᵀ],  Q' = diag(Γ) Q − (M ⊙ Q Kᵀ) 𝒲  (M: causal, decayed)
+        # the state-independent halves here; the state pass adds Q' S₀ᵀ to o in place. Q Kᵀ is formed per
+        # value head, where it is used (short live ranges; one program per value head when split); with
+        # PREP_BF16 q and k rounded to the activation dtype, as fla's output stage does
+        b_q = _l2norm_rows(q + i_h * s_qh, o_rows, m_rows, s_qt, o_k, m_k)
+        if PREP_BF16:
+            b_q = cast(b_q, DT)
+            b_qk = mma(b_q, tl.trans(b_kd), DOT_PREC)
+        else:
+            b_qk = mma(b_q, tl.trans(b_k), DOT_PREC)
+        incl = (o_c[:, None] >= o_c[None, :]) & m_rows[:, None]
+        b_M = tl.where(incl, b_qk * tl.exp(tl.where(incl, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
+        b_Md = cast(b_M, DT)
+        b_oi = mma(b_Md, b_u, DOT_PREC)
+        tl.store(o + p_u, cast(b_oi * scale, o.dtype.element_ty), mask=m_rv)
+        b_qp = b_q.to(tl.float32) * tl.exp(b_gc)[:, None] - mma(b_Md, b_w, DOT_PREC)
+        tl.store(qp + p_w, cast(b_qp * scale, DT), mask=m_rk)
 
 
 @triton.jit
@@ -184,8 +169,7 @@ def chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, 
                       R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
                       INV_MODE: tl.constexpr, PREP_BF16: tl.constexpr, SPLIT: tl.constexpr, INV_BF16: tl.constexpr,
-                      PREP_OUT: tl.constexpr, STORE_KN: tl.constexpr, SHORT: tl.constexpr,
-                      SHORT_NIT: tl.constexpr):
+                      SHORT: tl.constexpr, SHORT_NIT: tl.constexpr):
     # SPLIT programs per key head, each taking R // SPLIT of its value heads (more programs for small grids).
     # A sequence of at most SHORT tokens (> 0) takes a SHORT-row tile (one chunk; the choice depends only on
     # the sequence's own length, so varlen results equal per-sequence results bit for bit).
@@ -200,86 +184,35 @@ def chunk_prep_kernel(q, k, v, a, b, A_log, dt_bias, cu_seqlens, chunk_indices, 
     if SHORT > 0 and L <= SHORT:
         _prep_tile(q, k, v, a, b, A_log, dt_bias, gcum, w, u, kn, qp, o, scale, bos, L, i_h, i_s,
                    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_at, s_ah, s_bt, s_bh, R, HV, K, V, BK, BV, SHORT, DOT_PREC,
-                   1, PREP_BF16, SPLIT, INV_BF16, SHORT_NIT, PREP_OUT, STORE_KN)
+                   1, PREP_BF16, SPLIT, INV_BF16, SHORT_NIT)
     else:
         _prep_tile(q, k, v, a, b, A_log, dt_bias, gcum, w, u, kn, qp, o, scale, bos + i_c * C, L - i_c * C, i_h,
                    i_s, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_at, s_ah, s_bt, s_bh, R, HV, K, V, BK, BV, C, DOT_PREC,
-                   INV_MODE, PREP_BF16, SPLIT, INV_BF16, 5, PREP_OUT, STORE_KN)
-
-
-@triton.jit
-def chunk_output_kernel(q, k, gcum, vnew, h, o, cu_seqlens, chunk_indices, scale,
-                        s_qt, s_qh, s_kt, s_kh,
-                        R: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                        BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, DOT_PREC: tl.constexpr,
-                        OUT_F32: tl.constexpr):
-    i_vt, i_row, i_hv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, o_rows, m_rows = _chunk_rows(chunk_indices, cu_seqlens, i_row, C)
-    if i_n < 0:
-        return
-    i_h = i_hv // R
-    o_c = tl.arange(0, C)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_vt * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    b_q = _l2norm_rows(q + i_h * s_qh, o_rows, m_rows, s_qt, o_k, m_k)
-    b_k = _l2norm_rows(k + i_h * s_kh, o_rows, m_rows, s_kt, o_k, m_k)
-    b_gc = tl.load(gcum + o_rows * HV + i_hv, mask=m_rows, other=0.)
-    b_h = tl.load(h + (i_row.to(tl.int64) * HV * V * K) + (i_hv * V + o_v[:, None]).to(tl.int64) * K + o_k[None, :],
-                  mask=m_v[:, None] & m_k[None, :], other=0.)
-    b_U = tl.load(vnew + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :],
-                  mask=m_rows[:, None] & m_v[None, :], other=0.)
-    incl = (o_c[:, None] >= o_c[None, :]) & m_rows[:, None]   # row valid => column valid
-    if OUT_F32:
-        # fp32 operands (tf32 products): keeps q, k, q·kᵀ out of 16-bit rounding
-        b_qk = mma(b_q, tl.trans(b_k), DOT_PREC)
-        b_qk = tl.where(incl, b_qk * tl.exp(tl.where(incl, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
-        b_o = mma(b_q, tl.trans(b_h.to(tl.float32)), DOT_PREC) * tl.exp(b_gc)[:, None]
-        b_o += mma(b_qk, b_U.to(tl.float32), DOT_PREC)
-    else:
-        DT = vnew.dtype.element_ty
-        b_qd = cast(b_q, DT)
-        b_qk = mma(b_qd, tl.trans(cast(b_k, DT)), DOT_PREC)
-        b_qk = tl.where(incl, b_qk * tl.exp(tl.where(incl, b_gc[:, None] - b_gc[None, :], 0.)), 0.)
-        b_o = mma(b_qd, tl.trans(b_h), DOT_PREC) * tl.exp(b_gc)[:, None]
-        b_o += mma(cast(b_qk, DT), b_U, DOT_PREC)
-    tl.store(o + (o_rows[:, None].to(tl.int64) * HV + i_hv) * V + o_v[None, :], cast((b_o * scale), o.dtype.element_ty),
-             mask=m_rows[:, None] & m_v[None, :])
+                   INV_MODE, PREP_BF16, SPLIT, INV_BF16, 5)
 
 
 def _prec(v: torch.Tensor) -> str:
     return "ieee" if v.dtype == torch.float32 else "tf32"
 
 
-def prep_out(v: torch.Tensor, cfg: ChunkConfig) -> bool:
-    """The prep forms the output's state-independent half and Q' (no snapshots, no output kernel)."""
-    return cfg.prep_out
-
-
-def use_kn(v: torch.Tensor, cfg: ChunkConfig) -> bool:
-    """The prep stores the normalised keys (in the activation dtype) for the state pass: exact unless the
-    state pass multiplies fp32 keys (``state_f32`` with 16-bit activations)."""
-    return cfg.store_kn and (v.dtype == torch.float32 or not cfg.state_f32)
-
-
-def launch_prep(q, k, v, a, b, A_log, dt_bias, meta: VarlenMeta, ws: ChunkWorkspace, out=None, scale: float = 1.0):
+def launch_prep(q, k, v, a, b, A_log, dt_bias, meta: VarlenMeta, ws: ChunkWorkspace, out: torch.Tensor,
+                scale: float = 1.0):
+    """The prep; writes the output's state-independent half s·M Ũ into ``out``."""
     cfg = chunk_config(q.device)
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     R = HV // H
     split = R if meta.num_chunk_rows * H < cfg.prep_split_below else 1
-    pout, kn_on = prep_out(v, cfg) and out is not None, use_kn(v, cfg)
-    kn, qp = ws.prep_buffers(H) if (pout or kn_on) else (ws.w, ws.w)
+    kn, qp = ws.prep_buffers(H)
     short = cfg.short_prep
     launch(chunk_prep_kernel, (meta.num_chunk_rows, H * split), (
         q, k, v, a, b, A_log, dt_bias, meta.cu_seqlens, meta.chunk_indices, ws.gcum, ws.w, ws.u, kn, qp,
-        out if pout else ws.u, scale,
+        out, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), a.stride(1),
         b.stride(0), b.stride(1),
         R, HV, K, V, max(pow2(K), cfg.prep_min_block), max(pow2(V), cfg.prep_min_block), CHUNK, _prec(v),
         cfg.inv_mode, cfg.prep_bf16 and v.dtype != torch.float32, split, cfg.inv_bf16 and v.dtype != torch.float32,
-        pout, kn_on, short, max(short.bit_length() - 2, 0)),
+        short, max(short.bit_length() - 2, 0)),
         cfg.prep_warps, cfg.prep_stages)
 
 
@@ -301,56 +234,37 @@ def launch_state(q, k, v, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, pare
     ms = max_segments(meta, cfg)
     prec = _prec(v)
     seg_b = seg_p = ws.gcum
-    pout, kn_on = prep_out(v, cfg), use_kn(v, cfg)
-    kn, qp = ws.prep_buffers(H) if (pout or kn_on) else (ws.w, ws.w)
+    kn, qp = ws.prep_buffers(H)
     if ms > 1:
         seg_b, seg_p = ws.seg_buffers(meta.num_chunk_rows // cfg.cp_seg_chunks + 1)
         gbv = min(cfg.seg_bv, pow2(max(K, V)))
         launch(chunk_seg_kernel, (cdiv(V, gbv) + cdiv(K, gbv), N * ms, HV), (
-            k, kn, ws.w, ws.u, ws.gcum, seg_b, seg_p, meta.cu_seqlens, meta.chunk_offsets, k.stride(0), k.stride(1),
-            ms, R, HV, K, V, BK, gbv, CHUNK, cfg.cp_min_chunks, cfg.cp_seg_chunks, prec, cfg.state_f32, kn_on),
+            kn, ws.w, ws.u, ws.gcum, seg_b, seg_p, meta.cu_seqlens, meta.chunk_offsets,
+            ms, R, HV, K, V, BK, gbv, CHUNK, cfg.cp_min_chunks, cfg.cp_seg_chunks, prec),
             cfg.seg_warps)
-    phases = parents is not None and ms == 1 and cfg.parent_phases   # producers, then consumers: two launches
-    tickets = (parents is not None and not phases) or ms > 1
+    phases = parents is not None and ms == 1    # producers, then consumers: two launches
+    tickets = ms > 1                            # CP: segments (and parents) hand over through tickets and flags
     nflags = N * HV * nvt
     sync = src_slots
     if tickets:   # ticket counter + ready flags (final states, segment starts), zeroed per call
         sync = ws.sync_buffer(1 + nflags * (1 + ms))
         sync.zero_()
-    fused = cfg.fused_out
-    vnew, h = (ws.w, ws.w) if fused or pout else ws.snapshot_buffers()
     for phase in ((1, 2) if phases else (0,)):
         launch(chunk_state_kernel, (nvt, N * ms * HV), (
-            q, k, kn, qp, ws.w, ws.u, ws.gcum, vnew, h, out, ssm_pool, seg_b, seg_p,
+            kn, qp, ws.w, ws.u, ws.gcum, out, ssm_pool, seg_b, seg_p,
             meta.cu_seqlens, meta.chunk_offsets, src_slots, dst_slots, parents if parents is not None else src_slots,
-            sync, scale, q.stride(0), q.stride(1), k.stride(0), k.stride(1), ms, nflags,
+            sync, ms, nflags,
             R, HV, K, V, BK, sbv, CHUNK, ms > 1, cfg.cp_min_chunks, cfg.cp_seg_chunks, parents is not None, tickets,
-            fused, prec, cfg.comb_prec if prec == "tf32" else "ieee", cfg.state_f32, min(cfg.comb_block, BK), kn_on,
-            pout, phase),
+            prec, cfg.comb_prec if prec == "tf32" else "ieee", min(cfg.comb_block, BK), phase),
             cfg.state_warps, cfg.state_stages)
-
-
-def launch_output(q, k, v, meta: VarlenMeta, scale: float, out, ws: ChunkWorkspace):
-    cfg = chunk_config(q.device)
-    T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    obv = min(cfg.out_bv, pow2(V))
-    vnew, h = ws.snapshot_buffers()
-    launch(chunk_output_kernel, (cdiv(V, obv), meta.num_chunk_rows, HV), (
-        q, k, ws.gcum, vnew, h, out, meta.cu_seqlens, meta.chunk_indices, scale,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        HV // H, HV, K, V, pow2(K), obv, CHUNK, _prec(v), cfg.out_f32), cfg.out_warps)
 
 
 def chunk_gdn_triton(q, k, v, a, b, A_log, dt_bias, ssm_pool, meta: VarlenMeta, src_slots, dst_slots, parents,
                      scale: float, out: torch.Tensor, workspace: ChunkWorkspace | None) -> torch.Tensor:
-    """The three-launch path (prep, state, output); ``ops/gdn/chunk.py`` dispatches ``ChunkConfig.fused_main`` to
+    """The two-launch path (prep, state pass); ``ops/gdn/chunk.py`` dispatches ``ChunkConfig.fused_main`` to
     ``chunk_fused_triton`` instead."""
     HV, K, V = v.shape[1], q.shape[2], v.shape[2]
     ws = ChunkWorkspace.ensure(workspace, meta, HV, K, V, v.dtype, q.device)
-    cfg = chunk_config(q.device)
     launch_prep(q, k, v, a, b, A_log, dt_bias, meta, ws, out, scale)
     launch_state(q, k, v, ssm_pool, meta, src_slots, dst_slots, parents, ws, scale, out)
-    if not cfg.fused_out and not prep_out(v, cfg):
-        launch_output(q, k, v, meta, scale, out, ws)
     return out

@@ -1,9 +1,7 @@
 """Scratch tensors of the chunked prefill, preallocated once for a (token, chunk-row) bucket so that
 steps reuse them (and CUDA graphs capture fixed addresses). Sizes: gdn_kernels.md Appendix A.
 
-The normalised keys and Q' exist with ``ChunkConfig.store_kn`` / ``prep_out``; the snapshots h and U (``vnew``)
-only for the unfused output kernel (``prep_out`` and ``fused_out`` off);
-the segment buffers only for context-parallel sequences; 𝒯'/M' only with ``fused_main`` (which reads none of
+The normalised keys and Q' exist for the two-launch path; the segment buffers only for context-parallel sequences; 𝒯'/M' only with ``fused_main`` (which reads none of
 𝒲, Ũ, kn, Q'). Both, like the state pass's sync buffer, are
 allocated on first use (warm a bucket before capturing it)."""
 from __future__ import annotations
@@ -22,9 +20,7 @@ class ChunkWorkspace:
     u: torch.Tensor      # [T, HV, V]     T (beta V)
     max_chunk_rows: int
     kn: torch.Tensor | None = None     # [T, H, K]       l2-normalised keys (prep -> state pass)
-    qp: torch.Tensor | None = None     # [T, HV, K]      Q' = s·[diag(Γ) Q − (M ⊙ Q Kᵀ) 𝒲] (``prep_out``)
-    vnew: torch.Tensor | None = None   # [T, HV, V]      U = u - w S0, per chunk
-    h: torch.Tensor | None = None      # [NT, HV, V, K]  state at each chunk start (activation dtype)
+    qp: torch.Tensor | None = None     # [T, HV, K]      Q' = s·[diag(Γ) Q − (M ⊙ Q Kᵀ) 𝒲]
     sync: torch.Tensor | None = None   # int32 ticket counter + ready flags of the state pass
     seg_b: torch.Tensor | None = None  # [rows, HV, V, K] fp32  context-parallel segments: B, then the start state
     seg_p: torch.Tensor | None = None  # [rows, HV, K, K] fp32  a segment's state transition P
@@ -48,15 +44,6 @@ class ChunkWorkspace:
             self.kn = torch.empty(T, H, K, dtype=self.w.dtype, device=self.w.device)
             self.qp = torch.empty_like(self.w)
         return self.kn, self.qp
-
-    def snapshot_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(vnew, h) for the unfused output kernel."""
-        if self.h is None:
-            T, HV, V = self.u.shape
-            K = self.w.shape[2]
-            self.vnew = torch.empty_like(self.u)
-            self.h = torch.empty(self.max_chunk_rows, HV, V, K, dtype=self.w.dtype, device=self.w.device)
-        return self.vnew, self.h
 
     def tm_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(𝒯', M') of the fused main kernel (``fused_main``): C = 64 values per token and value head each."""

@@ -188,7 +188,6 @@ def _down_par_kernel(inter, iq, isc, experts, pair_w, w, ws, out, H, I, SKI, str
     tl.store(out + t * stride_o + n, cast(y, out.dtype.element_ty), mask=n_ok)
 
 
-CONFIG_OVERRIDE: DecodeConfig | None = None     # benchmarks' sweeps
 
 
 def config(num_pairs: int, H: int, I: int) -> DecodeConfig:
@@ -197,13 +196,14 @@ def config(num_pairs: int, H: int, I: int) -> DecodeConfig:
     both quantizations in registers (a launch costs more than the recomputation); more: 16 / 32-row programs
     and x and the intermediate quantized once by their own launches (the per-program re-quantization grows
     with the pairs)."""
-    if CONFIG_OVERRIDE is not None:
-        return CONFIG_OVERRIDE
     if INTERPRET:                   # Triton's CPU interpreter: few wide programs (its cost is per program)
         return DecodeConfig(BR=32, BR2=64)
     if num_pairs <= 16:             # T <= 2 at top-8 (T = 1 folded: 9 pairs); H200, PAR down: 16.1 vs 21.4 µs at T = 1
         return DecodeConfig(BR=4, KG=4, warps=4, QX=True, BR2=8, warps2=8, QH=True, PAR=True)
     return DecodeConfig(BR=16, KG=4, QX=False, BR2=32, QH=False)
+
+
+_pick = config   # the entry point's ``config=`` keyword shadows the name
 
 
 def uses_decode(num_pairs: int) -> bool:
@@ -212,11 +212,12 @@ def uses_decode(num_pairs: int) -> bool:
 
 
 def moe_experts_fp8_decode(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
-                           w_down: torch.Tensor, s_gate_up: torch.Tensor, s_down: torch.Tensor) -> torch.Tensor:
+                           w_down: torch.Tensor, s_gate_up: torch.Tensor, s_down: torch.Tensor,
+                           config: DecodeConfig | None = None) -> torch.Tensor:
     """x [T, H] (unit column stride), weights [T, k] (contiguous), experts [T, k] (contiguous, any int dtype),
     w_gate_up [E, 2I, H] / w_down [E, H, I] e4m3 and their block scales (float32, contiguous) -> [T, H] in
-    x.dtype."""
-    c = config(experts.numel(), x.shape[1], w_down.shape[2])
+    x.dtype. ``config``: overrides ``config``'s pick for this call (benchmarks' sweeps)."""
+    c = config if config is not None else _pick(experts.numel(), x.shape[1], w_down.shape[2])
     inter = gate_up_decode(x, experts, w_gate_up, s_gate_up, c)
     return down_decode(inter, weights, experts, w_down, s_down, c)
 

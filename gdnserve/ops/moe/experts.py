@@ -18,8 +18,11 @@ from gdnserve.ops.quant.fp8_linear import use_triton
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w_gate_up: torch.Tensor,
                 w_down: torch.Tensor, backend: Backend = "auto",
                 scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                alignment: Alignment | None = None) -> torch.Tensor:
+                alignment: Alignment | None = None, config: object | None = None) -> torch.Tensor:
     """Sum over each token's k experts of ``weights[t, j] * down_e(silu(gate_e x) * up_e x)``.
+
+    ``config``: the launch config of the Triton path this call takes, for this call only (benchmarks' sweeps):
+    a ``decode_fp8_triton.DecodeConfig``, a ``grouped_fp8_triton`` tile pair or a ``grouped_triton.Config``.
 
     x [T, H] (activation dtype); weights [T, k] (x.dtype); experts [T, k] int (distinct per row, in
     [0, E)); w_gate_up [E, 2I, H] rows ``[gate I | up I]``; w_down [E, H, I] -> [T, H] in x.dtype.
@@ -56,7 +59,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     if T == 0:
         return torch.zeros_like(x)
     if scales is not None and uses_decode(T * k):      # decode sizes: two GEMV launches, no alignment
-        return moe_experts_fp8_decode(x, weights.contiguous(), experts.contiguous(), w_gate_up, w_down, *scales)
+        return moe_experts_fp8_decode(x, weights.contiguous(), experts.contiguous(), w_gate_up, w_down, *scales,
+                                      config=config)
     BM = block_rows(T * k, E)
     if alignment is not None and alignment.BM != BM:
         raise ValueError(f"moe_experts: alignment row block {alignment.BM} != the grouped GEMM's {BM}")
@@ -64,8 +68,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     if al is None:
         al = align_pairs_triton(experts, E, BM)        # any size: one program, or multi-program above MAX_PAIRS
     if scales is not None:
-        return moe_experts_fp8_triton(x, weights.contiguous(), al, w_gate_up, w_down, k, *scales)
-    return moe_experts_triton(x, weights.contiguous(), al, w_gate_up, w_down, k)
+        return moe_experts_fp8_triton(x, weights.contiguous(), al, w_gate_up, w_down, k, *scales, config=config)
+    return moe_experts_triton(x, weights.contiguous(), al, w_gate_up, w_down, k, config=config)
 
 
 def _check_scales(scales: tuple[torch.Tensor, torch.Tensor], E: int, H: int, I: int) -> None:

@@ -116,16 +116,15 @@ def _down_kernel(iq, isc, w, ws, rows, block_expert, pair_w, out, N, H, I, SKI,
         tl.store(dst, cast(acc * pw[None, :], out.dtype.element_ty), mask=n_ok[:, None] & valid[None, :])
 
 
-# ((BNH, warps, stages) gate_up, (BN, warps, stages) down); None = ``config``'s pick. The benchmark sweeps it.
-CONFIG_OVERRIDE: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None
+# ((BNH, warps, stages) gate_up, (BN, warps, stages) down): ``config``'s pick, or ``moe_experts_fp8_triton``'s
+# ``config=`` for one call (the benchmark sweeps it).
+Fp8GroupedConfig = tuple[tuple[int, int, int], tuple[int, int, int]]
 
 
 def config(live_blocks: int, H: int, I: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """From the shapes (H200 sweep, benchmarks/results/fp8_h200.md): a handful of live row blocks (T = 1)
     32 + 32-row gate/up tiles, up to ~4 blocks per SM 64 + 64 (both with the intermediate quantized by its own
     launch), beyond 128 + 128 (quantized in the gate_up epilogue); 128-row down tiles."""
-    if CONFIG_OVERRIDE is not None:
-        return CONFIG_OVERRIDE
     work = live_blocks * cdiv(I, 128)
     if work < 64:
         return (32, 4, 5), (128, 4, 3)
@@ -134,9 +133,12 @@ def config(live_blocks: int, H: int, I: int) -> tuple[tuple[int, int, int], tupl
     return (128, 8, 3), (128, 4, 3)
 
 
+_pick = config   # the entry point's ``config=`` keyword shadows the name
+
+
 def moe_experts_fp8_triton(x: torch.Tensor, weights: torch.Tensor, al: Alignment, w_gate_up: torch.Tensor,
-                           w_down: torch.Tensor, top_k: int, s_gate_up: torch.Tensor, s_down: torch.Tensor
-                           ) -> torch.Tensor:
+                           w_down: torch.Tensor, top_k: int, s_gate_up: torch.Tensor, s_down: torch.Tensor,
+                           config: Fp8GroupedConfig | None = None) -> torch.Tensor:
     """x [T, H] (unit column stride), weights [T, k] (contiguous), w_gate_up [E, 2I, H] / w_down [E, H, I]
     e4m3 and their block scales (float32, contiguous) -> [T, H] in x.dtype."""
     T, H = x.shape
@@ -144,7 +146,7 @@ def moe_experts_fp8_triton(x: torch.Tensor, weights: torch.Tensor, al: Alignment
     N, P, BM = T * top_k, al.rows.numel(), al.BM
     if BM < 16 or BM & (BM - 1):
         raise ValueError(f"moe_experts_fp8_triton: the row block must be a power of two >= 16, got {BM}")
-    (BNH, w1, st1), (BN2, w2, st2) = config(min(P // BM, N), H, I)
+    (BNH, w1, st1), (BN2, w2, st2) = config if config is not None else _pick(min(P // BM, N), H, I)
     quant_out = BNH == 128
     SG, SKH, SKI = cdiv(I, 128), cdiv(H, 128), cdiv(I, 128)
     native = x.dtype != torch.float32        # float32 models: exact bf16 dots of the e4m3 values (tl_fp8)

@@ -160,7 +160,6 @@ def block_rows(num_pairs: int, num_experts: int) -> int:
     return 16 if per <= 16 else (32 if per < 32 else (64 if per <= 192 else 128))
 
 
-CONFIG_OVERRIDE: Config | None = None      # benchmarks' sweeps: force a config
 
 _DECODE = Config(Tiles(32, 256, 4, 3), Tiles(64, 128, 4, 3, True))
 _ROWS32 = Config(Tiles(64, 64, 4, 4, True, True), Tiles(128, 64, 4, 3, True))
@@ -177,8 +176,6 @@ def config(num_pairs: int, BM: int) -> Config:
     256 for gate_up; the larger row blocks wider tiles on the tensor cores, N-tile-major program order (a row
     block's N tiles run together), gate and up as one MMA up to 8192 pairs; BM 128 reads gate_up's weight tiles
     by TMA descriptor (``grouped_tma_triton``)."""
-    if CONFIG_OVERRIDE is not None:
-        return CONFIG_OVERRIDE
     if BM <= 16:
         return _DECODE
     if BM == 32:
@@ -191,12 +188,13 @@ def config(num_pairs: int, BM: int) -> Config:
 def fp8_config(num_blocks: int, BM: int, H: int, I: int) -> Config:
     """FP8 experts keep the tiles they had before the bf16 sweep (commit ff7685e; K step 128 = the scale block),
     on 8 warps at BM = 128. ``num_blocks``: the row blocks that can hold rows."""
-    if CONFIG_OVERRIDE is not None:
-        return CONFIG_OVERRIDE
     few = num_blocks * cdiv(I, 64) < 256
     warps = 8 if BM >= 128 else 4
     bn2 = 128 if num_blocks * cdiv(H, 128) >= 256 else 64
     return Config(Tiles(32 if few else 64, 128, warps, 3), Tiles(bn2, 128, warps, 3))
+
+
+_pick = config   # moe_experts_triton's ``config=`` keyword shadows the name
 
 
 def _prec(x: torch.Tensor) -> str:
@@ -243,14 +241,18 @@ def down(inter: torch.Tensor, al: Alignment, w_down: torch.Tensor, pair_w: torch
 
 def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, al: Alignment, w_gate_up: torch.Tensor,
                        w_down: torch.Tensor, top_k: int,
-                       scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                       scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       config: Config | None = None) -> torch.Tensor:
     """x [T, H] (unit column stride), weights [T, k] (contiguous), w_gate_up [E, 2I, H], w_down [E, H, I]
     (contiguous) -> [T, H] in x.dtype. ``scales``: the FP8 experts' block scales (gate_up, down), float32,
-    contiguous. Any E and top_k (the alignment's rows index pairs token * top_k + j)."""
+    contiguous. Any E and top_k (the alignment's rows index pairs token * top_k + j). ``config``: overrides the
+    shape rule's tiles (``config`` / ``fp8_config``) for this call (benchmarks' sweeps)."""
     T, H = x.shape
     N = T * top_k
-    if scales is None:
-        cfg = config(N, al.BM)
+    if config is not None:
+        cfg = config
+    elif scales is None:
+        cfg = _pick(N, al.BM)
     else:
         cfg = fp8_config(min(al.rows.numel() // al.BM, N), al.BM, H, w_down.shape[2])
     s_gu, s_dn = scales if scales is not None else (None, None)

@@ -119,8 +119,9 @@ def _reduce_kernel(part, y, M, N, stride_ym, SPLIT: tl.constexpr, BLOCK_E: tl.co
     tl.store(y + m.to(tl.int64) * stride_ym + (offs - m * N), cast(acc, y.dtype.element_ty), mask=ok)
 
 
-# (BM, BN, num_warps, num_stages, GROUP_N, programs target (0 = no split-K), SWAP); None = ``config``'s pick.
-CONFIG_OVERRIDE: tuple[int, int, int, int, int, int, bool] | None = None
+# (BM, BN, num_warps, num_stages, GROUP_N, programs target (0 = no split-K), SWAP): ``config``'s pick, or the
+# ``config=`` of ``fp8_gemm_quantized`` / ``fp8_gemm_triton`` for one call (benchmarks' sweeps).
+GemmConfig = tuple[int, int, int, int, int, int, bool]
 
 
 def config(M: int, N: int, K: int) -> tuple[int, int, int, int, int, int, bool]:
@@ -132,8 +133,6 @@ def config(M: int, N: int, K: int) -> tuple[int, int, int, int, int, int, bool]:
     at M <= 16 K has more than 4 blocks (the shared expert's down, K = 512: 5.1 µs unsplit vs 6.4 at M = 16); there
     a split K >= 4096 takes 32-row tiles and 3 stages. Larger M: the usual orientation, 64 x 128
     tiles, 4 warps, 4 stages (faster than 128 x 128 at M = 256 and 4096)."""
-    if CONFIG_OVERRIDE is not None:
-        return CONFIG_OVERRIDE
     if M <= 64:
         bm = 16 if M <= 16 else (32 if M <= 32 else 64)
         tiles = cdiv(N, 64)
@@ -142,6 +141,9 @@ def config(M: int, N: int, K: int) -> tuple[int, int, int, int, int, int, bool]:
             return bm, 32, 4, 3, 1, split, True
         return bm, 64, 4, 5 if bm == 16 else 4, 1, split, True
     return 64, 128, 4, 4, 8, 0, False
+
+
+_pick = config   # the entry point's ``config=`` keyword shadows the name
 
 
 def split_k(tiles: int, kb: int, target: int) -> tuple[int, int]:
@@ -167,13 +169,14 @@ def quantize_act_triton(x: torch.Tensor, scales_transposed: bool = False) -> tup
     return q, s
 
 
-def fp8_gemm_quantized(xq: torch.Tensor, xs: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, y: torch.Tensor
-                       ) -> torch.Tensor:
-    """Quantized x (``quantize_act_triton``) · dequant(qw [N, K], sw)ᵀ into y [M, N] (unit column stride)."""
+def fp8_gemm_quantized(xq: torch.Tensor, xs: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, y: torch.Tensor,
+                       config: GemmConfig | None = None) -> torch.Tensor:
+    """Quantized x (``quantize_act_triton``) · dequant(qw [N, K], sw)ᵀ into y [M, N] (unit column stride).
+    ``config``: overrides ``config(M, N, K)``'s pick for this call."""
     M, K = xq.shape
     N = qw.shape[0]
     SK = cdiv(K, BLOCK)
-    BM, BN, warps, stages, group, target, swap = config(M, N, K)
+    BM, BN, warps, stages, group, target, swap = config if config is not None else _pick(M, N, K)
     tiles = cdiv(M, BM) * cdiv(N, BN)
     split, per = split_k(tiles, SK, target)
     part = torch.empty(split, M, N, dtype=torch.float32, device=xq.device) if split > 1 else y
@@ -185,8 +188,8 @@ def fp8_gemm_quantized(xq: torch.Tensor, xs: torch.Tensor, qw: torch.Tensor, sw:
     return y
 
 
-def fp8_gemm_triton(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, out: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+def fp8_gemm_triton(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, out: torch.Tensor | None = None,
+                    config: GemmConfig | None = None) -> torch.Tensor:
     """x [M, K] (unit column stride) · dequant(qw [N, K], sw)ᵀ -> [M, N] in x.dtype (into ``out`` [M, N],
     unit column stride, when given)."""
     M, K = x.shape
@@ -194,4 +197,4 @@ def fp8_gemm_triton(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, out: to
     if M == 0:
         return y
     xq, xs = quantize_act_triton(x)
-    return fp8_gemm_quantized(xq, xs, qw, sw, y)
+    return fp8_gemm_quantized(xq, xs, qw, sw, y, config)

@@ -148,7 +148,7 @@ class GemvConfig(NamedTuple):
 
 # (N, K) -> config at M = 1 (the H200 sweeps' winners: benchmarks/results/fp8_sweep_h200.md through fp8_linear,
 # fp8_gemv_m1_sweep_h200.md the GEMV alone on pre-quantized x); other shapes: ``config``'s rule.
-# ``CONFIG_OVERRIDE`` (benchmarks) replaces every pick.
+# ``fp8_gemv``'s ``config=`` replaces the pick for one call (benchmarks' sweeps).
 TABLE: dict[tuple[int, int], GemvConfig] = {
     (12288, 2048): GemvConfig(8, 2048, 4, 2),     # GDN in_proj (its 64 dense rows: the tail): 10.0 µs alone
     (2048, 4096): GemvConfig(8, 4096, 4, 1),      # GDN out_proj / attention o_proj: 5.3 (4 rows: 5.8)
@@ -156,31 +156,33 @@ TABLE: dict[tuple[int, int], GemvConfig] = {
     (1024, 2048): GemvConfig(2, 2048, 4, 1),      # shared expert gate_up
     (2048, 512): GemvConfig(16, 1024, 8, 2),      # shared expert down
 }
-CONFIG_OVERRIDE: GemvConfig | None = None
 
 
 def config(M: int, N: int, K: int) -> GemvConfig:
     """The table's entry, else: 4 rows per program, K in steps of up to 1024 (whole K when it is smaller)."""
-    if CONFIG_OVERRIDE is not None:
-        return CONFIG_OVERRIDE
     cfg = TABLE.get((N, K))
     if cfg is not None and M == 1:
         return cfg
     return GemvConfig(4 if M == 1 else 2, min(1024, max(BLOCK, pow2(K))), 4, 2)
 
 
+_pick = config   # the entry point's ``config=`` keyword shadows the name
+
+
 def fp8_gemv(x: torch.Tensor, xq: torch.Tensor | None, xs: torch.Tensor | None, qw: torch.Tensor,
-             sw: torch.Tensor, y: torch.Tensor, tail: torch.Tensor | None = None) -> torch.Tensor:
+             sw: torch.Tensor, y: torch.Tensor, tail: torch.Tensor | None = None,
+             config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_M, unit column stride), its quantization xq [M, K] e4m3 (contiguous) / xs [M,
     ceil(K/128)] float32 (contiguous: ``quantize_act_triton``) · [dequant(qw [N, K], sw) | tail [N2, K]]ᵀ into
     y [M, N + N2] (unit column stride), rounded once to y's dtype. ``xq = xs = None`` (M = 1 only): x is
-    quantized inside the GEMV's programs (one launch, ``_gemv_qx_kernel``)."""
+    quantized inside the GEMV's programs (one launch, ``_gemv_qx_kernel``). ``config``: overrides ``TABLE``'s / the
+    rule's pick for this call."""
     M, K = x.shape
     N = qw.shape[0]
     N2 = 0 if tail is None else tail.shape[0]
     if not 1 <= M <= (MAX_M if xq is not None else 1):
         raise ValueError(f"fp8_gemv: x has {M} rows, must be in [1, {MAX_M if xq is not None else 1}]")
-    BN, BK, warps, stages = config(M, N, K)
+    BN, BK, warps, stages = config if config is not None else _pick(M, N, K)
     if BN > BLOCK or BN & (BN - 1) or BK & (BK - 1) or BK < BLOCK:
         raise ValueError(f"fp8_gemv: BN {BN} must be a power of two <= {BLOCK}, BK {BK} a power of two >= {BLOCK}")
     if xq is None:

@@ -3,7 +3,7 @@ cores, compute capability >= 8.9; or Triton's interpreter on CPU tensors with ba
 dequantizing PyTorch reference (``fp8_ref.fp8_linear_torch``: CPUs, older GPUs). Both quantize x per
 token-group of 128 the same way, so they differ only by accumulation order.
 
-Triton paths by token count M: M <= ``GEMV_MAX_M`` (1) ``fp8_gemv_triton`` (the CUDA-core GEMV, the dense tail
+Triton paths by token count M: M <= ``Fp8LinearConfig.gemv_max_m`` (1) ``fp8_gemv_triton`` (the CUDA-core GEMV, the dense tail
 in its launch; x quantized inside it for weights of <= ``QX_MAX_WEIGHTS`` elements, else by its own launch);
 M >= 512 ``fp8_scaled_mm`` (cuBLAS block-scaled ``torch._scaled_mm``) where the device's torch has it and the
 shape fits (H200, torch 2.11: 0.72-0.96x bf16's time at M = 4096, 1.9x faster than the Triton GEMM); otherwise
@@ -26,13 +26,44 @@ a producer quantizes only where it saves one).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from gdnserve.ops.backend import Backend, resolve
 from gdnserve.ops.quant.fp8_ref import BLOCK, cdiv, fp8_linear_torch
+
+if TYPE_CHECKING:
+    from gdnserve.ops.quant.fp8_gemm_triton import GemmConfig
+    from gdnserve.ops.quant.fp8_gemv_triton import GemvConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8LinearConfig:
+    """The Triton dispatch of ``fp8_linear``: one row per GPU model (``TABLE``), or a call's ``config=``."""
+    gemv_max_m: int = 1                 # the CUDA-core GEMV (``fp8_gemv_triton``) for M <= this (<= its MAX_M)
+    gemv: GemvConfig | None = None      # the GEMV's tiles (None: ``fp8_gemv_triton.config``'s pick)
+    gemm: GemmConfig | None = None      # the Triton GEMM's tiles (None: ``fp8_gemm_triton.config``'s pick)
+
+
+DEFAULT = Fp8LinearConfig()
+TABLE: dict[str, Fp8LinearConfig] = {   # keyed by ``torch.cuda.get_device_name``; others take DEFAULT
+    "NVIDIA H200": DEFAULT,             # GEMV at M = 1 only (benchmarks/results/fp8_h200.md)
+}
+
+
+@lru_cache(maxsize=16)
+def _device_row(index: int) -> Fp8LinearConfig:
+    return TABLE.get(torch.cuda.get_device_name(index), DEFAULT)
+
+
+def linear_config(device: torch.device) -> Fp8LinearConfig:
+    """The device's row (DEFAULT off CUDA: the interpreter)."""
+    return _device_row(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else DEFAULT
 
 
 @lru_cache(maxsize=None)
@@ -57,7 +88,6 @@ def check_fp8_weight(qw: torch.Tensor, sw: torch.Tensor, K: int, owner: str = "f
 
 DECODE_QUANT_ACT = True        # M <= SKINNY_MAX_M: quantize x per token-group (False: weight-only)
 SKINNY_MAX_M = 0               # the skinny kernel for M <= this (16 to turn it on; see the docstring)
-GEMV_MAX_M = 1                 # the CUDA-core GEMV (``fp8_gemv_triton``) for M <= this (<= its MAX_M)
 # M = 1: x quantized inside the GEMV (one launch) or by its own launch; None = by size: inside for weights of at
 # most QX_MAX_WEIGHTS elements (H200, 701784f: the shared expert's gate_up 4.3 vs 7.4 µs, down 3.5 vs 7.1; the large
 # projections lose: in_proj 20.1 vs 14.2, qkv 14.8 vs 12.4, out_proj 10.2 vs 9.9)
@@ -77,12 +107,14 @@ def gemv_quantizes_inside(M: int, N: int, K: int) -> bool:
 
 def fp8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, tail: torch.Tensor | None = None,
                backend: Backend = "auto", quant_act: bool | None = None,
-               xq: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               xq: tuple[torch.Tensor, torch.Tensor] | None = None,
+               config: Fp8LinearConfig | None = None) -> torch.Tensor:
     """x [..., K] -> [..., N (+ N2)] in x.dtype. qw [N, K] float8_e4m3fn, sw [ceil(N/128), ceil(K/128)]
     (float32 on the Triton path), tail [N2, K] in x.dtype or None. ``quant_act``: quantize x per
     token-group of 128 (None: ``quant_act_default``). ``xq``: None or x's quantization (q [M, K] e4m3,
     s [M, ceil(K/128)] float32, contiguous, M = x's rows: ``quantize_act_triton(x)``'s numbers), used by
-    the Triton GEMV / GEMM instead of their own quantization launch."""
+    the Triton GEMV / GEMM instead of their own quantization launch. ``config``: the Triton dispatch for this
+    call (None: the device's row, ``linear_config``)."""
     lead, K = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, K)
     M, N, N2 = x2.shape[0], qw.shape[0], 0 if tail is None else tail.shape[0]
@@ -99,26 +131,27 @@ def fp8_linear(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, tail: torch.
     if sw.dtype != torch.float32:
         raise ValueError(f"fp8_linear: the Triton path needs float32 weight_scale_inv (convert at load), got {sw.dtype}")
     y = torch.empty(M, N + N2, dtype=x.dtype, device=x.device)
+    cfg = config if config is not None else linear_config(x.device)
     if M <= SKINNY_MAX_M or not qa:
         from gdnserve.ops.quant.fp8_skinny_triton import fp8_skinny
         fp8_skinny(x2, qw, sw, y, tail=tail, quant_act=qa)
         return y.view(*lead, N + N2)
-    if M <= GEMV_MAX_M:
+    if M <= cfg.gemv_max_m:
         from gdnserve.ops.quant.fp8_gemm_triton import quantize_act_triton
         from gdnserve.ops.quant.fp8_gemv_triton import fp8_gemv
         if xq is None:
             xq = (None, None) if gemv_quantizes_inside(M, N, K) else quantize_act_triton(x2)
-        fp8_gemv(x2, *xq, qw, sw, y, tail=tail)
+        fp8_gemv(x2, *xq, qw, sw, y, tail=tail, config=cfg.gemv)
         return y.view(*lead, N + N2)
     from gdnserve.ops.quant.fp8_scaled_mm import scaled_mm_linear, use_scaled_mm
     if use_scaled_mm(x2, N):
         scaled_mm_linear(x2, qw, sw, out=y[:, :N])
     elif xq is not None:
         from gdnserve.ops.quant.fp8_gemm_triton import fp8_gemm_quantized
-        fp8_gemm_quantized(xq[0], xq[1], qw, sw, y[:, :N])
+        fp8_gemm_quantized(xq[0], xq[1], qw, sw, y[:, :N], cfg.gemm)
     else:
         from gdnserve.ops.quant.fp8_gemm_triton import fp8_gemm_triton
-        fp8_gemm_triton(x2, qw, sw, out=y[:, :N])
+        fp8_gemm_triton(x2, qw, sw, out=y[:, :N], config=cfg.gemm)
     if N2:
         y[:, N:] = F.linear(x2, tail)
     return y.view(*lead, N + N2)
@@ -137,9 +170,9 @@ def check_quantized_input(xq: tuple[torch.Tensor, torch.Tensor], M: int, K: int,
 
 
 def quantizes_input(x: torch.Tensor, N: int, backend: Backend = "auto",
-                    quant_act: bool | None = None) -> bool:
+                    quant_act: bool | None = None, config: Fp8LinearConfig | None = None) -> bool:
     """Whether ``fp8_linear(x, qw [N, K], ...)`` would quantize x by a launch of its own (the Triton GEMV at
-    M = 1 with a weight too large for in-kernel quantization, M = 2 ... GEMV_MAX_M, the Triton GEMM where cuBLAS
+    M = 1 with a weight too large for in-kernel quantization, M = 2 ... gemv_max_m, the Triton GEMM where cuBLAS
     does not take the call), i.e. whether handing it ``xq`` saves a launch. x: a tensor of the shape, dtype
     and device the linear will get (its producer's input serves). Shapes, devices and flags only: no host
     sync, the same answer on every replay of a captured graph."""
@@ -148,7 +181,7 @@ def quantizes_input(x: torch.Tensor, N: int, backend: Backend = "auto",
     qa = quant_act_default(M) if quant_act is None else quant_act
     if M == 0 or K == 0 or not qa or M <= SKINNY_MAX_M or not use_triton(x, backend):
         return False
-    if M <= GEMV_MAX_M:
+    if M <= (config if config is not None else linear_config(x.device)).gemv_max_m:
         return not gemv_quantizes_inside(M, N, K)
     from gdnserve.ops.quant.fp8_scaled_mm import use_scaled_mm
     return not use_scaled_mm(x.reshape(M, K), N)

@@ -19,7 +19,7 @@ activation-quantization launch, no split-K partials, no reduce kernel, no copy o
   the checkpoints keep those rows in bf16) into the output columns after W's.
 
 Deterministic (fixed summation order, no atomics); the grid depends on shapes only (CUDA-graph safe).
-Configs: ``config`` (H200: benchmarks/bench_fp8.py; ``CONFIG_OVERRIDE`` for sweeps).
+Configs: ``config`` (H200: benchmarks/bench_fp8.py; ``fp8_skinny(config=...)`` for sweeps).
 """
 from __future__ import annotations
 
@@ -97,33 +97,35 @@ def _skinny_kernel(x, w, ws, tail, y, M, N, N2, K, SK, stride_xm, stride_ym,
     tl.store(dst, cast(acc, y.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
-# (BN weight rows, KG K blocks per iteration, num_warps, num_stages, DOT); None = ``config``'s pick.
-CONFIG_OVERRIDE: tuple[int, int, int, int, bool] | None = None
+# (BN weight rows, KG K blocks per iteration, num_warps, num_stages, DOT): ``config``'s pick, or ``fp8_skinny``'s
+# ``config=`` for one call (benchmarks' sweeps).
 
 
 def config(M: int, N: int, K: int) -> tuple[int, int, int, int, bool]:
     """(BN, KG, warps, stages, DOT) from the shapes: M = 1 on the CUDA cores, else tensor-core dots; weight
     tiles narrow enough that the FP8 rows alone give ~1 program per SM or more (out_proj's 2048 rows: 16-row
     tiles), 4 K blocks in flight per program."""
-    if CONFIG_OVERRIDE is not None:
-        return CONFIG_OVERRIDE
     bn = 64 if N >= 64 * 132 else (32 if N >= 32 * 132 else 16)
     if M == 1:
         return bn, 4, 4, 1, False
     return bn, 4, 4, 2, True
 
 
+_pick = config   # the entry point's ``config=`` keyword shadows the name
+
+
 def fp8_skinny(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, y: torch.Tensor,
-               tail: torch.Tensor | None = None, quant_act: bool = True) -> torch.Tensor:
+               tail: torch.Tensor | None = None, quant_act: bool = True,
+               config: tuple[int, int, int, int, bool] | None = None) -> torch.Tensor:
     """x [M, K] (unit column stride, M <= 16) · [dequant(qw [N, K], sw) | tail [N2, K]]ᵀ into y [M, N + N2]
     (unit column stride; rounded once to y's dtype). ``quant_act``: quantize x per token-group of 128 (the
-    block scheme) or use it as is (weight-only)."""
+    block scheme) or use it as is (weight-only). ``config``: overrides the shape rule's pick for this call."""
     M, K = x.shape
     N = qw.shape[0]
     N2 = 0 if tail is None else tail.shape[0]
     if M == 0:
         return y
-    BN, KG, warps, stages, dot = config(M, N, K)
+    BN, KG, warps, stages, dot = config if config is not None else _pick(M, N, K)
     BM = 1 if not dot else max(16, 1 << (min(M, MAX_M) - 1).bit_length())
     wide = x.dtype == torch.float32             # IEEE dots wherever x enters unquantized (tail, weight-only)
     grid = (cdiv(N, BN) + cdiv(N2, BN), cdiv(M, BM))
