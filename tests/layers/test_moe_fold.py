@@ -288,7 +288,8 @@ def test_fp8_folded_triton_against_float64(T, dtype, device, monkeypatch):
     from gdnserve.ops.moe import experts as experts_op
     pairs = []
     decode = experts_op.moe_experts_fp8_decode
-    monkeypatch.setattr(experts_op, "moe_experts_fp8_decode", lambda *a: pairs.append(a[2].shape) or decode(*a))
+    monkeypatch.setattr(experts_op, "moe_experts_fp8_decode",
+                        lambda *a, **kw: pairs.append(a[2].shape) or decode(*a, **kw))
     moe = fp8_block(dtype, device, renorm=T != 3)
     moe.backend = "triton"
     x = torch.randn(T, H, device=device).to(dtype)

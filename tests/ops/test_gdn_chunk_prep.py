@@ -34,12 +34,13 @@ def test_prep_split_over_value_heads_is_bit_identical(device):
 
 # Every (I + 𝒜)⁻¹ variant (substitution / batched product form on the diagonal 16x16 blocks + merge; the full
 # product form with fp32 or bf16 operands: one of these two is each device row's default in bf16) and the full
-# 64-row tile for short sequences (short_prep=0; the fp32 case of a variant that changes no rounding code)
+# 64-row tile for short sequences (short_prep=0, in bf16: an fp32 prep compile takes 50-60 s on the H200 and the
+# fp32 prep is already compiled by inv0 and the short-tile test below)
 @pytest.mark.parametrize("dtype,cfg", [
     (torch.float32, dict(inv_mode=0)), (torch.bfloat16, dict(inv_mode=2, inv_bf16=False)),
     (torch.bfloat16, dict(inv_mode=1, inv_bf16=False)), (torch.bfloat16, dict(inv_mode=1, inv_bf16=True)),
-    (torch.float32, dict(short_prep=0))], ids=["inv0-fp32", "inv2-bf16", "inv1-bf16", "inv1-bf16ops-bf16",
-                                                "no-short-fp32"])
+    (torch.bfloat16, dict(short_prep=0))], ids=["inv0-fp32", "inv2-bf16", "inv1-bf16", "inv1-bf16ops-bf16",
+                                                 "no-short-bf16"])
 def test_prep_variants_against_reference(dtype, cfg, device):
     check_variant_against_reference(dtype, cfg, device)
 
