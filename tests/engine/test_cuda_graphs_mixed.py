@@ -29,7 +29,9 @@ def same_state(a, b, exact: bool = True) -> None:
         if exact:
             assert torch.equal(x, y), name
         else:
-            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+            # on CUDA the padded step's projections are other GEMM shapes (cuBLAS picks other algorithms): the H200
+            # saw one KV value of 65,536 1.4e-5 off (fresh seed); the zero pattern stays exact
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5 if x.device.type == "cpu" else 1e-4)
             assert torch.equal(x == 0, y == 0), f"{name}: padding wrote"
 
 
@@ -55,7 +57,7 @@ class Pair:
         if exact:
             assert torch.equal(out[0], out[1])
         else:
-            torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-5 if out[0].device.type == "cpu" else 1e-4)
         same_state(self.g, self.e, exact)
         return out[0]
 

@@ -28,12 +28,12 @@ def _capture(monkeypatch, mod):
     return seen
 
 
-def test_fp8_gemv_and_linear_overrides_reach_the_launch(monkeypatch):
+def test_fp8_gemv_and_linear_overrides_reach_the_launch(monkeypatch, device):
     from gdnserve.ops.quant import fp8_gemv_triton as gv
     from gdnserve.ops.quant.fp8_linear import DEFAULT, Fp8LinearConfig, fp8_linear, linear_config
     assert linear_config(torch.device("cpu")) == DEFAULT
-    q, s = quantize_weight(torch.randn(256, 256))
-    x = torch.randn(1, 256)
+    q, s = quantize_weight(torch.randn(256, 256, device=device))
+    x = torch.randn(1, 256, device=device)
     seen = _capture(monkeypatch, gv)
     cfg = gv.GemvConfig(16, 128, 2, 1)
     assert cfg != gv.config(1, 256, 256)
@@ -48,21 +48,22 @@ def test_fp8_gemv_and_linear_overrides_reach_the_launch(monkeypatch):
     assert len(seen) == n
 
 
-def test_fp8_gemm_override_reaches_the_launch(monkeypatch):
+def test_fp8_gemm_override_reaches_the_launch(monkeypatch, device):
     from gdnserve.ops.quant import fp8_gemm_triton as g
-    q, s = quantize_weight(torch.randn(128, 256))
+    q, s = quantize_weight(torch.randn(128, 256, device=device))
     seen = _capture(monkeypatch, g)
-    g.fp8_gemm_triton(torch.randn(70, 256), q, s, config=(64, 64, 2, 1, 1, 0, False))
+    g.fp8_gemm_triton(torch.randn(70, 256, device=device), q, s, config=(64, 64, 2, 1, 1, 0, False))
     assert seen[-1][1][0] == 2 * 2 and seen[-1][3] == {"num_warps": 2, "num_stages": 1}
 
 
-def test_moe_decode_override_reaches_the_launch(monkeypatch):
+def test_moe_decode_override_reaches_the_launch(monkeypatch, device):
     from gdnserve.ops.moe import decode_fp8_triton as d
     E, H, I, T, k = 3, 128, 128, 1, 2
-    qg, sg = zip(*(quantize_weight(torch.randn(2 * I, H)) for _ in range(E)))
-    qd, sd = zip(*(quantize_weight(torch.randn(H, I)) for _ in range(E)))
+    qg, sg = zip(*(quantize_weight(torch.randn(2 * I, H, device=device)) for _ in range(E)))
+    qd, sd = zip(*(quantize_weight(torch.randn(H, I, device=device)) for _ in range(E)))
     seen = _capture(monkeypatch, d)
     cfg = d.DecodeConfig(BR=16, BR2=128)
-    d.moe_experts_fp8_decode(torch.randn(T, H), torch.full((T, k), 0.5), torch.tensor([[0, 2]]), torch.stack(qg),
+    d.moe_experts_fp8_decode(torch.randn(T, H, device=device), torch.full((T, k), 0.5, device=device),
+                             torch.tensor([[0, 2]], device=device), torch.stack(qg),
                              torch.stack(qd), torch.stack(sg), torch.stack(sd), config=cfg)
     assert seen[0][1] == (T * k, I // 16) and seen[-1][1] == (T, H // 128)

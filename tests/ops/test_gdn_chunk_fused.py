@@ -166,7 +166,7 @@ def test_fused_parents_equal_running_parent_first(device):
     assert rel_rms(o_fused, ref_o) < 5e-3 and rel_rms(p_fused, ref_pool) < 5e-3
 
 
-def test_fused_main_tiles_are_at_least_64(monkeypatch):
+def test_fused_main_tiles_are_at_least_64(monkeypatch, device):
     """The main kernel's K and V tiles are >= 64 (V = 16, K = 32 pad one 64-wide tile) and its K tile is the prep's;
     a smaller main_bv is refused naming the field. At V tiles 16 and 32 Triton 3.6 computed the bf16 𝒯'X and M'U
     products wrongly on the H200 (rel-RMS 0.75-0.89, an illegal address with CP), which the interpreter cannot show:
@@ -176,8 +176,8 @@ def test_fused_main_tiles_are_at_least_64(monkeypatch):
     monkeypatch.setattr(fused, "launch", lambda fn, grid, args, *_: seen.setdefault(fn.fn.__name__, (grid, dict(
         zip(fn.arg_names, args)))))
     H, HV, K, V = SHAPE[torch.bfloat16]
-    q, k, v, a, b, A_log, dt_bias = gdn_inputs(70, H, HV, K, V, torch.bfloat16, torch.device("cpu"))
-    pool = random_pool(2, HV, V, K, torch.float32, torch.device("cpu"))
+    q, k, v, a, b, A_log, dt_bias = gdn_inputs(70, H, HV, K, V, torch.bfloat16, device)
+    pool = random_pool(2, HV, V, K, torch.float32, device)
     run(q, k, v, a, b, A_log, dt_bias, pool, [70], [0], [1])
     grid, main = seen["chunk_main_kernel"]
     assert main["BV"] == 64 and main["BK"] == 64 and grid[0] == 1
