@@ -252,6 +252,9 @@ def test_fused_cp_engages(device):
     assert torch.equal(res[0][0][:128], res[1][0][:128])         # segment 0 starts from the slot either way
 
 
+# CPU only: on the H200 its fp32 compile took 70 s of the file's 168 s; the GPU checks CP in bf16 and the fp32
+# main kernel without CP (test_fused_against_reference[fp32])
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp32 CP: CPU only (a ~70 s fp32 compile on the GPU)")
 def test_fused_cp_fp32_against_reference(device):
     """fp32 activations (IEEE products): the e^-20 cut of the warm-up stays below the 2e-5 bar."""
     H, HV, K, V = SHAPE[torch.float32]

@@ -45,7 +45,11 @@ def test_prep_variants_against_reference(dtype, cfg, device):
     check_variant_against_reference(dtype, cfg, device)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# fp32 on the CPU only: on the H200 its two fp32 prep compiles took 134 s of the file's 188 s (12 files in parallel);
+# the GPU still compiles and checks an fp32 prep (inv0-fp32 above) and the short tile in bf16 here
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.skipif(
+    torch.cuda.is_available(), reason="fp32 short tile: CPU only (two ~60 s fp32 compiles on the GPU)")),
+    torch.bfloat16])
 def test_short_tile_close_to_full_tile(dtype, device):
     """Sequences of <= 32 tokens take a 32-row prep tile: the same math as the 64-row tile (rounding only)."""
     H, HV, K, V = SHAPE[dtype]
