@@ -123,11 +123,12 @@ class Record:
     prompt_tokens: int = 0
     output_tokens: int = 0
     hit_length: int = 0
+    body: dict[str, Any] = field(default_factory=dict)      # what was sent (the solo check replays it)
 
 
 async def stream(client: httpx.AsyncClient, model: str, body: dict[str, Any], chars: bool) -> Record:
     """One streamed /v1/completions request (``ignore_eos``, greedy, usage at the end)."""
-    rec = Record(sent=time.perf_counter())
+    rec = Record(sent=time.perf_counter(), body=body)
     req = {"model": model, "temperature": 0, "ignore_eos": True, "stream": True,
            "stream_options": {"include_usage": True}, **body}
     done, finish = False, None
@@ -200,6 +201,44 @@ async def conversation(client: httpx.AsyncClient, model: str, rng: random.Random
             break
         prompt += rec.text        # the answer as generated: the next turn starts from its automatic checkpoint
     return recs
+
+
+# ---- after the levels: equal to the request alone, nothing leaked ---------------------------------------------
+
+async def solo_check(url: str, model: str, recs: list[Record], chars: bool) -> dict[str, Any]:
+    """Replay each of ``recs`` (ok records of the most concurrent level) alone and compare the greedy texts
+    (issue 27: every response equal to the same request run alone). ``first_diff``: the first differing character
+    of each unequal pair (batched vs alone), so a late divergence (a near-tie flipped by another batch's rounding)
+    reads differently from a wrong answer."""
+    out: dict[str, Any] = {"checked": 0, "equal": 0, "first_diff": []}
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600.0)) as client:
+        for r in recs:
+            alone = await stream(client, model, r.body, chars)
+            if not alone.ok:
+                out.setdefault("errors", []).append(alone.error)
+                continue
+            out["checked"] += 1
+            if alone.text == r.text:
+                out["equal"] += 1
+            else:
+                out["first_diff"].append(next((i for i, (x, y) in enumerate(zip(alone.text, r.text)) if x != y),
+                                              min(len(alone.text), len(r.text))))
+    return out
+
+
+def leak_check(url: str) -> dict[str, Any]:
+    """After the run, from /metrics: no request running or waiting, and every state slot in use held by a READY
+    checkpoint (a slot beyond them is a leaked request's)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+
+    def gauge(name: str) -> float | None:
+        m = re.search(rf"^gdnserve:{name} ([0-9.e+]+)$", text, re.MULTILINE)
+        return float(m.group(1)) if m else None
+    got = {k: gauge(n) for k, n in (("running", "num_requests_running"), ("waiting", "num_requests_waiting"),
+                                    ("slots_used", "state_pool_slots_used"), ("checkpoints", "checkpoints_ready"))}
+    got["ok"] = None not in got.values() and got["running"] == 0 and got["waiting"] == 0 \
+        and got["slots_used"] == got["checkpoints"]
+    return got
 
 
 def pct_ms(xs: list[float], q: float) -> float | None:
@@ -342,6 +381,15 @@ def markdown(res: dict[str, Any]) -> str:
                                     f"{f(r['tpot_p50_ms'])} / {f(r['tpot_p99_ms'])}",
                                     f"{f(r['itl_p50_ms'])} / {f(r['itl_p99_ms'])}", f(r["checkpoint_hit_rate"]),
                                     f(r["hit_token_share"]), ceil, f(r["client_cpu_share"])]) + " |")
+    if res.get("solo"):
+        L += ["", "Equal to the request alone (greedy; requests of the most concurrent level replayed one at a time): "
+              + "; ".join(f"{w} {v['equal']}/{v['checked']}" + (f" (first differing character {v['first_diff']})"
+                                                                   if v["first_diff"] else "")
+                          for w, v in res["solo"].items()) + "."]
+    if res.get("leaks"):
+        k = res["leaks"]
+        L += ["", f"After the run: {k['running']:g} running, {k['waiting']:g} waiting, {k['slots_used']:g} state slots "
+              f"in use for {k['checkpoints']:g} READY checkpoints: " + ("nothing leaked." if k["ok"] else "**a leak**.")]
     for key, title in (("skipped", "Skipped (time budget)"), ("errors", "Errors"), ("notes", "Notes")):
         if res[key]:
             L += ["", f"## {title}", ""] + [f"- {x}" for x in res[key]]
@@ -396,6 +444,8 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--model-json", type=Path, default=None, help="a bench model JSON: its decode rows fill the "
                    "ceiling column")
     o.add_argument("--tag", default=None, help="file tag (default: the device slug, + _fp8)")
+    o.add_argument("--solo-check", type=int, default=4, help="after the levels, replay this many requests of the "
+                   "most concurrent random and prefix levels alone and compare the greedy texts (0: off)")
     o.add_argument("--time-budget", type=float, default=1e9, help="seconds after which remaining levels are skipped")
     o.add_argument("--out", type=Path, default=DEFAULT_RESULTS, help=f"output folder (default {DEFAULT_RESULTS})")
     return ap
@@ -433,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
                            "git": f"{git.get('commit', '?')}{' dirty' if git.get('dirty') else ''}",
                            "argv": sys.argv if argv is None else ["bench_serve_http", *argv], "quick": args.quick,
                            "sizes": vars(sizes) | {"cand_len": list(sizes.cand_len)}, "server": args.url or "",
-                           "banner": [], "rows": [], "skipped": [], "errors": [], "notes": [], "complete": False}
+                           "banner": [], "rows": [], "skipped": [], "errors": [], "notes": [], "solo": {}, "leaks": None,
+                           "complete": False}
     t_start = time.perf_counter()
 
     def write() -> None:
@@ -460,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         warm = dataclasses.replace(sizes, output_len=min(sizes.output_len, 4), per_level=1, min_requests=1,
                                    num_requests=1)
         asyncio.run(run_level(url, model, "random", 1, warm, vocab, chars, args.seed + 1))
+        last: dict[str, list[Record]] = {}       # the most concurrent level's records per workload (solo check)
         for workload in workloads:
             for C in levels:
                 what = f"{workload} C={C}"
@@ -473,11 +525,20 @@ def main(argv: list[str] | None = None) -> int:
                     if after is not None and after[0] > before[0] else None
                 row = summarize(workload, fmt, C, recs, wall, cpu, ceiling_for(model_json, fmt, C), spec, acc)
                 res["rows"].append(row)
+                last[workload] = recs
                 print(f"[serve_http {time.perf_counter() - t_start:6.0f}s] {what} (spec {spec}, acceptance {acc}): "
                       f"{row['output_tok_s']} out tok/s, "
                       f"TTFT p50 {row['ttft_p50_ms']} ms, TPOT p50 {row['tpot_p50_ms']} ms, {row['errors']} errors",
                       file=sys.stderr, flush=True)
                 write()
+        for workload in ("random", "prefix"):           # chat turns replay the same bodies; the first two suffice
+            picked = [r for r in last.get(workload, []) if r.ok][:args.solo_check]
+            if picked:
+                res["solo"][workload] = asyncio.run(solo_check(url, model, picked, chars))
+        res["leaks"] = leak_check(url)
+        if not res["leaks"]["ok"]:
+            res["errors"].append(f"leak after the run: {res['leaks']}")
+        write()
         res["complete"] = True
     except Exception as e:  # noqa: BLE001  recorded; the partial result is written
         res["errors"].append(f"{type(e).__name__}: {e}"[:2000])

@@ -1,6 +1,7 @@
 """The HTTP serving benchmark (benchmarks/bench_serve_http.py): vLLM's metric definitions on hand-made records, and
 ``--quick`` end to end against a real ``gdnserve serve`` on the embedded model (CPU): every workload at C = 1 and 4,
-0 errors, the row fields the results pages read, checkpoint hits on the shared-prefix rows. No timing is asserted."""
+0 errors, the row fields the results pages read, checkpoint hits on the shared-prefix rows, the most concurrent
+level's requests equal to the same requests alone, nothing leaked. No timing is asserted."""
 from __future__ import annotations
 
 import json
@@ -61,3 +62,7 @@ def test_quick_run_end_to_end(tmp_path):
     md = (tmp_path / "serve_http_test.md").read_text()
     assert "| random | fp32 | none | 1 | 4 | 0 |" in md and "TTFT p50/p99 ms" in md
     assert all(r["spec"] == "none" and r["spec_acceptance"] is None for r in res["rows"])
+    # issue 27: the C = 4 level's requests replayed alone give the same greedy texts; nothing leaked after the run
+    assert {w: (v["checked"], v["equal"]) for w, v in res["solo"].items()} == {"random": (4, 4), "prefix": (4, 4)}
+    assert res["leaks"]["ok"] and res["leaks"]["running"] == 0, res["leaks"]
+    assert "random 4/4; prefix 4/4" in md and "nothing leaked" in md
