@@ -683,6 +683,11 @@ def device_slug(dev: torch.device) -> str:
 
 
 def _git() -> dict[str, Any] | None:
+    """The code's commit. ``GDNSERVE_CODE_COMMIT`` wins: the device tool ships the working tree over a checkout of
+    the session's first commit, so git there names that commit, "dirty" (device.sh documents the variable)."""
+    given = os.environ.get("GDNSERVE_CODE_COMMIT", "").strip()
+    if given:
+        return {"commit": given, "dirty": False}
     try:
         head = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10)

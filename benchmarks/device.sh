@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The one device script: GPU tests and benchmarks on the H200, in one call of the device tool.
 #
-#   device run: carry [".whl"], command: bash benchmarks/device.sh SUITE[:SECONDS] ...
+#   device run: carry [".whl"], command: GDNSERVE_CODE_COMMIT=<sha> bash benchmarks/device.sh SUITE[:SECONDS] ...
+#
+# GDNSERVE_CODE_COMMIT: the commit of the code sent (`git rev-parse --short HEAD` here, committed first); the results'
+# `git` field reads it (the device's own checkout is the session's first commit, so git there says "<that> dirty").
 #
 # Suites (run in the order given; SECONDS = the suite's budget, a default otherwise):
 #   tests[:s]    every test file in its own process (a CUDA fault stays in its file), JOBS (4) at a time, each
