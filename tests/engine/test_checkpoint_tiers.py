@@ -14,7 +14,7 @@ import torch
 
 from gdnserve.engine.cache.checkpoint_copy import Copier, Piece, page_runs, pieces
 from gdnserve.engine.cache.checkpoint_disk import DiskTier
-from gdnserve.engine.cache.checkpoint_index import CheckpointStatus, checkpoint_key
+from gdnserve.engine.cache.checkpoint_index import CheckpointStatus, checkpoint_key, conversation_prefix
 from gdnserve.engine.cache.checkpoint_tiers import (
     CheckpointTiers,
     TierStats,
@@ -403,6 +403,33 @@ def test_disk_tier_across_an_engine_restart(tmp_path, ref):
         assert got.checkpoint.tier == "disk" and got.checkpoint.hit_length == len(c) + len(out) - 1
         assert got.outputs[0].token_ids == _run(ref, c + out + [5]).outputs[0].token_ids
     assert e2.tier_stats.bytes["disk_read"] > 0
+
+
+def test_checkpoint_keys_list_the_lower_tiers_as_ready(tmp_path):
+    """Issue 30 leftover: a replica's router reads ``checkpoint_keys`` (READY, PENDING, lengths); it listed only the
+    device's index, so a conversation whose checkpoint was spilled to the host or disk tier (a hit there, restored
+    at 0.075x its recompute on the H200) was routed elsewhere. The lower tiers' keys are READY with their lengths,
+    each key once."""
+    kw = {"device": "cpu", "max_num_seqs": 2, "num_slots": 4, "num_pages": 64, "page_size": 8,
+          "checkpoint_dir": str(tmp_path)}
+    e = LLM(checkpoint_host_memory_gb=0.01, **kw).engine
+    first = [_run(e, c).outputs[0].token_ids for c in CONVS]
+    want = {checkpoint_key(conversation_prefix(c, out)): len(c) + len(out) - 1 for c, out in zip(CONVS, first)}
+    on_device = set(e.index.keys()[0])
+    below = set(want) - on_device
+    assert below and all(k in e.kv.checkpoint_cache.tiers.host for k in below)     # 4 slots: 2 spilled
+    ready, pending, lengths = e.checkpoint_keys()
+    assert set(want) <= set(ready) and not pending and set(want.values()) <= set(lengths)
+    assert len(ready) == len(set(ready)) and lengths == sorted(lengths)
+    e.close()                                          # every checkpoint written to disk
+    e2 = LLM(**kw).engine
+    assert len(e2.index) == 0
+    ready, pending, lengths = e2.checkpoint_keys()
+    assert set(ready) == set(want) and not pending and lengths == sorted(set(want.values()))
+    c, out = CONVS[0], first[0]
+    assert _run(e2, c + out + [5]).checkpoint.tier == "disk"      # the key the router saw is a hit there
+    ready, _, _ = e2.checkpoint_keys()                # on the device and still on disk: listed once
+    assert set(ready) >= set(want) and len(ready) == len(set(ready))
 
 
 def test_tiers_refused_with_tensor_parallel():

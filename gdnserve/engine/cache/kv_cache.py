@@ -86,6 +86,23 @@ class CheckpointCache:
                     return RESTORING
         return None
 
+    def keys(self) -> tuple[list[bytes], list[bytes], list[int]]:
+        """(READY keys, PENDING keys, distinct READY lengths), what a replica reports to its router: the index's, and
+        the keys the host and disk tiers hold as READY too (a lookup there restores them: a hit, from the host tier
+        in the same step), with their lengths. Safe from another thread (index.keys, tiers.keys); a key on the
+        device and on disk is listed once."""
+        ready, pending, lengths = self.index.keys()
+        if self.tiers is None:
+            return ready, pending, lengths
+        low, low_lengths = self.tiers.keys()
+        seen = set(ready)
+        seen.update(pending)
+        for k in low:
+            if k not in seen:
+                seen.add(k)
+                ready.append(k)
+        return ready, pending, sorted(low_lengths.union(lengths))
+
     # ---- tiers ----
     def is_restoring(self, entry: Checkpoint | None) -> bool:
         return entry is not None and self.tiers is not None and self.tiers.restoring.get(entry.key) is not None \
