@@ -90,8 +90,8 @@ class AsyncEngine:
         return self._thread.is_alive()
 
     def checkpoint_keys(self) -> tuple[list[bytes], list[bytes], list[int]]:
-        """READY keys, PENDING keys and READY lengths of the engine's checkpoint index (a replica's routing stats;
-        read from another thread, as a snapshot may be)."""
+        """READY keys, PENDING keys and READY lengths of the engine's checkpoints, its host and disk tiers' included
+        as READY (a replica's routing stats; read from another thread, as a snapshot may be)."""
         return self.engine.checkpoint_keys()
 
     def set_step_observer(self, observer: Callable[[StepReport], None] | None) -> None:

@@ -129,8 +129,9 @@ class LLMEngine:
         return self.scheduler.stats
 
     def checkpoint_keys(self) -> tuple[list[bytes], list[bytes], list[int]]:
-        """READY keys, PENDING keys and READY lengths of the checkpoint index (what a replica's router reads)."""
-        return self.kv.checkpoint_cache.index.keys()
+        """READY keys, PENDING keys and READY lengths of the checkpoints (what a replica's router reads): the index's
+        and, as READY, those of the host and disk tiers (a lookup restores them)."""
+        return self.kv.checkpoint_cache.keys()
 
     def set_step_observer(self, observer: Callable[[StepReport], None] | None) -> None:
         """Call ``observer`` after every ``step()`` (on the thread that steps) with its StepReport; one observer, a

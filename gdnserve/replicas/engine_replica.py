@@ -1,8 +1,9 @@
 """One gdnserve engine as a Ray Serve replica: an ``AsyncEngine`` over the embedded model or an HF checkpoint,
 called by the ingress through a deployment handle. Every output travels with the replica's unique id, so the
 caller knows where a published checkpoint now lives. ``record_routing_stats`` is Serve's hook: what the
-router reads about this replica (READY / PENDING checkpoint keys, READY lengths, queue depth, running
-requests, and the engine's ``stats()`` for ``/metrics``)."""
+router reads about this replica (READY / PENDING checkpoint keys, READY lengths — the host and disk tiers'
+checkpoints included as READY: a lookup restores them —, queue depth, running requests, and the engine's
+``stats()`` for ``/metrics``)."""
 from __future__ import annotations
 
 import os

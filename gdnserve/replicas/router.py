@@ -6,7 +6,9 @@ choices), and remembers that choice at once, so the rest of the group follows it
 replica's next report. What each replica holds comes from two sources:
 
 - its routing stats (``EngineReplica.record_routing_stats``, polled by Serve every
-  ``request_routing_stats_period_s``): READY and PENDING keys, the distinct READY lengths, queue depth;
+  ``request_routing_stats_period_s``): READY and PENDING keys, the distinct READY lengths, queue depth (READY
+  includes the checkpoints in the replica's host and disk tiers: a lookup there restores them; the router makes
+  no difference between tiers, the least loaded holder wins);
 - what this router did or was told: the replica it sent a boundary to (PENDING until reported), and the
   automatic or marker checkpoint a finished request published there (``learn``, called by the ingress's
   ``RemoteEngineClient``). These expire after ``ttl_s``; from then on the reports decide.

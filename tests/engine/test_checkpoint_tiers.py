@@ -14,7 +14,7 @@ import torch
 
 from gdnserve.engine.cache.checkpoint_copy import Copier, Piece, page_runs, pieces
 from gdnserve.engine.cache.checkpoint_disk import DiskTier
-from gdnserve.engine.cache.checkpoint_index import CheckpointStatus, checkpoint_key
+from gdnserve.engine.cache.checkpoint_index import CheckpointStatus, checkpoint_key, conversation_prefix
 from gdnserve.engine.cache.checkpoint_tiers import (
     CheckpointTiers,
     TierStats,
@@ -173,6 +173,53 @@ def test_eviction_order_gpu_then_host_then_disk_lru_in_each(tmp_path):
     assert r.st.num_free == r.st.num_slots and r.pg.num_free == r.pg.num_pages
 
 
+def _counts(r) -> dict[str, int]:
+    """The index's lookup counters that are not zero."""
+    return {k: v for k, v in r.ck.index.stats().items() if (k == "hits" or k.startswith("misses")) and v}
+
+
+def test_a_lookup_served_from_a_lower_tier_counts_one_hit_and_no_miss(tmp_path):
+    """Issue 30 leftover: a host-tier restore counted the device's miss (evicted) and then the hit. A lookup a lower
+    tier serves is one hit of the index (of its tier in TierStats, at the admission's ``hit_tier``); the lookups
+    that start or wait for a disk read count nothing, the one after it the hit; a failed restore one miss."""
+    r = Rig(tmp_path, host_ckpts=1)
+    for ids in IDS[:6]:
+        r.make(ids)                                    # IDS[0] to the host tier, then to disk for IDS[1]
+    r.disk.flush()
+    assert [r.where(i) for i in IDS[:2]] == ["disk", "host"] and _counts(r) == {}
+    e = r.restore(IDS[1])                              # from the host tier: READY at the lookup
+    assert _counts(r) == {"hits": 1}
+    assert r.ck.hit_tier(e) == "host" and r.stats.hits == {"gpu": 0, "host": 1, "disk": 0}
+    look = r.ck.lookup(IDS[0])                         # from disk: PENDING until the read lands
+    assert look.reason.value == "pending" and r.ck.is_restoring(look.entry)
+    assert r.ck.lookup(IDS[0]).entry is look.entry and r.ck.lookup(IDS[0]).entry is look.entry   # waiters
+    assert _counts(r) == {"hits": 1}
+    r.ck.poll(wait=True)
+    again = r.ck.lookup(IDS[0])
+    assert again.hit and again.entry is look.entry and _counts(r) == {"hits": 2}
+    assert r.ck.hit_tier(again.entry) == "disk" and r.stats.hits == {"gpu": 0, "host": 1, "disk": 1}
+    assert r.ck.lookup(IDS[0]).hit and _counts(r) == {"hits": 3}     # on the device now: a plain hit
+    victim = r.ck.index.lru_victims(1)[0].token_ids    # a device eviction with the key nowhere below: one miss
+    r.tiers.host_bytes, r.tiers.disk = 0, None
+    r.ck.evict(1)
+    assert not r.ck.lookup(victim).hit and _counts(r) == {"hits": 3, "misses_evicted": 1}
+
+
+def test_a_failed_disk_restore_counts_one_miss(tmp_path):
+    r = Rig(tmp_path, host_ckpts=0)
+    for ids in IDS[:5]:
+        r.make(ids)                                    # IDS[0] to disk
+    r.disk.flush()
+    f = r.disk.dir / f"{checkpoint_key(IDS[0]).hex()}.gck"
+    data = bytearray(f.read_bytes())
+    data[-100] ^= 0xFF                                 # corrupt: the read fails its checksum
+    f.write_bytes(bytes(data))
+    look = r.ck.lookup(IDS[0])
+    assert r.ck.is_restoring(look.entry) and _counts(r) == {}
+    r.ck.poll(wait=True)
+    assert not r.ck.lookup(IDS[0]).hit and _counts(r) == {"misses_absent": 1}
+
+
 def test_a_continued_checkpoint_enters_the_host_tier_cold(tmp_path):
     """A chat's next turn continued A (its longer successor serves the turn after): when A and B come down, B is
     kept and A goes first under pressure, although A was evicted from the device later."""
@@ -322,6 +369,9 @@ def test_later_turns_hit_from_the_host_tier_with_recomputed_outputs(ref):
         assert got.checkpoint.hit_length == len(c) + len(out) - 1 and got.checkpoint.tier in ("gpu", "host")
         assert got.outputs[0].token_ids == _run(ref, ids).outputs[0].token_ids
     assert e.tier_stats.hits["host"] >= 2 and e.tier_stats.restores["host"] == e.tier_stats.hits["host"]
+    # each hit counted once: by the admission (one per tier) and by the index (a host hit is no device miss)
+    assert sum(e.tier_stats.hits.values()) == e.stats()["checkpoint_hits"] == e.index.stats()["hits"] == 6
+    assert e.index.stats()["misses_evicted"] == 0 and e.stats()["checkpoint_misses"] == {}
     # a host-tier hit costs no step of its own: the restore is queued in stream order and the request runs in the
     # step whose admission found it (it used to wait in the queue for one step)
     held = list(e.kv.checkpoint_cache.tiers.host.values())
@@ -353,6 +403,33 @@ def test_disk_tier_across_an_engine_restart(tmp_path, ref):
         assert got.checkpoint.tier == "disk" and got.checkpoint.hit_length == len(c) + len(out) - 1
         assert got.outputs[0].token_ids == _run(ref, c + out + [5]).outputs[0].token_ids
     assert e2.tier_stats.bytes["disk_read"] > 0
+
+
+def test_checkpoint_keys_list_the_lower_tiers_as_ready(tmp_path):
+    """Issue 30 leftover: a replica's router reads ``checkpoint_keys`` (READY, PENDING, lengths); it listed only the
+    device's index, so a conversation whose checkpoint was spilled to the host or disk tier (a hit there, restored
+    at 0.075x its recompute on the H200) was routed elsewhere. The lower tiers' keys are READY with their lengths,
+    each key once."""
+    kw = {"device": "cpu", "max_num_seqs": 2, "num_slots": 4, "num_pages": 64, "page_size": 8,
+          "checkpoint_dir": str(tmp_path)}
+    e = LLM(checkpoint_host_memory_gb=0.01, **kw).engine
+    first = [_run(e, c).outputs[0].token_ids for c in CONVS]
+    want = {checkpoint_key(conversation_prefix(c, out)): len(c) + len(out) - 1 for c, out in zip(CONVS, first)}
+    on_device = set(e.index.keys()[0])
+    below = set(want) - on_device
+    assert below and all(k in e.kv.checkpoint_cache.tiers.host for k in below)     # 4 slots: 2 spilled
+    ready, pending, lengths = e.checkpoint_keys()
+    assert set(want) <= set(ready) and not pending and set(want.values()) <= set(lengths)
+    assert len(ready) == len(set(ready)) and lengths == sorted(lengths)
+    e.close()                                          # every checkpoint written to disk
+    e2 = LLM(**kw).engine
+    assert len(e2.index) == 0
+    ready, pending, lengths = e2.checkpoint_keys()
+    assert set(ready) == set(want) and not pending and lengths == sorted(set(want.values()))
+    c, out = CONVS[0], first[0]
+    assert _run(e2, c + out + [5]).checkpoint.tier == "disk"      # the key the router saw is a hit there
+    ready, _, _ = e2.checkpoint_keys()                # on the device and still on disk: listed once
+    assert set(ready) >= set(want) and len(ready) == len(set(ready))
 
 
 def test_tiers_refused_with_tensor_parallel():

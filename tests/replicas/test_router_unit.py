@@ -1,6 +1,7 @@
 """CheckpointAffinityRouter.choose_replicas on stand-in replicas (no Ray cluster): the holder of a READY or PENDING
 key wins, a new key's first placement is kept for its group, an automatic checkpoint is found at a reported or
-learned length, the less loaded of two otherwise, and a dead replica's checkpoints are forgotten with it."""
+learned length, the less loaded of two otherwise, a dead replica's checkpoints are forgotten with it, and a
+checkpoint a replica's engine spilled to its host tier still draws its conversation there."""
 from __future__ import annotations
 
 import asyncio
@@ -112,3 +113,34 @@ def _dead(seed):
     assert list(router.curr_replicas.values()) == [other]
     assert not router._local or all(rid == other.replica_id for rid, _, _ in router._local.values())
     assert _choose(router, route) is other
+
+
+def test_a_checkpoint_in_a_replicas_host_tier_still_draws_its_conversation():
+    """Issue 30 leftover: a replica reports the checkpoints of its host and disk tiers as READY (a lookup there
+    restores them, 0.075x the recompute on the H200), so the next turn of a conversation whose checkpoint the
+    replica spilled below its GPU still goes to it, however loaded (the routing stats of a real engine, through
+    ``EngineReplica.record_routing_stats``)."""
+    from gdnserve.engine.cache.checkpoint_index import conversation_prefix
+    from gdnserve.engine.sampling_params import SamplingParams
+    from gdnserve.entrypoints.llm import LLM
+    from gdnserve.replicas.engine_replica import EngineReplica
+
+    e = LLM(device="cpu", max_num_seqs=2, num_slots=2, num_pages=64, page_size=8,
+            checkpoint_host_memory_gb=0.01).engine
+    rng = random.Random(30)
+    convs = [[rng.randrange(3, 250) for _ in range(17 + i)] for i in range(3)]
+    outs = []
+    for c in convs:
+        rid = e.add_request(None, c, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        while e.has_unfinished():
+            outs += [o.outputs[0].token_ids for o in e.step() if o.request_id == rid and o.finished]
+    spilled = conversation_prefix(convs[0], outs[0])
+    assert prefix_key(spilled, len(spilled)) in e.kv.checkpoint_cache.tiers.host      # 2 slots: the first went down
+    stats = EngineReplica.record_routing_stats(SimpleNamespace(engine=e, replica_id="b"))
+    _in_loop(_spilled_turn)(stats, convs[0] + outs[0] + [7, 8])
+
+
+def _spilled_turn(stats, turn):
+    a, b, d = _Replica("a"), _Replica("b", **{**stats, "queue_depth": 9}), _Replica("d")
+    router = _router(a, b, d)
+    assert all(_choose(router, generate_route(turn, None)) is b for _ in range(5))

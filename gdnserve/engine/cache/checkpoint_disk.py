@@ -171,6 +171,12 @@ class DiskTier:
         with self._lock:
             return set(self._lengths)
 
+    def keys(self) -> tuple[list[bytes], set[int]]:
+        """The keys of the files indexed (not those still being written: a lookup cannot find them yet) and their
+        token lengths, in one pass under the lock (the I/O thread adds and removes files)."""
+        with self._lock:
+            return list(self._entries), set(self._lengths)
+
     def _add(self, key: bytes, entry: DiskEntry) -> None:
         self._entries[key] = entry
         self.used += entry.nbytes

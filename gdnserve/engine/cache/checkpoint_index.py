@@ -122,22 +122,33 @@ class CheckpointIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, token_ids: Sequence[int], key: bytes | None = None) -> Lookup:
+    def lookup(self, token_ids: Sequence[int], key: bytes | None = None, *, count: bool = True) -> Lookup:
         """Find the READY checkpoint of exactly ``token_ids``. Mutates only the LRU order and the stats;
         takes no reference (``acquire`` before reading the slot). ``key``: ``checkpoint_key(token_ids)`` when the
-        caller has it (every method taking ``key`` trusts it)."""
+        caller has it (every method taking ``key`` trusts it). ``count=False``: the stats are left to the caller
+        (``count``), which may still serve the lookup from a lower tier (kv_cache.CheckpointCache.lookup)."""
         ids = tuple(token_ids)
         key = checkpoint_key(ids) if key is None else key
         e = self._entries.get(key)
         if e is None:
-            return self._miss(MissReason.EVICTED if key in self._evicted else MissReason.ABSENT)
-        if e.token_ids != ids:
-            return self._miss(MissReason.COLLISION)
-        if e.status is CheckpointStatus.PENDING:
-            return self._miss(MissReason.PENDING, e)
-        self._hits += 1
-        self._touch(e)
-        return Lookup(e, None, e.length)
+            look = Lookup(None, MissReason.EVICTED if key in self._evicted else MissReason.ABSENT, 0)
+        elif e.token_ids != ids:
+            look = Lookup(None, MissReason.COLLISION, 0)
+        elif e.status is CheckpointStatus.PENDING:
+            look = Lookup(e, MissReason.PENDING, 0)
+        else:
+            self._touch(e)
+            look = Lookup(e, None, e.length)
+        if count:
+            self.count(look)
+        return look
+
+    def count(self, look: Lookup) -> None:
+        """Count one lookup's answer in the stats: a hit, or a miss by its reason."""
+        if look.hit:
+            self._hits += 1
+        else:
+            self._misses[look.reason] += 1
 
     def reserve(self, token_ids: Sequence[int], key: bytes | None = None) -> Checkpoint:
         """Create a PENDING entry on a fresh CHECKPOINT slot, evicting the LRU unreferenced READY entry if
@@ -269,10 +280,6 @@ class CheckpointIndex:
         return out
 
     # ---- internals ----
-    def _miss(self, reason: MissReason, entry: Checkpoint | None = None) -> Lookup:
-        self._misses[reason] += 1
-        return Lookup(entry, reason, 0)
-
     def _touch(self, e: Checkpoint) -> None:
         self._clock += 1
         e.last_use = self._clock

@@ -104,6 +104,23 @@ class CheckpointTiers:
             out |= self.disk.lengths()
         return out
 
+    def keys(self) -> tuple[list[bytes], set[int]]:
+        """The keys held below the device (host tier, then disk; a key may also be on the device: a disk file stays
+        after its restore) and their token lengths: what a replica reports to its router besides the index's. Read
+        from another thread than the engine's: the host tier's dict and lengths taken in C-level passes (retried if
+        the engine changed them meanwhile), the disk's under its lock. Only keys and lengths are copied."""
+        while True:
+            try:
+                keys, lengths = list(self.host), set(self._host_lengths)
+                break
+            except RuntimeError:  # "mutated during iteration": take them again
+                continue
+        if self.disk is not None:
+            dkeys, dlengths = self.disk.keys()
+            keys += dkeys
+            lengths |= dlengths
+        return keys, lengths
+
     def find(self, key: bytes, token_ids: tuple[int, ...]) -> tuple[str, int] | None:
         """(tier, pages needed) when a lower tier holds exactly ``token_ids`` under ``key``."""
         hc = self.host.get(key)

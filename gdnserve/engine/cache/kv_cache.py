@@ -49,18 +49,27 @@ class CheckpointCache:
         return len(self.pages)
 
     def lookup(self, token_ids, key: bytes | None = None) -> Lookup:
-        """The index's lookup; a miss whose key a lower tier holds starts its restore and answers PENDING."""
-        look = self.index.lookup(token_ids, key)
-        if self.tiers is None or look.reason not in (MissReason.ABSENT, MissReason.EVICTED):
-            return look
+        """The index's lookup; a miss whose key a lower tier holds starts its restore: a hit at once from the host
+        tier, PENDING while a disk read is in flight. Counted once in the index's stats: a lookup a lower tier
+        serves is one hit (not a miss of the device and then a hit), counted when it answers READY; one that starts
+        or waits for a disk read counts nothing (the lookup after the read counts the hit, or the miss when the
+        restore failed)."""
+        if self.tiers is None:
+            return self.index.lookup(token_ids, key)
         ids = tuple(token_ids)
         key = checkpoint_key(ids) if key is None else key
-        found = self.tiers.find(key, ids)
-        entry = None if found is None else self._restore(ids, key, *found)
-        if entry is None:
+        look = self.index.lookup(ids, key, count=False)
+        if look.reason in (MissReason.ABSENT, MissReason.EVICTED):
+            found = self.tiers.find(key, ids)
+            entry = None if found is None else self._restore(ids, key, *found)
+            if entry is not None and entry.status is not CheckpointStatus.READY:
+                return Lookup(entry, MissReason.PENDING, 0)
+            if entry is not None:
+                look = self.index.lookup(ids, key, count=False)
+        elif self.is_restoring(look.entry):
             return look
-        return self.index.lookup(token_ids, key) if entry.status is CheckpointStatus.READY \
-            else Lookup(entry, MissReason.PENDING, 0)
+        self.index.count(look)
+        return look
 
     def longest_hit(self, ids: list[int]) -> Checkpoint | str | None:
         """The READY checkpoint of the longest proper prefix of ``ids``, RESTORING when that prefix is being
@@ -76,6 +85,23 @@ class CheckpointCache:
                 if self.is_restoring(look.entry):
                     return RESTORING
         return None
+
+    def keys(self) -> tuple[list[bytes], list[bytes], list[int]]:
+        """(READY keys, PENDING keys, distinct READY lengths), what a replica reports to its router: the index's, and
+        the keys the host and disk tiers hold as READY too (a lookup there restores them: a hit, from the host tier
+        in the same step), with their lengths. Safe from another thread (index.keys, tiers.keys); a key on the
+        device and on disk is listed once."""
+        ready, pending, lengths = self.index.keys()
+        if self.tiers is None:
+            return ready, pending, lengths
+        low, low_lengths = self.tiers.keys()
+        seen = set(ready)
+        seen.update(pending)
+        for k in low:
+            if k not in seen:
+                seen.add(k)
+                ready.append(k)
+        return ready, pending, sorted(low_lengths.union(lengths))
 
     # ---- tiers ----
     def is_restoring(self, entry: Checkpoint | None) -> bool:
