@@ -1,7 +1,7 @@
 """Chunked prefill over the pool at the device's launch config: both backends against the float64 reference
 (gdn_kernels.md §6.4), varlen = per sequence, same-call parents, split prefill, padding, bad inputs. The config
-variants: test_gdn_chunk_prep.py (prep split, inverses, short tile) and test_gdn_chunk_paths.py (output and state
-paths, parent phases).
+variants: test_gdn_chunk_prep.py (prep split, inverses, short tile), test_gdn_chunk_cp.py (context parallelism) and
+test_gdn_chunk_fused.py (the fused_main path); the output and state variants that lost are deleted (issue 28).
 
 On the GPU every distinct shape / dtype / flag compiles the kernels anew (seconds each): the cases are few, each
 covering several behaviours, and a case's inputs and float64 reference are shared by both backends."""
