@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from gdnserve.engine.cache.checkpoint_copy import Copier, Piece, page_runs, pieces
+from gdnserve.engine.cache.checkpoint_copy import Copier, Piece, pieces
 from gdnserve.engine.cache.checkpoint_disk import DiskTier
 from gdnserve.engine.cache.checkpoint_index import CheckpointStatus, checkpoint_key, conversation_prefix
 from gdnserve.engine.cache.checkpoint_tiers import (
@@ -51,11 +51,6 @@ def test_pieces_cut_a_checkpoint_to_the_staging_buffer():
                                                  Piece("k", 1, 2, 0, 3), Piece("k", 1, 2, 3, 4)]
     with pytest.raises(ValueError, match="stage_bytes"):
         pieces(per, layers, 4, 48, 100)
-
-
-def test_page_runs_split_at_gaps():
-    assert page_runs([5, 6, 2, 9, 10, 11]) == [(5, 2, 0), (2, 1, 2), (9, 3, 3)]
-    assert page_runs([]) == []
 
 
 # stage None: straight into the host tensors (CPU's default); 160 B: one SSM layer a piece, a layer's 4 pages cut

@@ -11,8 +11,8 @@ a range of pages of one attention layer where one layer's pages do not fit), pac
 each piece crosses PCIe as ONE transfer. Gathering the slot's rows and the scattered pages happens on the device
 (``copy_`` of the strided rows, ``index_select`` / ``index_copy_`` of the pages). The first version copied per
 layer and per run of consecutive pages: for a 1,343-token checkpoint of the full-size model that was ~1,700
-transfers of ~16 KB, which moved 92 MB at 1-22 GB/s on the H200 (``benchmarks/results/checkpoint_tier_h200.md``
-at 2c905df): slower than recomputing the prefix.
+transfers of ~16 KB, which moved 92 MB at 1-22 GB/s on the H200 (f0112af:benchmarks/results/checkpoint_tier_h200.md,
+code of a2f5a26): slower than recomputing the prefix.
 
 Ordering on CUDA (the exact scheme; docs/architecture.md "Checkpoint tiers"), everything on the copier's own
 stream after ``stream.wait_stream(current)`` (so it reads what the steps already queued wrote):
@@ -74,18 +74,6 @@ class HostCheckpoint:
 def footprint(nbytes: int, pinned: bool) -> int:
     """Host bytes an allocation of ``nbytes`` holds: torch's pinned caching allocator rounds up to a power of two."""
     return 1 << max(nbytes - 1, 0).bit_length() if pinned else nbytes
-
-
-def page_runs(pages: list[int]) -> list[tuple[int, int, int]]:
-    """``(first page, count, index in the table)`` per run of consecutive page numbers."""
-    runs: list[tuple[int, int, int]] = []
-    for i, p in enumerate(pages):
-        if runs and runs[-1][0] + runs[-1][1] == p:
-            a, n, j = runs[-1]
-            runs[-1] = (a, n + 1, j)
-        else:
-            runs.append((p, 1, i))
-    return runs
 
 
 @dataclass(frozen=True, slots=True)
