@@ -263,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         if e is not None:          # size the host tier for every conversation's last checkpoint, then free the GPU
             per = Copier(e.kv.state, e.kv.pages).bytes_of(-(-last_prefix // e.kv.page_size))
             host_gb = args.host_gb if args.host_gb is not None else 1.1 * plan.conversations * per / 2**30
+            e.close()              # unbinds the shared model (LLMEngine.close): the off engine's pools go with it
             e = None
             gc.collect()
             if cuda:

@@ -92,9 +92,10 @@ def measure(model, B: int, P: int, G: int, dev: torch.device, max_num_seqs: int)
         runs[overlap] = (steps[-(G - 1):], dec[:-4] if len(dec) > 8 else dec, wall)
     # the same decode step bare: bench_model's measurement, on this engine's runner and pools
     r = percentiles(ours_decode(eng.runner, B, Plan((), (B,), P, 3, max(8, G // 2), 0.0), dev)["times"])
-    del eng
-    gc.collect()        # the engine's reference cycles (runner <-> graphs): on the H200 the next batch's engine
-    if dev.type == "cuda":   # found 19.3 GiB still in use without this and its memory plan refused it
+    eng.close()         # unbinds the shared model from this engine's pools: bound, its layers kept them alive, and
+    del eng             # on the H200 the next batch's engine found 19.3 GiB in use and its memory plan refused it
+    gc.collect()
+    if dev.type == "cuda":
         torch.cuda.empty_cache()
     ms = lambda v: round(v * 1e3, 3)
     rows = []

@@ -304,6 +304,7 @@ def serve_rows(rep: Report, plan: Plan, engine_for, vocab: int, params: Sampling
                 continue
             rep.log(f"{wl.name}: {mode} (warm-up group, {wl.latency_groups} latency; warm-up pass of {wl.groups} "
                     f"groups, {wl.groups} throughput)")
+            engine = None
             try:
                 engine = engine_for(mode)
                 if mode == "score":
@@ -332,6 +333,8 @@ def serve_rows(rep: Report, plan: Plan, engine_for, vocab: int, params: Sampling
                               len(warm_tp)), **extra})
             except Exception as e:  # noqa: BLE001
                 rep.error(f"{wl.name} {mode}", e)
+            if engine is not None:
+                engine.close()      # unbinds the shared model (LLMEngine.close): its pools go with the engine
             engine = None
             gc.collect()
             if cuda:

@@ -184,6 +184,7 @@ def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype
         except Exception as e:  # noqa: BLE001 — no recording, no spec rows for this B
             rep.error(f"B={B} plain", e)
             continue
+        engine.close()              # unbinds the shared model (LLMEngine.close): its pools go with the engine
         del engine
         for k in plan.ks:
             for mode in MODES:
@@ -192,6 +193,7 @@ def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype
                     if rep.over_budget(what):
                         continue
                     rep.log(what)
+                    engine = None
                     try:
                         engine = make_engine(model, B, k, mode)
                         engine.drafter = RecordedOracleDrafter(futures, plan.prompt, k, rate)
@@ -202,6 +204,8 @@ def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype
                                  "state_bytes": state_bytes(mode, k, B, g, act, t["tokens_per_step"])})
                     except Exception as e:  # noqa: BLE001
                         rep.error(what, e)
+                    if engine is not None:
+                        engine.close()
                     engine = None
                     gc.collect()
                     if cuda:

@@ -50,7 +50,8 @@ class GatedAttention(nn.Module):
         # ``fused``, steps whose slot mapping is one entry per token). Off unless GDNSERVE_FUSED_QK_STORE=1.
         self.fused_qk_store = fused_qk_store_default()
 
-    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    def bind_cache(self, k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> None:
+        """The KV cache this layer reads and writes (None, None: unbound, e.g. after its runner closed)."""
         self.k_cache, self.v_cache = k_cache, v_cache
 
     def takes_quantized_input(self, h: torch.Tensor) -> bool:

@@ -77,7 +77,7 @@ class GatedDeltaNet(nn.Module):
             self._counters[key] = new_counters(ssm_pool.shape[0], self.H, ssm_pool.device)
         self.decode_counters = self._counters[key]
 
-    def bind_spec(self, conv_scratch: torch.Tensor, ssm_scratch: torch.Tensor | None,
+    def bind_spec(self, conv_scratch: torch.Tensor | None, ssm_scratch: torch.Tensor | None,
                   pending: GDNPending | None) -> None:
         """Speculative-decoding buffers: conv_scratch [R, L, D] holds drafted raw conv inputs (scratch rows in
         intermediate mode, ping-pong pending rows in replay mode); ssm_scratch [R, L, HV, V, K] per-token
