@@ -285,8 +285,10 @@ def _measure(rep: Report, plan: Plan, hf_cfg: dict[str, Any], dtype: torch.dtype
 
 
 def serve_rows(rep: Report, plan: Plan, engine_for, vocab: int, params: SamplingParams, modes: tuple[str, ...],
-               device: torch.device, **extra: Any) -> None:
-    """Every workload x mode of the plan on ``engine_for(mode)``'s engines (rows get ``extra``'s fields)."""
+               device: torch.device, close_engines: bool = True, **extra: Any) -> None:
+    """Every workload x mode of the plan on ``engine_for(mode)``'s engines (rows get ``extra``'s fields).
+    ``close_engines``: each engine is closed after its mode (its pools freed with it); False when they share a
+    runner that outlives them (bench_tp's session: closing would stop its workers)."""
     cuda = device.type == "cuda"
     for wl in plan.workloads:
         rng = random.Random(wl.prefix)
@@ -333,7 +335,7 @@ def serve_rows(rep: Report, plan: Plan, engine_for, vocab: int, params: Sampling
                               len(warm_tp)), **extra})
             except Exception as e:  # noqa: BLE001
                 rep.error(f"{wl.name} {mode}", e)
-            if engine is not None:
+            if engine is not None and close_engines:
                 engine.close()      # unbinds the shared model (LLMEngine.close): its pools go with the engine
             engine = None
             gc.collect()

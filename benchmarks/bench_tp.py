@@ -445,7 +445,7 @@ def run(device: torch.device, quick: bool, out_dir: Path, tps: list[int], sectio
                     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
                     engine_for = lambda mode: session.engine(cfg.with_(auto_checkpoints=mode != "none"))  # noqa: E731
                     bs.serve_rows(rep, plan.serve, engine_for, hf_cfg["vocab_size"], params, ("none", "fused", "score"),
-                                  device, section="serve", tp=tp)
+                                  device, close_engines=False, section="serve", tp=tp)
             finally:
                 session.close()
                 session = None
