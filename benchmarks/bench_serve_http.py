@@ -230,11 +230,7 @@ def leak_check(url: str) -> dict[str, Any]:
     """After the run, from /metrics: no request running or waiting, and every state slot in use held by a READY
     checkpoint (a slot beyond them is a leaked request's)."""
     text = httpx.get(url + "/metrics", timeout=30).text
-
-    def gauge(name: str) -> float | None:
-        m = re.search(rf"^gdnserve:{name} ([0-9.e+]+)$", text, re.MULTILINE)
-        return float(m.group(1)) if m else None
-    got = {k: gauge(n) for k, n in (("running", "num_requests_running"), ("waiting", "num_requests_waiting"),
+    got = {k: metric(text, n) for k, n in (("running", "num_requests_running"), ("waiting", "num_requests_waiting"),
                                     ("slots_used", "state_pool_slots_used"), ("checkpoints", "checkpoints_ready"))}
     got["ok"] = None not in got.values() and got["running"] == 0 and got["waiting"] == 0 \
         and got["slots_used"] == got["checkpoints"]
@@ -319,9 +315,14 @@ def spec_counts(url: str) -> tuple[float, float] | None:
         text = httpx.get(url + "/metrics", timeout=30).text
     except httpx.HTTPError:
         return None
-    got = [re.search(rf"^gdnserve:spec_decode_num_{k}_tokens(?:_total)? ([0-9.e+]+)$", text, re.MULTILINE)
-           for k in ("draft", "accepted")]
-    return (float(got[0].group(1)), float(got[1].group(1))) if all(got) else None
+    draft, accepted = (metric(text, f"spec_decode_num_{k}_tokens") for k in ("draft", "accepted"))
+    return (draft, accepted) if draft is not None and accepted is not None else None
+
+
+def metric(text: str, name: str) -> float | None:
+    """The value of the unlabelled sample ``gdnserve:NAME`` (a counter's ``_total`` too) in /metrics ``text``."""
+    m = re.search(rf"^gdnserve:{name}(?:_total)? ([0-9.e+]+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else None
 
 
 def spec_label(args: argparse.Namespace) -> str:
