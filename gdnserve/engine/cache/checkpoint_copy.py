@@ -121,7 +121,6 @@ class Copier:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.stage_bytes = stage_bytes if stage_bytes is not None else (STAGE_BYTES if self.cuda else 0)
         self._stage: torch.Tensor | None = None
-        self._idx: torch.Tensor | None = None       # the pages of the copy in flight (device)
 
     def _layout(self, num_pages: int) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype, int]], int]:
         """name -> (shape, dtype, byte offset) of a checkpoint's tensors in its one host buffer, and its bytes."""
@@ -174,17 +173,17 @@ class Copier:
         t = hc.tensors[p.name][p.l0:p.l1]
         return t if p.name in ("conv", "ssm") or (p.i0 == 0 and p.i1 == hc.num_pages) else t[:, p.i0:p.i1]
 
-    def _device(self, p: Piece, slot: int):
-        """(read, write) of piece ``p`` on the device: ``read(out)`` gathers it into ``out``, ``write(src)``
-        scatters ``src`` into the pools."""
+    def _device(self, p: Piece, slot: int, idx: torch.Tensor):
+        """(read, write) of piece ``p`` on the device (``idx``: the checkpoint's pages, on the device): ``read(out)``
+        gathers it into ``out``, ``write(src)`` scatters ``src`` into the pools."""
         st, kv = self.state, self.kv
         if p.name in ("conv", "ssm"):
             rows = (st.conv_pools if p.name == "conv" else st.ssm_pools)[p.l0:p.l1, slot]
             return (lambda out: out.copy_(rows)), (lambda src: rows.copy_(src))
         pool = (kv.k_pools if p.name == "k" else kv.v_pools)[p.l0:p.l1]
-        idx = self._idx[p.i0:p.i1]
-        return ((lambda out: torch.index_select(pool, 1, idx, out=out)),
-                (lambda src: pool.index_copy_(1, idx, src)))
+        run = idx[p.i0:p.i1]
+        return ((lambda out: torch.index_select(pool, 1, run, out=out)),
+                (lambda src: pool.index_copy_(1, run, src)))
 
     def _page_index(self, pages: list[int]) -> torch.Tensor:
         idx = torch.tensor(pages, dtype=torch.long)
@@ -212,28 +211,26 @@ class Copier:
 
     def _copy(self, hc: HostCheckpoint, slot: int, pages: list[int], to_host: bool) -> object | None:
         if not self.stage_bytes:            # CPU: gather / scatter straight into / out of the host tensors
-            self._idx = self._page_index(pages)
+            idx = self._page_index(pages)
             for p in self._pieces(hc):
-                read, write = self._device(p, slot)
+                read, write = self._device(p, slot, idx)
                 read(self._host(hc, p)) if to_host else write(self._host(hc, p))
             return None
         items = self._pieces(hc)
         if not self.cuda:                   # CPU with a staging buffer (tests): the same batches, synchronous
-            self._idx = self._page_index(pages)
+            idx = self._page_index(pages)
             for batch in self._batches(items, hc):
-                self._run_batch(hc, batch, slot, to_host)
+                self._run_batch(hc, batch, slot, idx, to_host)
             return None
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)      # after every kernel already queued that reads or writes these rows
         with torch.cuda.stream(self.stream):
-            self._idx = self._page_index(pages)
-            batches = self._batches(items, hc)
+            idx = self._page_index(pages)
             gathered = None
-            for batch in batches:
-                gathered = self._run_batch(hc, batch, slot, to_host)
+            for batch in self._batches(items, hc):
+                gathered = self._run_batch(hc, batch, slot, idx, to_host)
             event = torch.cuda.Event()
             event.record(self.stream)
-        self._idx = None
         if to_host:
             hc.event = event
             current.wait_event(gathered or event)   # the slot and pages are free once gathered; the transfers run on
@@ -241,14 +238,14 @@ class Copier:
             current.wait_event(event)         # the restored rows are read only after the scatter
         return event
 
-    def _run_batch(self, hc: HostCheckpoint, batch: list[tuple[Piece, torch.Tensor]], slot: int,
+    def _run_batch(self, hc: HostCheckpoint, batch: list[tuple[Piece, torch.Tensor]], slot: int, idx: torch.Tensor,
                    to_host: bool) -> object | None:
         """One staging batch: gathers then transfers down, or transfers up then scatters. Returns (CUDA, down)
         the event after the gathers."""
         nb = self.cuda
         if to_host:
             for p, view in batch:
-                self._device(p, slot)[0](view)
+                self._device(p, slot, idx)[0](view)
             gathered = None
             if self.cuda:
                 gathered = torch.cuda.Event()
@@ -259,5 +256,5 @@ class Copier:
         for p, view in batch:
             view.copy_(self._host(hc, p), non_blocking=nb)
         for p, view in batch:
-            self._device(p, slot)[1](view)
+            self._device(p, slot, idx)[1](view)
         return None
