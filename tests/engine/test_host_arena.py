@@ -1,0 +1,173 @@
+"""HostArena (engine/cache/host_arena.py), the host checkpoint tier's one buffer: first-fit blocks of 4 KiB
+multiples, freed blocks merged with their neighbours, double frees refused, exhaustion answered with None, random
+alloc / free sequences against a page bitmap (the reference: which pages are taken), the pinning path (registered in
+place, or torch's pinned allocator when registration fails) and threads freeing while another allocates."""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gdnserve.engine.cache import host_arena
+from gdnserve.engine.cache.host_arena import ALIGN, Block, HostArena, block_size
+
+P = ALIGN
+
+
+def test_sizes_round_up_to_pages_and_blocks_are_views_of_one_buffer():
+    a = HostArena(10 * P + 123, pinned=False)             # the tail beyond whole pages is never handed out
+    assert a.capacity == 10 * P and a.used == 0 and a.largest_free == 10 * P
+    assert block_size(1) == P and block_size(P) == P and block_size(P + 1) == 2 * P
+    b1, b2 = a.alloc(1), a.alloc(P + 1)
+    assert (b1.offset, b1.size, b2.offset, b2.size) == (0, P, P, 2 * P)
+    assert a.used == 3 * P and a.largest_free == 7 * P
+    v1, v2 = a.view(b1), a.view(b2)
+    assert v1.dtype == torch.uint8 and v1.numel() == P and v2.numel() == 2 * P
+    assert v2.data_ptr() - v1.data_ptr() == P                 # one buffer, in place
+    v1.fill_(7)
+    v2.fill_(9)
+    assert int(a.view(b1).sum()) == 7 * P and int(a.view(b2)[0]) == 9
+    with pytest.raises(ValueError, match="nbytes"):
+        a.alloc(0)
+    with pytest.raises(ValueError, match="nbytes"):
+        HostArena(P - 1, pinned=False)
+
+
+def test_first_fit_takes_the_lowest_hole_that_fits():
+    a = HostArena(10 * P, pinned=False)
+    b = [a.alloc(P), a.alloc(2 * P), a.alloc(P), a.alloc(3 * P), a.alloc(P)]   # 0, 1-2, 3, 4-6, 7; 8-9 free
+    a.free(b[1])                                              # hole of 2 at 1
+    a.free(b[3])                                              # hole of 3 at 4
+    got = a.alloc(3 * P)
+    assert got.offset == 4 * P                                # the first hole too small: the second
+    assert a.alloc(P).offset == P                             # the first hole that fits
+    assert a.alloc(2 * P).offset == 8 * P and a.alloc(P).offset == 2 * P
+    assert a.used == a.capacity and a.largest_free == 0 and a.alloc(1) is None    # exhausted: None, nothing held
+
+
+def test_free_merges_with_both_neighbours():
+    a = HostArena(6 * P, pinned=False)
+    b = [a.alloc(P) for _ in range(6)]
+    a.free(b[1])
+    a.free(b[3])
+    assert a.largest_free == P and a.alloc(2 * P) is None     # 2 pages free, not adjacent
+    a.free(b[2])                                              # joins 1 and 3: a run of 3
+    assert a.largest_free == 3 * P
+    a.free(b[0])
+    a.free(b[5])
+    a.free(b[4])
+    assert a.used == 0 and a.largest_free == 6 * P and a.alloc(6 * P).offset == 0
+
+
+def test_a_double_free_or_a_foreign_block_is_refused():
+    a = HostArena(4 * P, pinned=False)
+    b = a.alloc(P)
+    a.free(b)
+    with pytest.raises(ValueError, match="freed twice"):
+        a.free(b)
+    again = a.alloc(P)                                        # the same offset and size, another block
+    assert again.offset == b.offset
+    with pytest.raises(ValueError, match="freed twice"):
+        a.free(b)                                             # the stale block cannot free its successor
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free(Block(again.offset, again.size))
+    assert a.used == P
+    a.free(again)
+    assert a.used == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_sequences_match_a_page_bitmap(seed):
+    rng = random.Random(seed)
+    pages = rng.randint(8, 64)
+    a = HostArena(pages * P + rng.randrange(P), pinned=False)
+    taken = [False] * pages                                   # the reference
+    live: list[Block] = []
+
+    def first_fit(n: int) -> int | None:
+        run = 0
+        for i, t in enumerate(taken):
+            run = 0 if t else run + 1
+            if run == n:
+                return i - n + 1
+        return None
+
+    for _ in range(400):
+        if live and rng.random() < 0.45:
+            b = live.pop(rng.randrange(len(live)))
+            a.free(b)
+            for p in range(b.offset // P, (b.offset + b.size) // P):
+                taken[p] = False
+        else:
+            nbytes = rng.randint(1, 6 * P)
+            want = first_fit(block_size(nbytes) // P)
+            b = a.alloc(nbytes)
+            if want is None:
+                assert b is None
+                continue
+            assert b is not None and b.offset == want * P and b.size == block_size(nbytes)
+            for p in range(want, want + b.size // P):
+                assert not taken[p]
+                taken[p] = True
+            live.append(b)
+        assert a.used == sum(taken) * P
+        longest = run = 0
+        for t in taken:
+            run = 0 if t else run + 1
+            longest = max(longest, run)
+        assert a.largest_free == longest * P
+
+
+def test_threads_free_while_another_allocates():
+    a = HostArena(64 * P, pinned=False)
+    held: list[Block] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def freer():
+        while not stop.is_set() or held:
+            with lock:
+                b = held.pop() if held else None
+            if b is not None:
+                a.free(b)
+
+    threads = [threading.Thread(target=freer) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for i in range(3000):
+        b = a.alloc((i % 3 + 1) * P)
+        if b is not None:
+            with lock:
+                held.append(b)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert a.used == 0 and a.largest_free == a.capacity
+
+
+def test_pinned_registers_in_place_and_falls_back_with_one_line(monkeypatch, caplog):
+    calls = []
+    cudart = SimpleNamespace(cudaHostRegister=lambda ptr, n, flags: calls.append(("reg", ptr, n, flags)) or 0,
+                             cudaHostUnregister=lambda ptr: calls.append(("unreg", ptr)) or 0)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    a = HostArena(5 * P + 1, pinned=True)
+    ptr = a.view(a.alloc(P)).data_ptr()
+    assert a.how == "cudaHostRegister" and calls == [("reg", ptr, 5 * P + 1, 1)]    # exactly nbytes, no rounding
+    a.close()
+    a.close()
+    assert calls[1:] == [("unreg", ptr)]                     # once
+    with pytest.raises(RuntimeError, match="closed"):
+        a.alloc(P)
+
+    cudart.cudaHostRegister = lambda ptr, n, flags: 999      # refused: torch's pinned allocator instead
+    monkeypatch.setattr(host_arena, "_pinned_empty", lambda n: torch.zeros(n, dtype=torch.uint8))
+    caplog.set_level(logging.WARNING)
+    b = HostArena(3 * P, pinned=True)
+    assert b.how == "torch pinned allocator" and b.capacity == 3 * P and b.alloc(3 * P) is not None
+    assert [m for m in caplog.messages if "cudaError 999" in m] and len(caplog.messages) == 1
+    b.close()
+    assert len(calls) == 2                                    # nothing registered, nothing to unregister
