@@ -34,6 +34,7 @@ import torch
 
 from benchmarks import jsonfmt
 from gdnserve.engine.cache.checkpoint_copy import Copier
+from gdnserve.engine.cache.host_arena import block_size
 from gdnserve.engine.cache.sequence import PrefillItem
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.llm_engine import LLMEngine
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     e = None
     for mode in ("off", "on"):
         if e is not None:          # size the host tier for every conversation's last checkpoint, then free the GPU
-            per = Copier(e.kv.state, e.kv.pages).bytes_of(-(-last_prefix // e.kv.page_size))
+            per = block_size(Copier(e.kv.state, e.kv.pages).layout_bytes(-(-last_prefix // e.kv.page_size)))
             host_gb = args.host_gb if args.host_gb is not None else 1.1 * plan.conversations * per / 2**30
             e.close()              # unbinds the shared model (LLMEngine.close): the off engine's pools go with it
             e = None

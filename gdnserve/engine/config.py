@@ -27,8 +27,8 @@ class EngineConfig:
     ``max_partial_prefills``: prompts (or checkpoint / score prefixes) prefilled chunk by chunk at once; a prompt
     that needs chunking waits while this many are in progress, without holding up shorter jobs behind it (vLLM's
     ``max_long_partial_prefills``; docs/serving.md "Chunked prefill").
-    ``checkpoint_host_memory_gb`` > 0: evicted checkpoints are copied to that much pinned host memory (ordinary memory
-    on CPU) and restored on a hit; ``checkpoint_dir``: below it (or below the device when the host tier is off) a
+    ``checkpoint_host_memory_gb`` > 0: evicted checkpoints are copied to that much pinned host memory (one arena
+    pinned at start-up; ordinary memory on CPU) and restored on a hit; ``checkpoint_dir``: below it (or below the device when the host tier is off) a
     directory of checkpoint files of at most ``checkpoint_dir_max_gb``, kept across restarts
     (engine/cache/checkpoint_tiers.py; docs/serving.md "Checkpoint tiers").
 

@@ -136,6 +136,8 @@ class _TierCollector:
             yield fam
         yield CounterMetricFamily(P + "checkpoint_spills", "READY checkpoints copied down from the GPU on eviction.",
                                   value=snap["spills"])
+        yield CounterMetricFamily(P + "checkpoint_spills_dropped", "READY checkpoints evicted from the GPU that no "
+                                  "lower tier could take (the host arena full, no disk tier).", value=snap["dropped"])
         yield CounterMetricFamily(P + "checkpoint_restore_failures", "Restores that failed (a corrupt or vanished "
                                   "file): the request missed.", value=snap["restore_failures"])
         cum, buckets = 0, []

@@ -1,17 +1,24 @@
 """Checkpoint tiers on CPU tensors: the host copy and its restore are bit-identical (odd page lists, poisoned
 destinations, untouched rows compared bit for bit), the eviction order across the GPU -> host -> disk tiers and LRU
-within each, restores that come back READY with their tier, the disk format (a restart finds the files; corrupt,
-truncated and another model's files are ignored with one log line, never a crash; the size bound), the model
-fingerprint, and the engine: later turns of conversations evicted from the device hit from the host and the disk
-tiers with the outputs of an engine that recomputes them."""
+within each, the host arena's blocks (reused after an eviction, held while the disk writer or a copy up still reads
+them, a spill with no room sent straight to disk or dropped and counted, none leaked), restores that come back READY
+with their tier, the disk format (a restart finds the files; corrupt, truncated and another model's files are
+ignored with one log line, never a crash; the size bound), the model fingerprint, and the engine: later turns of
+conversations evicted from the device hit from the host and the disk tiers with the outputs of an engine that
+recomputes them."""
 from __future__ import annotations
 
 import logging
 import random
+import threading
+from concurrent.futures import Executor, Future
+from itertools import pairwise
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from gdnserve.engine.cache import checkpoint_disk
 from gdnserve.engine.cache.checkpoint_copy import Copier, Piece, pieces
 from gdnserve.engine.cache.checkpoint_disk import DiskTier
 from gdnserve.engine.cache.checkpoint_index import CheckpointStatus, checkpoint_key, conversation_prefix
@@ -20,6 +27,7 @@ from gdnserve.engine.cache.checkpoint_tiers import (
     TierStats,
     model_fingerprint,
 )
+from gdnserve.engine.cache.host_arena import HostArena, block_size
 from gdnserve.engine.cache.kv_cache import KVCache
 from gdnserve.engine.cache.page_pool import PagePool, PagePoolConfig
 from gdnserve.engine.cache.state_pool import SlotKind, StatePool, StatePoolConfig
@@ -82,16 +90,35 @@ def test_copy_and_restore_are_bit_identical_and_touch_nothing_else(stage):
 
 
 # ------------------------------------------------------------------ tiers over bare pools (no model)
-class Rig:
-    """A KVCache with tiers over small random pools; checkpoints made directly (reserve -> pages -> ready)."""
+class Inline(Executor):
+    """The disk tier's I/O thread replaced by the caller: a writer that keeps up (each write done, its host copy's
+    block released, inside ``put``), for tests of where checkpoints go; the real thread's lag: ``held_writer``."""
 
-    def __init__(self, tmp_path, host_ckpts: int = 0, disk: bool = True, fp: str = "f" * 64, max_bytes=2**30):
-        self.st, self.pg = pools()
-        self.copier = Copier(self.st, self.pg)
-        self.per = self.copier.bytes_of(2)                     # every checkpoint here has 6 tokens = 2 pages
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        f = Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001
+            f.set_exception(e)
+        return f
+
+
+class Rig:
+    """A KVCache with tiers over small random pools; checkpoints made directly (reserve -> pages -> ready). The host
+    tier: an arena of ``host_ckpts`` checkpoints of 2 pages."""
+
+    def __init__(self, tmp_path, host_ckpts: int = 0, disk: bool = True, fp: str = "f" * 64, max_bytes=2**30,
+                 inline_disk: bool = False, num_pages: int = 24):
+        self.st, self.pg = pools(num_pages=num_pages)
+        self.per = block_size(Copier(self.st, self.pg).layout_bytes(2))   # every checkpoint here: 6 tokens = 2 pages
+        self.arena = HostArena(host_ckpts * self.per, pinned=False) if host_ckpts else None
+        self.copier = Copier(self.st, self.pg, arena=self.arena)
+        assert self.arena is None or self.copier.bytes_of(2) == self.per
         self.stats = TierStats()
         self.disk = DiskTier(tmp_path, max_bytes, fp, on_bytes=self.stats.add_bytes) if disk else None
-        self.tiers = CheckpointTiers(self.copier, host_ckpts * self.per, self.disk, self.stats)
+        if inline_disk:
+            self.disk._io = Inline()
+        self.tiers = CheckpointTiers(self.copier, self.disk, self.stats)
         self.kv = KVCache(self.st, self.pg, self.tiers)
         self.ck = self.kv.checkpoint_cache
         self.data: dict[tuple, list[torch.Tensor]] = {}
@@ -111,6 +138,15 @@ class Rig:
         pages = self.ck.pages[entry.key].pages
         return [bits(self.st.conv_pools[:, entry.slot]), bits(self.st.ssm_pools[:, entry.slot]),
                 bits(self.pg.k_pools[:, pages]), bits(self.pg.v_pools[:, pages])]
+
+    def block(self, ids):
+        return self.tiers.host[checkpoint_key(ids)].block
+
+    def no_leak(self) -> bool:
+        """The arena holds exactly the host tier's blocks (none lost, none shared)."""
+        blocks = [hc.block for hc in self.tiers.host.values()]
+        spans = sorted((b.offset, b.offset + b.size) for b in blocks)
+        return self.arena.used == sum(b.size for b in blocks) and all(a[1] <= b[0] for a, b in pairwise(spans))
 
     def where(self, ids) -> str:
         key = checkpoint_key(ids)
@@ -142,7 +178,7 @@ IDS = [tuple(range(10 * i, 10 * i + 6)) for i in range(8)]
 
 
 def test_eviction_order_gpu_then_host_then_disk_lru_in_each(tmp_path):
-    r = Rig(tmp_path, host_ckpts=2)
+    r = Rig(tmp_path, host_ckpts=2, inline_disk=True)         # a writer that keeps up: B's block is back for D
     for ids in IDS[:4]:
         r.make(ids)                                    # the 4 slots full
     r.ck.acquire(r.ck.lookup(IDS[0]).entry)            # A is pinned: B is the device's LRU unreferenced entry
@@ -165,7 +201,7 @@ def test_eviction_order_gpu_then_host_then_disk_lru_in_each(tmp_path):
     assert r.ck.index.check_integrity() == [] and r.st.check_integrity() == [] and r.pg.check_integrity() == []
     r.ck.release(r.ck.lookup(IDS[0]).entry)
     r.ck.evict(len(r.ck))
-    assert r.st.num_free == r.st.num_slots and r.pg.num_free == r.pg.num_pages
+    assert r.st.num_free == r.st.num_slots and r.pg.num_free == r.pg.num_pages and r.no_leak()
 
 
 def _counts(r) -> dict[str, int]:
@@ -177,7 +213,7 @@ def test_a_lookup_served_from_a_lower_tier_counts_one_hit_and_no_miss(tmp_path):
     """Issue 30 leftover: a host-tier restore counted the device's miss (evicted) and then the hit. A lookup a lower
     tier serves is one hit of the index (of its tier in TierStats, at the admission's ``hit_tier``); the lookups
     that start or wait for a disk read count nothing, the one after it the hit; a failed restore one miss."""
-    r = Rig(tmp_path, host_ckpts=1)
+    r = Rig(tmp_path, host_ckpts=1, inline_disk=True)
     for ids in IDS[:6]:
         r.make(ids)                                    # IDS[0] to the host tier, then to disk for IDS[1]
     r.disk.flush()
@@ -195,7 +231,7 @@ def test_a_lookup_served_from_a_lower_tier_counts_one_hit_and_no_miss(tmp_path):
     assert r.ck.hit_tier(again.entry) == "disk" and r.stats.hits == {"gpu": 0, "host": 1, "disk": 1}
     assert r.ck.lookup(IDS[0]).hit and _counts(r) == {"hits": 3}     # on the device now: a plain hit
     victim = r.ck.index.lru_victims(1)[0].token_ids    # a device eviction with the key nowhere below: one miss
-    r.tiers.host_bytes, r.tiers.disk = 0, None
+    r.copier.arena, r.tiers.disk = None, None
     r.ck.evict(1)
     assert not r.ck.lookup(victim).hit and _counts(r) == {"hits": 3, "misses_evicted": 1}
 
@@ -254,8 +290,178 @@ def test_no_room_for_a_restore_is_a_plain_miss(tmp_path):
         r.make(ids)
     for ids in IDS[1:5]:
         r.ck.acquire(r.ck.lookup(ids).entry)           # every device checkpoint pinned
+    block = r.block(IDS[0])
     look = r.ck.lookup(IDS[0])                         # in the host tier, but no slot can be freed
     assert not look.hit and look.entry is None and not r.ck.restoring() and r.where(IDS[0]) == "host"
+    assert r.block(IDS[0]) is block and r.no_leak()    # unclaimed with its block
+
+
+# ------------------------------------------------------------------ the host arena: blocks and their release
+def held_writer(monkeypatch) -> threading.Event:
+    """The disk writer thread held before it reads a checkpoint's tensors, until the returned event is set."""
+    gate, encode = threading.Event(), checkpoint_disk.encode
+
+    def held(hc, fingerprint):
+        assert gate.wait(20), "the test never let the writer go"
+        return encode(hc, fingerprint)
+
+    monkeypatch.setattr(checkpoint_disk, "encode", held)
+    return gate
+
+
+class LateEvent:
+    """A copy up's event that completes when the test says so (on CPU the copies are synchronous)."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True
+
+
+def late_restores(r: Rig, monkeypatch) -> list[LateEvent]:
+    """Every copy up from now on reports a LateEvent (the copy itself done, synchronously)."""
+    events, restore = [], r.copier.restore
+
+    def late(hc, slot, pages):
+        restore(hc, slot, pages)
+        events.append(LateEvent())
+        return events[-1]
+
+    monkeypatch.setattr(r.copier, "restore", late)
+    return events
+
+
+def test_an_arena_copier_carves_checkpoints_and_releases_them_once():
+    st, pg = pools()
+    per = block_size(Copier(st, pg).layout_bytes(4))
+    arena = HostArena(2 * per, pinned=False)
+    cp = Copier(st, pg, arena=arena)
+    src, dst = [5, 6, 2, 9], [0, 1, 3, 17]
+    want = [bits(st.conv_pools[:, 1]), bits(st.ssm_pools[:, 1]), bits(pg.k_pools[:, src]), bits(pg.v_pools[:, src])]
+    hc = cp.empty(b"k" * 16, (1, 2, 3), 4)
+    assert hc.block is not None and hc.footprint == hc.block.size == cp.bytes_of(4) == per and per % 4096 == 0
+    base = arena.view(hc.block).data_ptr()
+    assert all(base <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= base + per
+               for t in hc.tensors.values())               # the four tensors: views into its block
+    cp.copy_down(hc, 1, src)
+    assert cp.empty(b"o" * 16, (1,), 4) is not None and cp.empty(b"x" * 16, (1,), 4) is None   # full: None
+    for t in (st.conv_pools[:, 3], st.ssm_pools[:, 3], pg.k_pools[:, dst], pg.v_pools[:, dst]):
+        t.fill_(float("nan"))
+    cp.restore(hc, 3, dst)
+    got = [bits(st.conv_pools[:, 3]), bits(st.ssm_pools[:, 3]), bits(pg.k_pools[:, dst]), bits(pg.v_pools[:, dst])]
+    assert same(got, want)
+    hc.release()
+    hc.release()                                       # once: the second is nothing
+    assert arena.used == per and hc.block is None
+    plain = cp.snapshot(b"p" * 16, (1,), 1, src)       # snapshot: a plain allocation, outside the arena
+    assert plain.block is None and plain.footprint == cp.layout_bytes(4) and arena.used == per
+    plain.release()
+
+
+def test_a_full_arena_evicts_the_host_lru_and_reuses_its_block(tmp_path):
+    r = Rig(tmp_path, host_ckpts=2, disk=False)
+    for ids in IDS[:6]:
+        r.make(ids)                                    # IDS[0], IDS[1] down: the arena full
+    assert [r.where(i) for i in IDS[:2]] == ["host", "host"] and r.arena.used == r.arena.capacity
+    first = r.block(IDS[0])
+    r.ck.evict(1)                                      # IDS[2] down: IDS[0], the LRU, dropped; its block taken
+    assert r.where(IDS[0]) == "-" and r.block(IDS[2]).offset == first.offset
+    assert r.stats.dropped == 0 and r.stats.spills == 3 and r.no_leak()
+    for ids in (IDS[2], IDS[1]):                       # bit for bit what was evicted, in a reused block too
+        e = r.restore(ids)
+        assert e.origin == "host" and same(r.snap(e), r.data[ids])
+    assert r.no_leak()
+
+
+def test_a_block_evicted_to_disk_is_held_until_the_writer_has_read_it(tmp_path, monkeypatch):
+    """The writer thread reads a host checkpoint's tensors after the spill that evicted it: its block is not free
+    until then (a spill copying into it first would write the other checkpoint's bytes into the file). Meanwhile
+    a spill with no room goes to disk in a plain allocation."""
+    gate = held_writer(monkeypatch)
+    r = Rig(tmp_path, host_ckpts=2)
+    for ids in IDS[:6]:
+        r.make(ids)                                    # IDS[0], IDS[1] in the host tier: the arena full
+    r.ck.evict(1)                                      # IDS[2] down: IDS[0] to disk, its block still the writer's
+    assert [r.where(i) for i in IDS[:3]] == ["disk", "host", "disk"]       # IDS[2]: no room now, straight to disk
+    assert r.arena.used == 2 * r.per and r.stats.spills == 3 and r.stats.dropped == 0
+    r.ck.evict(1)                                      # IDS[3] down: IDS[1] to disk, IDS[3] straight to disk
+    assert [r.where(i) for i in IDS[:4]] == ["disk"] * 4 and r.arena.used == 2 * r.per and not r.tiers.host
+    gate.set()
+    r.disk.flush()
+    assert r.arena.used == 0 and len(r.disk) == 4      # both blocks released by the writer, every file written
+    r.ck.evict(1)                                      # IDS[4] down: into a released block
+    assert r.where(IDS[4]) == "host" and r.no_leak()
+    for ids in IDS[:4]:                                # the files hold what was evicted, bit for bit
+        e = r.restore(ids)
+        assert e.origin == "disk" and same(r.snap(e), r.data[ids])
+    r.disk.flush()
+    assert r.no_leak()
+
+
+def test_a_failed_write_releases_the_block(tmp_path, monkeypatch):
+    r = Rig(tmp_path, host_ckpts=1)
+
+    def broken(hc, fingerprint):
+        raise OSError("disk on fire")
+    monkeypatch.setattr(checkpoint_disk, "encode", broken)
+    for ids in IDS[:6]:
+        r.make(ids)                                    # IDS[0] down, then to disk for IDS[1]: the write fails
+    r.disk.flush()
+    assert r.where(IDS[0]) == "-" and r.no_leak() and r.arena.used == r.per
+
+
+def test_a_claimed_block_is_held_until_the_copy_up_is_retired(tmp_path, monkeypatch):
+    r = Rig(tmp_path, host_ckpts=2, disk=False)
+    for ids in IDS[:5]:
+        r.make(ids)                                    # IDS[0] down
+    r.ck.evict(1)                                      # IDS[1] down: a slot free
+    block = r.block(IDS[0])
+    events = late_restores(r, monkeypatch)
+    look = r.ck.lookup(IDS[0])                         # READY at once: the copy up is queued in stream order
+    assert look.hit and r.where(IDS[0]) == "gpu" and len(r.tiers.landing) == 1
+    assert r.arena.used == 2 * r.per                   # IDS[1] in the tier, IDS[0]'s block with the copy up
+    r.ck.evict(1)                                      # IDS[2] down: room made by dropping IDS[1], not by the held
+    assert r.where(IDS[1]) == "-" and r.block(IDS[2]).offset != block.offset      # block
+    r.ck.poll()
+    assert r.tiers.landing and r.arena.used == 2 * r.per and r.stats.restores["host"] == 0
+    events[0].done = True
+    r.ck.poll()                                        # retired: the block goes back
+    assert not r.tiers.landing and r.arena.used == r.per and r.stats.restores["host"] == 1 and r.no_leak()
+    assert same(r.snap(look.entry), r.data[IDS[0]])
+
+
+def test_no_room_without_a_disk_tier_drops_the_checkpoint_and_counts_it(tmp_path, monkeypatch):
+    r = Rig(tmp_path, host_ckpts=1, disk=False, num_pages=72)
+    big = tuple(range(1000, 1216))                     # 216 tokens, 54 pages: larger than the arena
+    r.make(big)
+    assert r.copier.bytes_of(54) > r.arena.capacity
+    r.ck.evict(1)
+    assert r.where(big) == "-" and r.stats.dropped == 1 and r.stats.spills == 0 and r.arena.used == 0
+    for ids in IDS[:5]:
+        r.make(ids)                                    # IDS[0] in the host tier (the arena's one block)
+    late_restores(r, monkeypatch)
+    assert r.ck.lookup(IDS[0]).hit                     # IDS[1] evicted for its slot: the one block is IDS[0]'s,
+    assert r.where(IDS[1]) == "-" and r.stats.dropped == 2      # held by the copy up, the tier empty: dropped
+    r.ck.evict(1)                                      # again
+    assert r.stats.dropped == 3 and not r.tiers.host and r.arena.used == r.per
+    from gdnserve.entrypoints.metrics import _TierCollector
+    metric = {m.name: m for m in _TierCollector(SimpleNamespace(tier_stats=r.stats)).collect()}
+    assert metric["gdnserve:checkpoint_spills_dropped"].samples[0].value == 3        # exported with the spills
+
+
+def test_no_room_with_a_disk_tier_goes_straight_to_disk(tmp_path):
+    r = Rig(tmp_path, host_ckpts=1, num_pages=72)
+    big = tuple(range(1000, 1216))                     # larger than the arena: a plain allocation, to disk
+    r.make(big)
+    r.ck.evict(1)
+    r.disk.flush()
+    assert r.where(big) == "disk" and r.arena.used == 0 and r.stats.dropped == 0 and r.stats.spills == 1
+    e = r.restore(big)
+    assert e.origin == "disk" and same(r.snap(e), r.data[big])
 
 
 def test_restart_finds_the_files_and_the_size_bound_keeps_the_newest(tmp_path):
@@ -383,6 +589,18 @@ def test_later_turns_hit_from_the_host_tier_with_recomputed_outputs(ref):
     assert e.index.check_integrity() == [] and e.runner.state.check_integrity() == []
     e.evict_checkpoints(len(e.index))
     assert e.runner.state.num_free == e.runner.state.num_slots and e.runner.pages.num_free == e.runner.pages.num_pages
+    tiers = e.kv.checkpoint_cache.tiers
+    arena = tiers.arena
+    assert arena.capacity == int(0.01 * 2**30) // 4096 * 4096 and tiers.host   # the arena is the tier's size
+    assert arena_holds_the_host_tier(tiers)            # no block leaked by the spills, evictions and restores
+    e.close()                                          # the arena closed with the engine
+    assert arena.closed and tiers.arena is None and not tiers.host
+
+
+def arena_holds_the_host_tier(tiers) -> bool:
+    """Arena bytes in use == the host tier's blocks, which do not overlap (nothing with the writer or a copy up)."""
+    blocks = sorted((hc.block.offset, hc.block.size) for hc in tiers.host.values())
+    return tiers.arena.used == sum(n for _, n in blocks) and all(o + n <= p for (o, n), (p, _) in pairwise(blocks))
 
 
 def test_disk_tier_across_an_engine_restart(tmp_path, ref):
@@ -416,7 +634,9 @@ def test_checkpoint_keys_list_the_lower_tiers_as_ready(tmp_path):
     ready, pending, lengths = e.checkpoint_keys()
     assert set(want) <= set(ready) and not pending and set(want.values()) <= set(lengths)
     assert len(ready) == len(set(ready)) and lengths == sorted(lengths)
+    arena = e.kv.checkpoint_cache.tiers.arena
     e.close()                                          # every checkpoint written to disk
+    assert arena.closed and arena.used == 0            # the host tier's blocks went to disk, released by the writer
     e2 = LLM(**kw).engine
     assert len(e2.index) == 0
     ready, pending, lengths = e2.checkpoint_keys()

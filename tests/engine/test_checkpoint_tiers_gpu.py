@@ -4,9 +4,12 @@ the engine with CUDA graphs on.
 - A snapshot is exact although the step that follows overwrites the evicted rows at once (the current stream
   waits on the copy's event); a restore is exact although the destination was written just before (the copier
   stream waits on the current stream), and it is bit for bit what was evicted; the host buffer is pinned.
+- The host arena (engine/cache/host_arena.py) is pinned in place by cudaHostRegister (no power-of-two rounding) and
+  its blocks are exact both ways; a block released while its copy up is still queued and taken at once by the next
+  snapshot is overwritten only after that copy up read it (the copier's one stream orders them).
 - The engine (embedded model, bf16, CUDA graphs on) with 6 state slots and a host tier: later turns of conversations
   whose checkpoints were evicted hit from the host and give the greedy tokens of an engine that kept them all on
-  the GPU (the same checkpoint state, the same kernels); nothing leaks.
+  the GPU (the same checkpoint state, the same kernels); nothing leaks (state, pages, arena blocks); close unpins.
 Run on the H200: ``python -m pytest -q tests/engine/test_checkpoint_tiers_gpu.py`` (well under 60 s)."""
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import pytest
 import torch
 
 from gdnserve.engine.cache.checkpoint_copy import Copier
+from gdnserve.engine.cache.host_arena import HostArena, block_size
 from gdnserve.engine.cache.page_pool import PagePool, PagePoolConfig
 from gdnserve.engine.cache.state_pool import StatePool, StatePoolConfig
 from gdnserve.entrypoints.llm import LLM
@@ -59,12 +63,50 @@ def test_copies_are_ordered_against_the_current_stream_and_exact():
     assert torch.equal(bits(pg.k_pools[:, dst]).cpu(), k) and torch.equal(bits(pg.v_pools[:, dst]).cpu(), v)
 
 
+def test_arena_blocks_are_pinned_in_place_exact_and_reused_in_stream_order():
+    st = StatePool(StatePoolConfig(num_layers=3, num_slots=6, HV=8, K=64, V=64, conv_dim=96, conv_width=4,
+                                   device="cuda"))
+    pg = PagePool(PagePoolConfig(num_layers=2, num_pages=64, page_size=16, num_kv_heads=2, head_dim=64,
+                                 device="cuda"))
+    for t in (st.conv_pools, st.ssm_pools, pg.k_pools, pg.v_pools):
+        t.copy_(torch.randn(t.shape, device="cuda").to(t.dtype))
+    per = block_size(Copier(st, pg).layout_bytes(5))
+    arena = HostArena(per + 12345, pinned=True)         # room for one checkpoint of 5 pages, not two
+    assert arena.how == "cudaHostRegister" and arena.capacity == (per + 12345) // 4096 * 4096
+    cp = Copier(st, pg, arena=arena)
+    src, dst = [7, 8, 9, 3, 40], [0, 1, 2, 50, 51]
+    want = [bits(st.ssm_pools[:, 2]).cpu(), bits(pg.k_pools[:, src]).cpu()]
+    hc = cp.empty(b"a" * 16, (1, 2), 5)
+    assert hc.tensors["ssm"].is_pinned() and hc.footprint == per and cp.empty(b"b" * 16, (1,), 5) is None
+    cp.copy_down(hc, 2, src)
+    st.ssm_pools.fill_(float("nan"))       # the next "step" rewrites the freed rows: ordered after the copy
+    pg.k_pools.fill_(float("nan"))
+    hc.wait()
+    assert torch.equal(bits(hc.tensors["ssm"]), want[0]) and torch.equal(bits(hc.tensors["k"]), want[1])
+    torch.cuda._sleep(50_000_000)          # the current stream busy: the copy up below waits for it
+    event = cp.restore(hc, 4, dst)
+    hc.release()                           # (the tiers wait for the event; here the stream order alone is tested)
+    other = cp.empty(b"c" * 16, (3,), 5)
+    assert other is not None and other.block.offset == 0
+    cp.copy_down(other, 1, [10, 11, 12, 13, 14])          # into the block the copy up is still to read
+    event.synchronize()
+    other.wait()
+    assert torch.equal(bits(st.ssm_pools[:, 4]).cpu(), want[0]) and torch.equal(bits(pg.k_pools[:, dst]).cpu(),
+                                                                                 want[1])
+    other.release()
+    assert arena.used == 0
+    arena.close()                          # unregistered (a failure would log a warning)
+    assert arena.closed
+
+
 def test_engine_with_graphs_hits_from_the_host_tier_with_the_resident_outputs():
     rng = random.Random(5)
     convs = [[rng.randrange(3, 250) for _ in range(40 + 7 * i)] for i in range(8)]
     kw = {"device": "cuda", "max_num_seqs": 2, "num_pages": 256, "page_size": 16, "cuda_graphs": True}
     tiered = LLM(num_slots=6, checkpoint_host_memory_gb=0.05, **kw).engine
     resident = LLM(num_slots=32, **kw).engine
+    tiers = tiered.kv.checkpoint_cache.tiers
+    assert tiers.arena.how == "cudaHostRegister" and tiers.host_bytes == int(0.05 * 2**30) // 4096 * 4096
     firsts = {id(e): [_run(e, c, 6).outputs[0].token_ids for c in convs] for e in (tiered, resident)}
     assert firsts[id(tiered)] == firsts[id(resident)]
     assert len(tiered.kv.checkpoint_cache.tiers.host) >= 2
@@ -81,3 +123,10 @@ def test_engine_with_graphs_hits_from_the_host_tier_with_the_resident_outputs():
     torch.cuda.synchronize()
     assert tiered.runner.state.num_free == tiered.runner.state.num_slots
     assert tiered.runner.pages.num_free == tiered.runner.pages.num_pages
+    tiered.kv.checkpoint_cache.poll(wait=True)          # every copy up retired: its block back
+    assert not tiers.landing and tiers.host
+    assert tiers.arena.used == sum(hc.block.size for hc in tiers.host.values())       # no block leaked
+    assert all(hc.tensors["ssm"].is_pinned() for hc in tiers.host.values())
+    arena = tiers.arena
+    tiered.close()
+    assert arena.closed and tiers.arena is None

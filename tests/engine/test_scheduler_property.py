@@ -78,6 +78,9 @@ def test_random_traffic_with_checkpoint_tiers(engines, ops):
     e = engines["tiers"]
     drive(e, engines["ref"], ops)
     assert not e.kv.checkpoint_cache.restoring()
+    tiers = e.kv.checkpoint_cache.tiers
+    tiers.disk.flush()                  # the writer releases the blocks of what the host tier sent to disk
+    assert tiers.arena.used == sum(hc.block.size for hc in tiers.host.values()) and not tiers.landing   # no leak
 
 
 def drive(e, ref, ops):

@@ -3,7 +3,7 @@ prefix's attention KV pages, as a :class:`HostCheckpoint`.
 
 Layout on the host: ``conv [L, W-1, D]``, ``ssm [L, HV, V, K]`` (the slot's row of every layer of the state pool),
 ``k, v [La, n, page_size, KVH, Dh]`` (the table's ``n`` pages of every attention layer, in table order), in one
-pinned buffer.
+host buffer (pinned on CUDA), each tensor 64-byte aligned in it.
 
 The copies go through a staging buffer on the device (``STAGE_BYTES``, 128 MiB, allocated at the first copy; the
 memory plan's runtime reserve holds it): a checkpoint is cut into a few pieces (a range of layers of one tensor, or
@@ -17,16 +17,24 @@ code of a2f5a26): slower than recomputing the prefix.
 Ordering on CUDA (the exact scheme; docs/architecture.md "Checkpoint tiers"), everything on the copier's own
 stream after ``stream.wait_stream(current)`` (so it reads what the steps already queued wrote):
 
-- device -> host (``snapshot``, a GPU eviction): per batch of pieces that fits the staging buffer, gather them
-  all, then issue their transfers down. The current stream waits only for the last batch's gathers (a device copy
-  at HBM speed): the evicted slot and pages go back to the free lists at once, and any later kernel that could
-  write them is ordered after the gather; the transfers down run on behind the steps. ``hc.event`` marks the last
-  transfer: readers of the host copy (the disk writer) wait on it. The staging buffer is reused in stream order.
+- device -> host (``copy_down``, ``snapshot``: a GPU eviction): per batch of pieces that fits the staging buffer,
+  gather them all, then issue their transfers down. The current stream waits only for the last batch's gathers (a
+  device copy at HBM speed): the evicted slot and pages go back to the free lists at once, and any later kernel
+  that could write them is ordered after the gather; the transfers down run on behind the steps. ``hc.event``
+  marks the last transfer: readers of the host copy (the disk writer) wait on it. The staging buffer is reused in
+  stream order.
 - host -> device (``restore``, a lookup that found the key below): per batch, the transfers up, then the
   scatters into the freshly allocated slot and pages; the current stream waits on the copy's event, so the
   restored checkpoint is READY at once (no kernel that reads it runs earlier).
 
 On CPU the copies are synchronous (``event`` None) and the host tensors are ordinary memory.
+
+Host memory (``empty``): with an arena (host_arena.py, the host tier's one buffer pinned at start-up) a checkpoint's
+buffer is a block of it, None when it has no room: no allocation in the step loop. Without one (a Copier of its
+own, ``snapshot``, the shutdown flush) a fresh allocation, pinned on CUDA. ``HostCheckpoint.release`` gives the
+block back, once, when nothing reads or writes it any more: every GPU copy into or out of host buffers runs on the
+copier's one stream in order, so a later copy into a reused block runs after the earlier ones; threads that read
+the tensors (the disk writer) release it when they are done (the release rules: checkpoint_tiers.py).
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from gdnserve.engine.cache.host_arena import Block, HostArena, block_size
 from gdnserve.engine.cache.page_pool import PagePool
 from gdnserve.engine.cache.state_pool import StatePool
 
@@ -45,12 +54,15 @@ STAGE_BYTES = 128 * 2**20       # the device staging buffer of the host <-> devi
 @dataclass(slots=True, eq=False)
 class HostCheckpoint:
     """One checkpoint off the device. ``length``: tokens it covers (= its page table's positions);
-    ``tensors``: name -> host tensor (module docstring); ``event``: the device -> host copy (None: complete)."""
+    ``tensors``: name -> host tensor (module docstring); ``event``: the device -> host copy (None: complete);
+    ``block``: its buffer's block of ``arena`` (None: a plain allocation, or released)."""
     key: bytes
     token_ids: tuple[int, ...]
     tensors: dict[str, torch.Tensor]
     event: object | None = None
-    footprint: int = field(default=0)     # host bytes it holds (its allocation, rounded as the allocator does)
+    footprint: int = field(default=0)     # host bytes it holds (its block, or its allocation as the allocator rounds)
+    block: Block | None = None
+    arena: HostArena | None = None
 
     @property
     def length(self) -> int:
@@ -69,6 +81,13 @@ class HostCheckpoint:
         if self.event is not None:
             self.event.synchronize()
             self.event = None
+
+    def release(self) -> None:
+        """Give the arena block back (once; nothing for a plain allocation). Only when nothing will read or write
+        the tensors any more: the next checkpoint copied down may take the block."""
+        block, self.block = self.block, None
+        if block is not None:
+            self.arena.free(block)
 
 
 def footprint(nbytes: int, pinned: bool) -> int:
@@ -112,10 +131,11 @@ def pieces(layer_bytes: dict[str, int], num_layers: dict[str, int], num_pages: i
 class Copier:
     """The device <-> host copies of checkpoints, on their own CUDA stream (synchronous on CPU) through a device
     staging buffer of ``stage_bytes`` (CUDA default ``STAGE_BYTES``; on CPU none unless given, which tests use to
-    run the piece logic)."""
+    run the piece logic). ``arena``: the host tier's memory, which ``empty`` carves checkpoints from."""
 
-    def __init__(self, state: StatePool, kv: PagePool, stage_bytes: int | None = None) -> None:
-        self.state, self.kv = state, kv
+    def __init__(self, state: StatePool, kv: PagePool, stage_bytes: int | None = None,
+                 arena: HostArena | None = None) -> None:
+        self.state, self.kv, self.arena = state, kv, arena
         self.device = state.config.device
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -134,25 +154,48 @@ class Copier:
             total += -(-math.prod(shape) * dt.itemsize // 64) * 64
         return out, total
 
-    def empty(self, key: bytes, token_ids: tuple[int, ...], num_pages: int) -> HostCheckpoint:
-        """Host tensors for a checkpoint of ``num_pages`` pages (pinned on CUDA), contents undefined. One allocation
-        per checkpoint, the four tensors views into it: the pinned caching allocator rounds every allocation up to a
-        power of two, so four would waste up to four roundings."""
+    def empty(self, key: bytes, token_ids: tuple[int, ...], num_pages: int, pooled: bool = True
+              ) -> HostCheckpoint | None:
+        """Host tensors for a checkpoint of ``num_pages`` pages, contents undefined, views into one buffer: a block
+        of the arena (``pooled`` and an arena given; None when it has no room), else a fresh allocation (pinned on
+        CUDA; one per checkpoint, not four: the pinned caching allocator rounds each up to a power of two)."""
         layout, total = self._layout(num_pages)
-        buf = torch.empty(total, dtype=torch.uint8, pin_memory=self.cuda)
+        block = None
+        if pooled and self.arena is not None:
+            block = self.arena.alloc(total)
+            if block is None:
+                return None
+            buf, held = self.arena.view(block), block.size
+        else:
+            buf, held = torch.empty(total, dtype=torch.uint8, pin_memory=self.cuda), footprint(total, self.cuda)
         tensors = {n: buf[o:o + math.prod(shape) * dt.itemsize].view(dt).view(shape)
                    for n, (shape, dt, o) in layout.items()}
-        return HostCheckpoint(key, token_ids, tensors, footprint=footprint(total, self.cuda))
+        return HostCheckpoint(key, token_ids, tensors, footprint=held, block=block,
+                              arena=self.arena if block is not None else None)
+
+    def layout_bytes(self, num_pages: int) -> int:
+        """Bytes of the one buffer of a checkpoint of ``num_pages`` pages (its four tensors, 64-byte aligned)."""
+        return self._layout(num_pages)[1]
 
     def bytes_of(self, num_pages: int) -> int:
-        """Host bytes a checkpoint of ``num_pages`` pages holds (its allocation, with the pinned rounding)."""
-        return footprint(self._layout(num_pages)[1], self.cuda)
+        """Host bytes a checkpoint of ``num_pages`` pages holds: its arena block (4 KiB rounded) with an arena, else
+        its allocation (with the pinned rounding)."""
+        total = self.layout_bytes(num_pages)
+        return block_size(total) if self.arena is not None else footprint(total, self.cuda)
 
     def snapshot(self, key: bytes, token_ids: tuple[int, ...], slot: int, pages: list[int]) -> HostCheckpoint:
-        """Device -> host copy of ``slot``'s state and ``pages`` (issued, not waited for on CUDA)."""
-        hc = self.empty(key, token_ids, len(pages))
-        self._copy(hc, slot, pages, to_host=True)
+        """Device -> host copy of ``slot``'s state and ``pages`` into a fresh allocation (issued, not waited for on
+        CUDA)."""
+        hc = self.empty(key, token_ids, len(pages), pooled=False)
+        self.copy_down(hc, slot, pages)
         return hc
+
+    def copy_down(self, hc: HostCheckpoint, slot: int, pages: list[int]) -> None:
+        """Device -> host copy of ``slot``'s state and ``pages`` into ``hc`` (from ``empty``; issued, not waited
+        for on CUDA: ``hc.event``)."""
+        if len(pages) != hc.num_pages:
+            raise ValueError(f"pages: the checkpoint holds {hc.num_pages} pages, got {len(pages)}")
+        self._copy(hc, slot, pages, to_host=True)
 
     def restore(self, hc: HostCheckpoint, slot: int, pages: list[int]) -> object | None:
         """Host -> device copy of ``hc`` into ``slot`` and ``pages`` (as many as ``hc`` has); returns the copy's

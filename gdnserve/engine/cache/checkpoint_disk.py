@@ -194,19 +194,25 @@ class DiskTier:
 
     def put(self, hc: HostCheckpoint) -> None:
         """Write ``hc`` on the I/O thread (nothing if its key is on disk or being written). Beyond ``MAX_QUEUED``
-        writes waiting (a disk slower than the evictions) it is dropped: each holds its host copy until written."""
+        writes waiting (a disk slower than the evictions) it is dropped: each holds its host copy until written.
+        Takes ``hc`` over: its arena block is released once the I/O thread has read it (at once when not written)."""
         if hc.key in self:
+            hc.release()
             return
         if len(self._writing) >= MAX_QUEUED:
             self.dropped += 1
+            hc.release()
             return
         self._writing.add(hc.key)
         self._io.submit(self._write, hc)
 
     def _write(self, hc: HostCheckpoint) -> None:
         try:
-            hc.wait()
-            data = encode(hc, self.fingerprint)
+            try:
+                hc.wait()
+                data = encode(hc, self.fingerprint)
+            finally:
+                hc.release()        # read (or failed): the block may take the next checkpoint copied down
             path = self.dir / f"{hc.key.hex()}.gck"
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             with open(tmp, "wb") as f:

@@ -1,13 +1,27 @@
-"""Checkpoint tiers below the GPU: pinned host memory (``checkpoint_host_memory_gb``) and a directory on disk
-(``checkpoint_dir``, checkpoint_disk.py). A READY checkpoint evicted from the device's LRU is copied down (to the
-host tier, else to disk) instead of dropped; a host-tier eviction goes to disk. A lookup that finds the key in a
-lower tier restores it into a fresh slot and pages and the request continues as a hit whose provenance names the
-tier: from the host tier at once (the copy up is queued before any kernel that reads it: the current stream waits
-for its event; ``landing`` keeps the pinned source alive until the event), from disk once the file is read (the
-entry is PENDING until then: admission waits for it, as for a producer's; ``poll``). LRU within each tier (a checkpoint a chat's next turn continued enters the host tier at its cold
-end: ``spill``). The host tier is exclusive (a restored checkpoint leaves it: it goes back down
-when evicted again); a disk file stays after a restore (checkpoints never change, so a second eviction writes
-nothing). Copies and their ordering: checkpoint_copy.py.
+"""Checkpoint tiers below the GPU: host memory (``checkpoint_host_memory_gb``, one arena pinned at start-up:
+host_arena.py) and a directory on disk (``checkpoint_dir``, checkpoint_disk.py). A READY checkpoint evicted from
+the device's LRU is copied down (to the host tier, else to disk) instead of dropped; a host-tier eviction goes to
+disk. A lookup that finds the key in a lower tier restores it into a fresh slot and pages and the request continues
+as a hit whose provenance names the tier: from the host tier at once (the copy up is queued before any kernel that
+reads it: the current stream waits for its event; ``landing`` keeps the source block until the event), from disk
+once the file is read (the entry is PENDING until then: admission waits for it, as for a producer's; ``poll``). LRU
+within each tier (a checkpoint a chat's next turn continued enters the host tier at its cold end: ``spill``). The
+host tier is exclusive (a restored checkpoint leaves it: it goes back down when evicted again); a disk file stays
+after a restore (checkpoints never change, so a second eviction writes nothing). Copies and their ordering:
+checkpoint_copy.py.
+
+Host memory: a spill takes a block of the arena, evicting the host tier's LRU until one fits (no allocation in the
+step loop). A block goes back to the arena (``HostCheckpoint.release``) only when nothing reads it any more; GPU
+copies are ordered by the copier's one stream, CPU threads are not:
+
+- evicted with no disk tier: at once (a later copy into the block is queued after the copies out of it);
+- evicted to disk: by the disk writer once it has read the tensors, also when the write fails. Such a block comes
+  back later, not for the spill that evicted it: with a disk tier a spill evicts only until the blocks on their way
+  back cover its size (evicting more would push the whole host tier into the write queue for one spill);
+- claimed by a restore: when the copy up is retired (``_land`` / ``_retire``), not when queued; ``unclaim`` keeps it;
+- no room even so (blocks still with the writer, or a checkpoint larger than the arena): with a disk tier the
+  checkpoint is copied into a plain (pinned) allocation and goes straight to disk; without one it is dropped
+  (``TierStats.dropped``).
 """
 from __future__ import annotations
 
@@ -23,6 +37,7 @@ import torch
 
 from gdnserve.engine.cache.checkpoint_copy import Copier, HostCheckpoint
 from gdnserve.engine.cache.checkpoint_disk import DiskTier
+from gdnserve.engine.cache.host_arena import ALIGN, HostArena
 from gdnserve.engine.cache.host_memory import meminfo_available
 from gdnserve.engine.cache.page_pool import PagePool, PageTable
 from gdnserve.engine.cache.tier_stats import TierStats
@@ -44,15 +59,30 @@ class Restore:
 
 
 class CheckpointTiers:
-    """The host and disk tiers of one engine's checkpoints and the restores in flight."""
+    """The host and disk tiers of one engine's checkpoints and the restores in flight. The host tier's memory is
+    the copier's arena (None: no host tier)."""
 
-    def __init__(self, copier: Copier, host_bytes: int, disk: DiskTier | None, stats: TierStats) -> None:
-        self.copier, self.host_bytes, self.disk, self.stats = copier, host_bytes, disk, stats
+    def __init__(self, copier: Copier, disk: DiskTier | None, stats: TierStats) -> None:
+        self.copier, self.disk, self.stats = copier, disk, stats
         self.host: OrderedDict[bytes, HostCheckpoint] = OrderedDict()     # least recently used first
-        self.host_used = 0
         self._host_lengths: Counter[int] = Counter()
         self.restoring: dict[bytes, Restore] = {}     # disk reads in flight (PENDING entries)
         self.landing: list[Restore] = []               # copies up queued on the device, their sources kept
+
+    @property
+    def arena(self) -> HostArena | None:
+        return self.copier.arena
+
+    @property
+    def host_bytes(self) -> int:
+        """The host tier's size: its arena's capacity."""
+        return self.arena.capacity if self.arena is not None else 0
+
+    @property
+    def host_used(self) -> int:
+        """Arena bytes held: the host tier's checkpoints, those claimed by restores not yet retired and those the
+        disk writer has not read yet."""
+        return self.arena.used if self.arena is not None else 0
 
     # ---- down: an evicted READY checkpoint ----
     def spill(self, key: bytes, token_ids: tuple[int, ...], slot: int, table: PageTable, cold: bool = False) -> None:
@@ -61,37 +91,59 @@ class CheckpointTiers:
         at its least-recently-used end: under pressure it goes first, before any checkpoint not yet continued
         (with plain LRU the host tier of a multi-turn chat needs room for two checkpoints per conversation)."""
         on_disk = self.disk is not None and key in self.disk
-        if not self.host_bytes and (self.disk is None or on_disk):
+        if (self.arena is None and (self.disk is None or on_disk)) or key in self.host:
             return
-        nbytes = self.copier.bytes_of(len(table.pages))
-        if on_disk and nbytes > self.host_bytes:
+        pages = list(table.pages)
+        hc = self._room(key, token_ids, len(pages)) if self.arena is not None else None
+        if hc is not None:
+            self.copier.copy_down(hc, slot, pages)
+            self._copied(hc)
+            self._host_put(hc, cold)
+            return
+        if on_disk:                     # no room above the disk, which has it
+            return
+        if self.disk is None:           # no room in the host tier and nothing below it
+            self.stats.dropped += 1
             return
         try:
-            hc = self.copier.snapshot(key, token_ids, slot, list(table.pages))
+            hc = self.copier.snapshot(key, token_ids, slot, pages)    # a plain allocation, straight to disk
         except RuntimeError as e:       # host memory exhausted (pinned allocation): the checkpoint is dropped
             logger.warning("checkpoint %s not copied down: %s", key.hex()[:12], e)
+            self.stats.dropped += 1
             return
+        self._copied(hc)
+        self.disk.put(hc)
+
+    def _copied(self, hc: HostCheckpoint) -> None:
         self.stats.spills += 1
         self.stats.add_bytes("d2h", hc.nbytes)
-        if self.host_bytes and hc.footprint <= self.host_bytes:
-            self._host_put(hc, cold)
-        elif self.disk is not None:
-            self.disk.put(hc)
 
-    def _host_put(self, hc: HostCheckpoint, cold: bool = False) -> None:
-        while self.host and self.host_used + hc.footprint > self.host_bytes:
+    def _room(self, key: bytes, token_ids: tuple[int, ...], num_pages: int) -> HostCheckpoint | None:
+        """Host tensors in an arena block, evicting the host tier's LRU until one fits; None when none does now."""
+        need = self.copier.bytes_of(num_pages)
+        if need > self.arena.capacity:
+            return None
+        coming = 0          # bytes of the victims sent to disk here: back once the writer has read them, not now
+        hc = self.copier.empty(key, token_ids, num_pages)
+        while hc is None and self.host and coming < need:
             _, old = self.host.popitem(last=False)
             self._host_forget(old)
-            if self.disk is not None:
+            if self.disk is None:
+                old.release()
+            else:
                 self.disk.put(old)
+                coming += old.footprint if old.block is not None else 0
+            hc = self.copier.empty(key, token_ids, num_pages)
+        return hc
+
+    def _host_put(self, hc: HostCheckpoint, cold: bool = False) -> None:
+        """Into the host tier (its block already held)."""
         self.host[hc.key] = hc
         if cold:
             self.host.move_to_end(hc.key, last=False)
-        self.host_used += hc.footprint
         self._host_lengths[hc.length] += 1
 
     def _host_forget(self, hc: HostCheckpoint) -> None:
-        self.host_used -= hc.footprint
         self._host_lengths[hc.length] -= 1
         if not self._host_lengths[hc.length]:
             del self._host_lengths[hc.length]
@@ -139,7 +191,7 @@ class CheckpointTiers:
         return hc
 
     def unclaim(self, hc: HostCheckpoint | None) -> None:
-        """Put back what ``claim`` took (no room for the restore)."""
+        """Put back what ``claim`` took (no room for the restore), with its block."""
         if hc is not None:
             self._host_put(hc)
 
@@ -157,10 +209,9 @@ class CheckpointTiers:
         return False
 
     def _land(self, r: Restore) -> None:
-        """The copy up is queued: keep its pinned source until the event (latency counted then)."""
+        """The copy up is queued: keep its host source until the event (latency counted then)."""
         if r.event is None:
-            self.stats.restored(r.tier, time.perf_counter() - r.t0)
-            r.hc = None
+            self._landed(r)
         else:
             self.landing.append(r)
 
@@ -172,9 +223,14 @@ class CheckpointTiers:
             elif not r.event.query():
                 keep.append(r)
                 continue
-            self.stats.restored(r.tier, time.perf_counter() - r.t0)
-            r.hc = None
+            self._landed(r)
         self.landing = keep
+
+    def _landed(self, r: Restore) -> None:
+        """The copy up is done: the source's block goes back to the arena."""
+        self.stats.restored(r.tier, time.perf_counter() - r.t0)
+        r.hc.release()
+        r.hc = None
 
     def _copy_up(self, r: Restore) -> bool:
         if r.hc.num_pages != len(r.table.pages) or r.hc.length != len(r.entry.token_ids):
@@ -196,6 +252,8 @@ class CheckpointTiers:
             del self.restoring[key]
             if r.hc is None or not self._copy_up(r):
                 self.stats.restore_failures += 1
+                if r.hc is not None:
+                    r.hc.release()      # nothing was copied out of it
                 done.append((r, False))
                 continue
             self._land(r)
@@ -206,7 +264,7 @@ class CheckpointTiers:
     # ---- shutdown ----
     def flush(self, resident) -> None:
         """Write every checkpoint above the disk to it and wait (graceful shutdown: ``resident`` yields the device's
-        READY (key, token ids, slot, table))."""
+        READY (key, token ids, slot, table)). The host tier is emptied into the disk tier."""
         if self.disk is None:
             return
         for i, (key, token_ids, slot, table) in enumerate(resident):
@@ -216,9 +274,33 @@ class CheckpointTiers:
                 self.disk.put(hc)
             if i % 8 == 7:          # a few host copies at a time: the device may hold hundreds of checkpoints
                 self.disk.flush()
-        for hc in list(self.host.values()):
+        i = 0
+        while self.host:            # the writer releases their blocks; a few at a time (its queue is bounded)
+            _, hc = self.host.popitem(last=False)
+            self._host_forget(hc)
             self.disk.put(hc)
+            i += 1
+            if i % 8 == 0:
+                self.disk.flush()
         self.disk.flush()
+
+    def close(self) -> None:
+        """Engine shutdown (after ``flush``): wait for the copies in flight, give every block back and unpin the
+        arena; the host tier is off after (idempotent)."""
+        arena = self.arena
+        if arena is None:
+            return
+        self._retire(wait=True)
+        if self.copier.stream is not None:
+            self.copier.stream.synchronize()      # no copy into or out of the arena still queued
+        if self.disk is not None:
+            self.disk.flush()                     # the writer has read (and released) what it was given
+        while self.host:
+            _, hc = self.host.popitem(last=False)
+            self._host_forget(hc)
+            hc.release()
+        self.copier.arena = None
+        arena.close()
 
     def capacity(self) -> list[str]:
         """Banner lines: each lower tier's size and how many checkpoints of a 2,048-token prefix it holds."""
@@ -265,11 +347,19 @@ def build_tiers(cfg, model, state, pages: PagePool) -> CheckpointTiers | None:
     if host > 0.9 * ram:        # refused at start-up, not an allocation failure in the middle of a step
         raise ValueError(f"checkpoint_host_memory_gb: {cfg.checkpoint_host_memory_gb:g} GiB is more than 0.9 x the "
                          f"{ram / 2**30:.1f} GiB of RAM available")
+    if 0 < host < ALIGN:
+        raise ValueError(f"checkpoint_host_memory_gb: {cfg.checkpoint_host_memory_gb:g} GiB is less than one "
+                         f"{ALIGN}-byte block")
     stats = TierStats()
-    copier = Copier(state, pages)
+    arena = None
+    if host:        # allocated (and pinned) once, here at start-up: a spill in the step loop only takes a block
+        arena = HostArena(host, pinned=state.config.device.type == "cuda")
+        logger.info("checkpoint host tier: %.2f GiB arena (%s) in %.2f s", arena.capacity / 2**30, arena.how,
+                    arena.seconds)
+    copier = Copier(state, pages, arena=arena)
     disk = None
     if cfg.checkpoint_dir is not None:
         fp = model_fingerprint(model, pages.config.dtype, cfg.tensor_parallel_size, state.config, pages.config)
         disk = DiskTier(cfg.checkpoint_dir, int(cfg.checkpoint_dir_max_gb * 2**30), fp, pin=copier.cuda,
                         on_bytes=stats.add_bytes)
-    return CheckpointTiers(copier, host, disk, stats)
+    return CheckpointTiers(copier, disk, stats)

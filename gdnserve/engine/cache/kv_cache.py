@@ -158,10 +158,14 @@ class CheckpointCache:
         return tier
 
     def close(self) -> None:
-        """Graceful shutdown: every checkpoint in device or host memory written to disk (when a disk tier is on)."""
-        if self.tiers is not None and self.tiers.disk is not None:
+        """Graceful shutdown: every checkpoint in device or host memory written to disk (when a disk tier is on),
+        then the host tier's arena unpinned."""
+        if self.tiers is None:
+            return
+        if self.tiers.disk is not None:
             ready = [(e.key, e.token_ids, e.slot, self.pages[e.key]) for e in self.index.ready_entries()]
             self.tiers.flush(ready)
+        self.tiers.close()
 
     def reserve(self, key: tuple[int, ...], page_pool: PagePool, hkey: bytes | None = None
                 ) -> tuple[Checkpoint, SeqState]:
