@@ -140,6 +140,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--no-variants", action="store_true")
+    ap.add_argument("--long-decode", action="store_true",
+                    help="only decode B = 1, 16 at context 8,192 under the 9,216-token table of the HTTP run "
+                         "(bench_serve_http's --max-model-len): the flash-decoding merges (tile vs rows) and split "
+                         "sizes side by side")
     ap.add_argument("--warm", default=None, help="k/N: only compile (one call each) every N-th variant from the "
                     "k-th, to fill Triton's cache from N processes in parallel before the timed run")
     a = ap.parse_args()
@@ -154,22 +158,25 @@ def main() -> None:
                 device=torch.cuda.get_device_name(dev), torch=torch.__version__, ceilings=ceil,
                 shape=dict(QH=QH, KVH=KVH, Dh=DH, page_size=PS, dtype="bf16"))
     rows = []
-    for name, n, lq, ctx, shared in CASES:
-        width = 4096 // PS if lq == 1 else 0            # decode: the engine's graph table width
+    for name, n, lq, ctx, shared in (LONG_CASES if a.long_decode else CASES):
+        width = (9216 if "ctx 8192" in name else 4096) // PS if lq == 1 else 0   # decode: the graphs' table width
         base = build_case(dev, n, lq, ctx, shared, width=width)
         flops, kv_bytes = work(base)
         ref = reference(base)
         n_sets = max(1, min(8, math.ceil(120e6 / (kv_bytes + base["q"].numel() * 4))))
         sets = [base] + [build_case(dev, n, lq, ctx, shared, seed=s, width=width) for s in range(1, n_sets)]
         auto = choose_config(lq, QH // KVH, DH, 2, base["table"].shape[1] * PS, n, KVH, sm_count(dev))
-        variants = variants_for(lq, a.no_variants)
+        variants = long_variants(auto) if a.long_decode else variants_for(lq, a.no_variants)
         for var in variants:
-            if isinstance(var, Config) and (var.BM, var.BN, var.num_warps, var.num_stages) == (
+            if isinstance(var, Config) and not var.split and var.combine == "tile" and (
+                    var.BM, var.BN, var.num_warps, var.num_stages) == (
                     auto.BM, auto.BN, auto.num_warps, auto.num_stages):
                 continue                                      # the default's tiles: the "new" row
             label = var if isinstance(var, str) else f"BM{var.BM} BN{var.BN} w{var.num_warps} s{var.num_stages}"
+            if isinstance(var, Config) and (var.split or var.combine != "tile"):
+                label += f" split {var.split}x{var.n_split} {var.combine}"
             try:
-                if isinstance(var, Config) and auto.n_split > 1:   # the variant's tiles with the auto split
+                if isinstance(var, Config) and auto.n_split > 1 and not var.split:   # the tiles with the auto split
                     var = Config(var.BM, var.BN, var.num_warps, var.num_stages, auto.split, auto.n_split)
                 f0, out = runner(base, var)
                 f0()
@@ -190,8 +197,25 @@ def main() -> None:
                   f"{r['tflops']:7.1f} TFLOP/s {r['tbps']:6.3f} TB/s err {err:.2e}", flush=True)
         del sets, base, ref
         torch.cuda.empty_cache()
-        (a.out / "attention_h200.json").write_text(jsonfmt.dumps(dict(meta=meta, rows=rows)))
-        (a.out / "attention_h200.md").write_text(markdown(meta, rows))   # after every case: partial runs count
+        stem = "attention_long_decode_h200" if a.long_decode else "attention_h200"
+        (a.out / f"{stem}.json").write_text(jsonfmt.dumps(dict(meta=meta, rows=rows)))
+        (a.out / f"{stem}.md").write_text(markdown(meta, rows))   # after every case: partial runs count
+
+
+LONG_CASES = [(f"decode B={b} ctx 8192", b, 1, 8191, False) for b in (1, 16)]
+
+
+def long_variants(auto: Config) -> list:
+    """The auto config, its split with the per-row merge, and 2x / 4x / 8x longer pieces with either merge."""
+    out: list = ["old", "new", Config(auto.BM, auto.BN, auto.num_warps, auto.num_stages, auto.split, auto.n_split,
+                                       "rows")]
+    cap = auto.split * auto.n_split
+    for f in (2, 4, 8):
+        split = auto.split * f
+        if auto.n_split > 1 and split < cap:
+            for comb in ("tile", "rows"):
+                out.append(Config(auto.BM, auto.BN, auto.num_warps, auto.num_stages, split, -(-cap // split), comb))
+    return out
 
 
 def variants_for(lq: int, no_variants: bool = False) -> list:

@@ -20,6 +20,8 @@
 #                cloudpickle, ml-dtypes)
 #   ops[:s]      python -m benchmarks.bench_ops            (kernels vs fla, one run; OPS_ARGS="--quick
 #                --only decode:1,256 --only verify:256" narrows it)
+#   attention[:s] python -m benchmarks.bench_attention (paged attention kernels and tile variants; ATTN_ARGS, e.g.
+#                --long-decode: decode B = 1, 16 at context 8,192, the flash-decoding merges and split sizes)
 #   grouped[:s]  python -m benchmarks.bench_grouped_prefill (four executors vs fla two-phase)
 #   profile[:s]  python -m benchmarks.profile_kernels       (per-kernel GPU time of the grouped step;
 #                PROFILE_ARGS=--host adds the host-time profile of one eager call per case)
@@ -115,6 +117,8 @@ for arg in "$@"; do
     ops)     bench bench_ops "${b:-200}" ${OPS_ARGS:-} ;;
     chunkvar) bench bench_chunk_variants "${b:-170}" --time-budget "${b:-170}" ${CHUNKVAR_ARGS:-} ;;
     grouped) bench bench_grouped_prefill "${b:-200}" ;;
+    attention) timeout "${b:-120}" python3 -m benchmarks.bench_attention --out "$OUT" ${ATTN_ARGS:-} \
+               > "$OUT/bench_attention.log" 2>&1; echo "bench_attention rc=$?"; tail -24 "$OUT/bench_attention.log" ;;
     profile) timeout "${b:-60}" python3 -m benchmarks.profile_kernels ${PROFILE_ARGS:-} > "$OUT/profile.log" 2>&1
              grep -A5 "^##" "$OUT/profile.log" | head -60 ;;
     tune)    timeout "${b:-200}" python3 -m benchmarks.tune_chunk --out "$OUT" ${TUNE_ARGS:-} > "$OUT/tune_chunk.log" 2>&1

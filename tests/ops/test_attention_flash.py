@@ -72,6 +72,8 @@ SEQS = [(0, 65), (40, 17), (0, 0), (29, 1), (70, 3), (0, 1)]
     (1, 24, torch.float32, Config(32, 16, 4, 2)),          # no GQA
     (8, 256, torch.bfloat16, Config(16, 64, 4, 2, 64, 2)),  # flash-decoding: 2 pieces of 64 (one for short ones)
     (3, 24, torch.bfloat16, Config(64, 16, 4, 2, 32, 4)),  # splits with multi-row prefill blocks
+    (8, 256, torch.bfloat16, Config(16, 64, 4, 2, 64, 2, "rows")),  # the per-row merge of the pieces
+    (3, 24, torch.bfloat16, Config(64, 16, 4, 2, 32, 4, "rows")),   # ... over multi-row blocks (BQ 16)
 ])
 def test_flash_paths_match_reference(G, Dh, dtype, cfg, device):
     KVH, P = 2, 16 if Dh == 256 else 5
@@ -80,6 +82,26 @@ def test_flash_paths_match_reference(G, Dh, dtype, cfg, device):
     T = int(cu[-1])
     flash_attention_triton(q[:T], kc, vc, cu, lens, table, scale, out[:T], max_q_len=65, config=cfg)
     check(SEQS, q, out, cu, kv, dtype, scale)
+
+
+@pytest.mark.parametrize("combine", ["tile", "rows"])
+def test_many_pieces_merge_alike(combine, device):
+    """More pieces than the per-row merge loads at once (SP = 8): 16-position pieces over contexts up to 201, odd
+    lengths, a padding sequence, decode and 2-row blocks; both merges match the reference."""
+    seqs = [(150, 2), (29, 1), (0, 0), (200, 1), (64, 1)]
+    G, KVH, Dh, P = 8, 2, 24, 5
+    q, kc, vc, cu, lens, table, kv, out = build(seqs, KVH, G, Dh, P, torch.float32, device)
+    cap = table.shape[1] * P
+    T = int(cu[-1])
+    cfg = Config(16, 16, 4, 2, 16, -(-cap // 16), combine)
+    flash_attention_triton(q[:T], kc, vc, cu, lens, table, Dh ** -0.5, out[:T], max_q_len=2, config=cfg)
+    check(seqs, q, out, cu, kv, torch.float32, Dh ** -0.5)
+
+
+def test_unknown_combine_is_refused(device):
+    q, kc, vc, cu, lens, table, kv, out = build([(3, 1)], 2, 2, 24, 5, torch.float32, device)
+    with pytest.raises(ValueError, match="combine"):
+        flash_attention_triton(q[:1], kc, vc, cu, lens, table, 0.2, out[:1], config=Config(16, 16, 4, 2, 0, 1, "x"))
 
 
 @pytest.mark.parametrize("max_q", [4, None])

@@ -43,6 +43,8 @@ class Config:
     num_stages: int
     split: int = 0       # key positions per flash-decoding piece (0 = one piece, the output written directly)
     n_split: int = 1
+    combine: str = "tile"  # flash-decoding merge: "tile" (one program per tile, the pieces one after another) or
+                           # "rows" (one program per query row and head, the pieces SP at a time)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -227,6 +229,47 @@ def combine_kernel(o, o_part, m_part, l_part, cu_q, kv_lens, s_ot, s_oh, T, spli
     tl.store(o + rows[:, None] * s_ot + h[:, None] * s_oh + o_d[None, :], cast(out, o.dtype.element_ty), mask=m_q)
 
 
+@triton.jit
+def combine_rows_kernel(o, o_part, m_part, l_part, cu_q, kv_lens, s_ot, s_oh, T, split,
+                        G: tl.constexpr, GP: tl.constexpr, QH: tl.constexpr, Dh: tl.constexpr, BD: tl.constexpr,
+                        BQ: tl.constexpr, NSP: tl.constexpr, SP: tl.constexpr):
+    """``combine_kernel``'s merge with the pieces side by side: one program per (query block, sequence, query
+    head), its BQ rows one after another; per row the maxima of all pieces in one vector (NSP = pow2(n_split)),
+    then the partial outputs SP pieces per load. The tile merge walks the pieces one dependent load after another
+    from KVH programs, which at B = 1 over a long context is a chain of n_split loads on 2 SMs."""
+    i_b, i_n, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q0 = tl.load(cu_q + i_n)
+    Lq = tl.load(cu_q + i_n + 1) - q0
+    L = tl.load(kv_lens + i_n)
+    if (i_b * BQ >= Lq) | (L == 0):
+        return
+    end = tl.minimum(L, L - Lq + i_b * BQ + BQ)
+    n_act = (end + split - 1) // split
+    if n_act <= 1:                                     # piece 0 wrote the output itself
+        return
+    o_d = tl.arange(0, BD)
+    m_d = o_d < Dh
+    o_s = tl.arange(0, NSP)
+    o_c = tl.arange(0, SP)
+    for r in tl.static_range(BQ):
+        qi = i_b * BQ + r
+        if qi < Lq:
+            row = (q0 + qi).to(tl.int64)
+            m_v = tl.load(m_part + (o_s.to(tl.int64) * T + row) * QH + h, mask=o_s < n_act, other=NEG)
+            m_max = tl.max(m_v, 0)
+            l_v = tl.load(l_part + (o_s.to(tl.int64) * T + row) * QH + h, mask=o_s < n_act, other=0.)
+            l_sum = tl.sum(l_v * tl.math.exp2(m_v - m_max), 0)
+            acc = tl.zeros([BD], dtype=tl.float32)
+            for c0 in range(0, n_act, SP):
+                s_c = c0 + o_c
+                live = s_c < n_act
+                prow = (s_c.to(tl.int64) * T + row) * QH + h
+                w = tl.math.exp2(tl.load(m_part + prow, mask=live, other=NEG) - m_max)
+                a = tl.load(o_part + prow[:, None] * Dh + o_d[None, :], mask=live[:, None] & m_d[None, :], other=0.)
+                acc += tl.sum(a * w[:, None], 0)
+            tl.store(o + row * s_ot + h * s_oh + o_d, cast(acc / l_sum, o.dtype.element_ty), mask=m_d)
+
+
 def flash_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_table, scale, out,
                            max_q_len: int | None = None, kv_start: int = 0, config: Config | None = None) -> None:
     """The launcher (arguments validated by ``paged_attention``). ``config``: None = ``choose_config``."""
@@ -242,6 +285,8 @@ def flash_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_tabl
         return
     cap = page_table.shape[1] * PS
     cfg = config or choose_config(mq, G, Dh, q.element_size(), cap, N, KVH, sm_count(q.device))
+    if cfg.combine not in ("tile", "rows"):
+        raise ValueError(f"config: combine {cfg.combine!r}, expected 'tile' or 'rows'")
     BD = pow2(Dh)
     nqb = cdiv(mq, cfg.BM // GP)
     split = cfg.split if cfg.n_split > 1 else 0
@@ -258,7 +303,11 @@ def flash_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_tabl
         q, k_cache, v_cache, out, o_part, m_part, l_part, cu_seqlens_q, kv_lens, page_table, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), page_table.stride(0), T, split,
         G, GP, QH, KVH, Dh, BD, PS, cfg.BM, cfg.BN, kv_start, split > 0), cfg.num_warps, cfg.num_stages)
-    if split:
+    if split and cfg.combine == "rows":
+        launch(combine_rows_kernel, (nqb, N, QH), (
+            out, o_part, m_part, l_part, cu_seqlens_q, kv_lens, out.stride(0), out.stride(1), T, split,
+            G, GP, QH, Dh, BD, cfg.BM // GP, pow2(cfg.n_split), 8), 4)
+    elif split:
         launch(combine_kernel, (nqb, N, KVH), (
             out, o_part, m_part, l_part, cu_seqlens_q, kv_lens, out.stride(0), out.stride(1), T, split,
             G, GP, QH, KVH, Dh, BD, cfg.BM), 4)
