@@ -124,6 +124,8 @@ class Record:
     output_tokens: int = 0
     hit_length: int = 0
     body: dict[str, Any] = field(default_factory=dict)      # what was sent (the solo check replays it)
+    tokens: list[str] = field(default_factory=list)         # with "logprobs" in the body: each token's text
+    top: list[dict[str, float]] = field(default_factory=list)   # ... and its top logprobs
 
 
 async def stream(client: httpx.AsyncClient, model: str, body: dict[str, Any], chars: bool) -> Record:
@@ -152,6 +154,9 @@ async def stream(client: httpx.AsyncClient, model: str, body: dict[str, Any], ch
                 for p in obj.get("gdnserve", {}).get("prompts", []):
                     rec.hit_length = p.get("hit_length") or 0
                 for ch in obj.get("choices", []):
+                    lp = ch.get("logprobs") or {}
+                    rec.tokens += lp.get("tokens") or []
+                    rec.top += [t or {} for t in lp.get("top_logprobs") or []]
                     if ch.get("text"):
                         rec.chunks.append((now, len(ch["text"]) if chars else 1))
                         rec.text += ch["text"]
@@ -205,24 +210,55 @@ async def conversation(client: httpx.AsyncClient, model: str, rng: random.Random
 
 # ---- after the levels: equal to the request alone, nothing leaked ---------------------------------------------
 
+NEAR_TIE = 0.05     # nats: a batched token this close to the solo run's best is a rounding flip, not a wrong answer
+SOLO_TOP = 5
+
+
+def near_tie_gap(alone: Record, batched_text: str, d: int) -> float | None:
+    """At the first differing character ``d``: the solo run's logprob of its own token minus that of the batched
+    run's token at the same position (>= 0; 0 = an exact tie), or None when the batched token is not among the
+    solo run's top ``SOLO_TOP`` there (or the solo run sent no logprobs)."""
+    start = 0
+    for j, tok in enumerate(alone.tokens):
+        if start + len(tok) > d or j == len(alone.tokens) - 1:
+            break
+        start += len(tok)
+    else:
+        return None
+    if j >= len(alone.top) or alone.tokens[j] not in alone.top[j]:
+        return None
+    rest = batched_text[start:]
+    cands = [t for t in alone.top[j] if t and t != alone.tokens[j] and rest.startswith(t)]
+    if not cands:
+        return None
+    best = alone.top[j][alone.tokens[j]]
+    return round(best - alone.top[j][max(cands, key=len)], 4)
+
+
 async def solo_check(url: str, model: str, recs: list[Record], chars: bool) -> dict[str, Any]:
     """Replay each of ``recs`` (ok records of the most concurrent level) alone and compare the greedy texts
-    (issue 27: every response equal to the same request run alone). ``first_diff``: the first differing character
-    of each unequal pair (batched vs alone), so a late divergence (a near-tie flipped by another batch's rounding)
-    reads differently from a wrong answer."""
-    out: dict[str, Any] = {"checked": 0, "equal": 0, "first_diff": []}
+    (issue 27: every response equal to the same request run alone). The replay asks for the top ``SOLO_TOP``
+    logprobs, so an unequal pair is classified: ``first_diff`` the first differing character (batched vs alone),
+    ``gaps`` the solo run's logprob margin of its token over the batched run's token there (None: the batched
+    token is not in the solo run's top ``SOLO_TOP``: not a near-tie), ``near_ties`` how many margins are
+    <= ``NEAR_TIE`` (a bf16 rounding flip between batch shapes; the texts then diverge legitimately)."""
+    out: dict[str, Any] = {"checked": 0, "equal": 0, "first_diff": [], "gaps": [], "near_ties": 0}
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600.0)) as client:
         for r in recs:
-            alone = await stream(client, model, r.body, chars)
+            alone = await stream(client, model, {**r.body, "logprobs": SOLO_TOP}, chars)
             if not alone.ok:
                 out.setdefault("errors", []).append(alone.error)
                 continue
             out["checked"] += 1
             if alone.text == r.text:
                 out["equal"] += 1
-            else:
-                out["first_diff"].append(next((i for i, (x, y) in enumerate(zip(alone.text, r.text)) if x != y),
-                                              min(len(alone.text), len(r.text))))
+                continue
+            d = next((i for i, (x, y) in enumerate(zip(alone.text, r.text)) if x != y),
+                     min(len(alone.text), len(r.text)))
+            gap = near_tie_gap(alone, r.text, d)
+            out["first_diff"].append(d)
+            out["gaps"].append(gap)
+            out["near_ties"] += gap is not None and gap <= NEAR_TIE
     return out
 
 
@@ -384,9 +420,10 @@ def markdown(res: dict[str, Any]) -> str:
                                     f(r["hit_token_share"]), ceil, f(r["client_cpu_share"])]) + " |")
     if res.get("solo"):
         L += ["", "Equal to the request alone (greedy; requests of the most concurrent level replayed one at a time): "
-              + "; ".join(f"{w} {v['equal']}/{v['checked']}" + (f" (first differing character {v['first_diff']})"
-                                                                   if v["first_diff"] else "")
-                          for w, v in res["solo"].items()) + "."]
+              + "; ".join(f"{w} {v['equal']}/{v['checked']}" + (
+                  f" (first differing character {v['first_diff']}; the solo run's logprob margin there "
+                  f"{v.get('gaps')}, {v.get('near_ties', 0)} of {len(v['first_diff'])} near-ties <= {NEAR_TIE} nats)"
+                  if v["first_diff"] else "") for w, v in res["solo"].items()) + "."]
     if res.get("leaks"):
         k = res["leaks"]
         L += ["", f"After the run: {k['running']:g} running, {k['waiting']:g} waiting, {k['slots_used']:g} state slots "

@@ -69,3 +69,14 @@ def test_quick_run_end_to_end(tmp_path):
     assert {w: (v["checked"], v["equal"]) for w, v in res["solo"].items()} == {"random": (4, 4), "prefix": (4, 4)}
     assert res["leaks"]["ok"] and res["leaks"]["running"] == 0, res["leaks"]
     assert "random 4/4; prefix 4/4" in md and "nothing leaked" in md
+
+
+def test_near_tie_gap_classifies_the_first_difference():
+    """The solo check's margin at the first differing character: the solo run's logprob of its token minus the
+    batched run's token's (from the solo run's top logprobs), None when the batched token is not among them."""
+    from benchmarks.bench_serve_http import Record, near_tie_gap
+    alone = Record(text="abcd", tokens=["ab", "c", "d"],
+                   top=[{"ab": -0.1}, {"c": -0.70, "x": -0.72, "xy": -0.74}, {"d": -0.2}])
+    assert near_tie_gap(alone, "abxyz", 2) == 0.04          # "xy", the longest candidate the batched text starts with
+    assert near_tie_gap(alone, "abq", 2) is None             # not in the solo top-k: a real difference
+    assert near_tie_gap(Record(text="ab"), "ax", 1) is None  # no logprobs sent
