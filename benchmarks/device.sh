@@ -74,9 +74,13 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 # FlashQLA (issue 28's anchor) only where its wheels are (~83 MB, over the 64 MiB a call carries: QLA_WHL names
 # another folder, e.g. under shared/); its absence only drops its rows
+# (benchmarks/pack_qla.py packs them into .qla/qla.tar.xz, ~41 MB, which travels: carry [".whl", ".qla"])
+if [ -z "${QLA_WHL:-}" ] && [ -f .qla/qla.tar.xz ]; then
+  python3 benchmarks/pack_qla.py unpack .qla/qla.tar.xz /tmp/qla_whl >> "$OUT/pip.log" 2>&1 && QLA_WHL=/tmp/qla_whl
+fi
 QLA_WHL=${QLA_WHL:-.whl}
 if ls "$QLA_WHL"/flash_qla-*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --find-links "$QLA_WHL" --no-compile --no-cache-dir flash-qla tilelang \
+  python3 -m pip install -q --no-index --find-links "$QLA_WHL" --find-links .whl --no-compile --no-cache-dir flash-qla tilelang \
     >> "$OUT/pip.log" 2>&1 || { echo "flash-qla install failed:"; tail -3 "$OUT/pip.log"; }
 fi
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
