@@ -168,12 +168,12 @@ def main() -> None:
         auto = choose_config(lq, QH // KVH, DH, 2, base["table"].shape[1] * PS, n, KVH, sm_count(dev))
         variants = long_variants(auto) if a.long_decode else variants_for(lq, a.no_variants)
         for var in variants:
-            if isinstance(var, Config) and not var.split and var.combine == "tile" and (
+            if isinstance(var, Config) and not var.split and (
                     var.BM, var.BN, var.num_warps, var.num_stages) == (
                     auto.BM, auto.BN, auto.num_warps, auto.num_stages):
                 continue                                      # the default's tiles: the "new" row
             label = var if isinstance(var, str) else f"BM{var.BM} BN{var.BN} w{var.num_warps} s{var.num_stages}"
-            if isinstance(var, Config) and (var.split or var.combine != "tile"):
+            if isinstance(var, Config) and var.split:
                 label += f" split {var.split}x{var.n_split} {var.combine}"
             try:
                 if isinstance(var, Config) and auto.n_split > 1 and not var.split:   # the tiles with the auto split
@@ -206,9 +206,10 @@ LONG_CASES = [(f"decode B={b} ctx 8192", b, 1, 8191, False) for b in (1, 16)]
 
 
 def long_variants(auto: Config) -> list:
-    """The auto config, its split with the per-row merge, and 2x / 4x / 8x longer pieces with either merge."""
+    """The auto config, its split with the other merge, and 2x / 4x / 8x longer pieces with either merge."""
+    other = "tile" if auto.combine == "rows" else "rows"
     out: list = ["old", "new", Config(auto.BM, auto.BN, auto.num_warps, auto.num_stages, auto.split, auto.n_split,
-                                       "rows")]
+                                       other)]
     cap = auto.split * auto.n_split
     for f in (2, 4, 8):
         split = auto.split * f

@@ -13,8 +13,11 @@ never visited).
 
 **Flash-decoding** (``Config.split``): for small grids (decode / verify of few sequences) the key range is cut
 into ``n_split`` pieces of ``split`` positions (sized from the page-table width, a host int); each piece writes
-its fp32 partial (acc, max, sum) to scratch and ``combine_kernel`` merges the pieces that hold keys (counted on
-the device from kv_lens). Pieces past a sequence's length exit at once; a tile whose keys all fall in piece 0
+its fp32 partial (acc, max, sum) to scratch and ``combine_rows_kernel`` merges the pieces that hold keys (counted
+on the device from kv_lens): one program per (query block, sequence, query head), all pieces' maxima as one vector,
+the partial outputs 8 pieces per load. (``combine_kernel``, ``Config.combine = "tile"``, walks the pieces one
+dependent load after another from one program per kv head: at B = 1 over a 8,192-token context, 72 pieces on 2
+SMs, 54.7 us against the per-row merge's 18.4 us on the H200, attention_long_decode_h200.md.) Pieces past a sequence's length exit at once; a tile whose keys all fall in piece 0
 (a short context under a wide page table) is written by that piece directly and skipped by the combine.
 
 Configs are chosen from shapes only (``choose_config``): ``max_q_len``, G, Dh, dtype, the page-table width, N, the
@@ -43,8 +46,9 @@ class Config:
     num_stages: int
     split: int = 0       # key positions per flash-decoding piece (0 = one piece, the output written directly)
     n_split: int = 1
-    combine: str = "tile"  # flash-decoding merge: "tile" (one program per tile, the pieces one after another) or
-                           # "rows" (one program per query row and head, the pieces SP at a time)
+    combine: str = "rows"  # flash-decoding merge: "rows" (one program per query block and head, the pieces 8 at a
+                           # time) or "tile" (one program per tile, the pieces one after another: 3x slower at
+                           # B = 1 over 8,192 keys, benchmarks/results/attention_long_decode_h200.md)
 
 
 _SM_COUNT: dict[int, int] = {}
