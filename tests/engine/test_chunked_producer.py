@@ -249,3 +249,23 @@ def test_a_checkpoint_that_leaves_its_consumer_no_room_never_hangs(want):
     w1 = d.done["w1"].checkpoint
     assert w1.hit_length == C and w1.miss_reason is None and e.runner.pages.num_pages == 21
     no_leaks(e)
+
+
+@pytest.mark.parametrize("mode", ["fused", "serial"])
+def test_n_samples_of_a_prompt_longer_than_a_step_fork_from_a_chunked_producer(want, mode):
+    """n = 2 samples of a 307-token prompt with no marker under a 64-token budget: they fork from the prompt
+    minus its last token, which no step holds; it is produced chunk by chunk (published there), every step stays
+    within the budget (the activation plan's largest step), and both samples equal the big-budget run's. A second
+    such request while the first one's prefix is chunked waits for it and hits it. (Before, the fork ran as one
+    306-token step.)"""
+    d = Driver(engine(mode))
+    d.add("p2", PRE + TAILS["p"], TWO, at=None)
+    d.step()
+    assert d.e.running[0].prod is not None and d.e.running[0].prod.end == len(PRE + TAILS["p"]) - 1
+    d.add("again", PRE + TAILS["p"], TWO, at=None)
+    d.drain()
+    d.check_budget()
+    assert [c.token_ids for c in d.done["p2"].outputs] == want["p2"]
+    assert [c.token_ids for c in d.done["again"].outputs] == want["p2"]
+    assert d.done["p2"].checkpoint.published and d.done["again"].checkpoint.hit_length == len(PRE + TAILS["p"]) - 1
+    no_leaks(d.e)

@@ -194,6 +194,11 @@ class Admission:
         if auto is not None and n > 1 and fork_pages(self.cfg, len(ids), req.params.max_tokens, n, auto.length) > \
                 self.cfg.pages:             # intake counted a fork at the prompt minus its last token, not this one
             auto = None
+        if auto is None and c is None and n > 1 and not fresh and len(ids) - 1 + n > self.cfg.max_step_tokens:
+            # n samples fork from the prompt minus its last token; a fork longer than any step cannot run as the
+            # one-step temporary (it would exceed the activation plan's largest step): it is produced chunk by
+            # chunk as a published checkpoint there, the samples' last tokens run from it once READY
+            c = len(ids) - 1
         if auto is not None:                 # an earlier request's state covers a prefix of this prompt
             pl = _Plan(auto.length, tuple(ids[:auto.length]), hit=auto)
         else:
@@ -230,13 +235,13 @@ class Admission:
         """A long plain prompt prefills its first chunk now; a checkpoint producer too long for any step (or a step
         busy with chunks) runs its prefix chunk by chunk into the PENDING checkpoint (one that fits a step waits for
         one instead, to run with its same-pass consumers)."""
-        n, c = len(req.samples), req.checkpoint_at
+        n = len(req.samples)
         if pl.cost <= max(p.budget, MIN_CHUNK) or req.params.prompt_logprobs is not None:
             return
         if pl.key is None and n == 1:
             pl.chunk = pl.cost = max(p.budget, MIN_CHUNK)
             pl.pages = self.kv.pages_for(pl.chunk)
-        elif pl.new_producer and c is not None and (p.busy or pl.cost > self.cfg.max_step_tokens):
+        elif pl.new_producer and pl.publish and (p.busy or pl.cost > self.cfg.max_step_tokens):
             pl.prod_chunk = pl.cost = min(pl.split, max(p.budget, MIN_CHUNK))
             pl.pages = self.kv.pages_for(pl.split)      # admitted only when the whole prefix fits: not preempted for it
 

@@ -46,6 +46,12 @@ class Producer:
     entry: Checkpoint
     seq: SeqState
 
+    @property
+    def end(self) -> int:
+        """Prompt tokens the prefix covers: the request's marker, or the fork point of n samples of a prompt
+        too long for one step (admission.Admission._plan)."""
+        return len(self.entry.token_ids)
+
 
 @dataclass(eq=False)
 class Request:

@@ -126,7 +126,7 @@ class Scheduler:
 
     @staticmethod
     def _chunk_end(req: Request) -> int:
-        return req.checkpoint_at if req.prod is not None else len(req.prompt_ids)
+        return req.prod.end if req.prod is not None else len(req.prompt_ids)
 
     def _collect_running(self, batch: StepBatch):
         chunks: list[Request] = []
@@ -135,10 +135,10 @@ class Scheduler:
             if not self.runnable(req):          # paused while a failure is isolated among others
                 continue
             batch.join(req)
-            if req.prod is not None and req.num_computed == req.checkpoint_at:
+            if req.prod is not None and req.num_computed == req.prod.end:
                 # its chunked prefix is READY now: the samples continue from it (the reference it holds is
                 # released after this step, like any READY hit's)
-                entry, tail = req.prod.entry, req.prompt_ids[req.checkpoint_at:]
+                entry, tail = req.prod.entry, req.prompt_ids[req.prod.end:]
                 kv = self.kv.checkpoint_cache.kv_of(entry)
                 ready += [(PrefillItem(s.seq, list(tail), start_from=kv), (req, s)) for s in req.samples]
                 batch.acquired.append(entry)
@@ -279,7 +279,7 @@ class Scheduler:
         need, ps = 0, self.kv.page_size
         chunk = max(self.cfg.max_step_tokens, MIN_CHUNK)
         for req in self.running:
-            split = req.checkpoint_at
+            split = req.prod.end if req.prod is not None else None
             if req.prod is not None and req.num_computed < split:      # the producer's next prefix chunk
                 need += req.prod.seq.pages.pages_needed(min(split - req.num_computed, chunk))
             elif req.prod is not None:      # the samples continue from the READY prefix: tail page copy + tokens
