@@ -225,14 +225,16 @@ def near_tie_gap(alone: Record, batched_text: str, d: int) -> float | None:
         start += len(tok)
     else:
         return None
-    if j >= len(alone.top) or alone.tokens[j] not in alone.top[j]:
-        return None
-    rest = batched_text[start:]
-    cands = [t for t in alone.top[j] if t and t != alone.tokens[j] and rest.startswith(t)]
-    if not cands:
-        return None
-    best = alone.top[j][alone.tokens[j]]
-    return round(best - alone.top[j][max(cands, key=len)], 4)
+    for i in ((j, j - 1) if d == start and j > 0 else (j,)):      # a batched token that extends the solo one
+        if i != j:                                                # ends where solo token j starts: position j-1
+            start -= len(alone.tokens[i])
+        if i >= len(alone.top) or alone.tokens[i] not in alone.top[i]:
+            continue
+        rest = batched_text[start:]
+        cands = [t for t in alone.top[i] if t and t != alone.tokens[i] and rest.startswith(t)]
+        if cands:
+            return round(alone.top[i][alone.tokens[i]] - alone.top[i][max(cands, key=len)], 4)
+    return None
 
 
 async def solo_check(url: str, model: str, recs: list[Record], chars: bool) -> dict[str, Any]:
@@ -245,7 +247,7 @@ async def solo_check(url: str, model: str, recs: list[Record], chars: bool) -> d
     out: dict[str, Any] = {"checked": 0, "equal": 0, "first_diff": [], "gaps": [], "near_ties": 0}
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(3600.0)) as client:
         for r in recs:
-            alone = await stream(client, model, {**r.body, "logprobs": SOLO_TOP}, chars)
+            alone = await stream(client, model, r.body, chars)        # as sent (logprobs would turn drafts off)
             if not alone.ok:
                 out.setdefault("errors", []).append(alone.error)
                 continue
@@ -253,6 +255,9 @@ async def solo_check(url: str, model: str, recs: list[Record], chars: bool) -> d
             if alone.text == r.text:
                 out["equal"] += 1
                 continue
+            tops = await stream(client, model, {**r.body, "logprobs": SOLO_TOP}, chars)
+            if tops.ok and tops.text == alone.text:     # the margins of the same solo text
+                alone = tops
             d = next((i for i, (x, y) in enumerate(zip(alone.text, r.text)) if x != y),
                      min(len(alone.text), len(r.text)))
             gap = near_tie_gap(alone, r.text, d)

@@ -50,7 +50,7 @@ def unpack(archive: Path, dest: Path) -> None:
             if whl not in zips:
                 zips[whl] = zipfile.ZipFile(dest / whl, "w", zipfile.ZIP_DEFLATED, compresslevel=1)
             zi = zipfile.ZipInfo(name)
-            zi.external_attr = (m.mode & 0o7777) << 16
+            zi.external_attr = (0o100000 | (m.mode & 0o7777)) << 16     # S_IFREG: pip checks it is a file
             zi.compress_type = zipfile.ZIP_DEFLATED
             zips[whl].writestr(zi, tar.extractfile(m).read())
     for z in zips.values():

@@ -80,3 +80,5 @@ def test_near_tie_gap_classifies_the_first_difference():
     assert near_tie_gap(alone, "abxyz", 2) == 0.04          # "xy", the longest candidate the batched text starts with
     assert near_tie_gap(alone, "abq", 2) is None             # not in the solo top-k: a real difference
     assert near_tie_gap(Record(text="ab"), "ax", 1) is None  # no logprobs sent
+    longer = Record(text="abcd", tokens=["ab", "c", "d"], top=[{"ab": -0.1}, {"c": -0.50, "cx": -0.51}, {"d": -0.2}])
+    assert near_tie_gap(longer, "abcxe", 3) == 0.01          # the batched token "cx" extends the solo "c"

@@ -689,3 +689,37 @@ def test_waiting_requests_without_a_seat_start_no_restore():
         e.step()
     hits, restores = e.tier_stats.hits["host"], e.tier_stats.restores["host"]
     assert hits >= 2 and restores == hits, (hits, restores)
+
+
+def _boom(*a, **k):
+    raise RuntimeError("out of memory (the staging buffer)")
+
+
+def test_a_failed_copy_down_gives_its_block_back(tmp_path):
+    """A spill whose copy raises (the staging buffer's allocation, a CUDA error) leaves no arena block behind."""
+    r = Rig(tmp_path, host_ckpts=2, disk=False)
+    for ids in IDS[:4]:
+        r.make(ids)
+    r.copier.copy_down = _boom
+    with pytest.raises(RuntimeError, match="out of memory"):
+        r.ck.evict(1)
+    assert r.arena.used == sum(hc.block.size for hc in r.tiers.host.values())
+
+
+def test_a_failed_restore_puts_the_claimed_copy_back(tmp_path):
+    """A restore whose copy up raises after the host copy was claimed: the checkpoint is back in the host tier
+    with its block, no PENDING entry or reserved page is left, and a later lookup restores it bit-exactly."""
+    r = Rig(tmp_path, host_ckpts=2, disk=False)
+    for ids in IDS[:5]:
+        r.make(ids)
+    assert r.where(IDS[0]) == "host"
+    free = r.pg.num_free, r.st.num_free
+    real, r.copier.restore = r.copier.restore, _boom
+    with pytest.raises(RuntimeError, match="out of memory"):
+        r.ck.lookup(IDS[0])
+    assert r.where(IDS[0]) == "host" and r.ck.index.stats()["entries_pending"] == 0
+    assert r.arena.used == sum(hc.block.size for hc in r.tiers.host.values())
+    assert (r.pg.num_free, r.st.num_free) >= free       # what was evicted for it stays free, nothing held
+    r.copier.restore = real
+    e = r.restore(IDS[0])
+    assert e.origin == "host" and all(torch.equal(a, b) for a, b in zip(r.snap(e), r.data[IDS[0]]))

@@ -269,3 +269,19 @@ def test_n_samples_of_a_prompt_longer_than_a_step_fork_from_a_chunked_producer(w
     assert [c.token_ids for c in d.done["again"].outputs] == want["p2"]
     assert d.done["p2"].checkpoint.published and d.done["again"].checkpoint.hit_length == len(PRE + TAILS["p"]) - 1
     no_leaks(d.e)
+
+
+def test_n_samples_of_a_one_token_prompt_beyond_a_step_run_as_before():
+    """n = 9 samples of a 1-token prompt under an 8-token budget: there is no fork point (nothing before the last
+    token), so no producer is planned (a checkpoint at 0 tokens crashed admission in every step, review finding);
+    the request and one beside it finish."""
+    e = LLM(device="cpu", max_num_seqs=16, num_pages=256, auto_checkpoints=False, max_step_tokens=8).engine
+    e.add_request("ok", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    e.step()
+    e.add_request("x", [5], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, n=9))
+    done = {}
+    for _ in range(40):
+        done.update({o.request_id: o for o in e.step() if o.finished})
+        if not e.has_unfinished():
+            break
+    assert [len(c.token_ids) for c in done["x"].outputs] == [2] * 9 and len(done["ok"].outputs[0].token_ids) == 6

@@ -96,7 +96,11 @@ class CheckpointTiers:
         pages = list(table.pages)
         hc = self._room(key, token_ids, len(pages)) if self.arena is not None else None
         if hc is not None:
-            self.copier.copy_down(hc, slot, pages)
+            try:
+                self.copier.copy_down(hc, slot, pages)
+            except BaseException:
+                hc.release()        # a later copy into the block is queued after whatever part of this one was
+                raise
             self._copied(hc)
             self._host_put(hc, cold)
             return

@@ -71,6 +71,10 @@ def _clear_cuda_error() -> None:
 
 def _unregister(ptr: int) -> None:
     try:
+        torch.cuda.synchronize()    # no copy into or out of it still queued (an arena dropped without close())
+    except Exception:  # noqa: BLE001  no CUDA context (or gone at exit): nothing can be in flight
+        pass
+    try:
         err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
     except Exception as e:  # noqa: BLE001  at interpreter exit the runtime may be gone
         err = str(e)

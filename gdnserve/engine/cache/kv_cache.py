@@ -112,19 +112,31 @@ class CheckpointCache:
         """A PENDING entry on a fresh slot and pages (evicting, i.e. copying down, LRU READY checkpoints for them)
         with the restore from ``tier`` started; None, changing nothing, when no room can be made."""
         hc = self.tiers.claim(key, tier)      # out of the host tier first: the evictions below spill into it
-        need = num_pages + (self.promised() if self.promised is not None else 0)
-        if self.state.num_free < 1:
-            self.evict(1)
-        while self.page_pool.num_free < need and self.evict(1):
-            pass
-        pages = self.page_pool.try_allocate(num_pages) if self.state.num_free and self.page_pool.num_free >= need \
-            else None
-        if pages is None:
+        # a failure from here on (a spill, the copy up) puts the claimed copy back and drops what was reserved:
+        # the host tier neither loses the checkpoint nor its arena block, no PENDING entry is left behind
+        table = entry = None
+        try:
+            need = num_pages + (self.promised() if self.promised is not None else 0)
+            if self.state.num_free < 1:
+                self.evict(1)
+            while self.page_pool.num_free < need and self.evict(1):
+                pass
+            pages = self.page_pool.try_allocate(num_pages) if self.state.num_free and \
+                self.page_pool.num_free >= need else None
+            if pages is None:
+                self.tiers.unclaim(hc)
+                return None
+            table = PageTable(self.page_pool, pages, len(ids))
+            entry = self.index.reserve(ids, key)
+            started = self.tiers.start(entry, table, tier, hc)
+        except BaseException:
+            if entry is not None:
+                self.index.abort(entry)
+            if table is not None:
+                table.release()
             self.tiers.unclaim(hc)
-            return None
-        entry = self.index.reserve(ids, key)
-        table = PageTable(self.page_pool, pages, len(ids))
-        if self.tiers.start(entry, table, tier, hc):      # a host restore: queued in stream order, READY now
+            raise
+        if started:                           # a host restore: queued in stream order, READY now
             entry.origin = tier
             self.ready(entry, table)
         return entry
