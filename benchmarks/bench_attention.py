@@ -142,8 +142,7 @@ def main() -> None:
     ap.add_argument("--no-variants", action="store_true")
     ap.add_argument("--long-decode", action="store_true",
                     help="only decode B = 1, 16 at context 8,192 under the 9,216-token table of the HTTP run "
-                         "(bench_serve_http's --max-model-len): the flash-decoding merges (tile vs rows) and split "
-                         "sizes side by side")
+                         "(bench_serve_http's --max-model-len): the flash-decoding split sizes side by side")
     ap.add_argument("--warm", default=None, help="k/N: only compile (one call each) every N-th variant from the "
                     "k-th, to fill Triton's cache from N processes in parallel before the timed run")
     a = ap.parse_args()
@@ -174,7 +173,7 @@ def main() -> None:
                 continue                                      # the default's tiles: the "new" row
             label = var if isinstance(var, str) else f"BM{var.BM} BN{var.BN} w{var.num_warps} s{var.num_stages}"
             if isinstance(var, Config) and var.split:
-                label += f" split {var.split}x{var.n_split} {var.combine}"
+                label += f" split {var.split}x{var.n_split}"
             try:
                 if isinstance(var, Config) and auto.n_split > 1 and not var.split:   # the tiles with the auto split
                     var = Config(var.BM, var.BN, var.num_warps, var.num_stages, auto.split, auto.n_split)
@@ -206,16 +205,13 @@ LONG_CASES = [(f"decode B={b} ctx 8192", b, 1, 8191, False) for b in (1, 16)]
 
 
 def long_variants(auto: Config) -> list:
-    """The auto config, its split with the other merge, and 2x / 4x / 8x longer pieces with either merge."""
-    other = "tile" if auto.combine == "rows" else "rows"
-    out: list = ["old", "new", Config(auto.BM, auto.BN, auto.num_warps, auto.num_stages, auto.split, auto.n_split,
-                                       other)]
+    """The auto config and 2x / 4x / 8x longer pieces."""
+    out: list = ["old", "new"]
     cap = auto.split * auto.n_split
     for f in (2, 4, 8):
         split = auto.split * f
         if auto.n_split > 1 and split < cap:
-            for comb in ("tile", "rows"):
-                out.append(Config(auto.BM, auto.BN, auto.num_warps, auto.num_stages, split, -(-cap // split), comb))
+            out.append(Config(auto.BM, auto.BN, auto.num_warps, auto.num_stages, split, -(-cap // split)))
     return out
 
 

@@ -21,7 +21,7 @@
 #   ops[:s]      python -m benchmarks.bench_ops            (kernels vs fla, one run; OPS_ARGS="--quick
 #                --only decode:1,256 --only verify:256" narrows it)
 #   attention[:s] python -m benchmarks.bench_attention (paged attention kernels and tile variants; ATTN_ARGS, e.g.
-#                --long-decode: decode B = 1, 16 at context 8,192, the flash-decoding merges and split sizes)
+#                --long-decode: decode B = 1, 16 at context 8,192, the flash-decoding split sizes)
 #   grouped[:s]  python -m benchmarks.bench_grouped_prefill (four executors vs fla two-phase)
 #   profile[:s]  python -m benchmarks.profile_kernels       (per-kernel GPU time of the grouped step;
 #                PROFILE_ARGS=--host adds the host-time profile of one eager call per case)

@@ -72,8 +72,6 @@ SEQS = [(0, 65), (40, 17), (0, 0), (29, 1), (70, 3), (0, 1)]
     (1, 24, torch.float32, Config(32, 16, 4, 2)),          # no GQA
     (8, 256, torch.bfloat16, Config(16, 64, 4, 2, 64, 2)),  # flash-decoding: 2 pieces of 64 (one for short ones)
     (3, 24, torch.bfloat16, Config(64, 16, 4, 2, 32, 4)),  # splits with multi-row prefill blocks (BQ 16)
-    (8, 256, torch.bfloat16, Config(16, 64, 4, 2, 64, 2, "tile")),  # the tile merge of the pieces
-    (3, 24, torch.bfloat16, Config(64, 16, 4, 2, 32, 4, "tile")),   # ... over multi-row blocks
 ])
 def test_flash_paths_match_reference(G, Dh, dtype, cfg, device):
     KVH, P = 2, 16 if Dh == 256 else 5
@@ -84,24 +82,17 @@ def test_flash_paths_match_reference(G, Dh, dtype, cfg, device):
     check(SEQS, q, out, cu, kv, dtype, scale)
 
 
-@pytest.mark.parametrize("combine", ["tile", "rows"])
-def test_many_pieces_merge_alike(combine, device):
-    """More pieces than the per-row merge loads at once (SP = 8): 16-position pieces over contexts up to 201, odd
-    lengths, a padding sequence, decode and 2-row blocks; both merges match the reference."""
+def test_many_pieces_merge(device):
+    """More pieces than the merge loads at once (8): 16-position pieces over contexts up to 201, odd lengths, a
+    padding sequence, decode and 2-row blocks."""
     seqs = [(150, 2), (29, 1), (0, 0), (200, 1), (64, 1)]
     G, KVH, Dh, P = 8, 2, 24, 5
     q, kc, vc, cu, lens, table, kv, out = build(seqs, KVH, G, Dh, P, torch.float32, device)
     cap = table.shape[1] * P
     T = int(cu[-1])
-    cfg = Config(16, 16, 4, 2, 16, -(-cap // 16), combine)
+    cfg = Config(16, 16, 4, 2, 16, -(-cap // 16))
     flash_attention_triton(q[:T], kc, vc, cu, lens, table, Dh ** -0.5, out[:T], max_q_len=2, config=cfg)
     check(seqs, q, out, cu, kv, torch.float32, Dh ** -0.5)
-
-
-def test_unknown_combine_is_refused(device):
-    q, kc, vc, cu, lens, table, kv, out = build([(3, 1)], 2, 2, 24, 5, torch.float32, device)
-    with pytest.raises(ValueError, match="combine"):
-        flash_attention_triton(q[:1], kc, vc, cu, lens, table, 0.2, out[:1], config=Config(16, 16, 4, 2, 0, 1, "x"))
 
 
 @pytest.mark.parametrize("max_q", [4, None])
@@ -128,7 +119,6 @@ def test_choose_config_from_shapes():
     assert choose_config(1, 8, 256, 2, 4096, 256, 2, 132).n_split == 1
     assert choose_config(1, 8, 256, 2, 128, 1, 2, 132).n_split == 1
     assert choose_config(4, 8, 256, 2, 4096, 64, 2, 132).BM == 32
-    assert d1.combine == "rows"                      # the per-row merge (3x the tile merge's speed at B = 1)
 
 
 def test_rowwise_kernel_still_matches(device):

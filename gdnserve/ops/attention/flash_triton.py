@@ -15,9 +15,9 @@ never visited).
 into ``n_split`` pieces of ``split`` positions (sized from the page-table width, a host int); each piece writes
 its fp32 partial (acc, max, sum) to scratch and ``combine_rows_kernel`` merges the pieces that hold keys (counted
 on the device from kv_lens): one program per (query block, sequence, query head), all pieces' maxima as one vector,
-the partial outputs 8 pieces per load. (``combine_kernel``, ``Config.combine = "tile"``, walks the pieces one
-dependent load after another from one program per kv head: at B = 1 over a 8,192-token context, 72 pieces on 2
-SMs, 54.7 us against the per-row merge's 18.4 us on the H200, attention_long_decode_h200.md.) Pieces past a sequence's length exit at once; a tile whose keys all fall in piece 0
+the partial outputs 8 pieces per load. (The first merge, one program per kv head walking the pieces one dependent
+load after another, took 54.7 us against this one's 18.4 at B = 1 over a 8,192-token context on the H200, 72 pieces
+on 2 SMs: benchmarks/results/attention_long_decode_h200.md; deleted since.) Pieces past a sequence's length exit at once; a tile whose keys all fall in piece 0
 (a short context under a wide page table) is written by that piece directly and skipped by the combine.
 
 Configs are chosen from shapes only (``choose_config``): ``max_q_len``, G, Dh, dtype, the page-table width, N, the
@@ -46,9 +46,6 @@ class Config:
     num_stages: int
     split: int = 0       # key positions per flash-decoding piece (0 = one piece, the output written directly)
     n_split: int = 1
-    combine: str = "rows"  # flash-decoding merge: "rows" (one program per query block and head, the pieces 8 at a
-                           # time) or "tile" (one program per tile, the pieces one after another: 3x slower at
-                           # B = 1 over 8,192 keys, benchmarks/results/attention_long_decode_h200.md)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -196,51 +193,13 @@ def flash_attention_kernel(q, k_cache, v_cache, o, o_part, m_part, l_part, cu_q,
 
 
 @triton.jit
-def combine_kernel(o, o_part, m_part, l_part, cu_q, kv_lens, s_ot, s_oh, T, split,
-                   G: tl.constexpr, GP: tl.constexpr, QH: tl.constexpr, KVH: tl.constexpr, Dh: tl.constexpr,
-                   BD: tl.constexpr, BM: tl.constexpr):
-    """Merge the flash-decoding pieces of one (query block, sequence, kv head) tile: the pieces that start
-    below the block's causal end (each wrote every valid row), weights exp2(m_s - max) in fp32. A tile whose keys
-    fit in piece 0 was written by that piece directly."""
-    BQ: tl.constexpr = BM // GP
-    i_b, i_n, kvh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    q0, Lq, L, qi, g, valid = _rows(cu_q, kv_lens, i_b, i_n, G, GP, BM)
-    if (i_b * BQ >= Lq) | (L == 0):
-        return
-    end = tl.minimum(L, L - Lq + i_b * BQ + BQ)
-    n_act = (end + split - 1) // split
-    if n_act <= 1:                                     # piece 0 wrote the output itself
-        return
-    o_d = tl.arange(0, BD)
-    h = kvh * G + g
-    m_q = valid[:, None] & (o_d[None, :] < Dh)
-    m_i = tl.full([BM], NEG, dtype=tl.float32)
-    l_i = tl.zeros([BM], dtype=tl.float32)
-    acc = tl.zeros([BM, BD], dtype=tl.float32)
-    for s in range(0, n_act):
-        prow = (s * T + q0 + qi).to(tl.int64) * QH + h
-        m_s = tl.load(m_part + prow, mask=valid, other=NEG)
-        l_s = tl.load(l_part + prow, mask=valid, other=0.)
-        a_s = tl.load(o_part + prow[:, None] * Dh + o_d[None, :], mask=m_q, other=0.)
-        m_new = tl.maximum(m_i, m_s)
-        alpha = tl.math.exp2(m_i - m_new)
-        beta = tl.math.exp2(m_s - m_new)
-        acc = acc * alpha[:, None] + a_s * beta[:, None]
-        l_i = l_i * alpha + l_s * beta
-        m_i = m_new
-    rows = (q0 + qi).to(tl.int64)
-    out = acc / l_i[:, None]
-    tl.store(o + rows[:, None] * s_ot + h[:, None] * s_oh + o_d[None, :], cast(out, o.dtype.element_ty), mask=m_q)
-
-
-@triton.jit
 def combine_rows_kernel(o, o_part, m_part, l_part, cu_q, kv_lens, s_ot, s_oh, T, split,
                         G: tl.constexpr, GP: tl.constexpr, QH: tl.constexpr, Dh: tl.constexpr, BD: tl.constexpr,
                         BQ: tl.constexpr, NSP: tl.constexpr, SP: tl.constexpr):
-    """``combine_kernel``'s merge with the pieces side by side: one program per (query block, sequence, query
-    head), its BQ rows one after another; per row the maxima of all pieces in one vector (NSP = pow2(n_split)),
-    then the partial outputs SP pieces per load. The tile merge walks the pieces one dependent load after another
-    from KVH programs, which at B = 1 over a long context is a chain of n_split loads on 2 SMs."""
+    """Merge the flash-decoding pieces that start below the query block's causal end (each wrote every valid row
+    of its tile; weights exp2(m_s - max) in fp32): one program per (query block, sequence, query head), its BQ rows
+    one after another; per row the maxima of all pieces in one vector (NSP = pow2(n_split)), then the partial
+    outputs SP pieces per load. A block whose keys fit in piece 0 was written by that piece directly."""
     i_b, i_n, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q0 = tl.load(cu_q + i_n)
     Lq = tl.load(cu_q + i_n + 1) - q0
@@ -289,8 +248,6 @@ def flash_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_tabl
         return
     cap = page_table.shape[1] * PS
     cfg = config or choose_config(mq, G, Dh, q.element_size(), cap, N, KVH, sm_count(q.device))
-    if cfg.combine not in ("tile", "rows"):
-        raise ValueError(f"config: combine {cfg.combine!r}, expected 'tile' or 'rows'")
     BD = pow2(Dh)
     nqb = cdiv(mq, cfg.BM // GP)
     split = cfg.split if cfg.n_split > 1 else 0
@@ -307,11 +264,7 @@ def flash_attention_triton(q, k_cache, v_cache, cu_seqlens_q, kv_lens, page_tabl
         q, k_cache, v_cache, out, o_part, m_part, l_part, cu_seqlens_q, kv_lens, page_table, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), page_table.stride(0), T, split,
         G, GP, QH, KVH, Dh, BD, PS, cfg.BM, cfg.BN, kv_start, split > 0), cfg.num_warps, cfg.num_stages)
-    if split and cfg.combine == "rows":
+    if split:
         launch(combine_rows_kernel, (nqb, N, QH), (
             out, o_part, m_part, l_part, cu_seqlens_q, kv_lens, out.stride(0), out.stride(1), T, split,
             G, GP, QH, Dh, BD, cfg.BM // GP, pow2(cfg.n_split), 8), 4)
-    elif split:
-        launch(combine_kernel, (nqb, N, KVH), (
-            out, o_part, m_part, l_part, cu_seqlens_q, kv_lens, out.stride(0), out.stride(1), T, split,
-            G, GP, QH, KVH, Dh, BD, cfg.BM), 4)
