@@ -285,3 +285,27 @@ def test_n_samples_of_a_one_token_prompt_beyond_a_step_run_as_before():
         if not e.has_unfinished():
             break
     assert [len(c.token_ids) for c in done["x"].outputs] == [2] * 9 and len(done["ok"].outputs[0].token_ids) == 6
+
+
+@pytest.mark.parametrize("mode", ["fused", "serial"])
+def test_a_ready_hit_with_a_long_tail_continues_chunk_by_chunk(mode):
+    """A READY checkpoint hit whose tail (200 tokens) is longer than the 64-token budget: its first chunk starts
+    from the checkpoint, the rest continue on the request's own slot; no step exceeds the budget (before, the whole
+    tail ran as one step, past the activation plan's largest step) and the greedy output equals the unchunked run's
+    without a checkpoint."""
+    tail = [random.Random(7).randrange(3, 250) for _ in range(200)]
+    ref = engine(budget=4096)
+    ref.add_request("long", PRE + tail, EIGHT)
+    out = {}
+    while ref.has_unfinished():
+        out.update({o.request_id: o.outputs[0].token_ids for o in ref.step() if o.finished})
+    d = Driver(engine(mode))
+    d.add("p", PRE + TAILS["p"])
+    d.drain()
+    d.steps.clear()
+    d.add("long", PRE + tail, EIGHT)
+    d.drain()
+    d.check_budget()
+    assert len(d.steps) > 200 // BUDGET and d.done["long"].checkpoint.hit_length == C
+    assert d.done["long"].outputs[0].token_ids == out["long"]
+    no_leaks(d.e)

@@ -242,6 +242,9 @@ class Admission:
         if pl.key is None and n == 1:
             pl.chunk = pl.cost = max(p.budget, MIN_CHUNK)
             pl.pages = self.kv.pages_for(pl.chunk)
+        elif pl.hit is not None and n == 1:   # a READY hit's long tail: its first chunk from the checkpoint now,
+            pl.chunk = pl.cost = max(p.budget, MIN_CHUNK)    # the rest on the sample's own slot (a chat turn that
+            pl.pages = self.kv.pages_for(pl.chunk, shared=pl.split)   # pastes a document after an earlier turn)
         elif pl.new_producer and pl.publish and (p.busy or pl.cost > self.cfg.max_step_tokens):
             pl.prod_chunk = pl.cost = min(pl.split, max(p.budget, MIN_CHUNK))
             pl.pages = self.kv.pages_for(pl.split)      # admitted only when the whole prefix fits: not preempted for it
@@ -344,11 +347,13 @@ class Admission:
         elif pl.key is not None:
             req.checkpoint = CheckpointInfo(hit_length=pl.split)
             self.stats.checkpoint_hits += req.checkpoint_at is not None
-        req.num_computed = pl.chunk if pl.chunk is not None else pl.prod_chunk if pl.prod_chunk is not None else len(ids)
+        start = pl.split if pl.hit is not None else 0      # a chunked hit's tail starts at the checkpoint
+        req.num_computed = start + pl.chunk if pl.chunk is not None else pl.prod_chunk if pl.prod_chunk is not None \
+            else len(ids)
         for smp in req.samples:
             smp.seq = self.kv.new_seq()
-            if pl.chunk is not None:
-                batch.add(PrefillItem(smp.seq, list(ids[:pl.chunk])))   # nothing is sampled until the last chunk
+            if pl.chunk is not None:           # nothing is sampled until the last chunk
+                batch.add(PrefillItem(smp.seq, list(ids[start:start + pl.chunk]), start_from=ckpt))
             elif pl.prod_chunk is not None:
                 continue                       # the slot waits for the READY prefix
             elif pl.key is None:
