@@ -309,3 +309,23 @@ def test_a_ready_hit_with_a_long_tail_continues_chunk_by_chunk(mode):
     assert len(d.steps) > 200 // BUDGET and d.done["long"].checkpoint.hit_length == C
     assert d.done["long"].outputs[0].token_ids == out["long"]
     no_leaks(d.e)
+
+
+@pytest.mark.parametrize("mode", ["fused", "serial"])
+def test_a_chunked_producers_long_tail_continues_chunk_by_chunk(mode):
+    """A marker request whose 300-token prefix is produced in chunks and whose own tail (200 tokens) is longer
+    than the 64-token budget: once the prefix is READY the tail runs half a step from the checkpoint, then in
+    chunks on the request's slot; no step exceeds the budget (before, the whole tail ran in the READY step) and the
+    greedy output equals the unchunked run's without a checkpoint."""
+    tail = [random.Random(11).randrange(3, 250) for _ in range(200)]
+    ref = engine(budget=4096)
+    ref.add_request("long", PRE + tail, EIGHT)
+    out = {}
+    while ref.has_unfinished():
+        out.update({o.request_id: o.outputs[0].token_ids for o in ref.step() if o.finished})
+    d = Driver(engine(mode))
+    d.add("long", PRE + tail, EIGHT)
+    d.drain()
+    d.check_budget()
+    assert d.done["long"].outputs[0].token_ids == out["long"] and d.done["long"].checkpoint.published
+    no_leaks(d.e)

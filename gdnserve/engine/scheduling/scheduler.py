@@ -124,6 +124,13 @@ class Scheduler:
         self.admission.admit_long(batch, p, longs)
         self.kv.checkpoint_cache.promised = None
 
+    def _ready_chunk(self, req: Request) -> int:
+        """Tail tokens the samples of a chunked producer run in the step its prefix is READY: all of them, or for
+        one sample whose tail is longer than half a step, half a step (the rest continue as chunks)."""
+        tail = len(req.prompt_ids) - req.prod.end
+        half = max(self.cfg.max_step_tokens // 2, MIN_CHUNK)
+        return min(tail, half) if len(req.samples) == 1 else tail
+
     @staticmethod
     def _chunk_end(req: Request) -> int:
         return req.prod.end if req.prod is not None else len(req.prompt_ids)
@@ -137,12 +144,17 @@ class Scheduler:
             batch.join(req)
             if req.prod is not None and req.num_computed == req.prod.end:
                 # its chunked prefix is READY now: the samples continue from it (the reference it holds is
-                # released after this step, like any READY hit's)
-                entry, tail = req.prod.entry, req.prompt_ids[req.prod.end:]
+                # released after this step, like any READY hit's); one sample's long tail in chunks, its first
+                # from the checkpoint, the rest on its own slot (_continue_chunks)
+                entry, end = req.prod.entry, req.prod.end
                 kv = self.kv.checkpoint_cache.kv_of(entry)
-                ready += [(PrefillItem(s.seq, list(tail), start_from=kv), (req, s)) for s in req.samples]
+                first = self._ready_chunk(req)
+                tail = req.prompt_ids[end:end + first]
+                whole = end + first == len(req.prompt_ids)
+                ready += [(PrefillItem(s.seq, list(tail), start_from=kv), (req, s) if whole else None)
+                          for s in req.samples]
                 batch.acquired.append(entry)
-                req.prod, req.num_computed = None, len(req.prompt_ids)
+                req.prod, req.num_computed = None, end + first
             elif req.num_computed < len(req.prompt_ids):
                 chunks.append(req)
             else:
@@ -283,7 +295,7 @@ class Scheduler:
             if req.prod is not None and req.num_computed < split:      # the producer's next prefix chunk
                 need += req.prod.seq.pages.pages_needed(min(split - req.num_computed, chunk))
             elif req.prod is not None:      # the samples continue from the READY prefix: tail page copy + tokens
-                need += len(req.live_samples) * (-(-len(req.prompt_ids) // ps) - split // ps)
+                need += len(req.live_samples) * (-(-(split + self._ready_chunk(req)) // ps) - split // ps)
             else:
                 for s in req.live_samples:
                     if s.seq is not None:
