@@ -1,6 +1,8 @@
 """The engine loop on the embedded model: checkpoints and same-step pairing never change greedy outputs."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from gdnserve.engine.engine_api import CheckpointInfo
@@ -323,3 +325,21 @@ def test_one_config_decides_the_runner_defaults_graphs_and_shapes():
         state, _ = pool_configs(cfg, r, torch.float32, tp=tp)
         assert GDNShape.of(g, tp).conv_dim == layer.conv_dim == state.conv_dim == want
     assert g.conv_dim == GDNShape.of(g).conv_dim
+
+
+def test_the_automatic_prefix_search_counts_one_lookup():
+    """A request's search for its longest READY prefix over N checkpoint lengths is one lookup in the index's
+    stats (one miss here), not N misses (it counted one per length tried, inflating /metrics' misses)."""
+    e = LLM(device="cpu", max_num_seqs=16, num_pages=256).engine
+    rng = random.Random(3)
+    for i in range(5):                       # 5 automatic checkpoints of 5 lengths
+        e.add_request(f"r{i}", [rng.randrange(3, 250) for _ in range(10 + 3 * i)], GREEDY)
+        while e.has_unfinished():
+            e.step()
+    before = e.index.stats()
+    e.add_request("new", [rng.randrange(3, 250) for _ in range(40)], GREEDY)
+    while e.has_unfinished():
+        e.step()
+    after = e.index.stats()
+    assert sum(after[k] - before[k] for k in after if k.startswith("misses_")) == 1
+    assert after["hits"] == before["hits"]

@@ -48,14 +48,14 @@ class CheckpointCache:
     def __len__(self) -> int:
         return len(self.pages)
 
-    def lookup(self, token_ids, key: bytes | None = None) -> Lookup:
+    def lookup(self, token_ids, key: bytes | None = None, count: bool = True) -> Lookup:
         """The index's lookup; a miss whose key a lower tier holds starts its restore: a hit at once from the host
         tier, PENDING while a disk read is in flight. Counted once in the index's stats: a lookup a lower tier
         serves is one hit (not a miss of the device and then a hit), counted when it answers READY; one that starts
         or waits for a disk read counts nothing (the lookup after the read counts the hit, or the miss when the
-        restore failed)."""
+        restore failed). ``count=False``: nothing counted (``longest_hit`` counts its one answer)."""
         if self.tiers is None:
-            return self.index.lookup(token_ids, key)
+            return self.index.lookup(token_ids, key, count=count)
         ids = tuple(token_ids)
         key = checkpoint_key(ids) if key is None else key
         look = self.index.lookup(ids, key, count=False)
@@ -68,23 +68,29 @@ class CheckpointCache:
                 look = self.index.lookup(ids, key, count=False)
         elif self.is_restoring(look.entry):
             return look
-        self.index.count(look)
+        if count:
+            self.index.count(look)
         return look
 
     def longest_hit(self, ids: list[int]) -> Checkpoint | str | None:
         """The READY checkpoint of the longest proper prefix of ``ids``, RESTORING when that prefix is being
-        restored from a lower tier (the restore starts here), or None."""
+        restored from a lower tier (the restore starts here), or None. Counted as ONE lookup in the stats (its
+        hit, or the miss of the shortest length tried; nothing when no length was tried): one request's search
+        over N checkpoint lengths counted N - 1 misses before."""
         lengths = {p.length for p in self.pages.values()}
         if self.tiers is not None:
             lengths |= self.tiers.lengths() | {r.entry.length for r in self.tiers.restoring.values()}
+        look = None
         for L in sorted(lengths, reverse=True):
             if L < len(ids):
-                look = self.lookup(ids[:L])
-                if look.hit:
-                    return look.entry
+                look = self.lookup(ids[:L], count=False)
                 if self.is_restoring(look.entry):
                     return RESTORING
-        return None
+                if look.hit:
+                    break
+        if look is not None:
+            self.index.count(look)
+        return look.entry if look is not None and look.hit else None
 
     def keys(self) -> tuple[list[bytes], list[bytes], list[int]]:
         """(READY keys, PENDING keys, distinct READY lengths), what a replica reports to its router: the index's, and
