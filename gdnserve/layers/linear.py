@@ -95,6 +95,16 @@ def full_shape(module: nn.Module, name: str) -> list[int]:
     return shape
 
 
+def fill_(p: nn.Parameter, t: torch.Tensor, dtype: torch.dtype) -> None:
+    """``p`` := ``t`` in ``dtype``, into the storage ``to_empty`` allocated where shape and dtype match (no second
+    allocation: on CUDA each replaced parameter left a freed block that later, smaller allocations split, segments
+    the caching allocator cannot return: the "in use" of the memory plan), else a new tensor on ``p``'s device."""
+    if p.device.type != "meta" and p.dtype == dtype and p.shape == t.shape and p.is_contiguous():
+        p.data.copy_(t)
+    else:
+        p.data = t.to(device=p.device, dtype=dtype).contiguous()
+
+
 def weight_loader(module: nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``module``'s parameter ``name`` from the FULL checkpoint tensor (replicated
     parameters: ``full`` itself). ValueError when ``full`` does not have the checkpoint shape."""

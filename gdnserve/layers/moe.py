@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gdnserve.layers.linear import Shard, dense_linear, load_shard, local_blocks
+from gdnserve.layers.linear import Shard, dense_linear, fill_, load_shard, local_blocks
 from gdnserve.layers.mlp import MLP
 from gdnserve.layers.parallel import all_reduce, resolve
 from gdnserve.ops.backend import resolve as resolve_backend
@@ -364,7 +364,7 @@ def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix:
         for name, t in plan.items():
             p = params[name]
             keep = p.dtype if moe.experts_scales is not None and name.startswith("experts_") else dtype   # FP8
-            p.data = load_shard(moe, name, t).to(device=p.device, dtype=keep).contiguous()
+            fill_(p, load_shard(moe, name, t), keep)
     moe.fold_shared()                   # an FP8 shared layer (the caller's to load) never folds
     return used
 

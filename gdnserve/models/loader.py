@@ -25,7 +25,7 @@ from typing import Callable, Iterable
 import torch
 from safetensors import safe_open
 
-from gdnserve.layers.linear import load_shard
+from gdnserve.layers.linear import fill_, load_shard
 from gdnserve.layers.moe import SparseMoE, fold_shared_experts, load_moe_from_hf
 from gdnserve.models.config import ModelConfig
 from gdnserve.models.fp8 import (CheckpointError, Fp8Source, Part, dense_parts, fp8_parts, fp8_prefix,
@@ -239,7 +239,7 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
                 t = load_shard(model, name, t)
             except ValueError as e:
                 raise CheckpointError(f"{name}: {e}") from e
-            p.data = t.to(device=p.device, dtype=_param_dtype(name, dtype))
+            fill_(p, t, _param_dtype(name, dtype))
             bar.update()
     for moe, p in moe_blocks:
         try:
@@ -353,6 +353,8 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: 
     cfg, why = resolve_mtp(ModelConfig.from_hf(Path(folder)), tensors)
     with torch.device("meta"):     # in ``dtype`` before allocating: an fp32 to_empty would need twice the weights
         model = HybridLM(cfg, tp_rank, tp_size).to(dtype)
+        for layer in model.gdn_layers():    # the decay rate stays fp32 (_param_dtype): allocated so, filled in place
+            layer.A_log.data = layer.A_log.data.float()
     prepare_fp8(model, cfg, checkpoint_source(cfg, tensors, model.mtp is not None))   # before allocating
     model = model.to_empty(device=device)
     model.mtp_unavailable = why

@@ -24,3 +24,24 @@ def test_to_empty_allocates_the_target_dtype(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.nn.Module, "to_empty", spy)
     model, cfg = load_model(tmp_path, dtype=torch.bfloat16)
     assert allocated[0] <= config_weights_bytes(cfg, torch.bfloat16) == weights_bytes(model)
+
+
+def test_weights_are_loaded_into_the_storage_to_empty_allocated(tmp_path, monkeypatch):
+    """Every parameter keeps the storage ``to_empty`` gave it (A_log allocated fp32 there), except the MoE blocks'
+    experts and router that folding the shared expert concatenates: loading replaced each parameter by a new
+    tensor, and on CUDA the freed blocks, split by later allocations, stayed cached as fragments."""
+    tiny_qwen35(tmp_path).save_pretrained(tmp_path, safe_serialization=True)
+    ptrs = {}
+    to_empty = torch.nn.Module.to_empty
+
+    def spy(self, *, device, recurse=True):
+        out = to_empty(self, device=device, recurse=recurse)
+        ptrs.update({n: p.data_ptr() for n, p in out.named_parameters()})
+        return out
+    monkeypatch.setattr(torch.nn.Module, "to_empty", spy)
+    model, cfg = load_model(tmp_path, dtype=torch.bfloat16)
+    folded = ("experts_gate_up", "experts_down", "mlp.gate.weight")
+    moved = [n for n, p in model.named_parameters()
+             if n in ptrs and p.data_ptr() != ptrs[n] and not any(f in n for f in folded)]
+    assert ptrs and not moved, moved
+    assert all(m.A_log.dtype == torch.float32 for m in model.gdn_layers())
