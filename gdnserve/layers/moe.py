@@ -304,11 +304,14 @@ def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix:
     FP8 experts (after ``moe.to_fp8()``): per-expert tensors only, each read as (e4m3 weight, float32 block
     scales) by ``get_fp8(module_name)``; gate and up scale rows are stacked like their weights. A shared
     expert's FP8 layers (``qweight`` set) are left to the caller (the model loader plans FP8 layers).
-    A dense shared expert of the experts' size is folded afterwards (``SparseMoE.fold_shared``).
+    A dense shared expert of the experts' size is folded afterwards (``SparseMoE.fold_shared``). A block allocated
+    folded (``fold_shared`` on the meta device before ``to_empty``: the model loader) is filled in place, the
+    shared expert (dense or FP8, read here) as expert E and its gate as router row E: no allocation beside the
+    parameters', which on CUDA left the fold's freed blocks as fragments.
     """
-    moe.unfold_shared()                 # loading again into a folded block: the unfolded parameters first
     E, I, H, S = moe.num_experts, moe.moe_intermediate, moe.hidden, moe.shared_intermediate
-    used: set[str] = set()
+    folded = moe.shared_folded          # allocated folded (the model loader folds on the meta device): the shared
+    used: set[str] = set()              # expert's tensors are filled as row E of the experts', in place
 
     def fetch(name: str, shape: tuple[int, ...]) -> torch.Tensor:
         t = _try_get(get, name)
@@ -331,6 +334,18 @@ def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix:
         return torch.stack([torch.cat([fetch(f"{prefix}experts.{e}.{p}.weight", part_shape) for p in parts], 0)
                             for e in range(E)])
 
+    def shared_fp8(s: str, parts: tuple[str, ...], shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP8 shared expert's (e4m3 weight, block scales), its gate and up stacked as an expert's."""
+        if get_fp8 is None:
+            raise ValueError(f"{s}: an FP8 shared expert needs get_fp8")
+        qs = []
+        for p in parts:
+            q, sc = get_fp8(s + p)
+            _check(f"{s}{p}.weight", q, shape)
+            used.update({f"{s}{p}.weight", f"{s}{p}.weight_scale_inv"})
+            qs.append((q, sc))
+        return torch.cat([q for q, _ in qs]), torch.cat([sc for _, sc in qs])
+
     plan: dict[str, torch.Tensor] = {"gate.weight": fetch(prefix + "gate.weight", (E, H))}
     if moe.experts_scales is None:
         plan["experts_gate_up"] = experts("experts.gate_up_proj", (E, 2 * I, H), ("gate_proj", "up_proj"), (I, H))
@@ -351,7 +366,19 @@ def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix:
         dn = [fp8(e, ("down_proj",), (H, I)) for e in range(E)]
         plan["experts_gate_up"], plan["experts_gate_up_scale_inv"] = (torch.stack(t) for t in zip(*gu))
         plan["experts_down"], plan["experts_down_scale_inv"] = (torch.stack(t) for t in zip(*dn))
-    if moe.shared_expert is not None:          # an FP8 layer of the shared expert: planned by the model loader
+    if folded:                                 # the shared expert as expert E, its gate as router row E
+        s = prefix + "shared_expert."
+        plan["gate.weight"] = torch.cat([plan["gate.weight"], fetch(prefix + "shared_expert_gate.weight", (1, H))])
+        if moe.experts_scales is None:
+            gu = torch.cat([fetch(s + "gate_proj.weight", (S, H)), fetch(s + "up_proj.weight", (S, H))])
+            plan["experts_gate_up"] = torch.cat([plan["experts_gate_up"], gu[None]])
+            plan["experts_down"] = torch.cat([plan["experts_down"], fetch(s + "down_proj.weight", (H, S))[None]])
+        else:
+            (qg, sg), (qd, sd) = shared_fp8(s, ("gate_proj", "up_proj"), (S, H)), shared_fp8(s, ("down_proj",), (H, S))
+            for name, t in (("experts_gate_up", qg), ("experts_gate_up_scale_inv", sg), ("experts_down", qd),
+                            ("experts_down_scale_inv", sd)):
+                plan[name] = torch.cat([plan[name], t[None]])
+    elif moe.shared_expert is not None:        # an FP8 layer of the shared expert: planned by the model loader
         s = prefix + "shared_expert."
         if moe.shared_expert.gate_up_proj.qweight is None:
             plan["shared_expert.gate_up_proj.weight"] = torch.cat(
@@ -365,7 +392,7 @@ def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix:
             p = params[name]
             keep = p.dtype if moe.experts_scales is not None and name.startswith("experts_") else dtype   # FP8
             fill_(p, load_shard(moe, name, t), keep)
-    moe.fold_shared()                   # an FP8 shared layer (the caller's to load) never folds
+    moe.fold_shared()                   # unfolded: folded now if it can be (an FP8 shared layer is the caller's)
     return used
 
 

@@ -168,7 +168,10 @@ def prepare_fp8(model: torch.nn.Module, cfg: ModelConfig, src: Fp8Source) -> lis
         return []
     done = []
     for name, parts in model_linears(cfg, getattr(model, "mtp", None) is not None).items():
-        layer = model.get_submodule(name)
+        try:
+            layer = model.get_submodule(name)
+        except AttributeError:          # a folded block's shared expert: rows of its experts (FP8 with them)
+            continue
         if layer.qweight is None:
             nb = fp8_prefix(src, layer, parts)
             if not nb:
@@ -196,10 +199,7 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
     with_mtp = getattr(model, "mtp", None) is not None
     src = checkpoint_source(cfg, tensors, with_mtp)
     names = _names(tensors, with_mtp)
-    for mod in model.modules():         # loading into a folded model: the shared experts' own modules first
-        if isinstance(mod, SparseMoE):
-            mod.unfold_shared()
-    prepare_fp8(model, cfg, src)
+    prepare_fp8(model, cfg, src)        # (a block folded before it was made FP8 is unfolded there)
     get = src.get
     plan: dict[str, Callable[[], torch.Tensor]] = {"embed_tokens.weight": lambda: get("embed_tokens.weight"),
                                                   "norm.weight": lambda: get("norm.weight")}
@@ -356,6 +356,7 @@ def load_model(folder: str | Path, dtype: torch.dtype = torch.bfloat16, device: 
         for layer in model.gdn_layers():    # the decay rate stays fp32 (_param_dtype): allocated so, filled in place
             layer.A_log.data = layer.A_log.data.float()
     prepare_fp8(model, cfg, checkpoint_source(cfg, tensors, model.mtp is not None))   # before allocating
+    fold_shared_experts(model)      # the final layout before allocating too: load_moe_from_hf fills it in place
     model = model.to_empty(device=device)
     model.mtp_unavailable = why
     shards = len(list(Path(folder).glob("*.safetensors")))

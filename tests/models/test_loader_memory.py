@@ -27,9 +27,10 @@ def test_to_empty_allocates_the_target_dtype(tmp_path, monkeypatch):
 
 
 def test_weights_are_loaded_into_the_storage_to_empty_allocated(tmp_path, monkeypatch):
-    """Every parameter keeps the storage ``to_empty`` gave it (A_log allocated fp32 there), except the MoE blocks'
-    experts and router that folding the shared expert concatenates: loading replaced each parameter by a new
-    tensor, and on CUDA the freed blocks, split by later allocations, stayed cached as fragments."""
+    """Every parameter keeps the storage ``to_empty`` gave it: A_log allocated fp32 there, the MoE blocks
+    allocated folded (the shared expert as expert E) and filled in place. Loading replaced each parameter by a new
+    tensor and then concatenated the shared expert into the experts and router: on CUDA the freed blocks, split
+    by later allocations, stayed cached as fragments."""
     tiny_qwen35(tmp_path).save_pretrained(tmp_path, safe_serialization=True)
     ptrs = {}
     to_empty = torch.nn.Module.to_empty
@@ -40,8 +41,7 @@ def test_weights_are_loaded_into_the_storage_to_empty_allocated(tmp_path, monkey
         return out
     monkeypatch.setattr(torch.nn.Module, "to_empty", spy)
     model, cfg = load_model(tmp_path, dtype=torch.bfloat16)
-    folded = ("experts_gate_up", "experts_down", "mlp.gate.weight")
-    moved = [n for n, p in model.named_parameters()
-             if n in ptrs and p.data_ptr() != ptrs[n] and not any(f in n for f in folded)]
+    moved = [n for n, p in model.named_parameters() if ptrs.get(n) != p.data_ptr()]
     assert ptrs and not moved, moved
+    assert all(m.shared_folded for m in model.modules() if hasattr(m, "shared_folded"))
     assert all(m.A_log.dtype == torch.float32 for m in model.gdn_layers())
