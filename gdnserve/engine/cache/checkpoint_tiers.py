@@ -18,7 +18,8 @@ copies are ordered by the copier's one stream, CPU threads are not:
 - evicted to disk: by the disk writer once it has read the tensors, also when the write fails. Such a block comes
   back later, not for the spill that evicted it: with a disk tier a spill evicts only until the blocks on their way
   back cover its size (evicting more would push the whole host tier into the write queue for one spill);
-- claimed by a restore: when the copy up is retired (``_land`` / ``_retire``), not when queued; ``unclaim`` keeps it;
+- claimed by a restore: once its copy up is queued (``_land``: the next copy into the block is ordered after it
+  on the copier's stream; the host tensors stay readable views of the arena); ``unclaim`` keeps it;
 - no room even so (blocks still with the writer, or a checkpoint larger than the arena): with a disk tier the
   checkpoint is copied into a plain (pinned) allocation and goes straight to disk; without one it is dropped
   (``TierStats.dropped``).
@@ -213,7 +214,10 @@ class CheckpointTiers:
         return False
 
     def _land(self, r: Restore) -> None:
-        """The copy up is queued: keep its host source until the event (latency counted then)."""
+        """The copy up is queued: its block goes back to the arena now (the next copy into it runs on the copier's
+        stream after this copy's reads; tests/engine/test_checkpoint_tiers_gpu.py checks it on the device), the
+        restore's latency is counted when its event completes."""
+        r.hc.release()
         if r.event is None:
             self._landed(r)
         else:
