@@ -287,6 +287,16 @@ def test_n_samples_of_a_one_token_prompt_beyond_a_step_run_as_before():
     assert [len(c.token_ids) for c in done["x"].outputs] == [2] * 9 and len(done["ok"].outputs[0].token_ids) == 6
 
 
+def unchunked(prompt: list[int]) -> list[int]:
+    """Greedy tokens (EIGHT) of ``prompt`` alone in one big-budget step, without a checkpoint."""
+    e = engine(budget=4096)
+    e.add_request("ref", prompt, EIGHT)
+    out = []
+    while e.has_unfinished():
+        out += [o.outputs[0].token_ids for o in e.step() if o.finished]
+    return out[0]
+
+
 @pytest.mark.parametrize("mode", ["fused", "serial"])
 def test_a_ready_hit_with_a_long_tail_continues_chunk_by_chunk(mode):
     """A READY checkpoint hit whose tail (200 tokens) is longer than the 64-token budget: its first chunk starts
@@ -294,11 +304,7 @@ def test_a_ready_hit_with_a_long_tail_continues_chunk_by_chunk(mode):
     tail ran as one step, past the activation plan's largest step) and the greedy output equals the unchunked run's
     without a checkpoint."""
     tail = [random.Random(7).randrange(3, 250) for _ in range(200)]
-    ref = engine(budget=4096)
-    ref.add_request("long", PRE + tail, EIGHT)
-    out = {}
-    while ref.has_unfinished():
-        out.update({o.request_id: o.outputs[0].token_ids for o in ref.step() if o.finished})
+    want_long = unchunked(PRE + tail)
     d = Driver(engine(mode))
     d.add("p", PRE + TAILS["p"])
     d.drain()
@@ -307,7 +313,7 @@ def test_a_ready_hit_with_a_long_tail_continues_chunk_by_chunk(mode):
     d.drain()
     d.check_budget()
     assert len(d.steps) > 200 // BUDGET and d.done["long"].checkpoint.hit_length == C
-    assert d.done["long"].outputs[0].token_ids == out["long"]
+    assert d.done["long"].outputs[0].token_ids == want_long
     no_leaks(d.e)
 
 
@@ -318,14 +324,10 @@ def test_a_chunked_producers_long_tail_continues_chunk_by_chunk(mode):
     chunks on the request's slot; no step exceeds the budget (before, the whole tail ran in the READY step) and the
     greedy output equals the unchunked run's without a checkpoint."""
     tail = [random.Random(11).randrange(3, 250) for _ in range(200)]
-    ref = engine(budget=4096)
-    ref.add_request("long", PRE + tail, EIGHT)
-    out = {}
-    while ref.has_unfinished():
-        out.update({o.request_id: o.outputs[0].token_ids for o in ref.step() if o.finished})
+    want_long = unchunked(PRE + tail)
     d = Driver(engine(mode))
     d.add("long", PRE + tail, EIGHT)
     d.drain()
     d.check_budget()
-    assert d.done["long"].outputs[0].token_ids == out["long"] and d.done["long"].checkpoint.published
+    assert d.done["long"].outputs[0].token_ids == want_long and d.done["long"].checkpoint.published
     no_leaks(d.e)
