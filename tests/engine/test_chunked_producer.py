@@ -287,10 +287,10 @@ def test_n_samples_of_a_one_token_prompt_beyond_a_step_run_as_before():
     assert [len(c.token_ids) for c in done["x"].outputs] == [2] * 9 and len(done["ok"].outputs[0].token_ids) == 6
 
 
-def unchunked(prompt: list[int]) -> list[int]:
-    """Greedy tokens (EIGHT) of ``prompt`` alone in one big-budget step, without a checkpoint."""
+def unchunked(prompt: list[int], params: SamplingParams = EIGHT) -> list[int]:
+    """Greedy tokens of ``prompt`` alone in one big-budget step, without a checkpoint."""
     e = engine(budget=4096)
-    e.add_request("ref", prompt, EIGHT)
+    e.add_request("ref", prompt, params)
     out = []
     while e.has_unfinished():
         out += [o.outputs[0].token_ids for o in e.step() if o.finished]
@@ -331,3 +331,22 @@ def test_a_chunked_producers_long_tail_continues_chunk_by_chunk(mode):
     d.check_budget()
     assert d.done["long"].outputs[0].token_ids == want_long and d.done["long"].checkpoint.published
     no_leaks(d.e)
+
+
+def test_n_samples_with_long_tails_after_an_automatic_hit_stay_within_the_budget():
+    """n = 2 samples whose prompt extends an automatic checkpoint by 150 tokens under a 64-token budget: the two
+    tails from the hit would be one 300-token step; the fork point is produced in chunks instead, every step stays
+    within the budget and both samples equal the unchunked run's greedy tokens."""
+    e = LLM(device="cpu", max_num_seqs=16, num_pages=256, max_step_tokens=BUDGET).engine
+    d = Driver(e)
+    first = PRE[:100]
+    d.add("first", first, QUICK, at=None)
+    d.drain()
+    d.steps.clear()
+    prompt = first + list(d.done["first"].outputs[0].token_ids) + [random.Random(5).randrange(3, 250)
+                                                                    for _ in range(150)]
+    d.add("two", prompt, TWO, at=None)
+    d.drain()
+    d.check_budget()
+    assert [c.token_ids for c in d.done["two"].outputs] == [unchunked(prompt, GREEDY)] * 2
+

@@ -194,6 +194,9 @@ class Admission:
         if auto is not None and n > 1 and fork_pages(self.cfg, len(ids), req.params.max_tokens, n, auto.length) > \
                 self.cfg.pages:             # intake counted a fork at the prompt minus its last token, not this one
             auto = None
+        if auto is not None and n > 1 and n * (len(ids) - auto.length) > self.cfg.max_step_tokens:
+            auto = None                     # n tails from the hit would be one step beyond the budget: the fork
+                                            # point is produced in chunks instead (below), the prefix recomputed
         if auto is None and c is None and n > 1 and not fresh and len(ids) > 1 and \
                 len(ids) - 1 + n > self.cfg.max_step_tokens:
             # n samples fork from the prompt minus its last token; a fork longer than any step cannot run as the
