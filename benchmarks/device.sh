@@ -36,6 +36,9 @@
 #                full-size random model served over HTTP (benchmarks/serve_random.py), random / prefix / chat workloads
 #                at C = 1, 16, 64, 256, max; HTTP_ARGS replaces "--max-num-seqs 256 --model-json
 #                benchmarks/results/model_h200.json" (e.g. add --fp8, --gpu-memory-utilization 0.85)
+#   http_fp8[:s] http_mtp[:s]   the same benchmark again in the same call (its files carry --tag, so the runs do not
+#                overwrite each other): issue 27's peers' workload in FP8 at C = 1, 16, 256, max (HTTP_FP8_ARGS
+#                replaces it), and MTP k = 3 at a 60 % oracle acceptance at C = 1, 16 (HTTP_MTP_ARGS replaces it)
 #   engine[:s]   python -m benchmarks.bench_engine_overhead --device cuda (engine decode step vs the bare step at
 #                B = 1, 64, 256 on the full-size random model; ENGINE_ARGS adds flags)
 #   tiers[:s]    python -m benchmarks.bench_checkpoint_tiers --device cuda --random full --time-budget s (default 540):
@@ -135,6 +138,16 @@ for arg in "$@"; do
     http)    http_default="--max-num-seqs 256 --model-json benchmarks/results/model_h200.json"
              bench bench_serve_http "${b:-540}" --random full --device cuda --time-budget "${b:-540}" \
                ${HTTP_ARGS:-$http_default} ;;
+    http_fp8|http_mtp)
+             peers="--max-num-seqs 256 --max-model-len 9216 --model-json benchmarks/results/model_h200.json
+               --input-len 8192 --output-len 1024 --per-level 1 --min-requests 2"
+             if [ "$suite" = http_fp8 ]; then args=${HTTP_FP8_ARGS:-"$peers --fp8 --tag h200_fp8 --concurrency 1,16,256,max"}
+             else args=${HTTP_MTP_ARGS:-"$peers --workloads random --concurrency 1,16 --spec-k 3 --spec-draft mtp
+               --spec-oracle 0.6 --tag h200_mtp60"}; fi
+             timeout $(( ${b:-300} + 60 )) python3 -m benchmarks.bench_serve_http --out "$OUT" --random full \
+               --device cuda --time-budget "${b:-300}" $args > "$OUT/bench_serve_http_${suite#http_}.log" 2>&1
+             echo "bench_serve_http ($suite) rc=$?"; grep -h "^|" "$OUT"/serve_http_*"${suite#http_}"*.md 2>/dev/null \
+               | tail -12 | cut -c1-240 ;;
     fused)   timeout $(( ${b:-180} + 30 )) python3 -m benchmarks.bench_decode_fused --out "$OUT" \
                --time-budget $(( ${b:-180} - 20 )) ${FUSED_ARGS:-} \
                > "$OUT/bench_decode_fused.log" 2>&1; echo "bench_decode_fused rc=$?"
