@@ -350,3 +350,24 @@ def test_n_samples_with_long_tails_after_an_automatic_hit_stay_within_the_budget
     d.check_budget()
     assert [c.token_ids for c in d.done["two"].outputs] == [unchunked(prompt, GREEDY)] * 2
 
+
+
+def test_a_ready_producers_tail_counts_as_a_partial_prefill_and_shares_the_step():
+    """max_partial_prefills = 1: the step in which a chunked producer's long tail starts (from its READY
+    checkpoint) counts it as the one chunked prefill, so a long prompt queued meanwhile does not start chunking
+    beside it (review finding); and three producers READY in one step share it: no step over the budget."""
+    rng = random.Random(3)
+    tail, other = [rng.randrange(3, 250) for _ in range(200)], [rng.randrange(3, 250) for _ in range(300)]
+    d = Driver(engine())
+    d.add("A", PRE + tail, EIGHT)
+    d.step()
+    d.add("B", other, EIGHT, at=None)
+    while d.e.has_unfinished():
+        d.step()
+        assert sum(r.num_computed < len(r.prompt_ids) for r in d.e.running) <= 1
+    d = Driver(LLM(device="cpu", max_num_seqs=16, num_pages=512, auto_checkpoints=False, max_step_tokens=256,
+                   max_partial_prefills=3).engine)
+    for i in range(3):
+        d.e.add_request(f"P{i}", [rng.randrange(3, 250) for _ in range(700)], EIGHT, checkpoint_at=300)
+    d.drain()
+    assert max(p for p, _ in d.steps) <= 256, d.steps

@@ -343,3 +343,19 @@ def test_the_automatic_prefix_search_counts_one_lookup():
     after = e.index.stats()
     assert sum(after[k] - before[k] for k in after if k.startswith("misses_")) == 1
     assert after["hits"] == before["hits"]
+
+
+def test_a_long_prompt_planned_in_both_passes_counts_one_lookup():
+    """A plain prompt longer than the step is planned in the first admission pass (set aside) and again in the
+    second: its automatic search counts once, when it is admitted."""
+    e = LLM(device="cpu", max_num_seqs=16, num_pages=512, max_step_tokens=64).engine
+    rng = random.Random(9)
+    e.add_request("seed", [rng.randrange(3, 250) for _ in range(20)], GREEDY)
+    while e.has_unfinished():
+        e.step()
+    before = e.index.stats()
+    e.add_request("long", [rng.randrange(3, 250) for _ in range(300)], GREEDY)
+    while e.has_unfinished():
+        e.step()
+    after = e.index.stats()
+    assert sum(after[k] - before[k] for k in after if k.startswith("misses_")) == 1

@@ -77,6 +77,14 @@ class CheckpointCache:
         restored from a lower tier (the restore starts here), or None. Counted as ONE lookup in the stats (its
         hit, or the miss of the shortest length tried; nothing when no length was tried): one request's search
         over N checkpoint lengths counted N - 1 misses before."""
+        found, look = self.search(ids)
+        if look is not None and found != RESTORING:
+            self.index.count(look)
+        return found
+
+    def search(self, ids: list[int]) -> tuple[Checkpoint | str | None, Lookup | None]:
+        """``longest_hit``'s answer and the lookup to count for it (None: no length tried), counting nothing:
+        admission counts it when the request is admitted (a waiting request is planned again every step)."""
         lengths = {p.length for p in self.pages.values()}
         if self.tiers is not None:
             lengths |= self.tiers.lengths() | {r.entry.length for r in self.tiers.restoring.values()}
@@ -85,12 +93,10 @@ class CheckpointCache:
             if L < len(ids):
                 look = self.lookup(ids[:L], count=False)
                 if self.is_restoring(look.entry):
-                    return RESTORING
+                    return RESTORING, look
                 if look.hit:
                     break
-        if look is not None:
-            self.index.count(look)
-        return look.entry if look is not None and look.hit else None
+        return (look.entry if look is not None and look.hit else None), look
 
     def keys(self) -> tuple[list[bytes], list[bytes], list[int]]:
         """(READY keys, PENDING keys, distinct READY lengths), what a replica reports to its router: the index's, and

@@ -92,6 +92,7 @@ class _Plan:
     prod_chunk: int | None = None
     hkey: bytes | None = None        # checkpoint_key(key) when computed from the request's intake bytes
     publish: bool = False            # a new producer publishes the prefix as a checkpoint (else: a fork temporary)
+    looks: list = field(default_factory=list)   # the lookups it made, counted in the stats when it is admitted
 
 
 def _unshared(ids: list[int], n: int) -> _Plan:
@@ -188,7 +189,7 @@ class Admission:
         ignored (the whole prompt computed, nothing published); a marker whose checkpoint is absent publishes it."""
         ck, n, ids, c = self.kv.checkpoint_cache, len(req.samples), req.prompt_ids, req.checkpoint_at
         fresh = req.params.prompt_logprobs is not None
-        auto = ck.longest_hit(ids) if c is None and self.cfg.auto_checkpoints and not fresh else None
+        auto, alook = ck.search(ids) if c is None and self.cfg.auto_checkpoints and not fresh else (None, None)
         if auto == RESTORING:                # its longest prefix comes up from a lower tier: wait for READY
             return None
         if auto is not None and n > 1 and fork_pages(self.cfg, len(ids), req.params.max_tokens, n, auto.length) > \
@@ -197,6 +198,8 @@ class Admission:
         if auto is not None and n > 1 and n * (len(ids) - auto.length) > self.cfg.max_step_tokens:
             auto = None                     # n tails from the hit would be one step beyond the budget: the fork
                                             # point is produced in chunks instead (below), the prefix recomputed
+        if auto is None and alook is not None and alook.hit:
+            alook = None                    # a hit not taken is not counted (the producer's own lookup is)
         if auto is None and c is None and n > 1 and not fresh and len(ids) > 1 and \
                 len(ids) - 1 + n > self.cfg.max_step_tokens:
             # n samples fork from the prompt minus its last token; a fork longer than any step cannot run as the
@@ -209,12 +212,16 @@ class Admission:
             pl = _unshared(ids, n) if c is None else _Plan(c, boundary_prefix(ids, c), publish=True)
             if c is None and fresh and self.cfg.auto_checkpoints:
                 pl.miss = NO_CACHE
+        if c is None and alook is not None:  # the automatic search's one lookup (a fork point counts its own)
+            pl.looks.append(alook)
         if c is not None and pl.key not in p.producers:
             pending = pl.key in self.producing          # under a chunked producer
             if pending and not fresh:
                 return None
             pl.hkey = req.prefix_key(pl.split)
-            look = None if pending else ck.lookup(pl.key, pl.hkey)
+            look = None if pending else ck.lookup(pl.key, pl.hkey, count=False)
+            if look is not None:
+                pl.looks.append(look)
             if look is not None and ck.is_restoring(look.entry):    # coming up from a lower tier
                 if not fresh:
                     return None
@@ -333,6 +340,8 @@ class Admission:
             p.producers[pl.key] = idx
 
     def _commit_fresh(self, req: Request, pl: _Plan, batch: StepBatch, p: AdmitPass) -> None:
+        for look in pl.looks:                 # counted once, now: a waiting request is planned again every step
+            self.kv.checkpoint_cache.index.count(look)
         self.waiting.remove(req)
         self.running.append(req)                 # first, so a failure below still finds what it holds
         batch.join(req, admitted=True)

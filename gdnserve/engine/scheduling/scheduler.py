@@ -102,7 +102,7 @@ class Scheduler:
     def _fill(self, batch: StepBatch) -> None:
         self.make_room()
         reserved = self.pages_for_running()       # before this step's chunks advance num_computed
-        chunks, ready = self._collect_running(batch)
+        chunks, ready, ready_long = self._collect_running(batch)
         k = self.cfg.spec_k
         budget = (self.cfg.max_step_tokens - len(batch.decodes) - len(batch.verifies) * (k + 1)
                   - sum(len(it.tokens) for it, _ in ready))
@@ -114,19 +114,20 @@ class Scheduler:
         rem_all = sum(rem) + sum(max(len(j.prefix_ids) - j.num_computed, MIN_CHUNK) for j in prods)
         reserve = min(rem_all, max(budget // 2, MIN_CHUNK * (len(chunks) + scores))) if chunks or prods else 0
         p = AdmitPass(budget=budget - reserve, reserved=reserved, busy=bool(chunks or ready), live=self.live_seqs(),
-                      reserve=reserve, partial=len(chunks) + scores)
+                      reserve=reserve, partial=len(chunks) + scores + ready_long)
         self.kv.checkpoint_cache.promised = lambda: p.reserved   # a restore started by a lookup leaves these free
         longs = self.admission.admit_waiting(batch, p)
         for it, o in ready:                       # after the admissions' items: producer indices unchanged
             batch.add(it, o)
         p.budget = self._continue_chunks(batch, chunks, rem, p.budget + p.reserve)
-        p.partial = scores + sum(r.num_computed < self._chunk_end(r) for r in chunks)   # still chunked after it
+        p.partial = scores + ready_long + sum(r.num_computed < self._chunk_end(r) for r in chunks)   # still chunked
         self.admission.admit_long(batch, p, longs)
         self.kv.checkpoint_cache.promised = None
 
     def _ready_chunk(self, req: Request) -> int:
-        """Tail tokens the samples of a chunked producer run in the step its prefix is READY: all of them, or for
-        one sample whose tail is longer than half a step, half a step (the rest continue as chunks)."""
+        """At most the tail tokens the samples of a chunked producer run in the step its prefix is READY: all of
+        them, or for one sample whose tail is longer than half a step, half a step (less when decodes or other READY
+        producers take the step: ``_collect_running``; the rest continue as chunks)."""
         tail = len(req.prompt_ids) - req.prod.end
         half = max(self.cfg.max_step_tokens // 2, MIN_CHUNK)
         return min(tail, half) if len(req.samples) == 1 else tail
@@ -136,30 +137,40 @@ class Scheduler:
         return req.prod.end if req.prod is not None else len(req.prompt_ids)
 
     def _collect_running(self, batch: StepBatch):
+        """The running requests' work: decodes added to ``batch``; returns the requests with a next prefill chunk,
+        the READY producers' items (not yet added) and how many of those leave a chunked tail behind."""
         chunks: list[Request] = []
         ready = []
+        readies: list[Request] = []
         for req in self.running:
             if not self.runnable(req):          # paused while a failure is isolated among others
                 continue
             batch.join(req)
             if req.prod is not None and req.num_computed == req.prod.end:
-                # its chunked prefix is READY now: the samples continue from it (the reference it holds is
-                # released after this step, like any READY hit's); one sample's long tail in chunks, its first
-                # from the checkpoint, the rest on its own slot (_continue_chunks)
-                entry, end = req.prod.entry, req.prod.end
-                kv = self.kv.checkpoint_cache.kv_of(entry)
-                first = self._ready_chunk(req)
-                tail = req.prompt_ids[end:end + first]
-                whole = end + first == len(req.prompt_ids)
-                ready += [(PrefillItem(s.seq, list(tail), start_from=kv), (req, s) if whole else None)
-                          for s in req.samples]
-                batch.acquired.append(entry)
-                req.prod, req.num_computed = None, end + first
+                readies.append(req)             # its chunked prefix is READY now (below, once decodes are known)
             elif req.num_computed < len(req.prompt_ids):
                 chunks.append(req)
             else:
                 self._decode(req, batch)
-        return chunks, ready
+        # the samples of a READY producer continue from its checkpoint (the reference it holds is released after
+        # this step, like any READY hit's); one sample's tail beyond half of what the decodes leave runs that much
+        # from the checkpoint, the rest in chunks on its own slot (_continue_chunks): a partial prefill like them
+        left = self.cfg.max_step_tokens - len(batch.decodes) - len(batch.verifies) * (self.cfg.spec_k + 1)
+        longs = 0
+        for req in readies:
+            entry, end = req.prod.entry, req.prod.end
+            kv = self.kv.checkpoint_cache.kv_of(entry)
+            first = len(req.prompt_ids) - end
+            if len(req.samples) == 1:
+                first = min(first, self._ready_chunk(req), max(left // 2, MIN_CHUNK))
+            whole = end + first == len(req.prompt_ids)
+            ready += [(PrefillItem(s.seq, list(req.prompt_ids[end:end + first]), start_from=kv), (req, s) if whole else None)
+                      for s in req.samples]
+            left -= first * len(req.samples)
+            longs += not whole
+            batch.acquired.append(entry)
+            req.prod, req.num_computed = None, end + first
+        return chunks, ready, longs
 
     def _decode(self, req: Request, batch: StepBatch) -> None:
         for s in req.live_samples:
