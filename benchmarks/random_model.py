@@ -192,7 +192,7 @@ def ours_from_hf(hf_model, hf_cfg: dict[str, Any], device: torch.device, dtype: 
         model = HybridLM(cfg).to(dtype)
     model = model.to_empty(device=device)
     tensors = {n: (lambda t=t: t.detach()) for n, t in hf_model.state_dict().items()}
-    load_weights(model, cfg, tensors, dtype)
+    load_weights(model, cfg, tensors, dtype, in_place=False)      # HF's tensors shared, not copied
     _finish(model)
     return model.eval()
 

@@ -95,11 +95,12 @@ def full_shape(module: nn.Module, name: str) -> list[int]:
     return shape
 
 
-def fill_(p: nn.Parameter, t: torch.Tensor, dtype: torch.dtype) -> None:
+def fill_(p: nn.Parameter, t: torch.Tensor, dtype: torch.dtype, in_place: bool = True) -> None:
     """``p`` := ``t`` in ``dtype``, into the storage ``to_empty`` allocated where shape and dtype match (no second
     allocation: on CUDA each replaced parameter left a freed block that later, smaller allocations split, segments
-    the caching allocator cannot return: the "in use" of the memory plan), else a new tensor on ``p``'s device."""
-    if p.device.type != "meta" and p.dtype == dtype and p.shape == t.shape and p.is_contiguous():
+    the caching allocator cannot return: the "in use" of the memory plan), else (or ``in_place`` False) ``t`` on
+    ``p``'s device in ``dtype``: ``t`` itself where it already is."""
+    if in_place and p.device.type != "meta" and p.dtype == dtype and p.shape == t.shape and p.is_contiguous():
         p.data.copy_(t)
     else:
         p.data = t.to(device=p.device, dtype=dtype).contiguous()

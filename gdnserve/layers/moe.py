@@ -289,7 +289,8 @@ class SparseMoE(nn.Module):
 
 def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix: str,
                      dtype: torch.dtype,
-                     get_fp8: Callable[[str], tuple[torch.Tensor, torch.Tensor]] | None = None) -> set[str]:
+                     get_fp8: Callable[[str], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                     in_place: bool = True) -> set[str]:
     """Fill ``moe`` from an HF checkpoint accessor ``get(name)`` (raises KeyError or ValueError when the name
     is absent). ``prefix`` is the MoE block's own prefix, e.g. ``"model.layers.3.mlp."``.
 
@@ -391,7 +392,7 @@ def load_moe_from_hf(moe: SparseMoE, get: Callable[[str], torch.Tensor], prefix:
         for name, t in plan.items():
             p = params[name]
             keep = p.dtype if moe.experts_scales is not None and name.startswith("experts_") else dtype   # FP8
-            fill_(p, load_shard(moe, name, t), keep)
+            fill_(p, load_shard(moe, name, t), keep, in_place)
     moe.fold_shared()                   # unfolded: folded now if it can be (an FP8 shared layer is the caller's)
     return used
 

@@ -167,6 +167,14 @@ def prepare_fp8(model: torch.nn.Module, cfg: ModelConfig, src: Fp8Source) -> lis
     if cfg.quant is None:
         return []
     done = []
+    for name, mod in model.named_modules():     # first: a folded block made FP8 unfolds its shared expert, whose
+        if isinstance(mod, SparseMoE):           # layers the loop below then makes FP8
+            e0 = name + ".experts.0.gate_proj"
+            if (mod.experts_scales is None and mod.experts_fp8_ok() and src.is_fp8(e0)
+                    and src.full(e0 + ".weight") in src.tensors):
+                mod.to_fp8()
+            if mod.experts_scales is not None:
+                done.append(name + ".experts")
     for name, parts in model_linears(cfg, getattr(model, "mtp", None) is not None).items():
         try:
             layer = model.get_submodule(name)
@@ -178,23 +186,18 @@ def prepare_fp8(model: torch.nn.Module, cfg: ModelConfig, src: Fp8Source) -> lis
                 continue
             layer.to_fp8(nb) if hasattr(layer, "blocks") else layer.to_fp8()
         done.append(name)
-    for name, mod in model.named_modules():
-        if isinstance(mod, SparseMoE):
-            e0 = name + ".experts.0.gate_proj"
-            if (mod.experts_scales is None and mod.experts_fp8_ok() and src.is_fp8(e0)
-                    and src.full(e0 + ".weight") in src.tensors):
-                mod.to_fp8()
-            if mod.experts_scales is not None:
-                done.append(name + ".experts")
     return done
 
 
 def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Callable[[], torch.Tensor]],
-                 dtype: torch.dtype, progress: bool | None = False, desc: str = "loading weights") -> None:
+                 dtype: torch.dtype, progress: bool | None = False, desc: str = "loading weights",
+                 in_place: bool = True) -> None:
     """Copy every parameter of ``model`` (this rank's part of it) from ``tensors`` (see module docstring).
     With ``model.mtp`` built, the ``mtp.*`` tensors (top level, never under the model prefix) fill it and a
     missing, mis-shaped or unexpected one fails like any other. ``progress``: a tqdm bar on stderr over the
-    parameters read from the safetensors shards (None: only when stderr is a terminal)."""
+    parameters read from the safetensors shards (None: only when stderr is a terminal). ``in_place`` False: a
+    parameter takes the tensor itself where device and dtype allow (shared with ``tensors``' owner, e.g. an HF
+    model in memory), else a new one; True (``load_model``): copied into the parameter's own storage."""
     from tqdm import tqdm
     with_mtp = getattr(model, "mtp", None) is not None
     src = checkpoint_source(cfg, tensors, with_mtp)
@@ -239,11 +242,11 @@ def load_weights(model: torch.nn.Module, cfg: ModelConfig, tensors: dict[str, Ca
                 t = load_shard(model, name, t)
             except ValueError as e:
                 raise CheckpointError(f"{name}: {e}") from e
-            fill_(p, t, _param_dtype(name, dtype))
+            fill_(p, t, _param_dtype(name, dtype), in_place)
             bar.update()
     for moe, p in moe_blocks:
         try:
-            load_moe_from_hf(moe, get, p, dtype, get_fp8=src.get_fp8)
+            load_moe_from_hf(moe, get, p, dtype, get_fp8=src.get_fp8, in_place=in_place)
         except (KeyError, ValueError) as e:
             raise CheckpointError(str(e)) from e
         bar.update()

@@ -300,3 +300,25 @@ def test_fp8_fold_tensor_parallel(checkpoints, monkeypatch):
             parts.append(m(x))
     with torch.no_grad():
         assert rel_rms(parts[0] + parts[1], full.layers[0].mlp(x)) < 1e-5
+
+
+def test_an_fp8_checkpoint_loads_into_a_model_folded_while_dense(checkpoints):
+    """load_weights into a model whose dense shared experts are already folded (a random model's layout) from an FP8
+    checkpoint: the experts turn FP8 first, which unfolds the shared expert, so it is made FP8 and folded again
+    (review finding: it loaded dequantized and unfolded), with the logits of load_model's."""
+    from gdnserve.layers.moe import fold_shared_experts
+    from gdnserve.models.loader import checkpoint_tensors, load_weights
+    from gdnserve.models.qwen3_5 import HybridLM
+    root, _, _ = checkpoints("qwen3_next_fold")
+    ref, cfg = load_model(root / "fp8", dtype=torch.float32)
+    with torch.device("meta"):
+        m = HybridLM(cfg).to(torch.float32)
+    m = m.to_empty(device="cpu")
+    fold_shared_experts(m)
+    load_weights(m, cfg, checkpoint_tensors(root / "fp8"), torch.float32)
+    for attn in m.attention_layers():               # non-persistent buffers (load_model resets them too)
+        attn.rotary.reset_buffers()
+    assert all(x.shared_folded for x in m.modules() if hasattr(x, "shared_folded")) and m.fp8_dequantized == []
+    ids = torch.randint(0, 97, (11,)).tolist()
+    with torch.no_grad():
+        assert torch.equal(_logits(m.eval(), ids), _logits(ref, ids))

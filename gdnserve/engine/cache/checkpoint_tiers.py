@@ -81,8 +81,8 @@ class CheckpointTiers:
 
     @property
     def host_used(self) -> int:
-        """Arena bytes held: the host tier's checkpoints, those claimed by restores not yet retired and those the
-        disk writer has not read yet."""
+        """Arena bytes held: the host tier's checkpoints, those claimed by restores whose copy up is not queued
+        yet and those the disk writer has not read yet."""
         return self.arena.used if self.arena is not None else 0
 
     # ---- down: an evicted READY checkpoint ----
@@ -235,9 +235,9 @@ class CheckpointTiers:
         self.landing = keep
 
     def _landed(self, r: Restore) -> None:
-        """The copy up is done: the source's block goes back to the arena."""
+        """The copy up is done: its latency counted (its block went back when it was queued, ``_land``)."""
         self.stats.restored(r.tier, time.perf_counter() - r.t0)
-        r.hc.release()
+        r.hc.release()      # (idempotent: a no-op after _land's)
         r.hc = None
 
     def _copy_up(self, r: Restore) -> bool:
