@@ -28,7 +28,7 @@ from gdnserve.engine.cache.page_pool import PagePool, PageTable
 from gdnserve.engine.cache.sequence import SeqState
 from gdnserve.engine.cache.state_pool import StatePool
 
-RESTORING = "restoring"     # longest_hit: the longest prefix is on its way up from a lower tier (wait for it)
+RESTORING = "restoring"     # search: the longest prefix is on its way up from a lower tier (wait for it)
 
 
 class CheckpointCache:
@@ -53,7 +53,7 @@ class CheckpointCache:
         tier, PENDING while a disk read is in flight. Counted once in the index's stats: a lookup a lower tier
         serves is one hit (not a miss of the device and then a hit), counted when it answers READY; one that starts
         or waits for a disk read counts nothing (the lookup after the read counts the hit, or the miss when the
-        restore failed). ``count=False``: nothing counted (``longest_hit`` counts its one answer)."""
+        restore failed). ``count=False``: nothing counted (``search``'s caller counts its one answer)."""
         if self.tiers is None:
             return self.index.lookup(token_ids, key, count=count)
         ids = tuple(token_ids)
@@ -72,19 +72,12 @@ class CheckpointCache:
             self.index.count(look)
         return look
 
-    def longest_hit(self, ids: list[int]) -> Checkpoint | str | None:
-        """The READY checkpoint of the longest proper prefix of ``ids``, RESTORING when that prefix is being
-        restored from a lower tier (the restore starts here), or None. Counted as ONE lookup in the stats (its
-        hit, or the miss of the shortest length tried; nothing when no length was tried): one request's search
-        over N checkpoint lengths counted N - 1 misses before."""
-        found, look = self.search(ids)
-        if look is not None and found != RESTORING:
-            self.index.count(look)
-        return found
-
     def search(self, ids: list[int]) -> tuple[Checkpoint | str | None, Lookup | None]:
-        """``longest_hit``'s answer and the lookup to count for it (None: no length tried), counting nothing:
-        admission counts it when the request is admitted (a waiting request is planned again every step)."""
+        """The READY checkpoint of the longest proper prefix of ``ids`` (RESTORING when that prefix is being
+        restored from a lower tier: the restore starts here; None), and the ONE lookup to count for it: its hit, or
+        the miss of the shortest length tried (None: no length tried). Counts nothing: admission counts it when the
+        request is admitted (a waiting request is planned again every step; a search over N lengths counted N
+        misses before)."""
         lengths = {p.length for p in self.pages.values()}
         if self.tiers is not None:
             lengths |= self.tiers.lengths() | {r.entry.length for r in self.tiers.restoring.values()}
