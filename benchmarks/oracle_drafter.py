@@ -89,15 +89,14 @@ class ChainOracleDrafter(Drafter):
 class ChainOracleMTP:
     """The same oracle for the MTP drafter: wraps ``runner.mtp.draft`` so that the MTP head still runs its k steps
     (their cost is what speculative decoding with MTP pays) and its drafts are then replaced, on the device, by the
-    greedy chain of each request's last token with the first ``a`` right, ``a = floor(rate x k + u)`` with u drawn
-    from a seeded device generator per request and step."""
+    greedy chain of each request's last token with the first ``a`` right, ``a = floor(rate x k + u)`` with u a
+    32-bit integer hash of (the request's position, its last token, ``seed``) in [0, 1): no generator state, so the
+    wrapper runs inside the verify step's CUDA graph (it is called where the head is, at capture)."""
 
     def __init__(self, mtp, perm, k: int, rate: float, seed: int = 0) -> None:
-        import torch
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"rate must be in [0, 1], got {rate}")
-        self.perm, self.k, self.rate, self.real = perm, k, rate, mtp.draft
-        self.gen = torch.Generator(device=perm.device).manual_seed(seed)
+        self.perm, self.k, self.rate, self.seed, self.real = perm, k, rate, seed, mtp.draft
         mtp.draft = self.draft
 
     def draft(self, first_tokens, meta):
@@ -108,10 +107,20 @@ class ChainOracleMTP:
             t = self.perm[t]
             chain.append(t)
         d = torch.stack(chain, 1)
-        u = torch.rand(d.shape[0], generator=self.gen, device=d.device)
+        u = uniform_hash(meta.positions[0] * 1000003 + first_tokens * 7919 + self.seed)
         a = torch.clamp(torch.floor(self.rate * self.k + u), max=self.k)
         bad = torch.arange(self.k, device=d.device)[None, :] >= a[:, None]
         return torch.where(bad, torch.where(d == 0, d + 1, d - 1), d)
+
+
+def uniform_hash(x):
+    """int64 tensor -> float64 in [0, 1): a 32-bit integer hash (the "lowbias32" mix) of x's low 32 bits. The
+    int64 products wrap, which keeps their low 32 bits (all the mask keeps)."""
+    m = 0xFFFFFFFF
+    x = x & m
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & m
+    x = ((x ^ (x >> 15)) * 0x846CA68B) & m
+    return (x ^ (x >> 16)).double() / 2.0 ** 32
 
 
 def install_chain_oracle(engine, perm, rate: float, seed: int = 0) -> str:

@@ -4,6 +4,7 @@ rest wrong, so the mean accepted drafts per step is rate x k; the MTP wrapper ru
 from __future__ import annotations
 
 import argparse
+import types
 
 import torch
 
@@ -49,8 +50,8 @@ def test_mtp_oracle_runs_the_head_then_replaces_its_drafts():
     ChainOracleMTP(mtp, PERM, K, 0.6)
     first = torch.arange(V)
     got = []
-    for _ in range(20):
-        drafts = mtp.draft(first, None)
+    for step in range(20):
+        drafts = mtp.draft(first, types.SimpleNamespace(positions=torch.full((K, V), 100 + step)))
         got += [right_prefix(drafts[i].tolist(), i) for i in range(V)]
     assert len(calls) == 20 and torch.equal(calls[0], first)           # the real head ran every time
     assert abs(sum(got) / len(got) - 0.6 * K) < 0.1

@@ -22,8 +22,15 @@ Each step, around the target forward (``ModelRunner.step``):
    its last row's hidden; a verify's waits for acceptance (``accept``: the last accepted row).
 
 ``hidden`` is indexed like the state pool, so a published checkpoint carries "the hidden after its last
-token" with its state, and a consumer of it can store the pair of its own first token. Index vectors come
-with the step's single upload; nothing here reads the device.
+token" with its state, and a consumer of it can store the pair of its own first token; one more row (index
+``num_slots``) is scratch, where a CUDA graph's padding rows commit. Index vectors come with the step's single
+upload; nothing here reads the device.
+
+Decode-only and verify-only steps run draft, target and feed inside one CUDA graph (``engine/execution/
+cuda_graphs.py``): ``graph_draft`` and ``graph_feed`` derive the same index vectors on the device from the graph's
+static inputs (positions, slot mapping, slots), padding rows (slot -1, slot mapping -1, positions 0..L-1) reading
+finite rows and writing only the scratch row. Prefill steps (the feed's prev / pool / commit rows vary per
+segment) stay eager.
 """
 from __future__ import annotations
 
@@ -102,7 +109,8 @@ class MTPStepIndex:
 
 
 class MTPDrafter:
-    """Drafts from ``model.mtp``; owns the per-slot hidden pool ``[num_slots, hidden]`` (model dtype)."""
+    """Drafts from ``model.mtp``; owns the per-slot hidden pool ``[num_slots + 1, hidden]`` (model dtype; the last
+    row is the graph padding's scratch)."""
 
     def __init__(self, model, k: int, num_slots: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         if getattr(model, "mtp", None) is None:
@@ -112,7 +120,8 @@ class MTPDrafter:
             raise ValueError(f"spec_k must be >= 1 for the MTP drafter, got {k}")
         self.model, self.head, self.k = model, model.mtp, k
         w = model.embed_tokens.weight
-        self.hidden = torch.zeros(num_slots, model.cfg.hidden_size, dtype=w.dtype, device=w.device)
+        self.num_slots = num_slots
+        self.hidden = torch.zeros(num_slots + 1, model.cfg.hidden_size, dtype=w.dtype, device=w.device)
         self.head.attention.bind_cache(k_cache, v_cache)
         self.keep_logits = False                       # tests: keep each step's draft logits [k][B, vocab]
         self.logits: list[torch.Tensor] = []
@@ -143,6 +152,37 @@ class MTPDrafter:
         self.head.store(self.model.embed_tokens(ids), before, positions - 1, attn.slot_mapping, attn.token_index)
         self.hidden.index_copy_(0, m.commit_slots, hidden.index_select(0, m.commit_rows))
         self._verify_hidden = hidden[m.verify_start:]
+
+    def graph_draft(self, v: dict[str, torch.Tensor], L: int) -> None:
+        """Inside a verify graph: the k drafts of every row of the bucket, written into the static ids
+        (``v["ids"]``, int32 ``[Bk * L]``: row b's first token is its last sampled one, the next k the drafts). The
+        draft vectors of :meth:`MTPStepIndex.extra` from the static ones: p0 = the row's first position (padding: 0,
+        taken as 1 so that its attention has a key), slot mapping of step j = the row's j-th verify slot."""
+        Bk, k = v["kv"].shape[0], L - 1
+        ids = v["ids"].view(Bk, L)
+        p0 = v["pos"].view(Bk, L)[:, 0].long().clamp(min=1)
+        j = torch.arange(k, device=p0.device)[:, None]
+        meta = DraftMeta(v["slots"].long().clamp(min=0), p0[None] - 1 + j, (p0[None] + 1 + j).to(torch.int32),
+                         v["smap"].view(Bk, L)[:, :k].t().contiguous().long(),
+                         torch.arange(Bk + 1, dtype=torch.int32, device=p0.device), v["table"])
+        ids[:, 1:].copy_(self.draft(ids[:, 0].long(), meta))
+
+    def graph_feed(self, hidden: torch.Tensor, v: dict[str, torch.Tensor], L: int, commit: bool) -> None:
+        """Inside a decode (``commit``) or verify graph: :meth:`feed` for rows of L tokens each, every row's first
+        hidden-before from the pool. Padding rows store nothing (slot mapping -1) and commit into the scratch row."""
+        Bk = v["kv"].shape[0]
+        slots = v["slots"].long()
+        before = self.hidden.index_select(0, slots.clamp(min=0))
+        if L > 1:
+            before = torch.cat([before[:, None], hidden.view(Bk, L, -1)[:, :-1]], 1).flatten(0, 1)
+        self.head.store(self.model.embed_tokens(v["ids"].long()), before, (v["pos"].long() - 1).clamp(min=0),
+                        v["smap"].long(), None)
+        if commit:
+            self.hidden.index_copy_(0, torch.where(slots < 0, self.num_slots, slots), hidden)
+
+    def verified(self, hidden: torch.Tensor) -> None:
+        """After a verify graph's replay: its live rows' hidden states (``[B * L, H]``), for :meth:`accept`."""
+        self._verify_hidden = hidden
 
     def accept(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """After a verify step: ``hidden[slots[b]]`` = the verify rows' hidden at ``rows[b]`` (row b*L + a_b - 1,

@@ -38,15 +38,18 @@ def _copy_head(llm: LLM) -> None:
     H = h.fc.weight.shape[0]
     with torch.no_grad():
         h.fc.weight.zero_()
-        h.fc.weight[:, :H] = torch.eye(H)
+        h.fc.weight[:, :H] = torch.eye(H, device=h.fc.weight.device)
         h.layers[0].mixer.o_proj.weight.zero_()
         h.layers[0].mlp.down_proj.weight.zero_()
 
 
-@pytest.mark.parametrize("mode", ["replay", "intermediate"])
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_mtp_spec_decode_equals_plain_greedy(reference, mode, k):
-    llm = LLM(device="cpu", spec_k=k, spec_mode=mode, spec_draft="mtp")
+@pytest.mark.parametrize("mode,k,graphs", [("replay", 1, False), ("replay", 2, False), ("replay", 3, False),
+                                           ("intermediate", 1, False), ("intermediate", 2, False),
+                                           ("intermediate", 3, False), ("replay", 3, True), ("intermediate", 2, True)])
+def test_mtp_spec_decode_equals_plain_greedy(reference, mode, k, graphs):
+    """``graphs``: decode and verify steps graph-shaped (the padded static-buffer path a CUDA graph captures, run
+    eagerly on the CPU), the MTP head's draft and feed passes inside it."""
+    llm = LLM(device="cpu", spec_k=k, spec_mode=mode, spec_draft="mtp", cuda_graphs=graphs, max_num_seqs=12)
     if k != 2:
         _copy_head(llm)
     assert _outputs(llm) == reference
@@ -54,6 +57,8 @@ def test_mtp_spec_decode_equals_plain_greedy(reference, mode, k):
     assert e.counts.spec_drafted > 0
     if k != 2:
         assert 0 < e.counts.spec_accepted < e.counts.spec_drafted
+    if graphs:
+        assert e.runner.graphs.stats["eager"] > 0
     assert e.runner.state.check_integrity() == [] and e.runner.pages.check_integrity() == []
 
 
@@ -68,3 +73,19 @@ def test_next_turn_after_mtp_spec_decode_matches_a_cold_run():
     cold = LLM(device="cpu", auto_checkpoints=False).generate(nxt, GREEDY)[0]
     assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
     assert llm.engine.counts.spec_accepted > 0
+
+
+def test_graph_shaped_mtp_drafts_as_the_eager_steps():
+    """The in-graph draft (its index vectors derived on the device from the static inputs, padding rows included)
+    proposes what the eager step's draft proposes: the same outputs and the same accepted and drafted counts over
+    the same run."""
+    seen = []
+    for graphs in (False, True):
+        llm = LLM(device="cpu", spec_k=3, spec_mode="replay", spec_draft="mtp", cuda_graphs=graphs, max_num_seqs=12)
+        _copy_head(llm)
+        out = _outputs(llm)
+        e = llm.engine
+        seen.append((out, e.counts.spec_accepted, e.counts.spec_drafted))
+        if graphs:
+            assert e.runner.graphs.stats["eager"] > 0
+    assert seen[0] == seen[1]

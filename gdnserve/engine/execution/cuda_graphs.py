@@ -1,11 +1,15 @@
-"""CUDA graphs for every step kind but the MTP drafter's (docs/serving.md § CUDA graphs).
+"""CUDA graphs for every step kind but prefill with the MTP drafter (docs/serving.md § CUDA graphs).
 
 Decode-only and verify-only steps: a step of B requests (decode: 1 token each; verify: L = k + 1 each, either
 spec mode) runs the graph of the smallest batch-size bucket Bk >= B, its rows B..Bk-1 padded so that they
-touch no state (see graph_inputs.py). Prefill and mixed steps (prefill segments in one fused launch group, and
-decodes): the graph of the smallest (Tb, Nb, Qb, Bb) bucket (prefill rows, segments, query rows per segment,
-decode rows), padded as mixed_inputs.py says. One graph per key, captured lazily on first use (or the decode /
-verify ones all at once by :meth:`StepGraphs.capture_all`), every graph in one private memory pool.
+touch no state (see graph_inputs.py). With the MTP drafter the graph holds its passes too: a verify graph
+drafts the k tokens (the MTP head's k steps, ``MTPDrafter.graph_draft``) into its static ids before the target
+runs, and both kinds store the head's KV pairs and commit its hidden rows after it (``graph_feed``). Prefill
+and mixed steps (prefill segments in one fused launch group, and decodes): the graph of the smallest
+(Tb, Nb, Qb, Bb) bucket (prefill rows, segments, query rows per segment, decode rows), padded as
+mixed_inputs.py says; not with the MTP drafter (its prefill feed stays eager). One graph per key, captured
+lazily on first use (or the decode / verify ones all at once by :meth:`StepGraphs.capture_all`), every graph
+in one private memory pool.
 
 What the graph holds: the model from the token ids to the final-normed hidden states of all rows, reading
 only static views (their int32 -> int64 conversions included). What stays eager, outside the graph: the host
@@ -43,9 +47,13 @@ Key = tuple[StepKind, int] | MixedKey
 class StepGraphs:
     def __init__(self, model, *, buckets: tuple[int, ...], width: int, page_size: int, num_slots: int,
                  spec_mode: str | None, spec_tokens: int, capture: bool, device: torch.device,
-                 mixed_tokens: int | None = None):
-        """``mixed_tokens``: the largest prefill-token bucket of prefill / mixed graphs (None: none)."""
+                 mixed_tokens: int | None = None, mtp=None):
+        """``mixed_tokens``: the largest prefill-token bucket of prefill / mixed graphs (None: none); ``mtp``: the
+        runner's MTPDrafter (its passes ride in the decode / verify graphs; no prefill graphs with it)."""
+        if mtp is not None and mixed_tokens is not None:
+            raise ValueError("StepGraphs: no prefill / mixed graphs with the MTP drafter (its prefill feed is eager)")
         self.model, self.buckets, self.width, self.num_slots = model, buckets, width, num_slots
+        self.mtp = mtp
         self.page_size = page_size
         self.mixed: MixedInputs | None = None
         if mixed_tokens is not None:
@@ -138,7 +146,7 @@ class StepGraphs:
             p0 = seq.length
             smap += seq.pages.append_tokens(L)
             seq.length += L
-            ids += tok if kind.verify else [tok]
+            ids += (list(tok) * L if self.mtp is not None else tok) if kind.verify else [tok]   # MTP: drafted in-graph
             pos += range(p0, p0 + L)
             kv.append(seq.length)
             tables.append(seq.pages.pages)
@@ -160,6 +168,8 @@ class StepGraphs:
         else:
             h = self._forward(key)
             self.stats["eager"] += 1
+        if self.mtp is not None and kind.verify:
+            self.mtp.verified(h[:len(items) * L])
         return self.model.logits(h[:len(items) * L])
 
     def drafts(self, key: Key, B: int) -> torch.Tensor:
@@ -183,8 +193,13 @@ class StepGraphs:
         if kind.verify is not None:
             vm = VerifyMeta(kind.verify, kind.L, v["slots"], v["rows_out"], v.get("rows_in"), v.get("num"))
         ctx = ForwardContext(v["pos"].long(), 0, None, None if vm else v["slots"], attn, vm)
+        if self.mtp is not None and vm is not None:
+            self.mtp.graph_draft(v, kind.L)               # the drafts into the static ids, before they are read
         with forward_context(ctx):
-            return self.model.norm(self.model.hidden_states(v["ids"].long()))
+            h = self.model.norm(self.model.hidden_states(v["ids"].long()))
+        if self.mtp is not None:
+            self.mtp.graph_feed(h, v, kind.L, commit=vm is None)
+        return h
 
     def _forward_mixed(self, key: MixedKey) -> torch.Tensor:
         """A prefill / mixed bucket's region: hidden states [Tb + Bb, hidden] (mixed_inputs.py's layout)."""
@@ -225,11 +240,11 @@ class StepGraphs:
         self.stats["capture"] += 1
 
 
-def build_step_graphs(model, rc, device: torch.device) -> StepGraphs | None:
+def build_step_graphs(model, rc, device: torch.device, mtp=None) -> StepGraphs | None:
     """StepGraphs for a ModelRunner (``rc``: its RunnerConfig) when ``rc.cuda_graphs`` resolves on. Auto (None)
     turns them on for a CUDA device with the Triton backend and a model whose forward can be captured (the
     PyTorch ops read index vectors and expert counts on the host). Tensor parallelism turns them off in
-    ``EngineConfig.graphs`` (the runner config of every rank comes from it)."""
+    ``EngineConfig.graphs`` (the runner config of every rank comes from it). ``mtp``: the runner's MTPDrafter."""
     cuda = device.type == "cuda"
     capture = cuda if rc.graph_capture is None else rc.graph_capture
     if capture and not cuda:
@@ -249,8 +264,8 @@ def build_step_graphs(model, rc, device: torch.device) -> StepGraphs | None:
         raise ValueError(f"max_model_len: expected an int >= 1, got {rc.max_model_len!r}")
     width = min(rc.num_pages, -(-(rc.max_model_len + max(1, rc.spec_tokens)) // rc.page_size))
     mixed = None                                          # prefill / mixed graphs: the fused plan's one group
-    if rc.mixed_graphs and rc.prefill_mode == "fused" and not (rc.spec_mode is not None and rc.spec_draft == "mtp"):
+    if rc.mixed_graphs and rc.prefill_mode == "fused" and mtp is None:
         mixed = rc.graph_max_tokens if rc.graph_max_tokens is not None else min(rc.max_model_len, 8192)
     return StepGraphs(model, buckets=graph_buckets(cap), width=width, page_size=rc.page_size,
                       num_slots=rc.num_slots, spec_mode=rc.spec_mode, spec_tokens=rc.spec_tokens,
-                      capture=capture, device=device, mixed_tokens=mixed)
+                      capture=capture, device=device, mixed_tokens=mixed, mtp=mtp)

@@ -121,7 +121,7 @@ class ModelRunner:
             self.mtp.head.attention.backend = rc.backend
         self.drafts: torch.Tensor | None = None      # [B, k] int64: the last verify step's drafts, on the device
         self.verify_slots: torch.Tensor | None = None   # [B] int32: the last verify step's slots (its upload)
-        self.graphs = build_step_graphs(model, rc, self.device)
+        self.graphs = build_step_graphs(model, rc, self.device, self.mtp)
         self._feed: DecodeFeed | None = None     # the running step's device-fed decode tokens
 
     def close(self) -> None:
@@ -230,8 +230,8 @@ class ModelRunner:
         After a verify step the caller must ``accept`` how many tokens each verified sequence keeps; the drafts
         that were verified are ``self.drafts`` ([B, k] on the device). Verify items carry their L tokens, or with
         ``spec_draft="mtp"`` only the last sampled token: the MTP head drafts the other k in this step.
-        A decode-only or verify-only step may run a CUDA graph (``self.graphs``; not with the MTP drafter, whose
-        draft and KV passes run eagerly); its logits are the same. ``ready``: the READY checkpoint slots among
+        A decode-only or verify-only step may run a CUDA graph (``self.graphs``; with the MTP drafter its draft and
+        KV passes inside it), a prefill or mixed step too (not with the MTP drafter); its logits are the same. ``ready``: the READY checkpoint slots among
         those the prefills write or read (the scheduler's ``StepBatch.ready``), for the plan's ownership check.
         ``feed``: decode tokens that are still on the device (the overlapped loop), written over the placeholders
         the host laid out."""
@@ -252,7 +252,7 @@ class ModelRunner:
                 raise ValueError(f"verify: {len(toks)} tokens, the runner takes {want} per verify item "
                                  f"(spec_tokens = {self.rc.spec_tokens}, spec_draft = {self.rc.spec_draft!r})")
         self.flush([s for s, _ in decodes] + [it.seq for it in prefills])   # replay-pending state must land
-        if self.graphs is not None and self.mtp is None:
+        if self.graphs is not None:
             if not prefills:
                 key = self.graphs.select(decodes, verifies)
                 if key is not None:
