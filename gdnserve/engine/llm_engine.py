@@ -86,8 +86,13 @@ class LLMEngine:
         self.config = cfg
         rc = cfg.runner_config()
         state, pages = build_pools(model, rc)
-        self.kv = KVCache(state, pages, build_tiers(cfg, model, state, pages))
         self.runner = runner_factory(model, rc, pools=(state, pages))
+        try:        # after the runner: the per-slot rows it registers with the state pool travel with a checkpoint
+            tiers = build_tiers(cfg, model, state, pages)
+        except BaseException:
+            self.runner.close()     # the model's layers unbound from the pools, as if the runner was never built
+            raise
+        self.kv = KVCache(state, pages, tiers)
         self.dead: str | None = None        # set by a fatal error (EngineDeadError): every request fails with it
         self.tokenizer = tokenizer
         self.model_name, self.max_model_len, self.spec_k = cfg.model_name, cfg.max_model_len, cfg.spec_k

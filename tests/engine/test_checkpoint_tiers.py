@@ -105,17 +105,21 @@ class Inline(Executor):
 
 class Rig:
     """A KVCache with tiers over small random pools; checkpoints made directly (reserve -> pages -> ready). The host
-    tier: an arena of ``host_ckpts`` checkpoints of 2 pages."""
+    tier: an arena of ``host_ckpts`` checkpoints of 2 pages. ``hidden``: a per-slot tensor of that width registered
+    with the state pool, as the MTP drafter's (a row per slot and a scratch row)."""
 
     def __init__(self, tmp_path, host_ckpts: int = 0, disk: bool = True, fp: str = "f" * 64, max_bytes=2**30,
-                 inline_disk: bool = False, num_pages: int = 24):
+                 inline_disk: bool = False, num_pages: int = 24, hidden: int = 0):
         self.st, self.pg = pools(num_pages=num_pages)
+        if hidden:
+            self.st.register_rows("mtp_hidden", torch.randn(self.st.num_slots + 1, hidden))
         self.per = block_size(Copier(self.st, self.pg).layout_bytes(2))   # every checkpoint here: 6 tokens = 2 pages
         self.arena = HostArena(host_ckpts * self.per, pinned=False) if host_ckpts else None
         self.copier = Copier(self.st, self.pg, arena=self.arena)
         assert self.arena is None or self.copier.bytes_of(2) == self.per
         self.stats = TierStats()
-        self.disk = DiskTier(tmp_path, max_bytes, fp, on_bytes=self.stats.add_bytes) if disk else None
+        self.disk = DiskTier(tmp_path, max_bytes, fp, on_bytes=self.stats.add_bytes,
+                             names=self.copier.names) if disk else None
         if inline_disk:
             self.disk._io = Inline()
         self.tiers = CheckpointTiers(self.copier, self.disk, self.stats)
@@ -128,7 +132,8 @@ class Rig:
             self.ck.evict(1)
         entry, seq = self.ck.reserve(ids, self.pg)
         seq.pages.append_tokens(len(ids))
-        for t in (self.st.conv_pools[:, entry.slot], self.st.ssm_pools[:, entry.slot]):
+        rows = [r[entry.slot] for r in self.st.slot_rows.values()]
+        for t in (self.st.conv_pools[:, entry.slot], self.st.ssm_pools[:, entry.slot], *rows):
             t.copy_(torch.randn(t.shape).to(t.dtype))
         self.ck.ready(entry, seq.pages)
         self.data[ids] = self.snap(entry)
@@ -137,7 +142,8 @@ class Rig:
     def snap(self, entry):
         pages = self.ck.pages[entry.key].pages
         return [bits(self.st.conv_pools[:, entry.slot]), bits(self.st.ssm_pools[:, entry.slot]),
-                bits(self.pg.k_pools[:, pages]), bits(self.pg.v_pools[:, pages])]
+                bits(self.pg.k_pools[:, pages]), bits(self.pg.v_pools[:, pages]),
+                *[bits(r[entry.slot]) for r in self.st.slot_rows.values()]]
 
     def block(self, ids):
         return self.tiers.host[checkpoint_key(ids)].block

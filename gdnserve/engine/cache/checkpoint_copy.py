@@ -1,8 +1,13 @@
-"""Copies of one checkpoint between the device pools and host memory: every GDN layer's state of its slot and its
-prefix's attention KV pages, as a :class:`HostCheckpoint`.
+"""Copies of one checkpoint between the device pools and host memory: every GDN layer's state of its slot, the
+slot's row of every per-slot tensor registered with the state pool, and its prefix's attention KV pages, as a
+:class:`HostCheckpoint`. This module is the one place that says what a checkpoint holds (``Copier.names``,
+``Copier.layout``): the disk tier writes and checks what it is given, the fingerprint names the registered rows.
 
 Layout on the host: ``conv [L, W-1, D]``, ``ssm [L, HV, V, K]`` (the slot's row of every layer of the state pool),
-``k, v [La, n, page_size, KVH, Dh]`` (the table's ``n`` pages of every attention layer, in table order), in one
+one ``[1, ...]`` per registered row tensor (``StatePool.register_rows``: with ``spec_draft="mtp"`` the MTP
+drafter's ``mtp_hidden [1, hidden]``, the hidden after the checkpoint's last token, which a consumer's first MTP
+pair reads: without it a restored checkpoint drafts from the new slot's stale row), ``k, v [La, n, page_size, KVH,
+Dh]`` (the table's ``n`` pages of every attention layer, in table order, the MTP head's KV layer included), in one
 host buffer (pinned on CUDA), each tensor 64-byte aligned in it.
 
 The copies go through a staging buffer on the device (``STAGE_BYTES``, 128 MiB, allocated at the first copy; the
@@ -47,7 +52,8 @@ from gdnserve.engine.cache.host_arena import Block, HostArena, block_size
 from gdnserve.engine.cache.page_pool import PagePool
 from gdnserve.engine.cache.state_pool import StatePool
 
-TENSORS = ("conv", "ssm", "k", "v")
+TENSORS = ("conv", "ssm", "k", "v")        # every checkpoint's; the registered rows go between ssm and k
+PAGED = ("k", "v")
 STAGE_BYTES = 128 * 2**20       # the device staging buffer of the host <-> device copies (CUDA only)
 
 
@@ -111,11 +117,11 @@ def pieces(layer_bytes: dict[str, int], num_layers: dict[str, int], num_pages: i
     """The checkpoint cut into pieces of at most ``stage`` bytes: whole layers where they fit, else (attention
     KV of a long prefix) runs of pages of one layer."""
     out: list[Piece] = []
-    for name in TENSORS:
-        per, L = layer_bytes[name], num_layers[name]
+    for name, per in layer_bytes.items():
+        L = num_layers[name]
         if per == 0 or L == 0:
             continue
-        paged = name in ("k", "v")
+        paged = name in PAGED
         if per <= stage:
             step = min(stage // per, L)
             out += [Piece(name, a, min(a + step, L), 0, num_pages if paged else 0) for a in range(0, L, step)]
@@ -142,14 +148,31 @@ class Copier:
         self.stage_bytes = stage_bytes if stage_bytes is not None else (STAGE_BYTES if self.cuda else 0)
         self._stage: torch.Tensor | None = None
 
-    def _layout(self, num_pages: int) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype, int]], int]:
-        """name -> (shape, dtype, byte offset) of a checkpoint's tensors in its one host buffer, and its bytes."""
+    @property
+    def names(self) -> tuple[str, ...]:
+        """A checkpoint's tensors, in their order in the host buffer and in a file."""
+        return ("conv", "ssm", *self.state.slot_rows, "k", "v")
+
+    def layout(self, num_pages: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (shape, dtype) of the host tensors of a checkpoint of ``num_pages`` pages."""
         s, k = self.state.config, self.kv.config
         page = (k.num_layers, num_pages, k.page_size, k.num_kv_heads, k.head_dim)
-        shapes = {"conv": ((s.num_layers, s.conv_rows, s.conv_dim), s.conv_dtype),
-                  "ssm": ((s.num_layers, s.HV, s.V, s.K), s.ssm_dtype), "k": (page, k.dtype), "v": (page, k.dtype)}
+        rows = {n: ((1, *t.shape[1:]), t.dtype) for n, t in self.state.slot_rows.items()}
+        return {"conv": ((s.num_layers, s.conv_rows, s.conv_dim), s.conv_dtype),
+                "ssm": ((s.num_layers, s.HV, s.V, s.K), s.ssm_dtype), **rows, "k": (page, k.dtype),
+                "v": (page, k.dtype)}
+
+    def fits(self, hc: HostCheckpoint) -> bool:
+        """``hc`` holds exactly this copier's tensors (names, shapes, dtypes) for its page count: a copy taken
+        before a tensor was registered, or a file of another layout, is never restored."""
+        t = hc.tensors
+        want = self.layout(t["k"].shape[1]) if "k" in t else None
+        return want is not None and {n: (tuple(x.shape), x.dtype) for n, x in t.items()} == want
+
+    def _layout(self, num_pages: int) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype, int]], int]:
+        """name -> (shape, dtype, byte offset) of a checkpoint's tensors in its one host buffer, and its bytes."""
         out, total = {}, 0
-        for name, (shape, dt) in shapes.items():
+        for name, (shape, dt) in self.layout(num_pages).items():
             out[name] = (shape, dt, total)
             total += -(-math.prod(shape) * dt.itemsize // 64) * 64
         return out, total
@@ -174,7 +197,7 @@ class Copier:
                               arena=self.arena if block is not None else None)
 
     def layout_bytes(self, num_pages: int) -> int:
-        """Bytes of the one buffer of a checkpoint of ``num_pages`` pages (its four tensors, 64-byte aligned)."""
+        """Bytes of the one buffer of a checkpoint of ``num_pages`` pages (its tensors, each 64-byte aligned)."""
         return self._layout(num_pages)[1]
 
     def bytes_of(self, num_pages: int) -> int:
@@ -184,8 +207,8 @@ class Copier:
         return block_size(total) if self.arena is not None else footprint(total, self.cuda)
 
     def snapshot(self, key: bytes, token_ids: tuple[int, ...], slot: int, pages: list[int]) -> HostCheckpoint:
-        """Device -> host copy of ``slot``'s state and ``pages`` into a fresh allocation (issued, not waited for on
-        CUDA)."""
+        """Device -> host copy of ``slot``'s state (its registered rows included) and ``pages`` into a fresh
+        allocation (issued, not waited for on CUDA)."""
         hc = self.empty(key, token_ids, len(pages), pooled=False)
         self.copy_down(hc, slot, pages)
         return hc
@@ -199,29 +222,34 @@ class Copier:
 
     def restore(self, hc: HostCheckpoint, slot: int, pages: list[int]) -> object | None:
         """Host -> device copy of ``hc`` into ``slot`` and ``pages`` (as many as ``hc`` has); returns the copy's
-        event (None on CPU: done)."""
+        event (None on CPU: done). ValueError when ``hc`` is not of this copier's layout (``fits``)."""
         if len(pages) != hc.num_pages:
             raise ValueError(f"pages: the checkpoint holds {hc.num_pages} pages, got {len(pages)}")
+        if not self.fits(hc):
+            raise ValueError(f"tensors: the checkpoint holds {list(hc.tensors)}, this layout is {list(self.names)}")
         return self._copy(hc, slot, pages, to_host=False)
 
     # ---------------------------------------------------------------- the pieces
     def _pieces(self, hc: HostCheckpoint) -> list[Piece]:
         t = hc.tensors
-        per = {n: t[n][0].numel() * t[n].element_size() if t[n].shape[0] else 0 for n in TENSORS}
-        layers = {n: t[n].shape[0] for n in TENSORS}
+        per = {n: x[0].numel() * x.element_size() if x.shape[0] else 0 for n, x in t.items()}
+        layers = {n: x.shape[0] for n, x in t.items()}
         page_bytes = t["k"][0, :1].numel() * t["k"].element_size() if t["k"].shape[0] else 0
         return pieces(per, layers, hc.num_pages, page_bytes, self.stage_bytes or 1 << 62)   # no stage: whole tensors
 
     def _host(self, hc: HostCheckpoint, p: Piece) -> torch.Tensor:
         t = hc.tensors[p.name][p.l0:p.l1]
-        return t if p.name in ("conv", "ssm") or (p.i0 == 0 and p.i1 == hc.num_pages) else t[:, p.i0:p.i1]
+        return t if p.name not in PAGED or (p.i0 == 0 and p.i1 == hc.num_pages) else t[:, p.i0:p.i1]
 
     def _device(self, p: Piece, slot: int, idx: torch.Tensor):
         """(read, write) of piece ``p`` on the device (``idx``: the checkpoint's pages, on the device): ``read(out)``
         gathers it into ``out``, ``write(src)`` scatters ``src`` into the pools."""
         st, kv = self.state, self.kv
-        if p.name in ("conv", "ssm"):
-            rows = (st.conv_pools if p.name == "conv" else st.ssm_pools)[p.l0:p.l1, slot]
+        if p.name not in PAGED:         # the slot's row of each layer: [L, ...] (a registered tensor: L = 1)
+            if p.name in ("conv", "ssm"):
+                rows = (st.conv_pools if p.name == "conv" else st.ssm_pools)[p.l0:p.l1, slot]
+            else:
+                rows = st.slot_rows[p.name][slot:slot + 1][p.l0:p.l1]
             return (lambda out: out.copy_(rows)), (lambda src: rows.copy_(src))
         pool = (kv.k_pools if p.name == "k" else kv.v_pools)[p.l0:p.l1]
         run = idx[p.i0:p.i1]

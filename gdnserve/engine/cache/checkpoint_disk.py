@@ -6,8 +6,11 @@ File format (version ``VERSION``), little-endian::
     magic b"GDNCKPT\\0" | u32 version | u32 header bytes | header (UTF-8 JSON) | payload | 32-byte blake2b
 
 The header holds the model fingerprint, the key (hex), the token ids and, per tensor, its name, dtype, shape,
-offset in the payload and byte count; the checksum covers everything before it. A file is only ever seen whole:
-it is written to ``*.tmp`` and renamed. At start-up each file's header is read and its size checked against the
+offset in the payload and byte count; the checksum covers everything before it. The tensors are the host
+checkpoint's (checkpoint_copy.py: conv, ssm, the state pool's registered rows such as ``mtp_hidden``, k, v); a file
+must hold exactly the names the tier was built with (``names``, the copier's). Version 2 added the registered rows
+(version 1 files, which had none, are ignored: an MTP checkpoint without its hidden would draft from a stale one).
+A file is only ever seen whole: it is written to ``*.tmp`` and renamed. At start-up each file's header is read and its size checked against the
 header (a truncated file is ignored, with one log line); the checksum is checked when a checkpoint is loaded (a
 corrupt file is ignored with one log line and removed, and the lookup misses). A file whose fingerprint or
 version differs is never loaded (another model's files live under another fingerprint directory anyway).
@@ -35,7 +38,7 @@ from gdnserve.engine.cache.checkpoint_copy import TENSORS, HostCheckpoint
 logger = logging.getLogger(__name__)
 
 MAGIC = b"GDNCKPT\0"
-VERSION = 1
+VERSION = 2
 _PRE = struct.Struct("<8sII")
 _SUM = 32
 MAX_QUEUED = 64         # writes waiting for the I/O thread, at most (their host copies are held meanwhile)
@@ -59,8 +62,8 @@ def _checksum(data: bytes | memoryview) -> bytes:
 def encode(hc: HostCheckpoint, fingerprint: str) -> bytes:
     """The file's bytes for ``hc`` (its device -> host copy must be complete)."""
     tensors, payload, off = [], [], 0
-    for name in TENSORS:
-        t = hc.tensors[name].contiguous()
+    for name, t in hc.tensors.items():
+        t = t.contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
         tensors.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                         "offset": off, "nbytes": len(raw)})
@@ -73,8 +76,9 @@ def encode(hc: HostCheckpoint, fingerprint: str) -> bytes:
     return body + _checksum(body)
 
 
-def read_header(f, size: int, fingerprint: str) -> dict:
-    """The header of an open file of ``size`` bytes; CheckpointFileError naming what is wrong."""
+def read_header(f, size: int, fingerprint: str, names: tuple[str, ...] = TENSORS) -> dict:
+    """The header of an open file of ``size`` bytes whose tensors are ``names``; CheckpointFileError naming what is
+    wrong."""
     pre = f.read(_PRE.size)
     if len(pre) < _PRE.size:
         raise CheckpointFileError(f"truncated: {size} bytes, shorter than the {_PRE.size}-byte preamble")
@@ -89,6 +93,7 @@ def read_header(f, size: int, fingerprint: str) -> dict:
     try:
         header = json.loads(raw)
         want = _PRE.size + hlen + int(header["payload_bytes"]) + _SUM
+        held = [t["name"] for t in header["tensors"]]
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointFileError(f"unreadable header ({e})") from None
     if header.get("fingerprint") != fingerprint:
@@ -96,13 +101,16 @@ def read_header(f, size: int, fingerprint: str) -> dict:
                                   f"this model's {fingerprint[:16]})")
     if size != want:
         raise CheckpointFileError(f"truncated or extended: {size} bytes, its header says {want}")
+    if sorted(held) != sorted(names):
+        raise CheckpointFileError(f"tensors {held}, this layout is {list(names)}")
     return header
 
 
-def decode(data: bytes, fingerprint: str, pin: bool) -> HostCheckpoint:
-    """A HostCheckpoint from a whole file's bytes; CheckpointFileError if it is not intact or not this model's."""
+def decode(data: bytes, fingerprint: str, pin: bool, names: tuple[str, ...] = TENSORS) -> HostCheckpoint:
+    """A HostCheckpoint from a whole file's bytes; CheckpointFileError if it is not intact, not this model's or does
+    not hold exactly the tensors ``names``."""
     import io
-    header = read_header(io.BytesIO(data), len(data), fingerprint)
+    header = read_header(io.BytesIO(data), len(data), fingerprint, names)
     if _checksum(memoryview(data)[:-_SUM]) != data[-_SUM:]:
         raise CheckpointFileError("checksum mismatch (corrupt)")
     base = len(data) - _SUM - header["payload_bytes"]
@@ -114,19 +122,18 @@ def decode(data: bytes, fingerprint: str, pin: bool) -> HostCheckpoint:
             torch.empty(0, dtype=torch.uint8)
         x = flat.view(dtype).reshape(t["shape"])
         tensors[t["name"]] = x.pin_memory() if pin else x
-    if set(tensors) != set(TENSORS):
-        raise CheckpointFileError(f"tensors {sorted(tensors)}, expected {list(TENSORS)}")
     return HostCheckpoint(bytes.fromhex(header["key"]), tuple(header["token_ids"]), tensors)
 
 
 class DiskTier:
-    """Checkpoint files of one model under ``root / fingerprint[:32]``, at most ``max_bytes`` of them."""
+    """Checkpoint files of one model under ``root / fingerprint[:32]``, at most ``max_bytes`` of them. ``names``: the
+    tensors a checkpoint holds (the copier's ``names``; a file with others is corrupt)."""
 
     def __init__(self, root: str | os.PathLike, max_bytes: int, fingerprint: str, *, pin: bool = False,
-                 on_bytes: Callable[[str, int], None] | None = None) -> None:
+                 on_bytes: Callable[[str, int], None] | None = None, names: tuple[str, ...] = TENSORS) -> None:
         self.dir = Path(root) / fingerprint[:32]
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.max_bytes, self.fingerprint, self.pin = max_bytes, fingerprint, pin
+        self.max_bytes, self.fingerprint, self.pin, self.names = max_bytes, fingerprint, pin, tuple(names)
         self.on_bytes = on_bytes or (lambda what, n: None)
         self._lock = threading.Lock()
         self._entries: OrderedDict[bytes, DiskEntry] = OrderedDict()     # least recently used first
@@ -146,7 +153,7 @@ class DiskTier:
             try:
                 size = path.stat().st_size
                 with open(path, "rb") as f:
-                    header = read_header(f, size, self.fingerprint)
+                    header = read_header(f, size, self.fingerprint, self.names)
                 found.append((path.stat().st_mtime_ns, bytes.fromhex(header["key"]),
                               DiskEntry(path, tuple(header["token_ids"]), size)))
             except (OSError, CheckpointFileError, ValueError) as e:
@@ -245,7 +252,7 @@ class DiskTier:
             return None
         try:
             data = e.path.read_bytes()
-            hc = decode(data, self.fingerprint, self.pin)
+            hc = decode(data, self.fingerprint, self.pin, self.names)
             if hc.key != key:
                 raise CheckpointFileError(f"holds key {hc.key.hex()[:12]}, indexed as {key.hex()[:12]}")
             os.utime(e.path)

@@ -94,7 +94,7 @@ class CheckpointTiers:
         on_disk = self.disk is not None and key in self.disk
         if (self.arena is None and (self.disk is None or on_disk)) or key in self.host:
             return
-        pages = list(table.pages)
+        pages = self._covering(table, len(token_ids))
         hc = self._room(key, token_ids, len(pages)) if self.arena is not None else None
         if hc is not None:
             try:
@@ -118,6 +118,13 @@ class CheckpointTiers:
             return
         self._copied(hc)
         self.disk.put(hc)
+
+    def _covering(self, table: PageTable, n: int) -> list[int]:
+        """The pages that hold a checkpoint's ``n`` tokens: what it is copied down with. A table published after
+        speculative decoding keeps, past its length, pages a verify step appended for drafts that were rejected; a
+        restore of ``n`` tokens allocates only the pages they need (the host restore of such a copy raised in
+        PageTable, a disk one failed)."""
+        return list(table.pages[:-(-n // self.copier.kv.page_size)])
 
     def _copied(self, hc: HostCheckpoint) -> None:
         self.stats.spills += 1
@@ -241,7 +248,8 @@ class CheckpointTiers:
         r.hc = None
 
     def _copy_up(self, r: Restore) -> bool:
-        if r.hc.num_pages != len(r.table.pages) or r.hc.length != len(r.entry.token_ids):
+        if r.hc.num_pages != len(r.table.pages) or r.hc.length != len(r.entry.token_ids) \
+                or not self.copier.fits(r.hc):
             return False
         r.event = self.copier.restore(r.hc, r.entry.slot, list(r.table.pages))
         self.stats.add_bytes("h2d", r.hc.nbytes)
@@ -277,7 +285,7 @@ class CheckpointTiers:
             return
         for i, (key, token_ids, slot, table) in enumerate(resident):
             if key not in self.disk:
-                hc = self.copier.snapshot(key, token_ids, slot, list(table.pages))
+                hc = self.copier.snapshot(key, token_ids, slot, self._covering(table, len(token_ids)))
                 self.stats.add_bytes("d2h", hc.nbytes)
                 self.disk.put(hc)
             if i % 8 == 7:          # a few host copies at a time: the device may hold hundreds of checkpoints
@@ -322,9 +330,12 @@ class CheckpointTiers:
         return out
 
 
-def model_fingerprint(model, dtype: torch.dtype, tp_size: int, state_cfg, page_cfg) -> str:
+def model_fingerprint(model, dtype: torch.dtype, tp_size: int, state_cfg, page_cfg,
+                      rows: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> str:
     """Hex blake2b of what a checkpoint is only valid for: the model config, the dtype, the tensor-parallel layout,
-    the pools' row shapes and dtypes (page size, state dtype; not their sizes), every parameter's name, shape and dtype, and the bytes of
+    the pools' row shapes and dtypes (page size, state dtype; not their sizes), the per-slot rows registered with the
+    state pool (``rows``: name -> host shape and dtype, e.g. the MTP hidden; none: the fingerprint of an engine
+    without them is what it was before they existed), every parameter's name, shape and dtype, and the bytes of
     the first and last 64 elements of every parameter (a sample: hashing 70 GB of weights at start-up would take
     minutes; two models that differ only elsewhere in their weights would share checkpoints)."""
     h = hashlib.blake2b(digest_size=32)
@@ -334,6 +345,8 @@ def model_fingerprint(model, dtype: torch.dtype, tp_size: int, state_cfg, page_c
                 if f.name not in ("device", "num_slots", "num_pages")}    # the pools' sizes may change
     facts = {"version": 1, "config": repr(cfg), "dtype": str(dtype), "tp": tp_size, "state": shapes(state_cfg),
              "pages": shapes(page_cfg)}
+    if rows:
+        facts["rows"] = {n: [list(shape), str(dt)] for n, (shape, dt) in rows.items()}
     h.update(json.dumps(facts, sort_keys=True).encode())
     samples = []
     for name, p in sorted(model.state_dict().items()):
@@ -347,7 +360,8 @@ def model_fingerprint(model, dtype: torch.dtype, tp_size: int, state_cfg, page_c
 
 
 def build_tiers(cfg, model, state, pages: PagePool) -> CheckpointTiers | None:
-    """The tiers an EngineConfig asks for (None when both are off)."""
+    """The tiers an EngineConfig asks for (None when both are off). Built after the runner: a checkpoint holds the
+    per-slot rows it registers with ``state`` (the MTP hidden), and the disk files' fingerprint names them."""
     host = int(cfg.checkpoint_host_memory_gb * 2**30)
     if not host and cfg.checkpoint_dir is None:
         return None
@@ -367,7 +381,9 @@ def build_tiers(cfg, model, state, pages: PagePool) -> CheckpointTiers | None:
     copier = Copier(state, pages, arena=arena)
     disk = None
     if cfg.checkpoint_dir is not None:
-        fp = model_fingerprint(model, pages.config.dtype, cfg.tensor_parallel_size, state.config, pages.config)
+        layout = copier.layout(1)
+        rows = {n: layout[n] for n in state.slot_rows}      # registered by the runner, which is built first
+        fp = model_fingerprint(model, pages.config.dtype, cfg.tensor_parallel_size, state.config, pages.config, rows)
         disk = DiskTier(cfg.checkpoint_dir, int(cfg.checkpoint_dir_max_gb * 2**30), fp, pin=copier.cuda,
-                        on_bytes=stats.add_bytes)
+                        on_bytes=stats.add_bytes, names=copier.names)
     return CheckpointTiers(copier, disk, stats)

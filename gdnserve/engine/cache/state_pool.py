@@ -5,6 +5,10 @@ One allocation per kind of state, ``[num_layers, S, ...]``, so ``pool.conv(layer
 gdnserve/ops/gdn/chunk.py). One slot index addresses both pools of every layer; ``-1`` is padding and
 is never allocated. A full pool is a normal, recoverable condition: ``try_allocate`` returns None and
 ``allocate`` raises :class:`PoolFullError` with the occupancy by kind, so the scheduler can queue.
+
+Per-slot tensors owned elsewhere but indexed like the pool (the MTP drafter's hidden after a slot's last token) are
+registered here (``register_rows``): a slot's state is its conv and SSM rows plus its row of each of them, and the
+checkpoint tiers (checkpoint_copy.py) copy exactly that with a checkpoint's pages.
 """
 from __future__ import annotations
 
@@ -105,6 +109,7 @@ class StatePool:
         self.conv_pools = torch.zeros(L, S, c.conv_rows, c.conv_dim, dtype=c.conv_dtype, device=c.device)
         self.ssm_pools = torch.zeros(L, S, c.HV, c.V, c.K, dtype=c.ssm_dtype, device=c.device)
         self._free: list[int] = list(range(S))  # a heap; sorted is a valid heap
+        self.slot_rows: dict[str, torch.Tensor] = {}    # register_rows: name -> [>= S, ...], row s of slot s
         self._records: dict[int, SlotRecord] = {}
         self._counts = dict.fromkeys(SlotKind, 0)
 
@@ -139,6 +144,18 @@ class StatePool:
     def ssm(self, layer: int) -> torch.Tensor:
         """``[S, HV, V, K]`` SSM state of GDN layer ``layer`` (a contiguous view)."""
         return self.ssm_pools[self._layer(layer)]
+
+    def register_rows(self, name: str, rows: torch.Tensor) -> None:
+        """Make ``rows[s]`` part of slot ``s``'s state for the checkpoint tiers (``rows``: ``[>= num_slots, ...]`` on
+        the pool's device, owned and written by the caller; rows past ``num_slots`` are the owner's scratch and
+        travel nowhere). Registered by the runner when it builds what owns them, before the tiers are built (their
+        disk files' fingerprint names the rows). The same name again replaces the tensor (a new runner)."""
+        if not isinstance(name, str) or not name or name in ("conv", "ssm", "k", "v"):
+            raise ValueError(f"register_rows: a name other than conv/ssm/k/v is needed, got {name!r}")
+        if rows.dim() < 1 or rows.shape[0] < self.num_slots or rows.device != self.config.device:
+            raise ValueError(f"register_rows({name!r}): expected [>= {self.num_slots}, ...] on {self.config.device}, "
+                             f"got {list(rows.shape)} on {rows.device}")
+        self.slot_rows[name] = rows
 
     def _layer(self, layer: int) -> int:
         if not isinstance(layer, int) or not 0 <= layer < self.config.num_layers:

@@ -34,6 +34,8 @@ from gdnserve.ops.gdn.recurrent import GDNPending
 from gdnserve.ops.varlen import aligned
 from gdnserve.speculative.mtp import MTPDrafter, MTPStepIndex
 
+MTP_HIDDEN = "mtp_hidden"       # the MTP drafter's per-slot hidden, registered with the state pool (checkpoint tiers)
+
 
 def pool_shapes(model, rc: RunnerConfig) -> tuple[StatePoolConfig, PagePoolConfig]:
     """The state and KV page pools a model needs under ``rc`` (per rank: this rank's GDN value/key heads and
@@ -119,6 +121,8 @@ class ModelRunner:
                                self.pages.v_cache(n_attn)) if use_mtp else None)
         if self.mtp is not None:
             self.mtp.head.attention.backend = rc.backend
+            # hidden[slot] is part of a slot's state: a checkpoint copied to the host or disk tier carries it
+            self.state.register_rows(MTP_HIDDEN, self.mtp.hidden)
         self.drafts: torch.Tensor | None = None      # [B, k] int64: the last verify step's drafts, on the device
         self.verify_slots: torch.Tensor | None = None   # [B] int32: the last verify step's slots (its upload)
         self.graphs = build_step_graphs(model, rc, self.device, self.mtp)
