@@ -96,19 +96,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--fp8", action="store_true", help="quantize the model to block FP8 first (the release's layout)")
+    ap.add_argument("--mtp", type=int, default=0, metavar="K",
+                    help="an MTP head and k = K drafts (replay mode): cases verify:B run its verify steps (draft + "
+                         "target + feed, one graph), each followed by accepting every token")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
     full = a.layers is None and a.experts is None
     hf_cfg = config_for(dev, a.layers, a.experts, full=full)
+    if a.mtp:
+        hf_cfg["mtp_num_hidden_layers"] = 1
     model = build_random_model(hf_cfg, dev, torch.bfloat16)
     if a.fp8:
         from gdnserve.models.loader import quantize_model_fp8_
         quantize_model_fp8_(model)
     cases = [c.split(":") for c in a.cases.split(",")]
-    max_b = max([int(v) for k, v in cases if k == "decode"] + [8])
+    max_b = max([int(v) for k, v in cases if k in ("decode", "verify")] + [8])
     max_t = max([int(v.split("x")[0]) * int(v.split("x")[1]) for k, v in cases if k == "prefill"] + [16])
+    spec = {"spec_mode": "replay", "spec_tokens": a.mtp + 1, "spec_draft": "mtp"} if a.mtp else {}
     runner = ModelRunner(model, RunnerConfig(num_slots=max_b + 2, num_pages=4096, page_size=16,
-                                             graph_max_tokens=max_t))
+                                             graph_max_tokens=max_t, **spec))
     vocab = hf_cfg["vocab_size"]
     g = torch.Generator().manual_seed(0)
     ids = lambda *s: torch.randint(0, vocab, s, generator=g)  # noqa: E731
@@ -131,6 +137,20 @@ def main(argv: list[str] | None = None) -> int:
             for s in seqs:
                 runner.free_seq(s)
             case = f"decode B={B} (context {a.context})"
+        elif kind == "verify":
+            B = int(arg)
+            seqs = [runner.new_seq() for _ in range(B)]
+            toks = runner.step([PrefillItem(s, ids(a.context).tolist()) for s in seqs], []).argmax(-1).tolist()
+
+            def call() -> None:
+                runner.step([], [], verifies=[(s, [t]) for s, t in zip(seqs, toks)])
+                runner.accept([(s, a.mtp + 1) for s in seqs])
+            for _ in range(3):
+                call()
+            agg, wall = profile_steps(call, a.reps)
+            for s in seqs:
+                runner.free_seq(s)
+            case = f"MTP verify B={B} k={a.mtp} (context {a.context}, all accepted)"
         else:
             N, L = (int(v) for v in arg.split("x"))
             rows = ids(N, L).tolist()

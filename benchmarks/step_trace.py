@@ -71,6 +71,16 @@ def main(argv: list[str] | None = None) -> int:
                        "graph": ",".join(sorted(k for k in g1 if g1[k] > g0[k])) or "-"})
         return out
     runner.step = timed
+    compiles: list[str] = []          # Triton JIT compiles (its cache hook: before each compile), kernel + signature
+    try:
+        from triton import knobs
+
+        def hook(*_, **kw):
+            compiles.append(kw.get("repr", "?"))
+            return None
+        knobs.runtime.jit_cache_hook = hook
+    except (ImportError, AttributeError):
+        pass
     V = engine.runner.model.cfg.vocab_size
     rnd = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=a.output, ignore_eos=True)
@@ -81,13 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     while engine.has_unfinished():
         sync()
         t = time.perf_counter()
-        n = len(record)
+        n, c = len(record), len(compiles)
         engine.step()
         sync()
         ms = 1e3 * (time.perf_counter() - t)
         r = record[n] if len(record) > n else {"fwd_ms": 0.0, "prefill": 0, "items": 0, "decodes": 0, "verifies": 0,
                                                  "graph": "-"}
-        steps.append({**r, "step_ms": ms})
+        steps.append({**r, "step_ms": ms, "compiles": compiles[c:]})
     wall = time.perf_counter() - t_all
     st = engine.counts
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
@@ -107,10 +117,13 @@ def main(argv: list[str] | None = None) -> int:
                  f"{med(lambda s: s['step_ms'] - s['fwd_ms']):.2f} | {sum(s['step_ms'] for s in ss) / 1e3:.2f} | "
                  f"{sum(s['prefill'] for s in ss)} | {med(lambda s: s['decodes'] + s['verifies']):.0f} |")
     L += ["", f"First {a.show} steps:", "", "| # | step ms | forward ms | prefill tokens (items) | decodes | verifies | "
-          "graph |", "| --- | --- | --- | --- | --- | --- | --- |"]
+          "graph | Triton compiles |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for i, s in enumerate(steps[:a.show]):
         L.append(f"| {i} | {s['step_ms']:.2f} | {s['fwd_ms']:.2f} | {s['prefill']} ({s['items']}) | {s['decodes']} | "
-                 f"{s['verifies']} | {s['graph']} |")
+                 f"{s['verifies']} | {s['graph']} | {len(s['compiles'])} |")
+    late = [(i, c) for i, s in enumerate(steps) for c in s["compiles"]]
+    L += ["", f"Triton compiles during the pass: {len(late)} (kernel and specialisation, first 400 characters):", ""]
+    L += [f"- step {i}: `{c[:400]}`" for i, c in late[:80]]
     a.out.mkdir(parents=True, exist_ok=True)
     tag = "cuda" if dev.type == "cuda" else "cpu"
     (a.out / f"step_trace_{tag}{'_mtp' if a.spec_draft == 'mtp' and a.spec_k else ''}.md").write_text("\n".join(L) + "\n")
