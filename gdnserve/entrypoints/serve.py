@@ -206,6 +206,11 @@ def run_serve(args: argparse.Namespace) -> int:
             # a missing file, a tensor-parallel worker that could not start
             return _fail(f"cannot load {'the embedded model' if args.model is None else args.model}: {e}", 1)
         try:
+            # graphs captured and kernels compiled before the first request, not in it (vLLM captures at start-up too)
+            try:
+                args.warm_up_line = engine.warm_up() if hasattr(engine, "warm_up") else ""
+            except RuntimeError as e:      # a capture out of memory: say so, not a traceback
+                return _fail(f"warm-up (CUDA graph capture) failed: {e}; --no-cuda-graphs serves without graphs", 1)
             print(banner(engine, args, config, sock.getsockname()[1], time.perf_counter() - t0), file=sys.stderr,
                   flush=True)
             # a dead engine (a tensor-parallel worker gone) fails its requests and stops the server: exit 1 below
@@ -292,6 +297,7 @@ def banner(engine, args: argparse.Namespace, config: ServerConfig, port: int, lo
         *(plan.describe() if plan is not None else
           [f"  pools: {st.get('state_pool_total')} state slots, {st.get('page_pool_total')} KV pages x {page} tokens"]),
         *tier_lines(engine),
+        *([f"  warm-up: {args.warm_up_line}"] if getattr(args, "warm_up_line", "") else []),
         f"  limits: body {lim.max_body_bytes} B, {lim.max_prompts} prompts/request, n <= {n_cap}"
         f"{f' (--max-n {lim.max_n}, capped by the engine)' if n_cap < lim.max_n else ''}, "
         f"{lim.max_stop} stop strings x {lim.max_stop_chars} chars, JSON depth {lim.max_json_depth} and "

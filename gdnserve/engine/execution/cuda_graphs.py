@@ -220,6 +220,23 @@ class StepGraphs:
                 if kind is not None and (kind, Bk) not in self.graphs:
                     self._capture((kind, Bk))
 
+    @torch.inference_mode()
+    def warm_up(self) -> int:
+        """Before serving (``ModelRunner.warm_up``): every decode / verify bucket captured (capture on), and with the
+        MTP drafter its draft run at every batch size up to the largest bucket, graph-shaped, every row padding: an
+        eager step that mixes prefill and verifies drafts at its exact B, and each launch config that B picks
+        compiles here instead of in the first request that meets it (seconds each at full size). Writes no state
+        (padding rows store no KV and read finite rows). Returns the graphs captured."""
+        n0 = self.stats["capture"]
+        if self.capture:
+            self.capture_all()
+        if self.mtp is not None and self.verify is not None:
+            empty = {name: [] for name in ("ids", "pos", "smap", *self.verify.row_vectors())}
+            for B in range(1, self.buckets[-1] + 1):
+                self.inputs.fill(self.verify, B, empty, [])
+                self.mtp.graph_draft(self.inputs.views(self.verify, B), self.verify.L)
+        return self.stats["capture"] - n0
+
     def _capture(self, key: Key) -> None:
         if isinstance(key, MixedKey):                     # all rows padding: the warm-up writes no state
             self._lens[key] = self.mixed.fill(key, MixedStep([], [], [], [], [0], [], [], [], 0, [], [], [], []))

@@ -5,6 +5,8 @@ token. The scheduler (engine loop) decides what goes into a step; this module on
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from gdnserve.engine.cache.page_pool import PagePool, PagePoolConfig
@@ -151,6 +153,21 @@ class ModelRunner:
         """Capture every bucket's decode (and verify) graph now instead of on first use (no-op without capture)."""
         if self.graphs is not None and self.graphs.capture:
             self.graphs.capture_all()
+
+    def warm_up(self) -> str:
+        """Before serving: what ``StepGraphs.warm_up`` does (every decode / verify graph captured, the MTP draft's
+        launch configs compiled), timed, the device synchronised. Returns a line for the banner ("" without graphs:
+        CPU, tensor parallelism, ``--no-cuda-graphs``)."""
+        if self.graphs is None:
+            return ""
+        t = time.perf_counter()
+        n = self.graphs.warm_up()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        what = f"{n} CUDA graphs captured (decode{' and verify' if self.graphs.verify else ''} steps, batch buckets " \
+               f"{self.graphs.buckets[0]}..{self.graphs.buckets[-1]})" if self.graphs.capture else "graphs not captured"
+        mtp = f", the MTP draft at every batch size up to {self.graphs.buckets[-1]}" if self.mtp is not None else ""
+        return f"{what}{mtp}, in {time.perf_counter() - t:.1f} s"
 
     def _bind_spec(self, gdn, gs: GDNShape) -> None:
         """Per GDN layer: drafted raw conv inputs (scratch rows = slots in intermediate mode, ping-pong pending rows
