@@ -41,6 +41,8 @@
 #                replaces it), and MTP k = 3 at a 60 % oracle acceptance at C = 1, 16 (HTTP_MTP_ARGS replaces it)
 #   engine[:s]   python -m benchmarks.bench_engine_overhead --device cuda (engine decode step vs the bare step at
 #                B = 1, 64, 256 on the full-size random model; ENGINE_ARGS adds flags)
+#   solo[:s]     python -m benchmarks.solo_probe --shape full (batched vs alone under engine variants that switch one
+#                mechanism off each: overlap, graphs, mixed graphs, automatic checkpoints, chunking; SOLO_ARGS adds flags)
 #   tiers[:s]    python -m benchmarks.bench_checkpoint_tiers --device cuda --random full --time-budget s (default 540):
 #                N conversations x 4 turns beyond the GPU's checkpoint capacity (~10x), the host tier off and on; hit
 #                rate and TTFT per turn, restore vs recompute per checkpoint; writes checkpoint_tier_<device>.{json,md};
@@ -155,6 +157,9 @@ for arg in "$@"; do
     engine)  timeout "${b:-240}" python3 -m benchmarks.bench_engine_overhead --device cuda --out "$OUT" ${ENGINE_ARGS:-} \
                > "$OUT/bench_engine_overhead.log" 2>&1; echo "bench_engine_overhead rc=$?"
              tail -12 "$OUT/bench_engine_overhead.log" ;;
+    solo)    timeout "${b:-420}" python3 -m benchmarks.solo_probe --shape full --device cuda --out "$OUT" \
+               --time-budget $(( ${b:-420} - 60 )) ${SOLO_ARGS:-} > "$OUT/solo_probe.log" 2>&1; echo "solo_probe rc=$?"
+             tail -14 "$OUT/solo_probe.log" ;;
     tiers)   bench bench_checkpoint_tiers "${b:-540}" --device cuda --random full --time-budget "${b:-540}" \
                ${TIERS_ARGS:-} ;;
     tp)      export NCCL_NVLS_ENABLE=0 GDNSERVE_TP_TIMEOUT_S=${GDNSERVE_TP_TIMEOUT_S:-180}
