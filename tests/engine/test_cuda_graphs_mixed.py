@@ -149,3 +149,53 @@ def test_triton_kernels_mixed_step(seed):
         m.backend = "triton"
     p.step([item(b, toks(3)), item(p.new(), toks(2), producer=0)], [(a, 7)], exact=False)
     assert p.g.graphs.stats["mixed_eager"] == 2
+
+
+def test_mtp_feed_in_mixed_steps(seed):
+    """With the MTP drafter the prefill / mixed graph runs the head's feed pass (MTPDrafter.mixed_feed, its rows
+    from the bucket's static vectors): logits, every pool byte (the head's KV layer included) and every live row
+    of the hidden pool equal the eager step's, through odd lengths, continuations, a checkpoint group with
+    copy-on-write consumers beside decodes (hidden before a consumer: its producer's last row), READY-checkpoint
+    consumers (the checkpoint slot's hidden), and verify steps in between (the hidden after acceptance feeds the
+    next mixed step). Padding rows store no MTP entry and commit only into the scratch row, so the hidden rows of
+    slots the step does not touch stay as they were."""
+    p = Pair(mode="replay", k=3, spec_draft="mtp")
+    g, e = p.g, p.e
+    assert g.mtp is not None and g.graphs.mixed is not None and g.graphs.mixed.mtp
+
+    def same_hidden():
+        assert torch.equal(g.mtp.hidden[:-1], e.mtp.hidden[:-1])
+
+    def verify(pairs, accepted):
+        """A verify-only step of the pairs (graph-shaped vs eager: same M, 4 x L = 16 rows) and its acceptance."""
+        last = [random.randrange(256) for _ in pairs]
+        out = [r.step([], [], verifies=[(s[i], [t]) for s, t in zip(pairs, last)]) for i, r in enumerate((g, e))]
+        assert torch.equal(out[0], out[1]) and torch.equal(g.drafts, e.drafts)
+        for i, r in enumerate((g, e)):
+            r.accept([(s[i], a) for s, a in zip(pairs, accepted)])
+        same_state(g, e)
+        same_hidden()
+
+    seqs = [p.new() for _ in range(4)]
+    untouched = g.mtp.hidden[seqs[3][0].slot + 1:-1].clone()
+    p.step([item(s, toks(n)) for s, n in zip(seqs, (1, 63, 64, 65))])
+    same_hidden()
+    assert torch.equal(g.mtp.hidden[seqs[3][0].slot + 1:-1], untouched)      # padding committed nowhere live
+    assert g.mtp.hidden[seqs[0][0].slot].abs().sum() > 0                     # the 1-token segment committed
+    verify(seqs, (4, 1, 2, 3))
+    p.step([item(seqs[1], toks(65)), item(seqs[3], toks(1))], [(s, random.randrange(256)) for s in (seqs[0], seqs[2])])
+    same_hidden()
+    prod, c1, c2, c3 = (p.new() for _ in range(4))
+    p.step([item(prod, toks(37)), item(c1, toks(1), producer=0), item(c2, toks(5), producer=0),
+            item(c3, toks(20), producer=0, all_logits=True)], [(s, random.randrange(256)) for s in seqs])
+    same_hidden()
+    ready = {prod[0].slot}
+    d1, d2 = p.new(), p.new()
+    p.step([item(d1, toks(3), checkpoint=prod), item(d2, toks(66), checkpoint=prod)],
+           [(s, random.randrange(256)) for s in (c1, c2, c3)], ready=ready)
+    same_hidden()
+    verify([c1, c2, d1, d2], (2, 4, 1, 3))
+    p.step([item(seqs[2], toks(17))], [(s, random.randrange(256)) for s in (c1, c2, d1, d2)])
+    same_hidden()
+    st = g.graphs.stats
+    assert st["mixed_eager"] == 5 and st["fallback"] == 0 and st["eager"] == 2
