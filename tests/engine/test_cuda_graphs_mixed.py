@@ -5,7 +5,8 @@ KV cache equal after each step (so padding rows wrote nothing). Every exact step
 runners: the CPU GEMM's small-M path (under ~12 rows) rounds differently from its blocked one, so a 5-row eager
 step and its 16-row bucket would differ in the last bit there (the Triton test compares to rounding). Odd prefill lengths (1, 63, 64, 65), a
 continuation, checkpoint groups (producer + consumers with copy-on-write tails in one step, READY checkpoints),
-mixed prefill + decode steps, logits of every token; bucket choice and fallbacks."""
+mixed prefill + decode steps, logits of every token; bucket choice and fallbacks; with the MTP drafter, its feed
+pass inside the mixed step (the head's KV and hidden rows as the eager feed leaves them)."""
 from __future__ import annotations
 
 import random
@@ -199,3 +200,20 @@ def test_mtp_feed_in_mixed_steps(seed):
     same_hidden()
     st = g.graphs.stats
     assert st["mixed_eager"] == 5 and st["fallback"] == 0 and st["eager"] == 2
+
+
+def test_triton_kernels_mtp_mixed_step(seed):
+    """The MTP feed of a padded mixed step through the Triton kernels (interpreted on the CPU): the head's KV store
+    with a producer's duplicated copy-on-write rows, padding rows skipped; live rows, pools and hidden rows as the
+    eager Triton step's (close: other launch shapes)."""
+    p = Pair(backend="triton", mode="replay", k=3, spec_draft="mtp")
+    layers = [m for r in (p.g, p.e) for m in [*r.model.gdn_layers(), *r.model.attention_layers(), r.mtp.head.attention]]
+    a, b = p.new(), p.new()
+    for m in layers:                                               # the first prefill on the PyTorch path (faster)
+        m.backend = "torch"
+    p.step([item(a, toks(5))], exact=False)
+    for m in layers:
+        m.backend = "triton"
+    p.step([item(b, toks(3)), item(p.new(), toks(2), producer=0)], [(a, 7)], exact=False)
+    torch.testing.assert_close(p.g.mtp.hidden[:-1], p.e.mtp.hidden[:-1], rtol=1e-4, atol=1e-5)
+    assert p.g.graphs.stats["mixed_eager"] == 2

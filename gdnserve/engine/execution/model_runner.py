@@ -252,9 +252,9 @@ class ModelRunner:
         that were verified are ``self.drafts`` ([B, k] on the device). Verify items carry their L tokens, or with
         ``spec_draft="mtp"`` only the last sampled token: the MTP head drafts the other k in this step.
         A decode-only or verify-only step may run a CUDA graph (``self.graphs``; with the MTP drafter its draft and
-        KV passes inside it), a prefill or mixed step too (with the MTP drafter its feed pass inside it); its logits are
-        the same. ``ready``: the READY checkpoint slots among
-        those the prefills write or read (the scheduler's ``StepBatch.ready``), for the plan's ownership check.
+        KV passes inside it), a prefill or mixed step too (with the MTP drafter its feed pass inside it); its logits
+        are the same. ``ready``: the READY checkpoint slots among those the prefills write or read (the scheduler's
+        ``StepBatch.ready``), for the plan's ownership check.
         ``feed``: decode tokens that are still on the device (the overlapped loop), written over the placeholders
         the host laid out."""
         if feed is not None and (verifies or self.mtp is not None):
