@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from gdnserve.engine.cache.sequence import PrefillItem
-from gdnserve.engine.execution.mixed_inputs import MixedKey, pick_mixed, token_buckets
+from gdnserve.engine.execution.mixed_inputs import MixedKey, MixedStep, pick_mixed, token_buckets
 from tests.engine.test_cuda_graphs import make_runner
 
 
@@ -200,6 +200,12 @@ def test_mtp_feed_in_mixed_steps(seed):
     same_hidden()
     st = g.graphs.stats
     assert st["mixed_eager"] == 5 and st["fallback"] == 0 and st["eager"] == 2
+    before = g.mtp.hidden[:-1].clone(), g.pages.k_pools.clone(), g.state.ssm_pools.clone()
+    for key in list(g.graphs.mixed._views):        # what a capture runs first: every row padding (MixedStep empty)
+        g.graphs._lens[key] = g.graphs.mixed.fill(key, MixedStep([], [], [], [], [0], [], [], [], 0, [], [], [], []))
+        g.graphs._forward(key)
+    assert torch.equal(g.mtp.hidden[:-1], before[0]) and torch.equal(g.pages.k_pools, before[1])
+    assert torch.equal(g.state.ssm_pools, before[2])
 
 
 def test_triton_kernels_mtp_mixed_step(seed):
