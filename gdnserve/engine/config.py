@@ -175,5 +175,5 @@ class RunnerConfig:
     graph_capture: bool | None = _E.graph_capture   # False: the same padded static-buffer path, run eagerly (None = on CUDA)
     graph_max_batch: int | None = None  # largest bucket (max_num_seqs); None = min(256, num_slots)
     max_model_len: int = _E.max_model_len   # sets the graphs' page-table width; longer sequences step eagerly
-    mixed_graphs: bool = True        # prefill and mixed steps via graphs too (prefill_mode "fused", no MTP drafter)
+    mixed_graphs: bool = True        # prefill and mixed steps via graphs too (prefill_mode "fused")
     graph_max_tokens: int | None = None  # largest prefill-token bucket; None = min(max_model_len, 8192)

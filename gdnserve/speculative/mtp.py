@@ -29,8 +29,10 @@ upload; nothing here reads the device.
 Decode-only and verify-only steps run draft, target and feed inside one CUDA graph (``engine/execution/
 cuda_graphs.py``): ``graph_draft`` and ``graph_feed`` derive the same index vectors on the device from the graph's
 static inputs (positions, slot mapping, slots), padding rows (slot -1, slot mapping -1, positions 0..L-1) reading
-finite rows and writing only the scratch row. Prefill steps (the feed's prev / pool / commit rows vary per
-segment) stay eager.
+finite rows and writing only the scratch row. Prefill and mixed (prefill + decode) steps run the feed inside
+their graph too (``mixed_feed``): their prev / pool / commit rows vary per segment, so they are static vectors of
+the bucket (``engine/execution/mixed_inputs.py``), filled on the host from this step's ``MTPStepIndex`` like
+the others. A step with verifies and prefill runs eagerly (no mixed graph holds verify rows).
 """
 from __future__ import annotations
 
@@ -179,6 +181,18 @@ class MTPDrafter:
                         v["smap"].long(), None)
         if commit:
             self.hidden.index_copy_(0, torch.where(slots < 0, self.num_slots, slots), hidden)
+
+    def mixed_feed(self, hidden: torch.Tensor, v: dict[str, torch.Tensor]) -> None:
+        """Inside a prefill / mixed graph (no verify rows): :meth:`feed` from the bucket's static views
+        (mixed_inputs.py): per row the row before it (``m_prev``) or its pool slot (``m_pslot`` >= 0), the step's
+        own slot mapping / token index (duplicated copy-on-write rows, padding -1), and ``m_crow`` -> ``m_cslot``
+        commits (padding: into the scratch row). The same values as the eager feed (copies, row-wise ops)."""
+        pslot = v["m_pslot"].long()
+        before = torch.where((pslot >= 0)[:, None], self.hidden.index_select(0, pslot.clamp(min=0)),
+                             hidden.index_select(0, v["m_prev"].long()))
+        self.head.store(self.model.embed_tokens(v["ids"].long()), before, v["pos"].long() - 1, v["smap"].long(),
+                        v["tok"].long())
+        self.hidden.index_copy_(0, v["m_cslot"].long(), hidden.index_select(0, v["m_crow"].long()))
 
     def verified(self, hidden: torch.Tensor) -> None:
         """After a verify graph's replay: its live rows' hidden states (``[B * L, H]``), for :meth:`accept`."""

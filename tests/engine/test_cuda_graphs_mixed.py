@@ -5,7 +5,8 @@ KV cache equal after each step (so padding rows wrote nothing). Every exact step
 runners: the CPU GEMM's small-M path (under ~12 rows) rounds differently from its blocked one, so a 5-row eager
 step and its 16-row bucket would differ in the last bit there (the Triton test compares to rounding). Odd prefill lengths (1, 63, 64, 65), a
 continuation, checkpoint groups (producer + consumers with copy-on-write tails in one step, READY checkpoints),
-mixed prefill + decode steps, logits of every token; bucket choice and fallbacks."""
+mixed prefill + decode steps, logits of every token; bucket choice and fallbacks; with the MTP drafter, its feed
+pass inside the mixed step (the head's KV and hidden rows as the eager feed leaves them)."""
 from __future__ import annotations
 
 import random
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from gdnserve.engine.cache.sequence import PrefillItem
-from gdnserve.engine.execution.mixed_inputs import MixedKey, pick_mixed, token_buckets
+from gdnserve.engine.execution.mixed_inputs import MixedKey, MixedStep, pick_mixed, token_buckets
 from tests.engine.test_cuda_graphs import make_runner
 
 
@@ -148,4 +149,77 @@ def test_triton_kernels_mixed_step(seed):
     for m in layers:
         m.backend = "triton"
     p.step([item(b, toks(3)), item(p.new(), toks(2), producer=0)], [(a, 7)], exact=False)
+    assert p.g.graphs.stats["mixed_eager"] == 2
+
+
+def test_mtp_feed_in_mixed_steps(seed):
+    """With the MTP drafter the prefill / mixed graph runs the head's feed pass (MTPDrafter.mixed_feed, its rows
+    from the bucket's static vectors): logits, every pool byte (the head's KV layer included) and every live row
+    of the hidden pool equal the eager step's, through odd lengths, continuations, a checkpoint group with
+    copy-on-write consumers beside decodes (hidden before a consumer: its producer's last row), READY-checkpoint
+    consumers (the checkpoint slot's hidden), and verify steps in between (the hidden after acceptance feeds the
+    next mixed step). Padding rows store no MTP entry and commit only into the scratch row, so the hidden rows of
+    slots the step does not touch stay as they were."""
+    p = Pair(mode="replay", k=3, spec_draft="mtp")
+    g, e = p.g, p.e
+    assert g.mtp is not None and g.graphs.mixed is not None and g.graphs.mixed.mtp
+
+    def same_hidden():
+        assert torch.equal(g.mtp.hidden[:-1], e.mtp.hidden[:-1])
+
+    def verify(pairs, accepted):
+        """A verify-only step of the pairs (graph-shaped vs eager: same M, 4 x L = 16 rows) and its acceptance."""
+        last = [random.randrange(256) for _ in pairs]
+        out = [r.step([], [], verifies=[(s[i], [t]) for s, t in zip(pairs, last)]) for i, r in enumerate((g, e))]
+        assert torch.equal(out[0], out[1]) and torch.equal(g.drafts, e.drafts)
+        for i, r in enumerate((g, e)):
+            r.accept([(s[i], a) for s, a in zip(pairs, accepted)])
+        same_state(g, e)
+        same_hidden()
+
+    seqs = [p.new() for _ in range(4)]
+    untouched = g.mtp.hidden[seqs[3][0].slot + 1:-1].clone()
+    p.step([item(s, toks(n)) for s, n in zip(seqs, (1, 63, 64, 65))])
+    same_hidden()
+    assert torch.equal(g.mtp.hidden[seqs[3][0].slot + 1:-1], untouched)      # padding committed nowhere live
+    assert g.mtp.hidden[seqs[0][0].slot].abs().sum() > 0                     # the 1-token segment committed
+    verify(seqs, (4, 1, 2, 3))
+    p.step([item(seqs[1], toks(65)), item(seqs[3], toks(1))], [(s, random.randrange(256)) for s in (seqs[0], seqs[2])])
+    same_hidden()
+    prod, c1, c2, c3 = (p.new() for _ in range(4))
+    p.step([item(prod, toks(37)), item(c1, toks(1), producer=0), item(c2, toks(5), producer=0),
+            item(c3, toks(20), producer=0, all_logits=True)], [(s, random.randrange(256)) for s in seqs])
+    same_hidden()
+    ready = {prod[0].slot}
+    d1, d2 = p.new(), p.new()
+    p.step([item(d1, toks(3), checkpoint=prod), item(d2, toks(66), checkpoint=prod)],
+           [(s, random.randrange(256)) for s in (c1, c2, c3)], ready=ready)
+    same_hidden()
+    verify([c1, c2, d1, d2], (2, 4, 1, 3))
+    p.step([item(seqs[2], toks(17))], [(s, random.randrange(256)) for s in (c1, c2, d1, d2)])
+    same_hidden()
+    st = g.graphs.stats
+    assert st["mixed_eager"] == 5 and st["fallback"] == 0 and st["eager"] == 2
+    before = g.mtp.hidden[:-1].clone(), g.pages.k_pools.clone(), g.state.ssm_pools.clone()
+    for key in list(g.graphs.mixed._views):        # what a capture runs first: every row padding (MixedStep empty)
+        g.graphs._lens[key] = g.graphs.mixed.fill(key, MixedStep([], [], [], [], [0], [], [], [], 0, [], [], [], []))
+        g.graphs._forward(key)
+    assert torch.equal(g.mtp.hidden[:-1], before[0]) and torch.equal(g.pages.k_pools, before[1])
+    assert torch.equal(g.state.ssm_pools, before[2])
+
+
+def test_triton_kernels_mtp_mixed_step(seed):
+    """The MTP feed of a padded mixed step through the Triton kernels (interpreted on the CPU): the head's KV store
+    with a producer's duplicated copy-on-write rows, padding rows skipped; live rows, pools and hidden rows as the
+    eager Triton step's (close: other launch shapes)."""
+    p = Pair(backend="triton", mode="replay", k=3, spec_draft="mtp")
+    layers = [m for r in (p.g, p.e) for m in [*r.model.gdn_layers(), *r.model.attention_layers(), r.mtp.head.attention]]
+    a, b = p.new(), p.new()
+    for m in layers:                                               # the first prefill on the PyTorch path (faster)
+        m.backend = "torch"
+    p.step([item(a, toks(5))], exact=False)
+    for m in layers:
+        m.backend = "triton"
+    p.step([item(b, toks(3)), item(p.new(), toks(2), producer=0)], [(a, 7)], exact=False)
+    torch.testing.assert_close(p.g.mtp.hidden[:-1], p.e.mtp.hidden[:-1], rtol=1e-4, atol=1e-5)
     assert p.g.graphs.stats["mixed_eager"] == 2

@@ -2,7 +2,9 @@
 
 A replay equals the graph-shaped eager step bit for bit — logits and every byte of state — for prefill and mixed
 steps (odd lengths, a continuation, checkpoint groups, READY checkpoints, decodes beside them; dense and MoE); it
-is close to the ordinary unpadded eager step; prefill / mixed replays make no host synchronisation. The decode /
+is close to the ordinary unpadded eager step; prefill / mixed replays make no host synchronisation. With the MTP
+drafter the mixed graph holds the head's feed pass: a replay leaves the head's KV and hidden rows as the graph-shaped
+eager step does, bit for bit, and makes no host synchronisation either. The decode /
 verify graphs: test_cuda_graphs_gpu.py; the graph-shaped mixed step on the CPU: test_cuda_graphs_mixed.py.
 Run on the H200: ``python -m pytest -q tests/engine/test_cuda_graphs_mixed_gpu.py``."""
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from gdnserve.engine.cache.sequence import PrefillItem
 from gdnserve.engine.execution.model_runner import ModelRunner
 from gdnserve.ops.numerics import rel_rms
+from tests.engine.test_cuda_graphs import same_bits
 from tests.engine.test_cuda_graphs_gpu import assert_same_state, make_runner
 
 pytestmark = pytest.mark.gpu
@@ -83,3 +86,74 @@ def test_mixed_replays_do_not_sync():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert r.graphs.stats["mixed_replay"] == 4 and r.graphs.stats["capture"] == 2
+
+
+def test_mtp_mixed_replay_equals_graph_shaped_eager(seed):
+    """With ``spec_draft="mtp"``: captured and graph-shaped eager runners in lockstep through prefill / mixed steps
+    (odd lengths, continuations beside decodes, a checkpoint group with copy-on-write consumers, READY-checkpoint
+    consumers) and verify steps between them (the MTP draft in the verify graph; the hidden after acceptance feeds
+    the next mixed step): logits, drafts, every state and KV byte (the head's KV layer is one more page-pool
+    layer) and every live hidden row bit for bit; then a mixed replay without a host synchronisation."""
+    rs = [make_runner("replay", 3, True, c, mixed=True, draft="mtp") for c in (None, False)]
+    assert rs[0].graphs.capture and not rs[1].graphs.capture and all(r.graphs.mixed.mtp for r in rs)
+    for r in rs:
+        r.mtp.hidden.zero_()
+    seqs = {}
+
+    def new(*names):
+        for n in names:
+            seqs[n] = [r.new_seq() for r in rs]
+
+    def check(outs):
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], outs[1]), "replay != graph-shaped eager"
+        assert_same_state(rs[0], rs[1])
+        assert same_bits(rs[0].mtp.hidden[:-1], rs[1].mtp.hidden[:-1]), "MTP hidden rows"
+
+    def step(items, decodes=(), ready=()):
+        slots = {seqs[c][0].slot for c in ready}
+        outs = []
+        for i, r in enumerate(rs):
+            pf = [PrefillItem(seqs[n][i], t, producer=p, all_logits=al,
+                              start_from=None if c is None else (seqs[c][i].slot, seqs[c][i].pages))
+                  for n, t, p, c, al in items]
+            outs.append(r.step(pf, [(seqs[n][i], t) for n, t in decodes], ready=slots))
+        check(outs)
+
+    def verify(names, accepted):
+        last = [random.randrange(256) for _ in names]
+        outs = [r.step([], [], verifies=[(seqs[n][i], [t]) for n, t in zip(names, last)]) for i, r in enumerate(rs)]
+        check(outs)
+        assert torch.equal(rs[0].drafts, rs[1].drafts)
+        for i, r in enumerate(rs):
+            r.accept([(seqs[n][i], a) for n, a in zip(names, accepted)])
+        check(outs)
+
+    def it(name, n, producer=-1, checkpoint=None, all_logits=False):
+        return (name, [random.randrange(256) for _ in range(n)], producer, checkpoint, all_logits)
+
+    def dec(*names):
+        return [(n, random.randrange(256)) for n in names]
+
+    new(*"abcd")
+    step([it(n, L) for n, L in zip("abcd", (1, 63, 64, 65))])
+    verify("abcd", (4, 1, 2, 3))
+    step([it("b", 65), it("d", 1)], dec("a", "c"))
+    new("p", "c1", "c2", "c3")
+    step([it("p", 37), it("c1", 1, 0), it("c2", 5, 0), it("c3", 20, 0, all_logits=True)], dec("a", "b", "d"))
+    new("r1", "r2")
+    step([it("r1", 3, checkpoint="p"), it("r2", 66, checkpoint="p")], dec("c1", "c2", "c3"), ready=("p",))
+    verify(["c1", "c2", "r1", "r2"], (2, 4, 1, 3))
+    step([it("a", 7)], dec("b", "c", "d", "c1", "c2", "c3", "r1", "r2"))
+    g = rs[0].graphs
+    assert g.stats["mixed_replay"] == 5 and g.stats["replay"] == 2 and g.stats["fallback"] == 0
+    assert rs[1].graphs.stats["mixed_eager"] == 5
+    r, n = rs[0], g.stats["capture"]
+    new("e")
+    torch.cuda.set_sync_debug_mode("error")
+    try:                                          # the first step's bucket (256, 4, 128, 0): replayed, no capture
+        r.step([PrefillItem(seqs[x][0], [random.randrange(256) for _ in range(L)])
+                for x, L in zip(("e", "b", "c", "d"), (2, 63, 64, 65))], [])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert g.stats["capture"] == n and g.stats["mixed_replay"] == 6

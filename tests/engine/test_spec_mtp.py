@@ -57,8 +57,8 @@ def test_mtp_spec_decode_equals_plain_greedy(reference, mode, k, graphs):
     assert e.counts.spec_drafted > 0
     if k != 2:
         assert 0 < e.counts.spec_accepted < e.counts.spec_drafted
-    if graphs:
-        assert e.runner.graphs.stats["eager"] > 0
+    if graphs:                                      # decode / verify and prefill / mixed steps graph-shaped
+        assert e.runner.graphs.stats["eager"] > 0 and e.runner.graphs.stats["mixed_eager"] > 0
     assert e.runner.state.check_integrity() == [] and e.runner.pages.check_integrity() == []
 
 
@@ -77,8 +77,9 @@ def test_next_turn_after_mtp_spec_decode_matches_a_cold_run():
 
 def test_graph_shaped_mtp_drafts_as_the_eager_steps():
     """The in-graph draft (its index vectors derived on the device from the static inputs, padding rows included)
-    proposes what the eager step's draft proposes: the same outputs and the same accepted and drafted counts over
-    the same run."""
+    proposes what the eager step's draft proposes, and the prefill / mixed graphs' feed pass leaves the head's KV
+    and hidden rows as the eager feed does: the same outputs and the same accepted and drafted counts over the
+    same run."""
     seen = []
     for graphs in (False, True):
         llm = LLM(device="cpu", spec_k=3, spec_mode="replay", spec_draft="mtp", cuda_graphs=graphs, max_num_seqs=12)
@@ -87,7 +88,8 @@ def test_graph_shaped_mtp_drafts_as_the_eager_steps():
         e = llm.engine
         seen.append((out, e.counts.spec_accepted, e.counts.spec_drafted))
         if graphs:
-            assert e.runner.graphs.stats["eager"] > 0
+            st = e.runner.graphs.stats
+            assert st["eager"] > 0 and st["mixed_eager"] > 0
     assert seen[0] == seen[1]
 
 

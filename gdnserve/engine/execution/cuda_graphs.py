@@ -1,4 +1,4 @@
-"""CUDA graphs for every step kind but prefill with the MTP drafter (docs/serving.md § CUDA graphs).
+"""CUDA graphs for decode, verify, prefill and mixed steps (docs/serving.md § CUDA graphs).
 
 Decode-only and verify-only steps: a step of B requests (decode: 1 token each; verify: L = k + 1 each, either
 spec mode) runs the graph of the smallest batch-size bucket Bk >= B, its rows B..Bk-1 padded so that they
@@ -7,7 +7,9 @@ drafts the k tokens (the MTP head's k steps, ``MTPDrafter.graph_draft``) into it
 runs, and both kinds store the head's KV pairs and commit its hidden rows after it (``graph_feed``). Prefill
 and mixed steps (prefill segments in one fused launch group, and decodes): the graph of the smallest
 (Tb, Nb, Qb, Bb) bucket (prefill rows, segments, query rows per segment, decode rows), padded as
-mixed_inputs.py says; not with the MTP drafter (its prefill feed stays eager). One graph per key, captured
+mixed_inputs.py says; with the MTP drafter the graph runs the head's feed after the target
+(``MTPDrafter.mixed_feed``: every row's pair stored, each segment's and decode's last hidden committed, from the
+bucket's static vectors). One graph per key, captured
 lazily on first use (or the decode / verify ones all at once by :meth:`StepGraphs.capture_all`), every graph
 in one private memory pool.
 
@@ -49,9 +51,8 @@ class StepGraphs:
                  spec_mode: str | None, spec_tokens: int, capture: bool, device: torch.device,
                  mixed_tokens: int | None = None, mtp=None):
         """``mixed_tokens``: the largest prefill-token bucket of prefill / mixed graphs (None: none); ``mtp``: the
-        runner's MTPDrafter (its passes ride in the decode / verify graphs; no prefill graphs with it)."""
-        if mtp is not None and mixed_tokens is not None:
-            raise ValueError("StepGraphs: no prefill / mixed graphs with the MTP drafter (its prefill feed is eager)")
+        runner's MTPDrafter (its passes ride in every graph: draft and feed in decode / verify ones, the feed in
+        prefill / mixed ones)."""
         self.model, self.buckets, self.width, self.num_slots = model, buckets, width, num_slots
         self.mtp = mtp
         self.page_size = page_size
@@ -60,7 +61,7 @@ class StepGraphs:
             self.tok_buckets = token_buckets(mixed_tokens)
             self.seq_buckets = tuple(b for b in SEQ_BUCKETS if b < num_slots) + (num_slots,)
             top = MixedKey(self.tok_buckets[-1], self.seq_buckets[-1], self.tok_buckets[-1], buckets[-1])
-            self.mixed = MixedInputs(top, width, page_size, device)
+            self.mixed = MixedInputs(top, width, page_size, device, scratch=num_slots if mtp is not None else None)
         self._lens: dict[MixedKey, list[int]] = {}
         self.decode = StepKind(1)
         self.verify = StepKind(spec_tokens, spec_mode) if spec_mode is not None else None
@@ -210,7 +211,10 @@ class StepGraphs:
                         zero_out=True)
         ctx = ForwardContext(v["pos"].long(), key.T, plan, v["dslots"] if key.B else None, attn)
         with forward_context(ctx):
-            return self.model.norm(self.model.hidden_states(v["ids"].long()))
+            h = self.model.norm(self.model.hidden_states(v["ids"].long()))
+        if self.mtp is not None:
+            self.mtp.mixed_feed(h, v)                     # padding rows store nothing, commit into the scratch row
+        return h
 
     @torch.inference_mode()
     def capture_all(self) -> None:
@@ -281,7 +285,7 @@ def build_step_graphs(model, rc, device: torch.device, mtp=None) -> StepGraphs |
         raise ValueError(f"max_model_len: expected an int >= 1, got {rc.max_model_len!r}")
     width = min(rc.num_pages, -(-(rc.max_model_len + max(1, rc.spec_tokens)) // rc.page_size))
     mixed = None                                          # prefill / mixed graphs: the fused plan's one group
-    if rc.mixed_graphs and rc.prefill_mode == "fused" and mtp is None:
+    if rc.mixed_graphs and rc.prefill_mode == "fused":
         mixed = rc.graph_max_tokens if rc.graph_max_tokens is not None else min(rc.max_model_len, 8192)
     return StepGraphs(model, buckets=graph_buckets(cap), width=width, page_size=rc.page_size,
                       num_slots=rc.num_slots, spec_mode=rc.spec_mode, spec_tokens=rc.spec_tokens,

@@ -19,6 +19,11 @@ every step of the bucket:
 - GDN decode: slot -1 on the padding rows (zero output, no pool byte touched).
 - Logits rows: the step's rows (decode rows shifted by Tb - T) in a [Tb + Bb] vector; the step reads its
   first R entries.
+- With the MTP drafter (``scratch`` given: its hidden pool's scratch row, ``num_slots``), the feed pass's
+  vectors (speculative/mtp.py ``MTPDrafter.mixed_feed``): per row the row of the hidden before it (``m_prev``)
+  or the pool slot it comes from instead (``m_pslot``, -1: none), both in the bucket's row layout; and
+  Nb + Bb commits (``m_crow`` -> ``m_cslot``: each segment's and decode's last row into its slot). Padding
+  rows read row 0 and store nothing (slot_mapping -1); padding commits write the scratch row only.
 
 All of it is ONE int32 device buffer (an IndexStager's, sized for the largest bucket at start-up, so views
 keep their addresses for the runner's lifetime), filled with ONE host-to-device copy of the bucket's span.
@@ -34,6 +39,7 @@ import torch
 
 from gdnserve.engine.execution.step_plan import IndexStager, PrefillSegment, fused_slots
 from gdnserve.ops.varlen import CHUNK, VarlenMeta, aligned
+from gdnserve.speculative.mtp import MTPStepIndex
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)   # then num_slots itself
@@ -90,25 +96,28 @@ def pick_mixed(tok_buckets: tuple[int, ...], seq_buckets: tuple[int, ...], dec_b
     return MixedKey(Tb, Nb, min(Qb, max(Tb, MIN_Q)), Bb)
 
 
-def _vectors(key: MixedKey, page_size: int) -> list[tuple[str, int]]:
+def _vectors(key: MixedKey, page_size: int, mtp: bool) -> list[tuple[str, int]]:
     M = key.rows + key.N * page_size                      # + copy-on-write duplicates
     gm = 2 * aligned(key.gdn_seqs + 1) + 2 * key.chunk_rows
-    return [("ids", key.rows), ("pos", key.rows), ("smap", M), ("tok", M), ("cu", key.attn_seqs + 1),
-            ("kv", key.attn_seqs), ("gmeta", gm), ("src", key.gdn_seqs), ("dst", key.gdn_seqs),
-            ("par", key.gdn_seqs), ("dslots", key.B), ("rows", key.rows)]
+    out = [("ids", key.rows), ("pos", key.rows), ("smap", M), ("tok", M), ("cu", key.attn_seqs + 1),
+           ("kv", key.attn_seqs), ("gmeta", gm), ("src", key.gdn_seqs), ("dst", key.gdn_seqs),
+           ("par", key.gdn_seqs), ("dslots", key.B), ("rows", key.rows)]
+    if mtp:                                               # the MTP head's feed (MTPDrafter.mixed_feed)
+        out += [("m_prev", key.rows), ("m_pslot", key.rows), ("m_crow", key.N + key.B), ("m_cslot", key.N + key.B)]
+    return out
 
 
-def _layout(key: MixedKey, W: int, page_size: int) -> tuple[dict[str, tuple[int, int]], int]:
+def _layout(key: MixedKey, W: int, page_size: int, mtp: bool = False) -> tuple[dict[str, tuple[int, int]], int]:
     lay, off = {}, 0
-    for name, n in _vectors(key, page_size):
+    for name, n in _vectors(key, page_size, mtp):
         lay[name] = (off, off + n)
         off = aligned(off + n)                            # 16-byte aligned views (ops/varlen.py ALIGN_INTS)
     lay["table"] = (off, off + key.attn_seqs * W)
     return lay, off + key.attn_seqs * W
 
 
-def span(key: MixedKey, W: int, page_size: int) -> int:
-    return _layout(key, W, page_size)[1]
+def span(key: MixedKey, W: int, page_size: int, mtp: bool = False) -> int:
+    return _layout(key, W, page_size, mtp)[1]
 
 
 def fused_group(segs: list[PrefillSegment], ready: AbstractSet[int]) -> tuple[list[int], list[int], list[int]]:
@@ -134,21 +143,26 @@ class MixedStep:
     seg_dst: list[int]
     seg_par: list[int]
     decode_slots: list[int]
+    mtp: MTPStepIndex | None = None   # the MTP head's feed vectors, eager layout (None: every row padding)
 
 
 class MixedInputs:
     """The persistent buffer, its per-bucket device views and GDN metas, and the per-step fill."""
 
-    def __init__(self, max_key: MixedKey, width: int, page_size: int, device: torch.device | str):
-        self.width, self.page_size = width, page_size
-        self.stager = IndexStager(span(max_key, width, page_size), device)
+    def __init__(self, max_key: MixedKey, width: int, page_size: int, device: torch.device | str,
+                 scratch: int | None = None):
+        """``scratch``: with the MTP drafter, its hidden pool's scratch row (padding commits go there); None:
+        no MTP vectors."""
+        self.width, self.page_size, self.scratch = width, page_size, scratch
+        self.mtp = scratch is not None
+        self.stager = IndexStager(span(max_key, width, page_size, self.mtp), device)
         self._views: dict[MixedKey, dict[str, torch.Tensor]] = {}
 
     def views(self, key: MixedKey) -> dict[str, torch.Tensor]:
         """Device int32 views at fixed addresses (see ``_vectors``); ``table`` is [attn_seqs, W]."""
         v = self._views.get(key)
         if v is None:
-            lay, _ = _layout(key, self.width, self.page_size)
+            lay, _ = _layout(key, self.width, self.page_size, self.mtp)
             dev = self.stager.dev
             v = {name: dev[a:b] for name, (a, b) in lay.items()}
             v["table"] = v["table"].view(key.attn_seqs, self.width)
@@ -163,7 +177,7 @@ class MixedInputs:
 
     def fill(self, key: MixedKey, st: MixedStep) -> list[int]:
         """Pad ``st`` into ``key``'s layout and upload it (one copy). Returns the GDN sequence lengths."""
-        lay, n = _layout(key, self.width, self.page_size)
+        lay, n = _layout(key, self.width, self.page_size, self.mtp)
         h = self.stager.stage(n).numpy()
         Tb, Nb, Bb, W = key.T, key.N, key.B, self.width
         T, N = st.num_prefill, len(st.seg_src)
@@ -212,5 +226,27 @@ class MixedInputs:
         for i, t in enumerate(st.tables[N:]):
             tab[Nb + 1 + i, :len(t.pages)] = t.pages
         tab[Nb + 1 + B:, 0] = 0                          # decode padding rows read page 0 at position 0
+        if self.mtp:
+            self._fill_mtp(h, lay, key, T, st.mtp)
         self.stager.push(n)
         return lens
+
+    def _fill_mtp(self, h: np.ndarray, lay: dict[str, tuple[int, int]], key: MixedKey, T: int,
+                  m: MTPStepIndex | None) -> None:
+        """The feed vectors of ``m`` (eager rows: prefill [0, T), decodes from T) in the bucket's rows."""
+        def row(r) -> np.ndarray:
+            r = np.asarray(r, dtype=np.int64)
+            return np.where(r < T, r, r - T + key.T)
+        m = m or MTPStepIndex()
+        a, b = lay["m_prev"]
+        h[a:b] = 0
+        h[a + row(np.arange(len(m.prev)))] = row(m.prev)
+        a, b = lay["m_pslot"]
+        h[a:b] = -1
+        h[a + row(m.pool_rows)] = m.pool_slots
+        a, b = lay["m_crow"]
+        h[a:a + len(m.commit_rows)] = row(m.commit_rows)
+        h[a + len(m.commit_rows):b] = 0
+        a, b = lay["m_cslot"]
+        h[a:a + len(m.commit_slots)] = m.commit_slots
+        h[a + len(m.commit_slots):b] = self.scratch

@@ -252,8 +252,9 @@ class ModelRunner:
         that were verified are ``self.drafts`` ([B, k] on the device). Verify items carry their L tokens, or with
         ``spec_draft="mtp"`` only the last sampled token: the MTP head drafts the other k in this step.
         A decode-only or verify-only step may run a CUDA graph (``self.graphs``; with the MTP drafter its draft and
-        KV passes inside it), a prefill or mixed step too (not with the MTP drafter); its logits are the same. ``ready``: the READY checkpoint slots among
-        those the prefills write or read (the scheduler's ``StepBatch.ready``), for the plan's ownership check.
+        KV passes inside it), a prefill or mixed step too (with the MTP drafter its feed pass inside it); its logits
+        are the same. ``ready``: the READY checkpoint slots among those the prefills write or read (the scheduler's
+        ``StepBatch.ready``), for the plan's ownership check.
         ``feed``: decode tokens that are still on the device (the overlapped loop), written over the placeholders
         the host laid out."""
         if feed is not None and (verifies or self.mtp is not None):
@@ -339,16 +340,18 @@ class ModelRunner:
     def _step_mixed(self, key: MixedKey, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]],
                     ready: frozenset[int]) -> torch.Tensor:
         """A prefill / mixed step through its graph bucket: the segments validated (before any page moves),
-        laid out as the eager step lays them (forks, pages, lengths), then padded into the bucket."""
+        laid out as the eager step lays them (forks, pages, lengths; the MTP head's feed rows too), then padded
+        into the bucket."""
         segs = self._segments(prefills)
         src, dst, par = fused_group(segs, ready)
         host = StepInputs()
-        self._lay_prefills(prefills, segs, host, None)
-        self._lay_decodes(decodes, [], host, None)
+        mtp = MTPStepIndex() if self.mtp is not None else None
+        self._lay_prefills(prefills, segs, host, mtp)
+        self._lay_decodes(decodes, [], host, mtp)
         if host.copies:                       # copy-on-write tail pages, before the graph stores this step's KV
             self.pages.copy_pages([s for s, _ in host.copies], [d for _, d in host.copies])
         st = MixedStep(host.ids, host.pos, host.slots + host.dup_slots, host.dup_rows, host.cu, host.kv,
-                       host.tables, host.rows, host.num_prefill, src, dst, par, [s.slot for s, _ in decodes])
+                       host.tables, host.rows, host.num_prefill, src, dst, par, [s.slot for s, _ in decodes], mtp)
         return self.graphs.run_mixed(key, st, self._feed)
 
     @staticmethod

@@ -151,7 +151,7 @@ def estimate_graphs(model_cfg, cfg: EngineConfig, dtype: torch.dtype, device: to
     graphs keep (an allowance of 16 of the largest). 0 where no graphs are captured."""
     if device.type != "cuda" or cfg.graphs is False:
         return 0
-    mixed = cfg.prefill_mode == "fused" and not (cfg.spec_k and cfg.spec_draft == "mtp")
+    mixed = cfg.prefill_mode == "fused"
     T = cfg.max_step_tokens if mixed else cfg.max_num_seqs * (cfg.spec_k + 1)
     keep = 16 * T * model_cfg.hidden_size * dtype.itemsize
     return estimate_activations(model_cfg, cfg, dtype, logits=False, tokens=T) + keep
