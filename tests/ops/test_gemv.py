@@ -147,14 +147,13 @@ def test_model_shapes_on_gpu(M, N, K, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,K", [(2048, 4096), (12352, 2048), (9216, 2048), (257, 2048)])
+@pytest.mark.parametrize("N,K", [(2048, 4096), (9216, 2048)])
 def test_fma_rows_batch_invariant_on_gpu(N, K, device):
-    """On the GPU the compiled per-M binaries keep the promise: every CUDA-core config of the table and a few
-    others give row i the same bits at M = 1..4."""
+    """On the GPU the compiled per-M binaries keep the promise: every CUDA-core config of the table gives row i the
+    same bits at M = 1..4 (mostly the binaries test_model_shapes_on_gpu compiles: few extra compiles)."""
     x = torch.randn(4, K, device=device).to(torch.bfloat16)
     w = (torch.randn(N, K, device=device) * 0.02).to(torch.bfloat16)
     cfgs = {c for entries in skinny_triton.TABLE.values() for _, c in entries if not c.dot and c.BK <= K}
-    cfgs |= {SkinnyConfig(4, 1024, 8, 2, False), SkinnyConfig(16, 256, 4, 1, False)}
     for cfg in cfgs:
         full = skinny_linear(x, w, cfg)
         assert rel_rms(full, x.double() @ w.double().T) < 4e-3

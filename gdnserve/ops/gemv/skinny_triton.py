@@ -16,9 +16,9 @@ compile-time count (one binary per M) unrolled over the same ``[BN, BK]`` tile: 
 batch-invariant across M only where ``TABLE`` gives those M the same config (the provisional M = 2..4 entries
 below reuse the M = 1 config for that reason; the tensor-core variant's sums differ from the CUDA-core one's).
 
-``skinny_config`` picks the config from ``TABLE`` (measured on the H200 against cuBLAS, ``benchmarks/bench_decode_b1.py``
-and, for the CUDA-core variant at M = 1..4, ``benchmarks/bench_skinny_m4.py``): per (N, K), M-ranges where the kernel
-beat cuBLAS with their config. Shapes and M outside the table return None (the caller keeps ``F.linear``).
+``skinny_config`` picks the config from ``TABLE`` (measured on the H200 against cuBLAS,
+``benchmarks/bench_decode_b1.py`` and, for the CUDA-core variant at M = 1..4, ``benchmarks/bench_skinny_m4.py``): per
+(N, K), M-ranges where the kernel beat cuBLAS with their config. Shapes and M outside the table return None (the caller keeps ``F.linear``).
 """
 from __future__ import annotations
 
@@ -175,7 +175,8 @@ def gate_fits(cfg: SkinnyConfig, x: torch.Tensor, gate: torch.Tensor) -> bool:
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, cfg: SkinnyConfig,
                   gate: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (M <= 16, dot=False: M <= 4; unit last stride) · w [N, K]ᵀ (unit last stride, same dtype) -> [M, N] in x's dtype.
+    """x [M, K] (M <= 16, dot=False: M <= 4; unit last stride) · w [N, K]ᵀ (unit last stride, same dtype) -> [M, N]
+    in x's dtype.
     ``gate`` [M, G, GD] (G * GD = K, see ``gate_fits``): the product of ``x * sigmoid(gate.reshape(M, K))``,
     the gate applied as x's K tiles load (attention's output gate before o_proj, no elementwise launches)."""
     check_tensor("skinny_linear: x", x, (None, None), (torch.bfloat16, torch.float16))
