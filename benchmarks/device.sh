@@ -29,6 +29,10 @@
 #                the state error against length, fla beside)
 #   fused[:s]    python -m benchmarks.bench_decode_fused (decode B = 1, 16, bf16 and FP8, fused decode paths off vs
 #                on in one process: ms, % of floor, kernels per layer; FUSED_ARGS adds flags, e.g. --steps 20)
+#   skinny[:s]   python -m benchmarks.bench_skinny_m4 (the CUDA-core skinny GEMV at M = 1..4 vs cuBLAS at the decode
+#                projection shapes, a pruned config sweep; skinny_m4_<device>.{json,md} and a TABLE fragment for
+#                ops/gemv; default budget 120 s: the sweep stops starting configs 10 s before it; SKINNY_ARGS adds
+#                flags, e.g. "--shapes 2048x4096,9216x2048 --ms 1,4")
 #   layers[:s]   python -m benchmarks.profile_layers        (kernels per decoder layer, fused kernels off vs on)
 #   fp8[:s]      python -m benchmarks.bench_fp8             (FP8 block GEMMs/experts/model vs bf16; FP8_ARGS=--sweep)
 #   model[:s] serve[:s] spec[:s] moe[:s]   the end-to-end benchmarks (--time-budget s)
@@ -132,6 +136,7 @@ for arg in "$@"; do
              grep -A5 "^##" "$OUT/profile.log" | head -60 ;;
     tune)    timeout "${b:-200}" python3 -m benchmarks.tune_chunk --out "$OUT" ${TUNE_ARGS:-} > "$OUT/tune_chunk.log" 2>&1
              tail -30 "$OUT/tune_chunk.log" ;;
+    skinny)  bench bench_skinny_m4 "${b:-120}" --time-budget $(( ${b:-120} - 10 )) ${SKINNY_ARGS:-} ;;
     layers)  timeout "${b:-100}" python3 -m benchmarks.profile_layers --out "$OUT/kernels_per_layer_h200.md" \
                > "$OUT/profile_layers.log" 2>&1; echo "profile_layers rc=$?"; tail -30 "$OUT/profile_layers.log" ;;
     fp8)     timeout $(( ${b:-120} + 60 )) python3 -m benchmarks.bench_fp8 --out "$OUT" --time-budget "${b:-120}" \

@@ -1,5 +1,6 @@
 """The one-launch skinny GEMM (ops/gemv; CPU interpreter in CI): against the float64 product and F.linear,
-deterministic, K not a multiple of the K step, the table lookup, and ``layers.linear.dense_linear``'s choice."""
+deterministic, K not a multiple of the K step, the CUDA-core variant's rows at M = 1..4 bit-identical whatever M
+(batch invariance), the table lookup, and ``layers.linear.dense_linear``'s choice."""
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,11 @@ pytestmark = pytest.mark.usefixtures("seed")
                                        (3, 33, 200, SkinnyConfig(16, 64, 4, 2)),
                                        (16, 50, 96, SkinnyConfig(32, 32, 2, 3)),
                                        (1, 37, 200, SkinnyConfig(4, 64, 4, 2, False)),
-                                       (1, 32, 256, SkinnyConfig(8, 128, 4, 1, False))])
+                                       (1, 32, 256, SkinnyConfig(8, 128, 4, 1, False)),
+                                       (2, 37, 200, SkinnyConfig(4, 64, 4, 2, False)),
+                                       (3, 33, 136, SkinnyConfig(8, 256, 4, 1, False)),      # BK > K
+                                       (4, 50, 264, SkinnyConfig(2, 128, 8, 2, False)),
+                                       (4, 24, 256, SkinnyConfig(16, 64, 4, 1, False))])
 def test_matches_float64(M, N, K, cfg, device):
     x = torch.randn(M, K, device=device).to(torch.bfloat16)
     w = (torch.randn(N, K, device=device) * 0.05).to(torch.bfloat16)
@@ -32,7 +37,8 @@ def test_matches_float64(M, N, K, cfg, device):
 
 
 @pytest.mark.parametrize("M,cfg", [(2, SkinnyConfig(16, 32, 4, 2)), (1, SkinnyConfig(8, 64, 4, 1, False)),
-                                   (3, SkinnyConfig(16, 128, 4, 2))])
+                                   (3, SkinnyConfig(16, 128, 4, 2)), (2, SkinnyConfig(4, 128, 4, 1, False)),
+                                   (4, SkinnyConfig(8, 64, 4, 2, False))])
 def test_gate_folded_into_x(M, cfg, device):
     """``gate`` [M, G, GD] (a strided view, as attention's per-head gate): the product of x * sigmoid(gate) as
     torch rounds it (sigmoid to bf16, then the product), K steps shorter and longer than GD."""
@@ -49,6 +55,36 @@ def test_gate_folded_into_x(M, cfg, device):
         skinny_linear(x, w, cfg, gate=gate[:, :2])
 
 
+@pytest.mark.parametrize("N,K,cfg", [(37, 200, SkinnyConfig(4, 64, 4, 2, False)),
+                                     (24, 256, SkinnyConfig(8, 128, 4, 1, False)),
+                                     (19, 72, SkinnyConfig(2, 128, 8, 1, False))])
+def test_fma_rows_batch_invariant(N, K, cfg, device):
+    """The CUDA-core variant at M = 1..4: row i's output is the same bits whatever M (the same W tile and per-row
+    sums; the docstring's promise), x rows strided, with and without the gate."""
+    G = 4 if K % 4 == 0 else 1
+    base = torch.randn(4, K + 8, device=device).to(torch.bfloat16)
+    x = base[:, 3:3 + K]                                   # row stride K + 8, not 16-byte aligned
+    w = (torch.randn(N, K, device=device) * 0.05).to(torch.bfloat16)
+    gate = torch.randn(4, G, 2 * K // G, device=device).to(torch.bfloat16)[..., K // G:]
+    for g in (None, gate):
+        full = skinny_linear(x, w, cfg, gate=g)
+        for M in (1, 2, 3):
+            assert torch.equal(skinny_linear(x[:M], w, cfg, gate=None if g is None else g[:M]), full[:M]), M
+        xg = x if g is None else x * torch.sigmoid(g.reshape(4, K))
+        assert rel_rms(full, xg.double() @ w.double().T) < 4e-3
+
+
+def test_provisional_entries_reuse_the_m1_config():
+    """The unmeasured M = 2..4 entries (``PROVISIONAL``) are the CUDA-core variant at the shape's measured M = 1
+    config (rows bit-identical to M = 1's); every other M = 2..4 lookup is what it was."""
+    for (N, K), ms in skinny_triton.PROVISIONAL.items():
+        one = skinny_config(1, N, K)
+        assert one is not None and not one.dot
+        assert all(skinny_config(M, N, K) == one for M in ms)
+        assert skinny_config(max(ms) + 1, N, K) is None
+    assert skinny_config(4, 12352, 2048) == SkinnyConfig(32, 256, 4, 4)
+
+
 def test_strided_rows_and_errors(device):
     base = torch.randn(4, 80, device=device).to(torch.bfloat16)
     x = base[:, 8:72]                                      # row stride 80
@@ -62,7 +98,10 @@ def test_strided_rows_and_errors(device):
     with pytest.raises(ValueError, match="skinny_linear: x"):
         skinny_linear(x.float(), w, cfg)
     with pytest.raises(ValueError, match="rows"):
-        skinny_linear(x, w, SkinnyConfig(4, 64, 4, 1, False))       # the FMA variant: M = 1 only
+        skinny_linear(torch.zeros(5, 64, dtype=torch.bfloat16, device=device), w,
+                      SkinnyConfig(4, 64, 4, 1, False))       # the FMA variant: M <= 4
+    fma = SkinnyConfig(8, 32, 4, 1, False)
+    assert torch.equal(skinny_linear(x, w, fma), skinny_linear(x.contiguous(), w, fma))
 
 
 def test_table_lookup(monkeypatch):
@@ -72,8 +111,8 @@ def test_table_lookup(monkeypatch):
     assert skinny_config(8, 2048, 4096) == cfg
     assert skinny_config(9, 2048, 4096) is None and skinny_config(0, 2048, 4096) is None
     assert skinny_config(1, 2048, 2048) is None
-    monkeypatch.setattr(skinny_triton, "TABLE", {(64, 64): ((4, one),)})       # a bad table: FMA past M = 1
-    assert skinny_config(1, 64, 64) == one and skinny_config(2, 64, 64) is None
+    monkeypatch.setattr(skinny_triton, "TABLE", {(64, 64): ((8, one),)})       # a bad table: FMA past M = 4
+    assert skinny_config(4, 64, 64) == one and skinny_config(5, 64, 64) is None
     assert gemv.skinny_config is skinny_config
 
 
@@ -100,8 +139,23 @@ def test_model_shapes_on_gpu(M, N, K, device):
     ref = x.double() @ w.double().T
     cfgs = {c for entries in skinny_triton.TABLE.values() for _, c in entries} | {SkinnyConfig(16, 256, 4, 4)}
     for cfg in cfgs:
-        if not cfg.dot and M > 1:
+        if not cfg.dot and M > skinny_triton.FMA_MAX_M:
             continue
         y = skinny_linear(x, w, cfg)
         assert rel_rms(y, ref) < 4e-3 and rel_rms(y, F.linear(x, w)) < 4e-3
         assert torch.equal(y, skinny_linear(x, w, cfg))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", [(2048, 4096), (9216, 2048)])
+def test_fma_rows_batch_invariant_on_gpu(N, K, device):
+    """On the GPU the compiled per-M binaries keep the promise: every CUDA-core config of the table gives row i the
+    same bits at M = 1..4 (mostly the binaries test_model_shapes_on_gpu compiles: few extra compiles)."""
+    x = torch.randn(4, K, device=device).to(torch.bfloat16)
+    w = (torch.randn(N, K, device=device) * 0.02).to(torch.bfloat16)
+    cfgs = {c for entries in skinny_triton.TABLE.values() for _, c in entries if not c.dot and c.BK <= K}
+    for cfg in cfgs:
+        full = skinny_linear(x, w, cfg)
+        assert rel_rms(full, x.double() @ w.double().T) < 4e-3
+        for M in (1, 2, 3):
+            assert torch.equal(skinny_linear(x[:M], w, cfg), full[:M]), (cfg, M)
