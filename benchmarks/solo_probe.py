@@ -15,7 +15,9 @@ Writes ``solo_probe_<device>.{md,json}``. The CPU smoke (``--shape tiny --device
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import gc
 import json
 import random
 import sys
@@ -84,12 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=9216)
     ap.add_argument("--time-budget", type=float, default=1e9)
+    ap.add_argument("--dtype", default=None, help="the served model's dtype (default bfloat16 on CUDA)")
+    ap.add_argument("--ref", action="store_true", help="also the same weights in float32, served plainly: the "
+                    "distance of batched and of alone from it tells rounding (both near) from a wrong state")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     dev = torch.device(a.device)
-    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dt = getattr(torch, a.dtype) if a.dtype else torch.bfloat16 if dev.type == "cuda" else torch.float32
     hf = random_hf_config(a.shape)
     net = build_random_model(hf, dev, dt, 0)
+    net32 = copy.deepcopy(net).float() if a.ref else None
     if a.fp8:
         quantize_model_fp8_(net)
     V = ModelConfig.from_hf(hf).vocab_size
@@ -121,13 +127,17 @@ def main(argv: list[str] | None = None) -> int:
             fresh = LLMEngine(net, CharTokenizer(V), cfg.with_(auto_checkpoints=False),
                               runner_factory=factory) \
                 if cfg.auto_checkpoints else engine
+            if fresh is not engine:
+                engine.close()
             del engine
             solo_fresh = [run_requests(fresh, [prompts[i]], params)[0] for i in solo_idx]
+            fresh.close()
             del fresh
         except Exception as e:  # noqa: BLE001 - a variant that fails is a row, not the end of the probe
             rows.append({"variant": name, "error": f"{type(e).__name__}: {e}"[:400]})
             continue
         finally:
+            gc.collect()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         ref_solo = ref_solo or solo_fresh
@@ -136,10 +146,27 @@ def main(argv: list[str] | None = None) -> int:
                "batched_vs_fresh_solo": [compare(batched[i], s) for i, s in zip(solo_idx, solo_fresh)],
                "solo_vs_fresh_solo": [compare(s, f) for s, f in zip(solo, solo_fresh)],
                "fresh_solo_vs_default_fresh_solo": [compare(f, r) for f, r in zip(solo_fresh, ref_solo)]}
+        rows.append({**row, "batched": batched, "solo_fresh": solo_fresh})
+        print(json.dumps(row), flush=True)
+    if net32 is not None:       # float32, plainly served: batched and alone against it
+        del net
+        gc.collect()
+        cfg = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, num_pages=pages,
+                           num_slots=2 * a.max_num_seqs + 2, **VARIANTS["plain"])
+        e32 = LLMEngine(net32, CharTokenizer(V), cfg)
+        b32 = run_requests(e32, prompts, params)
+        s32 = [run_requests(e32, [prompts[i]], params)[0] for i in solo_idx]
+        e32.close()
+        served = next((r for r in rows if "batched" in r), None)
+        row = {"variant": "float32 reference", "fp32_batched_vs_fp32_alone": [compare(b32[i], s) for i, s in
+                                                                           zip(solo_idx, s32)]}
+        if served is not None:
+            row["served_batched_vs_fp32_alone"] = [compare(served["batched"][i], s) for i, s in zip(solo_idx, s32)]
+            row["served_alone_vs_fp32_alone"] = [compare(x, s) for x, s in zip(served["solo_fresh"], s32)]
         rows.append(row)
         print(json.dumps(row), flush=True)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    res = {"device": name, "torch": torch.__version__, "shape": a.shape, "fp8": a.fp8, "lens": [len(p) for p in prompts],
+    res = {"device": name, "torch": torch.__version__, "shape": a.shape, "fp8": a.fp8, "dtype": str(dt), "lens": [len(p) for p in prompts],
            "solo_idx": solo_idx, "gen": a.gen, "argv": sys.argv[1:] if argv is None else argv, "rows": rows}
     tag = "h200" if "H200" in name else dev.type
     a.out.mkdir(parents=True, exist_ok=True)
@@ -154,6 +181,13 @@ def main(argv: list[str] | None = None) -> int:
          "| variant | batched vs alone (same engine) | batched vs alone (fresh engine, no checkpoints) | alone vs fresh "
          "alone | fresh alone vs default's |", "| --- | --- | --- | --- | --- |"]
     for r in rows:
+        if r["variant"] == "float32 reference":
+            L += ["", "Float32 reference (the same weights in float32, served plainly): "
+                  f"float32 batched vs float32 alone: {cell(r['fp32_batched_vs_fp32_alone'])}"]
+            if "served_batched_vs_fp32_alone" in r:
+                L += [f"served batched vs float32 alone: {cell(r['served_batched_vs_fp32_alone'])}",
+                      f"served alone vs float32 alone: {cell(r['served_alone_vs_fp32_alone'])}"]
+            continue
         if "batched_vs_solo" not in r:
             L.append(f"| {r['variant']} | {r.get('error') or r.get('skipped')} | | | |")
             continue
