@@ -74,15 +74,18 @@ def test_fma_rows_batch_invariant(N, K, cfg, device):
         assert rel_rms(full, xg.double() @ w.double().T) < 4e-3
 
 
-def test_provisional_entries_reuse_the_m1_config():
-    """The unmeasured M = 2..4 entries (``PROVISIONAL``) are the CUDA-core variant at the shape's measured M = 1
-    config (rows bit-identical to M = 1's); every other M = 2..4 lookup is what it was."""
-    for (N, K), ms in skinny_triton.PROVISIONAL.items():
-        one = skinny_config(1, N, K)
-        assert one is not None and not one.dot
-        assert all(skinny_config(M, N, K) == one for M in ms)
-        assert skinny_config(max(ms) + 1, N, K) is None
-    assert skinny_config(4, 12352, 2048) == SkinnyConfig(32, 256, 4, 4)
+def test_table_is_measured_and_ordered():
+    """Every TABLE entry is measured (``PROVISIONAL`` empty; bench_skinny_m4 fills M = 2..4), bounds ascend, the
+    CUDA-core variant only up to FMA_MAX_M rows; the H200 sweep's picks: cuBLAS keeps the large projections past
+    M = 2 (GDN in_proj, out_proj) or 1 (qkv), the router runs the CUDA-core variant up to M = 4."""
+    assert skinny_triton.PROVISIONAL == {}
+    for (N, K), entries in skinny_triton.TABLE.items():
+        bounds = [m for m, _ in entries]
+        assert bounds == sorted(set(bounds)), (N, K)
+        assert all(c.dot or m <= skinny_triton.FMA_MAX_M for m, c in entries), (N, K)
+    assert skinny_config(2, 12352, 2048) == SkinnyConfig(32, 256, 4, 4) and skinny_config(3, 12352, 2048) is None
+    assert skinny_config(2, 9216, 2048) is None
+    assert skinny_config(4, 257, 2048) == SkinnyConfig(4, 2048, 4, 1, False)
 
 
 def test_strided_rows_and_errors(device):

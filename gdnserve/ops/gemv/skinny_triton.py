@@ -45,25 +45,25 @@ class SkinnyConfig(NamedTuple):
 
 
 # (N, K) -> ((largest M, config), ...) ascending in M: M takes the first entry whose bound holds; M past the
-# last bound keeps cuBLAS. The H200 sweeps' winners (benchmarks/results/decode_b1_h200.json, all M; M = 1 re-swept
-# with whole-K steps in decode_b1_m1_h200.json); benchmarks swap the dict to compare against cuBLAS.
+# last bound keeps cuBLAS. The H200 sweeps' winners: M = 1 from benchmarks/results/decode_b1_h200.json and
+# decode_b1_m1_h200.json (whole-K steps), M = 2..4 (speculative verify steps, k = 1..3 drafts) from
+# benchmarks/results/skinny_m4_h200.json (bench_skinny_m4: the CUDA-core variant against cuBLAS; cuBLAS keeps the
+# large projections from M = 2 or 3 on, where it streams W as fast). Benchmarks swap the dict to compare.
 _FMA_8x1024 = SkinnyConfig(8, 1024, 8, 1, False)
-_FMA_2x4096 = SkinnyConfig(2, 4096, 4, 1, False)
-_FMA_8x512 = SkinnyConfig(8, 512, 4, 2, False)
+_FMA_2x2048 = SkinnyConfig(2, 2048, 4, 1, False)
+_FMA_4x2048 = SkinnyConfig(4, 2048, 4, 1, False)
 TABLE: dict[tuple[int, int], tuple[tuple[int, SkinnyConfig], ...]] = {
-    (2048, 4096): ((1, _FMA_2x4096), (4, _FMA_2x4096)),           # GDN out_proj / attention o_proj  [M 2..4: P]
-    (12352, 2048): ((1, SkinnyConfig(4, 512, 4, 1, False)), (4, SkinnyConfig(32, 256, 4, 4))),   # GDN in_proj
-    (9216, 2048): ((1, _FMA_8x512), (4, _FMA_8x512)),             # attention qkv_proj               [M 2..4: P]
-    (257, 2048): ((1, _FMA_8x1024), (2, SkinnyConfig(16, 512, 4, 3)), (4, SkinnyConfig(16, 128, 4, 6)),
+    (2048, 4096): ((1, SkinnyConfig(2, 4096, 4, 1, False)), (2, SkinnyConfig(2, 2048, 4, 2, False))),  # GDN out / o_proj / MTP fc
+    (12352, 2048): ((1, SkinnyConfig(4, 512, 4, 1, False)), (2, SkinnyConfig(32, 256, 4, 4))),   # GDN in_proj
+    (9216, 2048): ((1, SkinnyConfig(8, 512, 4, 2, False)),),    # attention qkv_proj (target + MTP layer)
+    (257, 2048): ((1, _FMA_8x1024), (3, _FMA_2x2048), (4, _FMA_4x2048),
                   (16, SkinnyConfig(16, 512, 4, 3))),           # router gate + the shared expert's row
+    (256, 2048): ((1, _FMA_8x1024), (3, _FMA_2x2048), (4, _FMA_4x2048)),   # router gate alone (FP8 models)
+    (1024, 2048): ((1, SkinnyConfig(2, 2048, 8, 1, False)), (3, _FMA_2x2048), (4, _FMA_4x2048)),   # shared expert
+    (2048, 512): ((3, SkinnyConfig(4, 512, 4, 1, False)),),     # gate_up / down when not folded
 }
-# the router gate alone (FP8 models: the shared expert not folded)                                     [M 2..4: P]
-TABLE[(256, 2048)] = TABLE[(257, 2048)][:1] + ((4, _FMA_8x1024),)
-# [M 2..4: P] = PROVISIONAL, unmeasured guesses (to be replaced by benchmarks/bench_skinny_m4.py's TABLE fragment):
-# the CUDA-core variant at M = 2..4 (speculative verify steps, k = 1..3 drafts) on the shapes cuBLAS served at
-# M > 1, each with its measured M = 1 config: the same W stream, and rows bit-identical to M = 1's. The measured
-# M > 1 entries (GDN in_proj, router + shared row) are left as they were.
-PROVISIONAL = {(2048, 4096): (2, 3, 4), (9216, 2048): (2, 3, 4), (256, 2048): (2, 3, 4)}
+# Unmeasured entries (none today): a shape's M range taken on a guess, before bench_skinny_m4 measured it.
+PROVISIONAL: dict[tuple[int, int], tuple[int, ...]] = {}
 
 
 @triton.jit(do_not_specialize=["M"])         # one binary for every M
