@@ -65,6 +65,7 @@ def compare(b: dict, s: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
+    from benchmarks import jsonfmt
     from benchmarks.random_model import build_random_model
     from benchmarks.serve_random import CharTokenizer, random_hf_config
     from gdnserve.engine.config import EngineConfig
@@ -148,11 +149,11 @@ def main(argv: list[str] | None = None) -> int:
                "fresh_solo_vs_default_fresh_solo": [compare(f, r) for f, r in zip(solo_fresh, ref_solo)]}
         rows.append({**row, "batched": batched, "solo_fresh": solo_fresh})
         print(json.dumps(row), flush=True)
-    if net32 is not None:       # float32, plainly served: batched and alone against it
+    if net32 is not None:       # float32 on the PyTorch path (the Triton MoE kernels' tiles are sized for 16-bit)
         del net
         gc.collect()
         cfg = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, num_pages=pages,
-                           num_slots=2 * a.max_num_seqs + 2, **VARIANTS["plain"])
+                           num_slots=2 * a.max_num_seqs + 2, backend="torch", **VARIANTS["plain"])
         e32 = LLMEngine(net32, CharTokenizer(V), cfg)
         b32 = run_requests(e32, prompts, params)
         s32 = [run_requests(e32, [prompts[i]], params)[0] for i in solo_idx]
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
            "solo_idx": solo_idx, "gen": a.gen, "argv": sys.argv[1:] if argv is None else argv, "rows": rows}
     tag = "h200" if "H200" in name else dev.type
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / f"solo_probe_{tag}.json").write_text(json.dumps(res, indent=1))
+    (a.out / f"solo_probe_{tag}.json").write_text(jsonfmt.dumps(res))
 
     def cell(cs):
         eq = sum(c["first_diff"] is None for c in cs)
