@@ -112,3 +112,30 @@ def test_prefill_tiles_at_model_widths(BM, monkeypatch, device):
     w = (w / w.sum(-1, keepdim=True)).bfloat16().contiguous()
     out = run(gt.config(65536, BM), BM, x, w, idx, gu, dn, monkeypatch)
     assert rel_rms(out[:16], naive_moe_experts(x[:16], w[:16], idx[:16], gu, dn)) < TOL[torch.bfloat16]
+
+
+def test_float32_operands_fit_shared_memory():
+    """The shape rule's tiles are tuned for 16-bit operands; in float32 (``--dtype float32`` on CUDA) every stage
+    doubles, and BM 128's three stages of x + gate + up tiles ran out of shared memory on the H200. ``fit_stages``
+    cuts stages to the budget and leaves 16-bit tiles as they are."""
+    for BM in (16, 32, 64, 128):
+        cfg = gt.config(65536, BM)
+        for t, gu in ((cfg.gate_up, True), (cfg.down, False)):
+            assert gt.fit_stages(t, BM, 2, gu) == t
+            f = gt.fit_stages(t, BM, 4, gu)
+            assert 1 <= f.stages <= t.stages and f._replace(stages=t.stages) == t
+            assert f.stages == 1 or f.stages * (BM * t.BK + (2 if gu else 1) * t.BN * t.BK) * 4 <= gt.SMEM_BUDGET
+    assert gt.fit_stages(gt.config(65536, 128).gate_up, 128, 4, True).stages == 1
+
+
+@pytest.mark.gpu
+def test_float32_prefill_tiles_launch(monkeypatch, device):
+    """float32 at BM 128 (the TMA gate_up of the prefill rule) launches and matches float64."""
+    T, E, k, H2, I2 = 300, 8, 4, 2048, 512
+    x = torch.randn(T, H2, device=device)
+    gu = torch.randn(E, 2 * I2, H2, device=device) / H2 ** 0.5
+    dn = torch.randn(E, H2, I2, device=device) / I2 ** 0.5
+    w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=device), -1), k, dim=-1)
+    w = (w / w.sum(-1, keepdim=True)).contiguous()
+    out = gt.moe_experts_triton(x, w, align_pairs(idx, E, 128), gu, dn, k)
+    assert rel_rms(out[:16], naive_moe_experts(x[:16], w[:16], idx[:16], gu, dn)) < 1e-3

@@ -196,6 +196,17 @@ def fp8_config(num_blocks: int, BM: int, H: int, I: int) -> Config:
 
 _pick = config   # moe_experts_triton's ``config=`` keyword shadows the name
 
+SMEM_BUDGET = 160 * 1024    # bytes of pipelined tiles per program: under the H100/H200's 227 KiB with room to spare
+
+
+def fit_stages(t: Tiles, BM: int, elem_size: int, gate_up: bool) -> Tiles:
+    """``t`` with its pipeline stages cut so they fit ``SMEM_BUDGET`` at ``elem_size`` bytes per element: the tiles
+    are tuned for 16-bit operands; float32 operands (``--dtype float32`` on CUDA) double every stage's bytes, and
+    BM 128's 3 stages of x + gate + up tiles (294 KB) ran out of shared memory at launch. Unchanged where they fit."""
+    per_stage = (BM * t.BK + (2 if gate_up else 1) * t.BN * t.BK) * elem_size
+    stages = max(1, min(t.stages, SMEM_BUDGET // per_stage))
+    return t if stages == t.stages else t._replace(stages=stages)
+
 
 def _prec(x: torch.Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
@@ -255,6 +266,9 @@ def moe_experts_triton(x: torch.Tensor, weights: torch.Tensor, al: Alignment, w_
         cfg = _pick(N, al.BM)
     else:
         cfg = fp8_config(min(al.rows.numel() // al.BM, N), al.BM, H, w_down.shape[2])
+    if x.element_size() > 2 and config is None:
+        cfg = cfg._replace(gate_up=fit_stages(cfg.gate_up, al.BM, x.element_size(), True),
+                           down=fit_stages(cfg.down, al.BM, x.element_size(), False))
     s_gu, s_dn = scales if scales is not None else (None, None)
     inter = gate_up(x, al, w_gate_up, top_k, cfg.gate_up, s_gu)
     return combine(down(inter, al, w_down, weights.reshape(-1), N, cfg.down, s_dn), T, top_k, cfg.sum_block)
