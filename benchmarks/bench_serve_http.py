@@ -390,11 +390,16 @@ def vocab_of(args: argparse.Namespace) -> int:
 
 
 def ceiling_for(model_json: dict[str, Any] | None, fmt: str, C: int) -> float | None:
-    """The bare decode step's tokens/s at batch C (gdnserve's row of the format) from a bench_model JSON."""
+    """The bare decode step's tokens/s at batch C (gdnserve's row of the format) from a bench_model JSON, or from
+    a bench_fp8 JSON (its ``model`` list: the full-size model per format, ``decode[C].tok_s``)."""
     for r in (model_json or {}).get("rows", []):
         if (r.get("kind") == "decode" and r.get("impl") == "gdnserve" and r.get("shape") == f"B={C}"
                 and r.get("format", "bf16") == fmt):
             return r.get("tokens_per_s")
+    for m in (model_json or {}).get("model", []):
+        if m.get("format") == fmt and str(C) in (m.get("decode") or {}):
+            tok = m["decode"][str(C)].get("tok_s")
+            return None if tok is None else round(tok)
     return None
 
 

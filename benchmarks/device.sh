@@ -148,7 +148,8 @@ for arg in "$@"; do
     http_fp8|http_mtp)
              peers="--max-num-seqs 256 --max-model-len 9216 --model-json benchmarks/results/model_h200.json
                --input-len 8192 --output-len 1024 --per-level 1 --min-requests 2"
-             if [ "$suite" = http_fp8 ]; then args=${HTTP_FP8_ARGS:-"$peers --fp8 --tag h200_fp8 --concurrency 1,16,256,max"}
+             if [ "$suite" = http_fp8 ]; then args=${HTTP_FP8_ARGS:-"$peers --fp8 --tag h200_fp8 --concurrency 1,16,256,max
+               --model-json benchmarks/results/fp8_h200.json"}
              else args=${HTTP_MTP_ARGS:-"$peers --workloads random --concurrency 1,16 --spec-k 3 --spec-draft mtp
                --spec-oracle 0.6 --tag h200_mtp60"}; fi
              timeout $(( ${b:-300} + 60 )) python3 -m benchmarks.bench_serve_http --out "$OUT" --random full \

@@ -34,6 +34,8 @@ def test_metric_definitions():
     assert b.parse_levels("1,16,max,64", 64) == [1, 16, 64] and b.parse_levels("1,256,max", 219) == [1, 219, 256]
     model = {"rows": [{"kind": "decode", "impl": "gdnserve", "shape": "B=16", "format": "fp8", "tokens_per_s": 1600}]}
     assert b.ceiling_for(model, "fp8", 16) == 1600 and b.ceiling_for(model, "bf16", 16) is None
+    fp8 = {"model": [{"format": "fp8", "decode": {"16": {"tok_s": 1599.4}}}, {"format": "bf16", "decode": {}}]}
+    assert b.ceiling_for(fp8, "fp8", 16) == 1599 and b.ceiling_for(fp8, "fp8", 64) is None     # bench_fp8's JSON
     text = "gdnserve:num_requests_running 0.0\ngdnserve:spec_decode_num_draft_tokens_total 12.0\n"
     assert b.metric(text, "num_requests_running") == 0.0 and b.metric(text, "spec_decode_num_draft_tokens") == 12.0
     assert b.metric(text, "checkpoints_ready") is None
