@@ -79,6 +79,20 @@ def test_buckets_and_pick():
         token_buckets(0)
 
 
+def test_steady_keys_cover_a_full_step_beside_every_decode_bucket():
+    """The start-up warm-up's mixed keys (StepGraphs.steady_keys): the largest token bucket, one or two segments,
+    beside no decodes and each decode bucket, largest first, no duplicates; none without mixed graphs. What a step
+    of a chunked prompt filling the budget beside B decodes picks is among them."""
+    g = make_runner(True, mixed_graphs=True, graph_max_tokens=512, graph_max_batch=8).graphs
+    keys = g.steady_keys()
+    assert len(keys) == len(set(keys)) == 2 * (len(g.buckets) + 1)
+    assert all(k.T == 512 and k.Q == 512 and k.N in (1, 2) for k in keys) and keys[0].B == g.buckets[-1]
+    for B in range(0, g.buckets[-1] + 1):
+        for n in (1, 2):
+            assert pick_mixed(g.tok_buckets, g.seq_buckets, g.buckets, 512 - B, n, 512 - B - n + 1, B) in keys
+    assert make_runner(True).graphs.steady_keys() == []
+
+
 def test_prefill_odd_lengths_then_decode_and_continue(seed):
     p = Pair()
     seqs = [p.new() for _ in range(4)]

@@ -157,3 +157,29 @@ def test_mtp_mixed_replay_equals_graph_shaped_eager(seed):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert g.stats["capture"] == n and g.stats["mixed_replay"] == 6
+
+
+def test_warm_up_captures_the_steady_mixed_keys(seed):
+    """The start-up warm-up captures StepGraphs.steady_keys (a full step of prefill tokens beside each decode
+    bucket) on padding only: every state and KV byte unchanged, and a later step of that shape replays without a
+    capture, equal to the graph-shaped eager step bit for bit."""
+    from tests.engine.test_cuda_graphs_gpu import all_state
+    rs = [make_runner(None, 0, True, c, mixed=True) for c in (None, False)]
+    r = rs[0]
+    before = {n: t.clone() for n, t in all_state(r).items()}
+    n0 = r.graphs.stats["capture"]
+    assert "mixed steps of" in r.warm_up()
+    keys = r.graphs.steady_keys()
+    assert keys and all(k in r.graphs.graphs for k in keys) and r.graphs.stats["capture"] - n0 >= len(keys)
+    for n, t in all_state(r).items():
+        assert same_bits(t, before[n]), n
+    T = r.graphs.tok_buckets[-1]
+    seqs = [[x.new_seq() for x in rs] for _ in range(3)]
+    outs = [x.step([PrefillItem(seqs[0][i], list(range(5)))], []) for i, x in enumerate(rs)]
+    n1 = r.graphs.stats["capture"]
+    outs = [x.step([PrefillItem(seqs[1][i], [random.randrange(256) for _ in range(T - 1)])],
+                   [(seqs[0][i], 7)]) for i, x in enumerate(rs)]
+    torch.cuda.synchronize()
+    assert r.graphs.stats["capture"] == n1, "a steady-state mixed step captured after the warm-up"
+    assert torch.equal(outs[0], outs[1])
+    assert_same_state(rs[0], rs[1])

@@ -224,6 +224,19 @@ class StepGraphs:
                 if kind is not None and (kind, Bk) not in self.graphs:
                     self._capture((kind, Bk))
 
+    def steady_keys(self) -> list[MixedKey]:
+        """The mixed buckets a loaded server lives in: one or two prompts' chunks filling the step's token budget
+        (the largest token bucket, queries of one segment up to all of it) beside the decodes of every decode
+        bucket (and none), largest first. ``warm_up`` captures them so the first requests at each batch size do
+        not pay a capture (and the compiles it triggers) inside their TTFT; other mixed keys are captured when
+        first met, as before."""
+        if self.mixed is None:
+            return []
+        T = self.tok_buckets[-1]
+        keys = [pick_mixed(self.tok_buckets, self.seq_buckets, self.buckets, T, n, T, B)
+                for B in sorted((0, *self.buckets), reverse=True) for n in (1, 2)]
+        return list(dict.fromkeys(k for k in keys if k is not None))
+
     @torch.inference_mode()
     def warm_up(self) -> int:
         """Before serving (``ModelRunner.warm_up``): every decode / verify bucket captured (capture on), and with the
@@ -234,6 +247,9 @@ class StepGraphs:
         n0 = self.stats["capture"]
         if self.capture:
             self.capture_all()
+            for key in self.steady_keys():
+                if key not in self.graphs:
+                    self._capture(key)
         if self.mtp is not None and self.verify is not None:
             empty = {name: [] for name in ("ids", "pos", "smap", *self.verify.row_vectors())}
             for B in range(1, self.buckets[-1] + 1):

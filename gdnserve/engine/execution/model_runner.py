@@ -164,8 +164,10 @@ class ModelRunner:
         n = self.graphs.warm_up()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        what = f"{n} CUDA graphs captured (decode{' and verify' if self.graphs.verify else ''} steps, batch buckets " \
-               f"{self.graphs.buckets[0]}..{self.graphs.buckets[-1]})" if self.graphs.capture else "graphs not captured"
+        g = self.graphs
+        steady = f", mixed steps of {g.tok_buckets[-1]} prefill tokens beside each" if g.mixed is not None else ""
+        what = f"{n} CUDA graphs captured (decode{' and verify' if g.verify else ''} steps, batch buckets " \
+               f"{g.buckets[0]}..{g.buckets[-1]}{steady})" if g.capture else "graphs not captured"
         mtp = f", the MTP draft at every batch size up to {self.graphs.buckets[-1]}" if self.mtp is not None else ""
         return f"{what}{mtp}, in {time.perf_counter() - t:.1f} s"
 

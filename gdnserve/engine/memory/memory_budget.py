@@ -26,6 +26,7 @@ import torch
 
 from gdnserve.engine.cache.host_memory import meminfo_available
 from gdnserve.engine.config import EngineConfig
+from gdnserve.engine.execution.graph_inputs import BUCKETS
 from gdnserve.engine.execution.model_runner import pool_configs, spec_bytes_per_slot
 from gdnserve.engine.memory.memory_plan import (
     Budget,
@@ -148,12 +149,14 @@ def estimate_activations(model_cfg, cfg: EngineConfig, dtype: torch.dtype, tp: i
 def estimate_graphs(model_cfg, cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
     """The CUDA graphs' pool: the largest captured step's intermediates without the logits (prefill / mixed graphs
     reach max_step_tokens; decode graphs max_num_seqs x (spec_k + 1) rows), plus the hidden outputs the captured
-    graphs keep (an allowance of 16 of the largest). 0 where no graphs are captured."""
+    graphs keep (an allowance of 16 of the largest, plus the steady-state mixed graphs the start-up warm-up
+    captures: two per decode bucket and none, ``StepGraphs.steady_keys``). 0 where no graphs are captured."""
     if device.type != "cuda" or cfg.graphs is False:
         return 0
     mixed = cfg.prefill_mode == "fused"
     T = cfg.max_step_tokens if mixed else cfg.max_num_seqs * (cfg.spec_k + 1)
-    keep = 16 * T * model_cfg.hidden_size * dtype.itemsize
+    kept = 16 + (2 * (len(BUCKETS) + 1) if mixed else 0)
+    keep = kept * (T + (cfg.max_num_seqs if mixed else 0)) * model_cfg.hidden_size * dtype.itemsize
     return estimate_activations(model_cfg, cfg, dtype, logits=False, tokens=T) + keep
 
 
