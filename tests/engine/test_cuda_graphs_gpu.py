@@ -45,12 +45,12 @@ def with_moe(model, experts: int = 8, top_k: int = 2):
 
 def make_runner(mode: str | None, k: int, graphs: bool, capture: bool | None, dtype=torch.bfloat16,
                 moe: bool = False, mixed: bool = False, max_batch: int | None = None,
-                draft: str = "ngram") -> ModelRunner:
+                draft: str = "ngram", max_tokens: int | None = None) -> ModelRunner:
     """``mixed``: prefill / mixed steps through graphs too (off: the decode / verify tests' prefills are eager);
     ``draft``: the spec drafter ("mtp": the model's MTP head, its passes inside the graphs)."""
     rc = RunnerConfig(num_slots=S, num_pages=256, page_size=4, spec_mode=mode, spec_tokens=k + 1 if mode else 0,
                       cuda_graphs=graphs, graph_capture=capture, mixed_graphs=mixed, graph_max_batch=max_batch,
-                      spec_draft=draft)
+                      spec_draft=draft, graph_max_tokens=max_tokens)
     model = build_builtin_model(dtype=dtype, device="cuda")
     r = ModelRunner(with_moe(model) if moe else model, rc)
     for t, _ in state_buffers(r).values():

@@ -164,7 +164,7 @@ def test_warm_up_captures_the_steady_mixed_keys(seed):
     bucket) on padding only: every state and KV byte unchanged, and a later step of that shape replays without a
     capture, equal to the graph-shaped eager step bit for bit."""
     from tests.engine.test_cuda_graphs_gpu import all_state
-    rs = [make_runner(None, 0, True, c, mixed=True) for c in (None, False)]
+    rs = [make_runner(None, 0, True, c, mixed=True, max_tokens=256) for c in (None, False)]
     r = rs[0]
     before = {n: t.clone() for n, t in all_state(r).items()}
     n0 = r.graphs.stats["capture"]
