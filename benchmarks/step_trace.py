@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spec-oracle", type=float, default=None)
     ap.add_argument("--fp8", action="store_true")
     ap.add_argument("--show", type=int, default=40, help="steps listed one by one")
+    ap.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                    help="skip the server's start-up warm-up (LLMEngine.warm_up): first-use captures in the trace")
     a = ap.parse_args(argv)
     cfg = EngineConfig(max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, max_step_tokens=a.max_step_tokens,
                        spec_k=a.spec_k, spec_draft=a.spec_draft)
@@ -55,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = engine.runner.device
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     build_s = time.perf_counter() - t0
+    warm = engine.warm_up() if a.warm_up else "skipped (--no-warm-up)"
     runner, graphs = engine.runner, engine.runner.graphs
     record: list[dict] = []
     real_step = runner.step
@@ -106,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     L = [f"# Engine step trace — {name}", "",
          f"`python -m benchmarks.step_trace {' '.join(sys.argv[1:] if argv is None else argv)}`; torch {torch.__version__}; model "
-         f"built in {build_s:.1f} s. {a.requests} requests x {a.prompt} prompt tokens, {a.output} generated each "
+         f"built in {build_s:.1f} s; warm-up: {warm or 'nothing to warm'}. {a.requests} requests x {a.prompt} prompt tokens, {a.output} generated each "
          f"(spec k={a.spec_k} {a.spec_draft} oracle {a.spec_oracle}); {len(steps)} steps in {wall:.2f} s; "
          f"generated {st.tokens_generated}, drafted {st.spec_drafted}, accepted {st.spec_accepted}.", "",
          "| step kind | graph | steps | step ms p50 | forward ms p50 | host ms p50 (step - forward) | total s | "
