@@ -26,6 +26,7 @@ import torch
 
 from gdnserve.engine.cache.host_memory import meminfo_available
 from gdnserve.engine.config import EngineConfig
+from gdnserve.engine.execution.graph_inputs import BUCKETS
 from gdnserve.engine.execution.model_runner import pool_configs, spec_bytes_per_slot
 from gdnserve.engine.memory.memory_plan import (
     Budget,
@@ -146,13 +147,16 @@ def estimate_activations(model_cfg, cfg: EngineConfig, dtype: torch.dtype, tp: i
 
 
 def estimate_graphs(model_cfg, cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """The CUDA graphs' pool: the largest captured step's intermediates without the logits (prefill / mixed graphs
-    reach max_step_tokens; decode graphs max_num_seqs x (spec_k + 1) rows), plus the hidden outputs the captured
-    graphs keep (an allowance of 16 of the largest). 0 where no graphs are captured."""
+    """The CUDA graphs' pool: the largest captured step's intermediates without the logits, plus the hidden outputs
+    the captured graphs keep (an allowance of 16 of the largest). Decode / verify graphs have max_num_seqs x
+    (spec_k + 1) rows; a prefill / mixed graph's token bucket reaches max_step_tokens and its row region holds up
+    to the largest batch bucket's decodes or verifies (spec_k + 1 rows each) besides, however few prefill tokens the
+    scheduler left them. 0 where no graphs are captured."""
     if device.type != "cuda" or cfg.graphs is False:
         return 0
     mixed = cfg.prefill_mode == "fused"
-    T = cfg.max_step_tokens if mixed else cfg.max_num_seqs * (cfg.spec_k + 1)
+    rows = min(cfg.max_num_seqs, BUCKETS[-1]) * (cfg.spec_k + 1)
+    T = cfg.max_step_tokens + rows if mixed else rows
     keep = 16 * T * model_cfg.hidden_size * dtype.itemsize
     return estimate_activations(model_cfg, cfg, dtype, logits=False, tokens=T) + keep
 
