@@ -7,7 +7,7 @@ bucket (Tb, Nb, Qb, Bb, L): Tb >= T, Nb >= N, Qb >= the longest segment, Bb >= B
 rows: [0, Tb) the prefill region — the T tokens, then Tb - T padding rows; [Tb, Tb + Bb * L) the row region —
 the B requests' tokens, then Bb - B padding requests of L rows. A step of decodes AND verifies beside prefill
 has no bucket (it runs eagerly, as decodes and verifies together do without prefill): a speculative runner's
-buckets hold verify rows or decode rows, so the grid is token x segment x row buckets, times 2 at most.
+buckets hold verify rows or decode rows, so the grid (token x segment x query x row buckets) is at most doubled.
 Every host int a kernel launch reads is the bucket's, so one graph serves every step of the bucket:
 
 - GDN prefill: Nb + 1 sequences: the N segments (their src / dst / parent slots as the fused plan has them),

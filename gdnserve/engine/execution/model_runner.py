@@ -252,8 +252,8 @@ class ModelRunner:
         ``spec_draft="mtp"`` only the last sampled token: the MTP head drafts the other k in this step.
         A decode-only or verify-only step may run a CUDA graph (``self.graphs``; with the MTP drafter its draft and
         KV passes inside it), a prefill step beside decodes or verifies too (with the MTP drafter its verify rows'
-        draft and every row's feed pass inside it); its logits are the same. ``ready``: the READY checkpoint slots among those the prefills write or read (the scheduler's
-        ``StepBatch.ready``), for the plan's ownership check.
+        draft and every row's feed pass inside it); its logits are the same. ``ready``: the READY checkpoint slots
+        among those the prefills write or read (the scheduler's ``StepBatch.ready``), for the plan's ownership check.
         ``feed``: decode tokens that are still on the device (the overlapped loop), written over the placeholders
         the host laid out."""
         if feed is not None and (verifies or self.mtp is not None):
