@@ -119,7 +119,7 @@ def make_engine(model, mode: str, plan: Plan) -> LLMEngine:
     return LLMEngine(model, NullTokenizer(), engine_config(plan, mode))
 
 
-GRAPH_STATS = ("replay", "mixed_replay", "eager", "mixed_eager", "fallback", "capture")
+GRAPH_STATS = ("replay", "mixed_replay", "eager", "mixed_eager", "mixed_verify", "fallback", "capture")
 
 
 def graph_counts(engine: LLMEngine) -> dict[str, int] | None:

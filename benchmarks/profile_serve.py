@@ -56,18 +56,18 @@ def timed_pass(engine, groups, mode: str, params, tag: str) -> dict:
 
 
 def watch_mixed(engine) -> list:
-    """Record each prefill step's (tokens, segments, longest, decodes) -> the mixed graph bucket picked (or
-    None: eager), when the runner has prefill / mixed graphs."""
+    """Record each prefill step's (tokens, segments, longest, decodes, verifies) -> the mixed graph bucket picked
+    (or None: eager), when the runner has prefill / mixed graphs."""
     picks: list = []
     g = getattr(engine.runner, "graphs", None)
     if g is None or not hasattr(g, "select_mixed"):
         return picks
     sel = g.select_mixed
 
-    def wrapped(prefills, decodes):
-        key = sel(prefills, decodes)
+    def wrapped(prefills, decodes, verifies=()):
+        key = sel(prefills, decodes, verifies)
         lens = [len(it.tokens) for it in prefills]
-        picks.append([sum(lens), len(lens), max(lens, default=0), len(decodes), str(key)])
+        picks.append([sum(lens), len(lens), max(lens, default=0), len(decodes), len(verifies), str(key)])
         return key
     g.select_mixed = wrapped
     return picks

@@ -63,10 +63,11 @@ def test_graph_counts_per_pass():
 
     @bs.counted
     def pass_(engine):
-        stats.update(replay=3, mixed_replay=4, fallback=1, capture=1)
+        stats.update(replay=3, mixed_replay=4, mixed_verify=2, fallback=1, capture=1)
         return {}
     g = pass_(eng)["graphs"]
-    assert g == {"replay": 3, "mixed_replay": 4, "eager": 0, "mixed_eager": 0, "fallback": 1, "capture": 1}
+    assert g == {"replay": 3, "mixed_replay": 4, "eager": 0, "mixed_eager": 0, "mixed_verify": 2, "fallback": 1,
+                 "capture": 1}
     assert bs.graph_cell(g) == "7 / 1 (1 cap.)" and bs.graph_cell(None) == "—"
     eng.runner.graphs = None
     assert pass_(eng)["graphs"] is None

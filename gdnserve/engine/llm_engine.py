@@ -189,9 +189,9 @@ class LLMEngine:
         self.scores.pop(request_id, None)     # whoever aborts a score job does not take its result
 
     def warm_up(self) -> str:
-        """Before serving: capture every decode / verify CUDA graph and compile the launch configs the first
-        requests would otherwise compile (``ModelRunner.warm_up``); a line for the banner ("" when there is nothing
-        to warm: no graphs)."""
+        """Before serving: capture every decode / verify CUDA graph (compiling their kernels) so that the first
+        requests do not (``ModelRunner.warm_up``); a line for the banner ("" when there is nothing to warm: no
+        graphs)."""
         return self.runner.warm_up()
 
     def has_unfinished(self) -> bool:

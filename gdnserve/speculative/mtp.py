@@ -29,10 +29,11 @@ upload; nothing here reads the device.
 Decode-only and verify-only steps run draft, target and feed inside one CUDA graph (``engine/execution/
 cuda_graphs.py``): ``graph_draft`` and ``graph_feed`` derive the same index vectors on the device from the graph's
 static inputs (positions, slot mapping, slots), padding rows (slot -1, slot mapping -1, positions 0..L-1) reading
-finite rows and writing only the scratch row. Prefill and mixed (prefill + decode) steps run the feed inside
-their graph too (``mixed_feed``): their prev / pool / commit rows vary per segment, so they are static vectors of
-the bucket (``engine/execution/mixed_inputs.py``), filled on the host from this step's ``MTPStepIndex`` like
-the others. A step with verifies and prefill runs eagerly (no mixed graph holds verify rows).
+finite rows and writing only the scratch row. Prefill and mixed (prefill + decode or prefill + verify) steps run
+the feed inside their graph too (``mixed_feed``): their prev / pool / commit rows vary per segment, so they are
+static vectors of the bucket (``engine/execution/mixed_inputs.py``), filled on the host from this step's
+``MTPStepIndex`` like the others; a bucket with verify rows runs ``graph_draft`` on its row region's views first
+(the same device-derived draft vectors as a verify graph's) and hands the verify rows' hidden to ``verified``.
 """
 from __future__ import annotations
 
@@ -183,7 +184,7 @@ class MTPDrafter:
             self.hidden.index_copy_(0, torch.where(slots < 0, self.num_slots, slots), hidden)
 
     def mixed_feed(self, hidden: torch.Tensor, v: dict[str, torch.Tensor]) -> None:
-        """Inside a prefill / mixed graph (no verify rows): :meth:`feed` from the bucket's static views
+        """Inside a prefill / mixed graph (decode or verify rows): :meth:`feed` from the bucket's static views
         (mixed_inputs.py): per row the row before it (``m_prev``) or its pool slot (``m_pslot`` >= 0), the step's
         own slot mapping / token index (duplicated copy-on-write rows, padding -1), and ``m_crow`` -> ``m_cslot``
         commits (padding: into the scratch row). The same values as the eager feed (copies, row-wise ops)."""
@@ -195,7 +196,8 @@ class MTPDrafter:
         self.hidden.index_copy_(0, v["m_cslot"].long(), hidden.index_select(0, v["m_crow"].long()))
 
     def verified(self, hidden: torch.Tensor) -> None:
-        """After a verify graph's replay: its live rows' hidden states (``[B * L, H]``), for :meth:`accept`."""
+        """After a verify graph's (or a mixed graph's verify rows') replay: its live verify rows' hidden states
+        (``[B * L, H]``), for :meth:`accept`."""
         self._verify_hidden = hidden
 
     def accept(self, slots: torch.Tensor, rows: torch.Tensor) -> None:

@@ -75,6 +75,9 @@ def test_buckets_and_pick():
     assert pick_mixed(tb, sb, db, 5000, 1, 5000, 0) is None          # over the largest token bucket
     assert pick_mixed(tb, sb, db, 100, 17, 10, 0) is None            # more segments than the largest bucket
     assert pick_mixed(tb, sb, db, 100, 2, 50, 9) is None             # more decodes
+    assert pick_mixed(tb, sb, db, 20, 2, 19, 3, 4) == MixedKey(32, 2, 32, 4, 4)    # 3 verifies of 4 rows
+    assert pick_mixed(tb, sb, db, 20, 2, 19, 0, 4) == MixedKey(32, 2, 32, 0)       # none: the prefill-only key
+    assert MixedKey(32, 2, 32, 4, 4).rows == 32 + 16 and MixedKey(32, 2, 32, 4, 4).attn_seqs == 2 + 1 + 4
     with pytest.raises(ValueError, match="graph_max_tokens"):
         token_buckets(0)
 
@@ -91,6 +94,8 @@ def test_steady_keys_cover_a_full_step_beside_every_decode_bucket():
         for n in (1, 2):
             assert pick_mixed(g.tok_buckets, g.seq_buckets, g.buckets, 512 - B, n, 512 - B - n + 1, B) in keys
     assert make_runner(True).graphs.steady_keys() == []
+    spec = make_runner(True, "replay", 3, mixed_graphs=True, graph_max_tokens=512, graph_max_batch=8).graphs
+    assert {k.L for k in spec.steady_keys() if k.B} == {4}        # a speculative runner's requests verify
 
 
 def test_prefill_odd_lengths_then_decode_and_continue(seed):
@@ -135,11 +140,15 @@ def test_fallbacks_and_modes(seed):
     for mode in ("serial", "two_phase", "two_phase_indexed"):      # only the fused plan has one launch group
         assert make_runner(True, prefill_mode=mode, mixed_graphs=True).graphs.mixed is None
     assert make_runner(True, mixed_graphs=False).graphs.mixed is None
-    r = make_runner(True, "replay", 2, mixed_graphs=True)                             # a verify beside a prefill: eager
-    s, t = r.new_seq(), r.new_seq()
-    r.step([PrefillItem(s, toks(7))], [])
-    r.step([PrefillItem(t, toks(5))], [], verifies=[(s, toks(3))])
-    assert r.graphs.stats["fallback"] == 1 and r.graphs.stats["mixed_eager"] == 1
+    r = make_runner(True, "replay", 2, mixed_graphs=True)
+    s, t, u = r.new_seq(), r.new_seq(), r.new_seq()
+    r.step([PrefillItem(s, toks(7)), PrefillItem(u, toks(4))], [])
+    r.step([PrefillItem(t, toks(5))], [], verifies=[(s, toks(3))])                 # a verify beside a prefill: graph
+    r.accept([(s, 2)])
+    assert r.graphs.stats["mixed_verify"] == 1 and r.graphs.stats["mixed_eager"] == 2
+    assert MixedKey(16, 1, 16, 1, 3) in r.graphs.mixed._views
+    r.step([PrefillItem(t, toks(5))], [(u, 1)], verifies=[(s, toks(3))])          # decodes AND verifies: eager
+    assert r.graphs.stats["fallback"] == 1 and r.graphs.stats["mixed_eager"] == 2
 
 
 def test_long_sequence_over_the_table_width_steps_eagerly(seed):

@@ -4,7 +4,10 @@ A replay equals the graph-shaped eager step bit for bit — logits and every byt
 steps (odd lengths, a continuation, checkpoint groups, READY checkpoints, decodes beside them; dense and MoE); it
 is close to the ordinary unpadded eager step; prefill / mixed replays make no host synchronisation. With the MTP
 drafter the mixed graph holds the head's feed pass: a replay leaves the head's KV and hidden rows as the graph-shaped
-eager step does, bit for bit, and makes no host synchronisation either. The decode /
+eager step does, bit for bit, and makes no host synchronisation either. A speculative runner's mixed graphs with
+verify rows (prefill beside verifies; n-gram and MTP drafts, replay and intermediate): replay == graph-shaped eager
+(logits, drafts, every state / scratch / pending / KV byte, live hidden rows), and a prefill + verify replay with
+its acceptance makes no host synchronisation. The decode /
 verify graphs: test_cuda_graphs_gpu.py; the graph-shaped mixed step on the CPU: test_cuda_graphs_mixed.py.
 Run on the H200: ``python -m pytest -q tests/engine/test_cuda_graphs_mixed_gpu.py``."""
 from __future__ import annotations
@@ -157,6 +160,92 @@ def test_mtp_mixed_replay_equals_graph_shaped_eager(seed):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert g.stats["capture"] == n and g.stats["mixed_replay"] == 6
+
+
+@pytest.mark.parametrize("draft,mode", [("ngram", "replay"), ("ngram", "intermediate"), ("mtp", "replay"),
+                                        ("mtp", "intermediate")])
+def test_mixed_verify_replay_equals_graph_shaped_eager(draft, mode, seed):
+    """Captured and graph-shaped eager speculative runners (k = 3) in lockstep through prefill steps beside
+    verifies (odd lengths, a continuation, a checkpoint group with copy-on-write consumers, READY-checkpoint
+    consumers; 3 verifies in bucket 4: one padding request), decodes beside a prefill (the L = 1 bucket), verify
+    graphs between, acceptances with device counts: logits, drafts, verify slots, every state / scratch / pending /
+    KV byte and every live MTP hidden row bit for bit; then a replayed prefill + verify step and its acceptance
+    without a host synchronisation."""
+    rs = [make_runner(mode, 3, True, c, mixed=True, draft=draft) for c in (None, False)]
+    mtp = draft == "mtp"
+    if mtp:
+        for r in rs:
+            r.mtp.hidden.zero_()
+    seqs = {}
+
+    def new(*names):
+        for n in names:
+            seqs[n] = [r.new_seq() for r in rs]
+
+    def check(outs):
+        torch.cuda.synchronize()
+        assert torch.equal(outs[0], outs[1]), "replay != graph-shaped eager"
+        assert_same_state(rs[0], rs[1])
+        if mtp:
+            assert same_bits(rs[0].mtp.hidden[:-1], rs[1].mtp.hidden[:-1]), "MTP hidden rows"
+
+    def step(items, decodes=(), verifies=(), ready=()):
+        slots = {seqs[c][0].slot for c in ready}
+        vt = [[random.randrange(256) for _ in range(1 if mtp else 4)] for _ in verifies]
+        outs = []
+        for i, r in enumerate(rs):
+            pf = [PrefillItem(seqs[n][i], t, producer=p, all_logits=al,
+                              start_from=None if c is None else (seqs[c][i].slot, seqs[c][i].pages))
+                  for n, t, p, c, al in items]
+            outs.append(r.step(pf, [(seqs[n][i], t) for n, t in decodes],
+                               verifies=[(seqs[n][i], t) for n, t in zip(verifies, vt)], ready=slots))
+        check(outs)
+        if verifies:
+            assert torch.equal(rs[0].drafts, rs[1].drafts) and torch.equal(rs[0].verify_slots, rs[1].verify_slots)
+
+    def accept(names, counts):
+        for i, r in enumerate(rs):
+            r.accept([(seqs[n][i], a) for n, a in zip(names, counts)], torch.tensor(counts, device="cuda"))
+        torch.cuda.synchronize()
+        assert_same_state(rs[0], rs[1])
+        if mtp:
+            assert same_bits(rs[0].mtp.hidden[:-1], rs[1].mtp.hidden[:-1]), "MTP hidden rows"
+
+    def it(name, n, producer=-1, checkpoint=None, all_logits=False):
+        return (name, [random.randrange(256) for _ in range(n)], producer, checkpoint, all_logits)
+
+    def dec(*names):
+        return [(n, random.randrange(256)) for n in names]
+
+    new(*"abcd")
+    step([it(n, L) for n, L in zip("abcd", (1, 63, 64, 65))])
+    step([], verifies="abcd")                                          # a verify graph
+    accept("abcd", (4, 1, 2, 3))
+    new("e", "f")
+    step([it("e", 9), it("f", 30)], verifies="abc")                    # 3 verifies: bucket 4, one padding request
+    accept("abc", (2, 4, 1))
+    new("p", "c1", "c2", "c3")
+    step([it("p", 37), it("c1", 1, 0), it("c2", 5, 0), it("c3", 20, 0, all_logits=True)], verifies="abcd")
+    accept("abcd", (3, 3, 4, 2))
+    new("r1", "r2")
+    step([it("r1", 3, checkpoint="p"), it("r2", 66, checkpoint="p")], verifies=["c1", "c2", "e"], ready=("p",))
+    accept(["c1", "c2", "e"], (1, 4, 2))
+    step([it("f", 17)], dec("a", "c3", "r1", "r2"))                   # decodes beside prefill: the L = 1 bucket
+    step([it("f", 12)], verifies=["c1", "c2", "e"])                    # bucket (16, 1, 16, 4, 4), replayed below
+    accept(["c1", "c2", "e"], (2, 2, 3))
+    g = rs[0].graphs
+    assert g.stats["mixed_verify"] == 4 and g.stats["fallback"] == 0 and g.stats["replay"] == 1
+    assert rs[1].graphs.stats["mixed_verify"] == 4
+    r, n = rs[0], g.stats["capture"]
+    names = ["c1", "c2", "e"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:                                          # a bucket captured above: replayed, no capture, no sync
+        r.step([PrefillItem(seqs["f"][0], [random.randrange(256) for _ in range(11)])], [],
+               verifies=[(seqs[x][0], [random.randrange(256) for _ in range(1 if mtp else 4)]) for x in names])
+        r.accept([(seqs[x][0], 2) for x in names], torch.full((3,), 2, device="cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert g.stats["capture"] == n and g.stats["mixed_replay"] == 7 and g.stats["mixed_verify"] == 5
 
 
 def test_warm_up_captures_the_steady_mixed_keys(seed):

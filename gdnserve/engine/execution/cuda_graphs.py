@@ -5,11 +5,13 @@ spec mode) runs the graph of the smallest batch-size bucket Bk >= B, its rows B.
 touch no state (see graph_inputs.py). With the MTP drafter the graph holds its passes too: a verify graph
 drafts the k tokens (the MTP head's k steps, ``MTPDrafter.graph_draft``) into its static ids before the target
 runs, and both kinds store the head's KV pairs and commit its hidden rows after it (``graph_feed``). Prefill
-and mixed steps (prefill segments in one fused launch group, and decodes): the graph of the smallest
-(Tb, Nb, Qb, Bb) bucket (prefill rows, segments, query rows per segment, decode rows), padded as
-mixed_inputs.py says; with the MTP drafter the graph runs the head's feed after the target
-(``MTPDrafter.mixed_feed``: every row's pair stored, each segment's and decode's last hidden committed, from the
-bucket's static vectors). One graph per key, captured
+and mixed steps (prefill segments in one fused launch group, and decodes or verifies): the graph of the smallest
+(Tb, Nb, Qb, Bb, L) bucket (prefill rows, segments, query rows per segment, decode or verify requests of L rows),
+padded as mixed_inputs.py says; verify rows run the GDN verify of the runner's spec mode as the verify graph's
+do. With the MTP drafter the graph drafts its verify rows' k tokens into the static ids first (``graph_draft``
+on the row region's views) and runs the head's feed after the target (``MTPDrafter.mixed_feed``: every row's
+pair stored, each segment's and decode's last hidden committed, from the bucket's static vectors; a verify's
+hidden waits for acceptance, ``verified``). One graph per key, captured
 lazily on first use (or the decode / verify ones all at once by :meth:`StepGraphs.capture_all`), every graph
 in one private memory pool.
 
@@ -18,8 +20,8 @@ only static views (their int32 -> int64 conversions included). What stays eager,
 bookkeeping (pages, lengths, a fork's page copies), the fill and its one upload, the lm head on the live
 logits rows (a fresh logits tensor each step, and no [rows, vocab] buffer per graph), the replay-mode flush
 before decodes and prefills, and accept/commit after a verify (they need the host's acceptance counts;
-ModelRunner gives their index vectors one upload). Any other step — decodes and verifies together, a verify
-with prefill, a prefill mode other than ``fused``, larger than the largest bucket, or a sequence longer than
+ModelRunner gives their index vectors one upload). Any other step — decodes and verifies together (with or
+without prefill), a prefill mode other than ``fused``, larger than the largest bucket, or a sequence longer than
 the page-table width — runs the ordinary eager step.
 
 ``capture=False`` runs the same padded, static-buffer forward eagerly ("graph-shaped eager"): what the
@@ -60,8 +62,10 @@ class StepGraphs:
         if mixed_tokens is not None:
             self.tok_buckets = token_buckets(mixed_tokens)
             self.seq_buckets = tuple(b for b in SEQ_BUCKETS if b < num_slots) + (num_slots,)
-            top = MixedKey(self.tok_buckets[-1], self.seq_buckets[-1], self.tok_buckets[-1], buckets[-1])
-            self.mixed = MixedInputs(top, width, page_size, device, scratch=num_slots if mtp is not None else None)
+            top = MixedKey(self.tok_buckets[-1], self.seq_buckets[-1], self.tok_buckets[-1], buckets[-1],
+                           spec_tokens if spec_mode is not None else 1)
+            self.mixed = MixedInputs(top, width, page_size, device, scratch=num_slots if mtp is not None else None,
+                                     spec_mode=spec_mode)
         self._lens: dict[MixedKey, list[int]] = {}
         self.decode = StepKind(1)
         self.verify = StepKind(spec_tokens, spec_mode) if spec_mode is not None else None
@@ -71,8 +75,8 @@ class StepGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.graphs: dict[Key, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[Key, torch.Tensor] = {}
-        # decode / verify steps: replay, eager (graph-shaped); prefill / mixed: mixed_replay, mixed_eager; capture;
-        # fallback: ordinary eager steps
+        # decode / verify steps: replay, eager (graph-shaped); prefill / mixed: mixed_replay, mixed_eager (of
+        # which mixed_verify had verify rows); capture; fallback: ordinary eager steps
         self.stats: Counter[str] = Counter()
 
     def select(self, decodes: list, verifies: list) -> Key | None:
@@ -89,13 +93,15 @@ class StepGraphs:
             return None
         return kind, Bk
 
-    def select_mixed(self, prefills: list, decodes: list) -> MixedKey | None:
-        """The bucket of a step of ``prefills`` (PrefillItems, one fused group) and ``decodes``, or None: eager."""
-        if self.mixed is None or not prefills:
+    def select_mixed(self, prefills: list, decodes: list, verifies: list = ()) -> MixedKey | None:
+        """The bucket of a step of ``prefills`` (PrefillItems, one fused group) and ``decodes`` or ``verifies`` (not
+        both), or None: eager."""
+        if self.mixed is None or not prefills or (decodes and verifies) or (verifies and self.verify is None):
             return None
+        items, L = (verifies, self.verify.L) if verifies else (decodes, 1)
         lens = [len(it.tokens) for it in prefills]
         key = pick_mixed(self.tok_buckets, self.seq_buckets, self.buckets, sum(lens), len(lens), max(lens),
-                         len(decodes))
+                         len(items), L)
         if key is None:
             return None
         cap, W = self.width * self.page_size, self.width
@@ -107,15 +113,16 @@ class StepGraphs:
                 start = it.start_from[1].length if it.start_from is not None else it.seq.length
             if start + n > cap:
                 return None
-        if any(len(s.pages.pages) + s.pages.pages_needed(1) > W for s, _ in decodes):
+        if any(len(s.pages.pages) + s.pages.pages_needed(L) > W for s, _ in items):
             return None
         return key
 
     @torch.inference_mode()
     def run_mixed(self, key: MixedKey, st: MixedStep, feed=None) -> torch.Tensor:
         """Run a prefill / mixed step laid out by the runner (``st``: its eager-layout vectors and the fused
-        group's slots): fill the bucket's static inputs, replay (or run graph-shaped eager), and return the fp32
-        logits of the step's logits rows, as the eager step would."""
+        group's slots; a verify bucket's: the verify vectors too): fill the bucket's static inputs, replay (or run
+        graph-shaped eager), and return the fp32 logits of the step's logits rows, as the eager step would. With
+        verify rows their drafts and slots are then :meth:`mixed_drafts` / :meth:`mixed_verify_slots`."""
         if self.capture and key not in self.graphs:
             self._capture(key)
         self._lens[key] = self.mixed.fill(key, st)
@@ -128,7 +135,19 @@ class StepGraphs:
         else:
             h = self._forward(key)
             self.stats["mixed_eager"] += 1
+        if key.verify:
+            self.stats["mixed_verify"] += 1
+            if self.mtp is not None:                      # the live verify rows' hidden, for acceptance
+                self.mtp.verified(h[key.T:key.T + len(st.decode_slots) * key.L])
         return self.model.logits(h[self.mixed.views(key)["rows"][:len(st.rows)].long()])
+
+    def mixed_drafts(self, key: MixedKey, B: int) -> torch.Tensor:
+        """[B, k] int64 drafts of the verify rows of the mixed step just run (a copy, read before the next fill)."""
+        return self.mixed.views(key)["ids"][key.T:key.T + B * key.L].view(B, key.L)[:, 1:].long()
+
+    def mixed_verify_slots(self, key: MixedKey, B: int) -> torch.Tensor:
+        """[B] int32 slots of the verify rows of the mixed step just run (its static input)."""
+        return self.mixed.views(key)["dslots"][:B]
 
     @torch.inference_mode()
     def run(self, key: Key, items: list, feed=None) -> torch.Tensor:
@@ -203,13 +222,21 @@ class StepGraphs:
         return h
 
     def _forward_mixed(self, key: MixedKey) -> torch.Tensor:
-        """A prefill / mixed bucket's region: hidden states [Tb + Bb, hidden] (mixed_inputs.py's layout)."""
+        """A prefill / mixed bucket's region: hidden states [Tb + Bb * L, hidden] (mixed_inputs.py's layout)."""
         v = self.mixed.views(key)
         meta = self.mixed.meta(key, self._lens[key])
         plan = PrefillPlan("fused", key.T, (LaunchGroup(0, key.T, meta, v["src"], v["dst"], v["par"]),))
-        attn = AttnMeta(v["cu"], v["kv"], v["table"], v["smap"].long(), v["tok"].long(), max_q_len=key.Q,
+        attn = AttnMeta(v["cu"], v["kv"], v["table"], v["smap"].long(), v["tok"].long(), max_q_len=max(key.Q, key.L),
                         zero_out=True)
-        ctx = ForwardContext(v["pos"].long(), key.T, plan, v["dslots"] if key.B else None, attn)
+        vm = None
+        if key.verify:
+            vm = VerifyMeta(self.verify.verify, key.L, v["dslots"], v["v_out"], v.get("v_in"), v.get("v_num"))
+            if self.mtp is not None:                      # the drafts into the static ids, before they are read
+                T, B, N = key.T, key.B, key.N
+                self.mtp.graph_draft({"ids": v["ids"][T:], "pos": v["pos"][T:], "smap": v["smap"][T:T + B * key.L],
+                                      "slots": v["dslots"], "kv": v["kv"][N + 1:], "table": v["table"][N + 1:]},
+                                     key.L)
+        ctx = ForwardContext(v["pos"].long(), key.T, plan, v["dslots"] if key.B and vm is None else None, attn, vm)
         with forward_context(ctx):
             h = self.model.norm(self.model.hidden_states(v["ids"].long()))
         if self.mtp is not None:
@@ -226,35 +253,33 @@ class StepGraphs:
 
     def steady_keys(self) -> list[MixedKey]:
         """The mixed buckets a loaded server lives in: one or two prompts' chunks filling the step's token budget
-        (the largest token bucket, queries of one segment up to all of it) beside the decodes of every decode
-        bucket (and none), largest first. ``warm_up`` captures them so the first requests at each batch size do
+        (the largest token bucket, queries of one segment up to all of it) beside the decodes (a speculative
+        runner: the verifies) of every batch bucket (and none), largest first. ``warm_up`` captures them so the first requests at each batch size do
         not pay a capture (and the compiles it triggers) inside their TTFT; other mixed keys are captured when
         first met, as before."""
         if self.mixed is None:
             return []
         T = self.tok_buckets[-1]
-        keys = [pick_mixed(self.tok_buckets, self.seq_buckets, self.buckets, T, n, T, B)
+        L = self.verify.L if self.verify is not None else 1     # a speculative engine's running requests verify
+        keys = [pick_mixed(self.tok_buckets, self.seq_buckets, self.buckets, T, n, T, B, L)
                 for B in sorted((0, *self.buckets), reverse=True) for n in (1, 2)]
         return list(dict.fromkeys(k for k in keys if k is not None))
 
     @torch.inference_mode()
     def warm_up(self) -> int:
-        """Before serving (``ModelRunner.warm_up``): every decode / verify bucket captured (capture on), and with the
-        MTP drafter its draft run at every batch size up to the largest bucket, graph-shaped, every row padding: an
-        eager step that mixes prefill and verifies drafts at its exact B, and each launch config that B picks
-        compiles here instead of in the first request that meets it (seconds each at full size). Writes no state
-        (padding rows store no KV and read finite rows). Returns the graphs captured."""
+        """Before serving (``ModelRunner.warm_up``): every decode / verify bucket and the steady-state mixed buckets
+        (``steady_keys``) captured (capture on; each capture compiles its kernels first). The MTP draft is no longer run at every batch size here (92 s on the H200 at
+        bucket 256): a step with verifies beside prefill drafts inside its mixed graph, at a bucket size, like a
+        verify-only step. Only a step with decodes and verifies together still drafts eagerly at its exact B (a
+        request that stops speculating for a step beside others that verify); the launch configs it meets compile
+        in that step. Writes no state (padding rows store no KV and read finite rows). Returns the graphs
+        captured."""
         n0 = self.stats["capture"]
         if self.capture:
             self.capture_all()
             for key in self.steady_keys():
                 if key not in self.graphs:
                     self._capture(key)
-        if self.mtp is not None and self.verify is not None:
-            empty = {name: [] for name in ("ids", "pos", "smap", *self.verify.row_vectors())}
-            for B in range(1, self.buckets[-1] + 1):
-                self.inputs.fill(self.verify, B, empty, [])
-                self.mtp.graph_draft(self.inputs.views(self.verify, B), self.verify.L)
         return self.stats["capture"] - n0
 
     def _capture(self, key: Key) -> None:

@@ -155,9 +155,9 @@ class ModelRunner:
             self.graphs.capture_all()
 
     def warm_up(self) -> str:
-        """Before serving: what ``StepGraphs.warm_up`` does (every decode / verify graph captured, the MTP draft's
-        launch configs compiled), timed, the device synchronised. Returns a line for the banner ("" without graphs:
-        CPU, tensor parallelism, ``--no-cuda-graphs``)."""
+        """Before serving: what ``StepGraphs.warm_up`` does (every decode / verify graph captured), timed, the device
+        synchronised. Returns a line for the banner ("" without graphs: CPU, tensor parallelism,
+        ``--no-cuda-graphs``)."""
         if self.graphs is None:
             return ""
         t = time.perf_counter()
@@ -165,11 +165,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         g = self.graphs
-        steady = f", mixed steps of {g.tok_buckets[-1]} prefill tokens beside each" if g.mixed is not None else ""
+        rows = "verifies" if g.verify is not None else "decodes"
+        steady = f", mixed steps of {g.tok_buckets[-1]} prefill tokens beside each bucket's {rows}" \
+            if g.mixed is not None else ""
         what = f"{n} CUDA graphs captured (decode{' and verify' if g.verify else ''} steps, batch buckets " \
                f"{g.buckets[0]}..{g.buckets[-1]}{steady})" if g.capture else "graphs not captured"
-        mtp = f", the MTP draft at every batch size up to {self.graphs.buckets[-1]}" if self.mtp is not None else ""
-        return f"{what}{mtp}, in {time.perf_counter() - t:.1f} s"
+        return f"{what}, in {time.perf_counter() - t:.1f} s"
 
     def _bind_spec(self, gdn, gs: GDNShape) -> None:
         """Per GDN layer: drafted raw conv inputs (scratch rows = slots in intermediate mode, ping-pong pending rows
@@ -254,9 +255,9 @@ class ModelRunner:
         that were verified are ``self.drafts`` ([B, k] on the device). Verify items carry their L tokens, or with
         ``spec_draft="mtp"`` only the last sampled token: the MTP head drafts the other k in this step.
         A decode-only or verify-only step may run a CUDA graph (``self.graphs``; with the MTP drafter its draft and
-        KV passes inside it), a prefill or mixed step too (with the MTP drafter its feed pass inside it); its logits
-        are the same. ``ready``: the READY checkpoint slots among those the prefills write or read (the scheduler's
-        ``StepBatch.ready``), for the plan's ownership check.
+        KV passes inside it), a prefill step beside decodes or verifies too (with the MTP drafter its verify rows'
+        draft and every row's feed pass inside it); its logits are the same. ``ready``: the READY checkpoint slots
+        among those the prefills write or read (the scheduler's ``StepBatch.ready``), for the plan's ownership check.
         ``feed``: decode tokens that are still on the device (the overlapped loop), written over the placeholders
         the host laid out."""
         if feed is not None and (verifies or self.mtp is not None):
@@ -285,10 +286,10 @@ class ModelRunner:
                         self.drafts = self.graphs.drafts(key, len(verifies))
                         self.verify_slots = self.graphs.verify_slots(key, len(verifies))
                     return logits
-            elif not verifies:
-                mkey = self.graphs.select_mixed(prefills, decodes)
+            else:                             # prefill beside decodes or verifies (not both)
+                mkey = self.graphs.select_mixed(prefills, decodes, verifies)
                 if mkey is not None:
-                    return self._step_mixed(mkey, prefills, decodes, ready)
+                    return self._step_mixed(mkey, prefills, decodes, verifies, ready)
             if not prefills or self.graphs.mixed is not None:      # a step the graphs could have taken
                 self.graphs.stats["fallback"] += 1
         return self.execute(self.prepare(prefills, decodes, verifies, ready))
@@ -340,21 +341,28 @@ class ModelRunner:
         return logits
 
     def _step_mixed(self, key: MixedKey, prefills: list[PrefillItem], decodes: list[tuple[SeqState, int]],
-                    ready: frozenset[int]) -> torch.Tensor:
+                    verifies: list[tuple[SeqState, list[int]]], ready: frozenset[int]) -> torch.Tensor:
         """A prefill / mixed step through its graph bucket: the segments validated (before any page moves),
-        laid out as the eager step lays them (forks, pages, lengths; the MTP head's feed rows too), then padded
-        into the bucket."""
+        laid out as the eager step lays them (forks, pages, lengths; verify rows and their GDN rows; the MTP
+        head's feed rows too), then padded into the bucket. With verifies, ``drafts`` and ``verify_slots`` as
+        the eager step leaves them (the MTP drafts made inside the graph)."""
         segs = self._segments(prefills)
         src, dst, par = fused_group(segs, ready)
         host = StepInputs()
         mtp = MTPStepIndex() if self.mtp is not None else None
         self._lay_prefills(prefills, segs, host, mtp)
-        self._lay_decodes(decodes, [], host, mtp)
+        self._lay_decodes(decodes, verifies, host, mtp)
         if host.copies:                       # copy-on-write tail pages, before the graph stores this step's KV
             self.pages.copy_pages([s for s, _ in host.copies], [d for _, d in host.copies])
         st = MixedStep(host.ids, host.pos, host.slots + host.dup_slots, host.dup_rows, host.cu, host.kv,
-                       host.tables, host.rows, host.num_prefill, src, dst, par, [s.slot for s, _ in decodes], mtp)
-        return self.graphs.run_mixed(key, st, self._feed)
+                       host.tables, host.rows, host.num_prefill, src, dst, par,
+                       host.v_slots if verifies else [s.slot for s, _ in decodes], mtp, host.v_out, host.v_in,
+                       host.v_num)
+        logits = self.graphs.run_mixed(key, st, self._feed)
+        if verifies:
+            self.drafts = self.graphs.mixed_drafts(key, len(verifies))
+            self.verify_slots = self.graphs.mixed_verify_slots(key, len(verifies))
+        return logits
 
     @staticmethod
     def _segments(prefills: list[PrefillItem]) -> list[PrefillSegment]:

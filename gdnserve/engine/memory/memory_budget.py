@@ -147,16 +147,19 @@ def estimate_activations(model_cfg, cfg: EngineConfig, dtype: torch.dtype, tp: i
 
 
 def estimate_graphs(model_cfg, cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
-    """The CUDA graphs' pool: the largest captured step's intermediates without the logits (prefill / mixed graphs
-    reach max_step_tokens; decode graphs max_num_seqs x (spec_k + 1) rows), plus the hidden outputs the captured
-    graphs keep (an allowance of 16 of the largest, plus the steady-state mixed graphs the start-up warm-up
-    captures: two per decode bucket and none, ``StepGraphs.steady_keys``). 0 where no graphs are captured."""
+    """The CUDA graphs' pool: the largest captured step's intermediates without the logits, plus the hidden outputs
+    the captured graphs keep (an allowance of 16 of the largest, plus the steady-state mixed graphs the start-up
+    warm-up captures: two per batch bucket and none, ``StepGraphs.steady_keys``). Decode / verify graphs have
+    max_num_seqs x (spec_k + 1) rows; a prefill / mixed graph's token bucket reaches max_step_tokens and its row
+    region holds up to the largest batch bucket's decodes or verifies (spec_k + 1 rows each) besides, however few
+    prefill tokens the scheduler left them. 0 where no graphs are captured."""
     if device.type != "cuda" or cfg.graphs is False:
         return 0
     mixed = cfg.prefill_mode == "fused"
-    T = cfg.max_step_tokens if mixed else cfg.max_num_seqs * (cfg.spec_k + 1)
+    rows = min(cfg.max_num_seqs, BUCKETS[-1]) * (cfg.spec_k + 1)
+    T = cfg.max_step_tokens + rows if mixed else rows
     kept = 16 + (2 * (len(BUCKETS) + 1) if mixed else 0)
-    keep = kept * (T + (cfg.max_num_seqs if mixed else 0)) * model_cfg.hidden_size * dtype.itemsize
+    keep = kept * T * model_cfg.hidden_size * dtype.itemsize
     return estimate_activations(model_cfg, cfg, dtype, logits=False, tokens=T) + keep
 
 
