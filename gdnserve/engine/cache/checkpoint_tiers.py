@@ -21,9 +21,10 @@ once the host tier is empty discards ahead copies (oldest first: the device stil
 
 Host memory: a spill takes a block of the arena, evicting the host tier's LRU until one fits (no allocation in the
 step loop). A block goes back to the arena (``HostCheckpoint.release``) only when nothing reads it any more; GPU
-copies are ordered by the copier's one stream, CPU threads are not:
+copies are ordered by the copier's streams (checkpoint_copy.py), CPU threads are not:
 
-- evicted with no disk tier: at once (a later copy into the block is queued after the copies out of it);
+- evicted with no disk tier: at once (a later copy down into the block is queued after the one that filled it,
+  on the same stream);
 - evicted to disk: by the disk writer once it has read the tensors, also when the write fails. Such a block comes
   back later, not for the spill that evicted it: with a disk tier a spill evicts only until the blocks on their way
   back cover its size (evicting more would push the whole host tier into the write queue for one spill);
@@ -278,8 +279,8 @@ class CheckpointTiers:
         return False
 
     def _land(self, r: Restore) -> None:
-        """The copy up is queued: its block goes back to the arena now (the next copy into it runs on the copier's
-        stream after this copy's reads; tests/engine/test_checkpoint_tiers_gpu.py checks it on the device), the
+        """The copy up is queued: its block goes back to the arena now (the next copy down into it waits for this
+        copy's reads: ``Copier._reads``; tests/engine/test_checkpoint_tiers_gpu.py checks it on the device), the
         restore's latency is counted when its event completes."""
         r.hc.release()
         if r.event is None:

@@ -11,10 +11,9 @@ RESTORE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 
 class TierStats:
     """Counters of the tiers, read by /metrics (entrypoints/metrics.py): hits per tier, restores per source tier,
-    spills (device -> host copies; those made ahead of
-    need; evictions that had to copy down then), spills dropped (no tier had room), disk writes, bytes moved per direction, and
-    the restore latency (lookup to READY) as histogram bucket counts. Written by the engine thread and the disk
-    thread (one lock)."""
+    spills (device -> host copies; those made ahead of need; evictions that had to copy down then), spills dropped
+    (no tier had room), disk writes, bytes moved per direction, and the restore latency (lookup to READY) as
+    histogram bucket counts. Written by the engine thread and the disk thread (one lock)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
