@@ -1,8 +1,8 @@
 """Spill ahead and the two copy streams of the checkpoint tiers (engine/cache/checkpoint_tiers.py, checkpoint_copy.py)
 on CPU tensors: the free-slot watermark copies the device's next LRU victims down once (never twice), a hit on such a
 checkpoint still hits on the device, its eviction moves the copy into the host tier without a new copy and a later
-lookup restores it bit for bit; an ahead copy never pushes out another, an eviction's spill discards them before it
-drops; random sequences keep the arena's blocks exact (host tier + ahead copies) and the placement across tiers
+lookup restores it bit for bit; an ahead copy pushes out the host tier's LRU only for bytes (never for a hole) and
+never another ahead copy, an eviction's spill discards them before it drops; random sequences keep the arena's blocks exact (host tier + ahead copies) and the placement across tiers
 that of the same sequence without spill ahead (LRU order preserved). The streams are no-ops on CPU: their event
 bookkeeping (a restore after its copy down, a copy down into a block after the copies up still reading it, the slot
 freed after the gathers) is checked by structure with fake streams and events. The engine: the watermark spills
@@ -115,7 +115,7 @@ def test_an_eviction_without_an_ahead_copy_counts_as_waited(tmp_path):
     assert metric["gdnserve:checkpoint_spills_ahead"].samples[0].value == 0
 
 
-def test_ahead_copies_push_out_the_host_lru_never_each_other_and_an_eviction_discards_them(tmp_path):
+def test_ahead_copies_push_out_the_host_lru_for_bytes_never_each_other_and_an_eviction_discards_them(tmp_path):
     r = ahead_rig(tmp_path, host_ckpts=2)
     for ids in IDS[:5]:
         r.make(ids)                                  # IDS[0] in the host tier: one block left
@@ -128,6 +128,25 @@ def test_ahead_copies_push_out_the_host_lru_never_each_other_and_an_eviction_dis
     assert r.where(IDS[3]) == "host" and list(r.tiers.ahead) == [checkpoint_key(IDS[2])]
     assert r.stats.evictions_waited == 2 and r.stats.dropped == 0 and exact_blocks(r)    # IDS[0]'s, IDS[3]'s
     assert same(r.snap(r.restore(IDS[3])), r.data[IDS[3]])
+
+
+def test_an_ahead_copy_never_evicts_for_a_hole_only_for_bytes(tmp_path):
+    """Free bytes enough but no hole that fits: a spill ahead evicts nothing (the restores before the eviction may
+    free a neighbour; evicting for fragmentation early cost later turns' hits), the eviction itself does."""
+    r = ahead_rig(tmp_path, host_ckpts=4, num_pages=72)
+    hcs = [r.copier.empty(bytes([i]) * 16, (i,), 1) for i in range(4)]
+    assert [hc.block.offset for hc in hcs] == [0, r.per, 2 * r.per, 3 * r.per]     # one block each, the arena full
+    for hc in hcs:
+        r.tiers._host_put(hc)
+    for hc in (hcs[1], hcs[3]):
+        r.tiers.claim(hc.key, "host").release()      # holes at blocks 1 and 3: two blocks free, none adjacent
+    n = next(n for n in range(2, 72) if r.copier.bytes_of(n) == 2 * r.per)
+    big = tuple(range(1000, 1000 + n * 4))           # a checkpoint of two blocks
+    r.make(big)
+    assert r.ck.spill_ahead(4) == 0 and len(r.tiers.host) == 2 and not r.tiers.ahead
+    r.ck.evict(1)                                    # the eviction evicts the host LRU: blocks 0 + 1 merge
+    assert r.where(big) == "host" and hcs[0].key not in r.tiers.host and exact_blocks(r)
+    assert same(r.snap(r.restore(big)), r.data[big])
 
 
 def test_an_ahead_copy_whose_checkpoint_left_without_a_spill_is_dropped(tmp_path):
