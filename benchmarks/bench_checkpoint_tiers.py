@@ -82,6 +82,8 @@ def engine_config(args: argparse.Namespace, plan: Plan, host_gb: float) -> Engin
     return EngineConfig(max_num_seqs=plan.concurrency, max_model_len=args.max_model_len, num_slots=plan.num_slots,
                         num_pages=args.num_pages, max_step_tokens=args.max_step_tokens,
                         checkpoint_host_memory_gb=host_gb, cuda_graphs=False if args.no_graphs else None,
+                        checkpoint_spill_ahead=(EngineConfig.checkpoint_spill_ahead if args.spill_ahead is None
+                                                else args.spill_ahead),
                         gpu_memory_utilization=args.gpu_memory_utilization, model_name="bench-tiers")
 
 
@@ -177,6 +179,8 @@ def restore_vs_recompute(e: LLMEngine, k: int, device: torch.device) -> list[dic
             recompute = time.perf_counter() - t0
             e.kv.free_seq(seq)
         victim = ck.index.lru_victims(1)
+        if victim:
+            tiers.drop_ahead(victim[0].key)             # a copy made ahead would make the eviction free: time one
         t0 = time.perf_counter()
         ck.evict(1)                                     # a spill: issued, then waited for
         sync(device)
@@ -209,6 +213,11 @@ def markdown(res: dict[str, Any]) -> str:
         for r in res["restore"]:
             lines.append(f"| {r['tokens']} | {r['mbytes']:.1f} | {r['restore_ms']:.2f} | {r['recompute_ms']:.2f} | "
                          f"{r['ratio']:.3f} | {r['restore_gbps']:.1f} | {r['spill_ms']:.2f} |")
+    sp = res.get("spills", {})
+    if sp:
+        lines += ["", f"Tier on, spill ahead {res.get('spill_ahead')}: {sp['spills']} spills, {sp['spills_ahead']} "
+                      f"of them ahead of need, {sp['evictions_waited']} evictions that copied down then, "
+                      f"{sp['dropped']} dropped."]
     t = res["targets"]
     lines += ["", "## Targets (issue 30)", "",
               f"- later turns' hit rate with the tier on: {t['hit_rate_on']:.1%} (goal >= 95 %)",
@@ -238,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=None, help="checkpoints timed in the restore-vs-recompute part")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--spill-ahead", type=int, default=None,
+                    help="the engine's checkpoint_spill_ahead watermark (default: EngineConfig's; 0: off)")
     ap.add_argument("--time-budget", type=float, default=540.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -274,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode}: engine in {time.perf_counter() - t0:.1f} s: {e.kv.state.num_slots} slots, "
               f"{e.kv.pages.num_pages} pages, host tier {host_gb:.2f} GiB", flush=True)
         rows += run_mode(e, plan, conversations(plan, vocab, args.seed), mode, device, deadline)
+    snap = e.tier_stats.snapshot() if e.tier_stats is not None else {}
     if time.perf_counter() < deadline:
         restore = restore_vs_recompute(e, plan.samples, device)
     plan.host_gb = host_gb
@@ -286,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     res = {"device": device.type, "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
            "versions": f"torch {torch.__version__}, triton {triton.__version__}, model random-{args.random} {dtype}",
            "plan": plan.__dict__, "gpu_capacity": capacity, "host_gb": host_gb, "rows": rows, "restore": restore,
-           "targets": targets}
+           "targets": targets, "spill_ahead": e.config.checkpoint_spill_ahead,
+           "spills": {k: snap.get(k, 0) for k in ("spills", "spills_ahead", "evictions_waited", "dropped")}}
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"checkpoint_tier_{'h200' if cuda and 'H200' in res['device_name'] else device.type}"
     (args.out / f"{name}.json").write_text(jsonfmt.dumps(res))

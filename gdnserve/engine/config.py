@@ -30,7 +30,10 @@ class EngineConfig:
     ``checkpoint_host_memory_gb`` > 0: evicted checkpoints are copied to that much pinned host memory (one arena
     pinned at start-up; ordinary memory on CPU) and restored on a hit; ``checkpoint_dir``: below it (or below the device when the host tier is off) a
     directory of checkpoint files of at most ``checkpoint_dir_max_gb``, kept across restarts
-    (engine/cache/checkpoint_tiers.py; docs/serving.md "Checkpoint tiers").
+    (engine/cache/checkpoint_tiers.py; docs/serving.md "Checkpoint tiers"). ``checkpoint_spill_ahead`` W (host tier
+    on): when fewer than W state slots are free (or too few KV pages for the running requests and the next waiting
+    one), the least recently used READY checkpoints are copied to the host tier in the background, staying usable on
+    the device until their slot is needed, then dropped without a copy (0: off; only evictions copy down).
 
     ``overlap``: the overlapped loop (llm_engine.py: step n + 1 is scheduled and launched with step n's sampled ids
     still on the device, and step n's outputs processed while it runs); None = ``OVERLAP_BY_DEFAULT`` on a CUDA device. It needs
@@ -58,6 +61,7 @@ class EngineConfig:
     checkpoint_host_memory_gb: float = 0.0
     checkpoint_dir: str | None = None
     checkpoint_dir_max_gb: float = 64.0
+    checkpoint_spill_ahead: int = 2
     overlap: bool | None = None
 
     def __post_init__(self) -> None:
@@ -88,6 +92,9 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        w = self.checkpoint_spill_ahead
+        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+            raise ValueError(f"checkpoint_spill_ahead must be an int >= 0, got {w!r}")
         if self.checkpoint_dir is not None and (not isinstance(self.checkpoint_dir, str) or not self.checkpoint_dir):
             raise ValueError(f"checkpoint_dir must be null or a directory path, got {self.checkpoint_dir!r}")
         tp = self.tensor_parallel_size

@@ -134,8 +134,15 @@ class _TierCollector:
             for k, v in sorted(values.items()):
                 fam.add_metric([k], v)
             yield fam
-        yield CounterMetricFamily(P + "checkpoint_spills", "READY checkpoints copied down from the GPU on eviction.",
+        yield CounterMetricFamily(P + "checkpoint_spills", "READY checkpoints copied down from the GPU (on eviction, or "
+                                  "ahead of it).",
                                   value=snap["spills"])
+        yield CounterMetricFamily(P + "checkpoint_spills_ahead", "Of the spills: READY checkpoints copied down "
+                                  "ahead of need (the free-slot watermark), freed later without a copy.",
+                                  value=snap["spills_ahead"])
+        yield CounterMetricFamily(P + "checkpoint_evictions_waited", "GPU evictions that copied their checkpoint "
+                                  "down then (no copy made ahead): the step after waits for its gather.",
+                                  value=snap["evictions_waited"])
         yield CounterMetricFamily(P + "checkpoint_spills_dropped", "READY checkpoints evicted from the GPU that no "
                                   "lower tier could take (the host arena full, no disk tier).", value=snap["dropped"])
         yield CounterMetricFamily(P + "checkpoint_restore_failures", "Restores that failed (a corrupt or vanished "

@@ -73,6 +73,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    default=_D.checkpoint_host_memory_gb, metavar="GB",
                    help="GiB of pinned host memory for checkpoints evicted from the GPU: copied down instead of "
                         "dropped, restored on a hit (default 0 = off; on CPU ordinary memory, for tests)")
+    m.add_argument("--checkpoint-spill-ahead", dest="checkpoint_spill_ahead", type=int,
+                   default=_D.checkpoint_spill_ahead, metavar="N",
+                   help="with --checkpoint-host-memory: when fewer than N state slots are free, copy the least "
+                        "recently used checkpoints to host memory in the background (still usable on the GPU "
+                        "until their slot is needed, then freed without a copy; 0 = off; default "
+                        f"{_D.checkpoint_spill_ahead})")
     m.add_argument("--checkpoint-dir", default=_D.checkpoint_dir, metavar="PATH",
                    help="directory for checkpoints evicted below the host tier (or the device when it is off) and for "
                         "every checkpoint at a graceful shutdown; found again at the next start with the same model "
@@ -147,7 +153,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 ENGINE_FLAGS = ("prefill_mode", "max_num_seqs", "max_model_len", "num_pages", "num_slots", "spec_k", "spec_mode",
                 "spec_draft", "cuda_graphs", "auto_checkpoints", "tensor_parallel_size", "gpu_memory_utilization",
                 "memory_budget_gb", "overlap",
-                "checkpoint_host_memory_gb", "checkpoint_dir", "checkpoint_dir_max_gb")
+                "checkpoint_host_memory_gb", "checkpoint_spill_ahead", "checkpoint_dir", "checkpoint_dir_max_gb")
 
 
 def engine_config(args: argparse.Namespace, **fixed) -> EngineConfig:

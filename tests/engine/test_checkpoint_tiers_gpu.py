@@ -1,15 +1,21 @@
-"""GPU-only: the GPU <-> host path of the checkpoint tiers (engine/cache/checkpoint_copy.py) with its stream ordering, and
-the engine with CUDA graphs on.
+"""GPU-only: the GPU <-> host path of the checkpoint tiers (engine/cache/checkpoint_copy.py) with its stream ordering,
+and the engine with CUDA graphs on.
 
 - A snapshot is exact although the step that follows overwrites the evicted rows at once (the current stream
   waits on the copy's event); a restore is exact although the destination was written just before (the copier
   stream waits on the current stream), and it is bit for bit what was evicted; the host buffer is pinned.
 - The host arena (engine/cache/host_arena.py) is pinned in place by cudaHostRegister (no power-of-two rounding) and
   its blocks are exact both ways; a block released while its copy up is still queued and taken at once by the next
-  snapshot is overwritten only after that copy up read it (the copier's one stream orders them).
+  snapshot is overwritten only after that copy up read it (the stream down waits for it: ``Copier._reads``).
+- The two copy streams: a restore runs while a spill (ahead) is still held on the stream down and is exact; a
+  restore of a checkpoint whose copy down is still in flight reads it after that copy; a restore into the slot an
+  eviction's spill just freed lands after the spill's gathers (both exact); a copy down into the block a queued
+  copy up still reads waits for it.
 - The engine (embedded model, bf16, CUDA graphs on) with 6 state slots and a host tier: later turns of conversations
   whose checkpoints were evicted hit from the host and give the greedy tokens of an engine that kept them all on
   the GPU (the same checkpoint state, the same kernels); nothing leaks (state, pages, arena blocks); close unpins.
+  With spill ahead (the default watermark) and two requests in flight, restores run while spills are in flight:
+  every restored slot is bit for bit the slot copied down.
 Run on the H200: ``python -m pytest -q tests/engine/test_checkpoint_tiers_gpu.py`` (well under 60 s)."""
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from gdnserve.engine.cache.checkpoint_copy import Copier
 from gdnserve.engine.cache.host_arena import HostArena, block_size
 from gdnserve.engine.cache.page_pool import PagePool, PagePoolConfig
 from gdnserve.engine.cache.state_pool import StatePool, StatePoolConfig
+from gdnserve.engine.sampling_params import SamplingParams
 from gdnserve.entrypoints.llm import LLM
 from tests.engine.test_checkpoint_tiers import _run
 
@@ -97,6 +104,125 @@ def test_arena_blocks_are_pinned_in_place_exact_and_reused_in_stream_order():
     assert arena.used == 0
     arena.close()                          # unregistered (a failure would log a warning)
     assert arena.closed
+
+
+def _pools(num_slots=6):
+    st = StatePool(StatePoolConfig(num_layers=3, num_slots=num_slots, HV=8, K=64, V=64, conv_dim=96, conv_width=4,
+                                   device="cuda"))
+    pg = PagePool(PagePoolConfig(num_layers=2, num_pages=64, page_size=16, num_kv_heads=2, head_dim=64,
+                                 device="cuda"))
+    for t in (st.conv_pools, st.ssm_pools, pg.k_pools, pg.v_pools):
+        t.copy_(torch.randn(t.shape, device="cuda").to(t.dtype))
+    return st, pg
+
+
+def _snap(st, pg, slot, pages):
+    return [bits(st.conv_pools[:, slot]).cpu(), bits(st.ssm_pools[:, slot]).cpu(), bits(pg.k_pools[:, pages]).cpu(),
+            bits(pg.v_pools[:, pages]).cpu()]
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_restores_run_beside_spills_on_their_own_stream_and_every_ordering_holds():
+    st, pg = _pools()
+    per = block_size(Copier(st, pg).layout_bytes(5))
+    arena = HostArena(4 * per, pinned=True)
+    cp = Copier(st, pg, arena=arena)
+    assert cp.up is not cp.down
+    a_pages, b_pages, c_pages = [7, 8, 9, 3, 40], [10, 11, 12, 13, 14], [20, 21, 22, 23, 24]
+    want_a, want_b = _snap(st, pg, 2, a_pages), _snap(st, pg, 3, b_pages)
+    a = cp.empty(b"a" * 16, (1,), 5)
+    cp.copy_down(a, 2, a_pages)
+    a.wait()
+    # 1. a restore while a spill ahead is held on the stream down: it does not wait for it
+    with torch.cuda.stream(cp.down):
+        torch.cuda._sleep(200_000_000)
+    b = cp.empty(b"b" * 16, (2,), 5)
+    arena.view(b.block).fill_(0xFF)                    # garbage until its copy down lands
+    cp.copy_down(b, 3, b_pages, free=False)            # held behind the sleep
+    up = cp.restore(a, 4, [30, 31, 32, 33, 34])
+    up.synchronize()
+    assert not b.copied(), "the restore waited for the spill's stream (or the sleep was too short)"
+    assert _same(_snap(st, pg, 4, [30, 31, 32, 33, 34]), want_a)
+    # 2. a restore of b, whose copy down is still held: it reads b after that copy
+    cp.restore(b, 5, [40, 41, 42, 43, 44]).synchronize()
+    assert b.copied() and _same(_snap(st, pg, 5, [40, 41, 42, 43, 44]), want_b)
+    # 3. an eviction's spill frees slot 2 and its pages; a restore into them at once lands after the gathers
+    with torch.cuda.stream(cp.down):
+        torch.cuda._sleep(50_000_000)
+    c = cp.empty(b"c" * 16, (3,), 5)
+    want_c = _snap(st, pg, 2, a_pages)
+    cp.copy_down(c, 2, a_pages)                        # free=True: the current stream waits for its gathers
+    cp.restore(b, 2, a_pages).synchronize()            # b into the freed slot and pages
+    c.wait()
+    assert _same([bits(c.tensors[n]) for n in ("conv", "ssm", "k", "v")], want_c)
+    assert _same(_snap(st, pg, 2, a_pages), want_b)
+    # 4. a copy down into a block whose copy up is still queued waits for that copy up's reads
+    with torch.cuda.stream(cp.up):
+        torch.cuda._sleep(200_000_000)
+    ev = cp.restore(c, 1, c_pages)                     # held behind the sleep on the stream up
+    offset = c.block.offset
+    c.release()
+    d = cp.empty(b"d" * 16, (4,), 5)
+    assert d.block.offset == offset                    # first fit: c's block, the lowest free one
+    cp.copy_down(d, 5, [40, 41, 42, 43, 44])           # must not overwrite it before the copy up read it
+    ev.synchronize()
+    d.wait()
+    assert _same(_snap(st, pg, 1, c_pages), want_c)
+    torch.cuda.synchronize()
+    for hc in (a, b, d):
+        hc.release()
+    assert arena.used == 0
+    arena.close()
+
+
+
+def test_engine_with_graphs_restores_exactly_while_spilling_ahead():
+    rng = random.Random(7)
+    convs = [[rng.randrange(3, 250) for _ in range(300 + 37 * i)] for i in range(10)]
+    kw = {"device": "cuda", "max_num_seqs": 2, "page_size": 16, "cuda_graphs": True}
+    tiered = LLM(num_slots=6, num_pages=512, checkpoint_host_memory_gb=0.05, checkpoint_spill_ahead=2, **kw).engine
+    resident = LLM(num_slots=48, num_pages=2048, **kw).engine     # every checkpoint stays on the GPU
+    st = tiered.runner.state
+    cp = tiered.kv.checkpoint_cache.tiers.copier
+    down, ups = {}, []
+    copy_down, restore = cp.copy_down, cp.restore
+
+    def spy_down(hc, slot, pages, free=True):
+        down[hc.key] = (bits(st.ssm_pools[:, slot]), bits(st.conv_pools[:, slot]))     # queued before the copy
+        return copy_down(hc, slot, pages, free=free)
+
+    def spy_up(hc, slot, pages):
+        out = restore(hc, slot, pages)
+        ups.append((hc.key, bits(st.ssm_pools[:, slot]), bits(st.conv_pools[:, slot])))   # after the scatter
+        return out
+    cp.copy_down, cp.restore = spy_down, spy_up
+    firsts = [_run(tiered, c, 6).outputs[0].token_ids for c in convs]
+    assert firsts == [_run(resident, c, 6).outputs[0].token_ids for c in convs]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for e in (tiered, resident):                       # two next turns in flight at a time
+        for c, out in zip(convs, firsts):
+            e.add_request(f"t{len(c)}", c + out + [9, 10, 11], params)
+    outs = {id(e): {} for e in (tiered, resident)}
+    for e in (tiered, resident):
+        while e.has_unfinished():
+            for o in e.step():
+                if o.finished:
+                    outs[id(e)][o.request_id] = o.outputs[0].token_ids
+    assert outs[id(tiered)] == outs[id(resident)] and len(outs[id(resident)]) == len(convs)
+    s = tiered.tier_stats.snapshot()
+    assert s["spills_ahead"] > 0 and s["restores"]["host"] >= 2 and len(ups) == s["restores"]["host"]
+    torch.cuda.synchronize()
+    for key, ssm, conv in ups:
+        assert torch.equal(ssm, down[key][0]) and torch.equal(conv, down[key][1])
+    tiers = tiered.kv.checkpoint_cache.tiers
+    tiered.evict_checkpoints(len(tiered.index))
+    torch.cuda.synchronize()
+    tiered.kv.checkpoint_cache.poll(wait=True)
+    assert not tiers.ahead and tiers.arena.used == sum(hc.block.size for hc in tiers.host.values())
+    tiered.close()
 
 
 def test_engine_with_graphs_hits_from_the_host_tier_with_the_resident_outputs():

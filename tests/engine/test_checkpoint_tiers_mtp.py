@@ -119,9 +119,9 @@ class Watch:
         self.up: list[tuple[bytes, int, int, torch.Tensor]] = []
         copy_down, restore = cp.copy_down, cp.restore
 
-        def spy_down(hc, slot, pages):
+        def spy_down(hc, slot, pages, **kw):        # (free=False: a spill ahead, the slot stays READY)
             self.down[hc.key] = (slot, bits(hidden[slot]))
-            return copy_down(hc, slot, pages)
+            return copy_down(hc, slot, pages, **kw)
 
         def spy_up(hc, slot, pages):
             out = restore(hc, slot, pages)

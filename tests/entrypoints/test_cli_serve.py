@@ -90,6 +90,16 @@ def test_help_shows_defaults_and_every_limit():
                 assert f"`{opt}" in docs, f"{opt} is not documented in docs/serving.md"
 
 
+def test_checkpoint_spill_ahead_flag_reaches_the_config():
+    def parse(*argv):
+        return cli.build_parser().parse_args(["serve", *argv])
+    assert serve.engine_config(parse()).checkpoint_spill_ahead == 2
+    args = parse("--checkpoint-host-memory", "1", "--checkpoint-spill-ahead", "0")
+    assert serve.engine_config(args).checkpoint_spill_ahead == 0
+    with pytest.raises(ValueError, match="--checkpoint-spill-ahead"):
+        serve.engine_config(parse("--checkpoint-spill-ahead", "-1"))
+
+
 def test_no_auto_checkpoints_reaches_the_engine():
     """``--no-auto-checkpoints``: the engine publishes no automatic checkpoint, so over HTTP a prompt that extends
     an earlier one starts cold; the banner says so. Default: on."""

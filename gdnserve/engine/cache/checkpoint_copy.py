@@ -10,36 +10,43 @@ pair reads: without it a restored checkpoint drafts from the new slot's stale ro
 Dh]`` (the table's ``n`` pages of every attention layer, in table order, the MTP head's KV layer included), in one
 host buffer (pinned on CUDA), each tensor 64-byte aligned in it.
 
-The copies go through a staging buffer on the device (``STAGE_BYTES``, 128 MiB, allocated at the first copy; the
-memory plan's runtime reserve holds it): a checkpoint is cut into a few pieces (a range of layers of one tensor, or
-a range of pages of one attention layer where one layer's pages do not fit), packed into the staging buffer, and
-each piece crosses PCIe as ONE transfer. Gathering the slot's rows and the scattered pages happens on the device
-(``copy_`` of the strided rows, ``index_select`` / ``index_copy_`` of the pages). The first version copied per
-layer and per run of consecutive pages: for a 1,343-token checkpoint of the full-size model that was ~1,700
-transfers of ~16 KB, which moved 92 MB at 1-22 GB/s on the H200 (f0112af:benchmarks/results/checkpoint_tier_h200.md,
-code of a2f5a26): slower than recomputing the prefix.
+The copies go through staging buffers on the device (``STAGE_BYTES``, 128 MiB per direction, each allocated at
+its direction's first copy; the memory plan counts both when a tier is on: memory_budget.py): a checkpoint is cut
+into a few pieces (a range of layers of one tensor, or a range of pages of one attention layer where one layer's
+pages do not fit), packed into the staging buffer, and each piece crosses PCIe as ONE transfer. Gathering the
+slot's rows and the scattered pages happens on the device (``copy_`` of the strided rows, ``index_select`` /
+``index_copy_`` of the pages). The first version copied per layer and per run of consecutive pages: for a
+1,343-token checkpoint of the full-size model that was ~1,700 transfers of ~16 KB, which moved 92 MB at 1-22 GB/s
+on the H200 (f0112af:benchmarks/results/checkpoint_tier_h200.md, code of a2f5a26): slower than recomputing.
 
-Ordering on CUDA (the exact scheme; docs/architecture.md "Checkpoint tiers"), everything on the copier's own
-stream after ``stream.wait_stream(current)`` (so it reads what the steps already queued wrote):
+Two CUDA streams, one per direction (PCIe is full duplex), each with its own staging buffer: a restore never
+queues behind a spill's transfers (on one stream the H200 hit at 6,448 tokens waited 4.7 ms for the spill that
+freed its slot). The exact scheme (docs/architecture.md "Checkpoint tiers"), each copy after
+``stream.wait_stream(current)`` (it reads what the steps already queued wrote, and writes after what they read):
 
-- device -> host (``copy_down``, ``snapshot``: a GPU eviction): per batch of pieces that fits the staging buffer,
-  gather them all, then issue their transfers down. The current stream waits only for the last batch's gathers (a
-  device copy at HBM speed): the evicted slot and pages go back to the free lists at once, and any later kernel
-  that could write them is ordered after the gather; the transfers down run on behind the steps. ``hc.event``
-  marks the last transfer: readers of the host copy (the disk writer) wait on it. The staging buffer is reused in
-  stream order.
-- host -> device (``restore``, a lookup that found the key below): per batch, the transfers up, then the
-  scatters into the freshly allocated slot and pages; the current stream waits on the copy's event, so the
-  restored checkpoint is READY at once (no kernel that reads it runs earlier).
+- device -> host (``copy_down`` on ``down``, ``snapshot``: a GPU eviction or a spill ahead): per batch of pieces
+  that fits the staging buffer, gather them all, then issue their transfers down (the staging buffer is reused
+  in stream order). ``hc.gathered`` marks the last gathers: a slot and pages may be written again only after it.
+  An eviction (``free=True``) makes the current stream wait on it at once, so the slot and pages go back to the
+  free lists now and any later kernel that could write them (or a restore: its stream waits on the current one)
+  is ordered after the gather, while the transfers run on behind the steps; a spill ahead (``free=False``) does
+  not (the slot stays READY, never written) and ``freeing(hc)`` orders the current stream when the slot is
+  freed later. ``hc.event`` marks the last transfer: readers of the host copy wait on it (a restore's stream,
+  the disk writer). A copy down into an arena block waits on the copies up still queued that read those bytes
+  (a block goes back to the arena once its restore is queued: ``_reads``).
+- host -> device (``restore`` on ``up``, a lookup that found the key below): after ``hc.event`` (its copy down
+  may still be in flight), per batch the transfers up, then the scatters into the freshly allocated slot and
+  pages; the current stream waits on the copy's event, so the restored checkpoint is READY at once (no kernel
+  that reads it runs earlier).
 
-On CPU the copies are synchronous (``event`` None) and the host tensors are ordinary memory.
+On CPU the copies are synchronous (events None) and the host tensors are ordinary memory.
 
 Host memory (``empty``): with an arena (host_arena.py, the host tier's one buffer pinned at start-up) a checkpoint's
 buffer is a block of it, None when it has no room: no allocation in the step loop. Without one (a Copier of its
 own, ``snapshot``, the shutdown flush) a fresh allocation, pinned on CUDA. ``HostCheckpoint.release`` gives the
-block back, once, when nothing reads or writes it any more: every GPU copy into or out of host buffers runs on the
-copier's one stream in order, so a later copy into a reused block runs after the earlier ones; threads that read
-the tensors (the disk writer) release it when they are done (the release rules: checkpoint_tiers.py).
+block back, once, when no CPU thread reads it any more: GPU copies into a reused block are ordered after the
+earlier GPU copies out of it (one stream down, ``_reads`` against the stream up); threads that read the tensors
+(the disk writer) release it when they are done (the release rules: checkpoint_tiers.py).
 """
 from __future__ import annotations
 
@@ -54,13 +61,14 @@ from gdnserve.engine.cache.state_pool import StatePool
 
 TENSORS = ("conv", "ssm", "k", "v")        # every checkpoint's; the registered rows go between ssm and k
 PAGED = ("k", "v")
-STAGE_BYTES = 128 * 2**20       # the device staging buffer of the host <-> device copies (CUDA only)
+STAGE_BYTES = 128 * 2**20       # the device staging buffer of each direction of the copies (CUDA only)
 
 
 @dataclass(slots=True, eq=False)
 class HostCheckpoint:
     """One checkpoint off the device. ``length``: tokens it covers (= its page table's positions);
     ``tensors``: name -> host tensor (module docstring); ``event``: the device -> host copy (None: complete);
+    ``gathered``: its last gathers on the device (None: complete, or the current stream already waits on it);
     ``block``: its buffer's block of ``arena`` (None: a plain allocation, or released)."""
     key: bytes
     token_ids: tuple[int, ...]
@@ -69,6 +77,7 @@ class HostCheckpoint:
     footprint: int = field(default=0)     # host bytes it holds (its block, or its allocation as the allocator rounds)
     block: Block | None = None
     arena: HostArena | None = None
+    gathered: object | None = None
 
     @property
     def length(self) -> int:
@@ -81,6 +90,10 @@ class HostCheckpoint:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def copied(self) -> bool:
+        """Whether the device -> host copy is done (a non-blocking query)."""
+        return self.event is None or self.event.query()
 
     def wait(self) -> None:
         """Block until the device -> host copy is done (off the step loop only: the disk writer)."""
@@ -135,18 +148,27 @@ def pieces(layer_bytes: dict[str, int], num_layers: dict[str, int], num_pages: i
 
 
 class Copier:
-    """The device <-> host copies of checkpoints, on their own CUDA stream (synchronous on CPU) through a device
-    staging buffer of ``stage_bytes`` (CUDA default ``STAGE_BYTES``; on CPU none unless given, which tests use to
-    run the piece logic). ``arena``: the host tier's memory, which ``empty`` carves checkpoints from."""
+    """The device <-> host copies of checkpoints, on two CUDA streams, ``down`` (device -> host) and ``up`` (host ->
+    device; synchronous on CPU), each through its own device staging buffer of ``stage_bytes`` (CUDA default
+    ``STAGE_BYTES``; on CPU none unless given, which tests use to run the piece logic). ``arena``: the host tier's
+    memory, which ``empty`` carves checkpoints from."""
 
     def __init__(self, state: StatePool, kv: PagePool, stage_bytes: int | None = None,
                  arena: HostArena | None = None) -> None:
         self.state, self.kv, self.arena = state, kv, arena
         self.device = state.config.device
         self.cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.down = torch.cuda.Stream(self.device) if self.cuda else None
+        self.up = torch.cuda.Stream(self.device) if self.cuda else None
         self.stage_bytes = stage_bytes if stage_bytes is not None else (STAGE_BYTES if self.cuda else 0)
-        self._stage: torch.Tensor | None = None
+        self._stage: dict[bool, torch.Tensor] = {}     # to_host -> that direction's staging buffer
+        self._reads: list[tuple[int, int, object]] = []  # (start, end, event): arena bytes a queued copy up reads
+
+    def synchronize(self) -> None:
+        """Wait for every copy queued in either direction (shutdown, off the step loop)."""
+        for s in (self.down, self.up):
+            if s is not None:
+                s.synchronize()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -213,12 +235,22 @@ class Copier:
         self.copy_down(hc, slot, pages)
         return hc
 
-    def copy_down(self, hc: HostCheckpoint, slot: int, pages: list[int]) -> None:
+    def copy_down(self, hc: HostCheckpoint, slot: int, pages: list[int], free: bool = True) -> None:
         """Device -> host copy of ``slot``'s state and ``pages`` into ``hc`` (from ``empty``; issued, not waited
-        for on CUDA: ``hc.event``)."""
+        for on CUDA: ``hc.event``). ``free``: the slot and pages are freed now (an eviction): the current stream
+        waits for the gathers at once; False (a spill ahead, the slot stays READY): ``freeing`` when it is freed."""
         if len(pages) != hc.num_pages:
             raise ValueError(f"pages: the checkpoint holds {hc.num_pages} pages, got {len(pages)}")
         self._copy(hc, slot, pages, to_host=True)
+        if free:
+            self.freeing(hc)
+
+    def freeing(self, hc: HostCheckpoint) -> None:
+        """The slot and pages ``hc`` was copied from are about to be freed: every kernel queued from now on on the
+        current stream (and every copy up: its stream waits on the current one) runs after the copy's gathers."""
+        if hc.gathered is not None:
+            torch.cuda.current_stream(self.device).wait_event(hc.gathered)
+            hc.gathered = None
 
     def restore(self, hc: HostCheckpoint, slot: int, pages: list[int]) -> object | None:
         """Host -> device copy of ``hc`` into ``slot`` and ``pages`` (as many as ``hc`` has); returns the copy's
@@ -263,10 +295,12 @@ class Copier:
         # pinned + non_blocking: no host wait (the pinned allocator keeps the block until the copy's event)
         return idx.pin_memory().to(self.device, non_blocking=True)
 
-    def _batches(self, items: list[Piece], hc: HostCheckpoint) -> list[list[tuple[Piece, torch.Tensor]]]:
-        """Pieces packed into the staging buffer: batches of (piece, its staging view)."""
-        if self._stage is None:
-            self._stage = torch.empty(self.stage_bytes, dtype=torch.uint8, device=self.device)
+    def _batches(self, items: list[Piece], hc: HostCheckpoint, to_host: bool
+                 ) -> list[list[tuple[Piece, torch.Tensor]]]:
+        """Pieces packed into the staging buffer of the direction: batches of (piece, its staging view)."""
+        stage = self._stage.get(to_host)
+        if stage is None:
+            stage = self._stage[to_host] = torch.empty(self.stage_bytes, dtype=torch.uint8, device=self.device)
         out: list[list[tuple[Piece, torch.Tensor]]] = [[]]
         off = 0
         for p in items:
@@ -275,10 +309,24 @@ class Copier:
             if off + n > self.stage_bytes:
                 out.append([])
                 off = 0
-            view = self._stage[off:off + n].view(host.dtype).view(host.shape)
+            view = stage[off:off + n].view(host.dtype).view(host.shape)
             out[-1].append((p, view))
             off += -(-n // 256) * 256
         return out
+
+    def _fence(self, stream, hc: HostCheckpoint, to_host: bool) -> None:
+        """Cross-stream dependencies of a copy (CUDA), on its ``stream`` before it is issued: a copy up reads
+        ``hc`` only after its copy down wrote it; a copy down into an arena block only after the copies up still
+        queued that read those bytes (their blocks went back to the arena once queued)."""
+        self._reads = [r for r in self._reads if not r[2].query()]      # (non-blocking queries)
+        if not to_host:
+            if hc.event is not None:
+                stream.wait_event(hc.event)
+        elif hc.block is not None:
+            a, b = hc.block.offset, hc.block.offset + hc.block.size
+            for start, end, event in self._reads:
+                if start < b and a < end:
+                    stream.wait_event(event)
 
     def _copy(self, hc: HostCheckpoint, slot: int, pages: list[int], to_host: bool) -> object | None:
         if not self.stage_bytes:            # CPU: gather / scatter straight into / out of the host tensors
@@ -290,23 +338,26 @@ class Copier:
         items = self._pieces(hc)
         if not self.cuda:                   # CPU with a staging buffer (tests): the same batches, synchronous
             idx = self._page_index(pages)
-            for batch in self._batches(items, hc):
+            for batch in self._batches(items, hc, to_host):
                 self._run_batch(hc, batch, slot, idx, to_host)
             return None
         current = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(current)      # after every kernel already queued that reads or writes these rows
-        with torch.cuda.stream(self.stream):
+        stream = self.down if to_host else self.up
+        stream.wait_stream(current)         # after every kernel already queued that reads or writes these rows
+        self._fence(stream, hc, to_host)
+        with torch.cuda.stream(stream):
             idx = self._page_index(pages)
             gathered = None
-            for batch in self._batches(items, hc):
+            for batch in self._batches(items, hc, to_host):
                 gathered = self._run_batch(hc, batch, slot, idx, to_host)
             event = torch.cuda.Event()
-            event.record(self.stream)
+            event.record(stream)
         if to_host:
-            hc.event = event
-            current.wait_event(gathered or event)   # the slot and pages are free once gathered; the transfers run on
+            hc.event, hc.gathered = event, gathered or event    # the caller orders the current stream (freeing)
         else:
-            current.wait_event(event)         # the restored rows are read only after the scatter
+            current.wait_event(event)       # the restored rows are read only after the scatter
+            if hc.block is not None:        # its block may go back to the arena now: a copy down into it waits
+                self._reads.append((hc.block.offset, hc.block.offset + hc.block.size, event))
         return event
 
     def _run_batch(self, hc: HostCheckpoint, batch: list[tuple[Piece, torch.Tensor]], slot: int, idx: torch.Tensor,
@@ -320,7 +371,7 @@ class Copier:
             gathered = None
             if self.cuda:
                 gathered = torch.cuda.Event()
-                gathered.record(self.stream)
+                gathered.record(self.down)
             for p, view in batch:
                 self._host(hc, p).copy_(view, non_blocking=nb)
             return gathered

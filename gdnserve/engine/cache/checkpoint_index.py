@@ -228,12 +228,16 @@ class CheckpointIndex:
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"n: expected an int >= 0, got {n!r}")
         victims: list[Checkpoint] = []
-        for e in self._entries.values():
+        for e in self.victims():
             if len(victims) == n:
                 break
-            if e.status is CheckpointStatus.READY and e.refcount == 0:
-                victims.append(e)
+            victims.append(e)
         return victims
+
+    def victims(self):
+        """The unreferenced READY entries, least recently used first: the eviction order (a generator: the caller
+        stops early; do not change the index while iterating)."""
+        return (e for e in self._entries.values() if e.status is CheckpointStatus.READY and e.refcount == 0)
 
     def evict_lru(self, n: int = 1) -> list[Checkpoint]:
         """Evict up to ``n`` READY entries with refcount 0, least recently used first, freeing their slots.

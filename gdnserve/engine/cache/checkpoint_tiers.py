@@ -10,16 +10,27 @@ host tier is exclusive (a restored checkpoint leaves it: it goes back down when 
 after a restore (checkpoints never change, so a second eviction writes nothing). Copies and their ordering:
 checkpoint_copy.py.
 
+Spill ahead ("copy down early, free lazily"; ``CheckpointCache.spill_ahead``, the scheduler's free-slot watermark
+``checkpoint_spill_ahead``): the device's next LRU victims are copied to host memory before their slots are needed
+(issued, not waited for; ``ahead``: key -> its host copy, the checkpoint still READY on the device, where a hit
+still finds it). The eviction that later takes the slot moves that copy into the host tier and frees the slot at
+once (no copy, no wait but for the copy's gathers, long done). A checkpoint is copied down once: a key in ``ahead``
+or in the host tier is not copied again. An ahead copy takes its arena block like a spill (evicting the host
+tier's LRU, older than anything on the device, never another ahead copy); an eviction's spill that finds no room
+once the host tier is empty discards ahead copies (oldest first: the device still holds them) before it drops.
+
 Host memory: a spill takes a block of the arena, evicting the host tier's LRU until one fits (no allocation in the
 step loop). A block goes back to the arena (``HostCheckpoint.release``) only when nothing reads it any more; GPU
-copies are ordered by the copier's one stream, CPU threads are not:
+copies are ordered by the copier's streams (checkpoint_copy.py), CPU threads are not:
 
-- evicted with no disk tier: at once (a later copy into the block is queued after the copies out of it);
+- evicted with no disk tier: at once (a later copy down into the block is queued after the one that filled it,
+  on the same stream);
 - evicted to disk: by the disk writer once it has read the tensors, also when the write fails. Such a block comes
   back later, not for the spill that evicted it: with a disk tier a spill evicts only until the blocks on their way
   back cover its size (evicting more would push the whole host tier into the write queue for one spill);
-- claimed by a restore: once its copy up is queued (``_land``: the next copy into the block is ordered after it
-  on the copier's stream; the host tensors stay readable views of the arena); ``unclaim`` keeps it;
+- claimed by a restore: once its copy up is queued (``_land``: the next copy down into the block waits for it,
+  checkpoint_copy.py ``_reads``; the host tensors stay readable views of the arena); ``unclaim`` keeps it;
+- an ahead copy whose device checkpoint left the device another way, or discarded for room: at once (as above);
 - no room even so (blocks still with the writer, or a checkpoint larger than the arena): with a disk tier the
   checkpoint is copied into a plain (pinned) allocation and goes straight to disk; without one it is dropped
   (``TierStats.dropped``).
@@ -69,6 +80,8 @@ class CheckpointTiers:
         self._host_lengths: Counter[int] = Counter()
         self.restoring: dict[bytes, Restore] = {}     # disk reads in flight (PENDING entries)
         self.landing: list[Restore] = []               # copies up queued on the device, their sources kept
+        self.ahead: dict[bytes, HostCheckpoint] = {}   # spilled ahead: host copies of READY device checkpoints
+        self._flying: list[HostCheckpoint] = []        # ahead copies whose transfers down may still be running
 
     @property
     def arena(self) -> HostArena | None:
@@ -81,8 +94,8 @@ class CheckpointTiers:
 
     @property
     def host_used(self) -> int:
-        """Arena bytes held: the host tier's checkpoints, those claimed by restores whose copy up is not queued
-        yet and those the disk writer has not read yet."""
+        """Arena bytes held: the host tier's checkpoints, the ahead copies, those claimed by restores whose copy up
+        is not queued yet and those the disk writer has not read yet."""
         return self.arena.used if self.arena is not None else 0
 
     # ---- down: an evicted READY checkpoint ----
@@ -90,7 +103,16 @@ class CheckpointTiers:
         """Copy a READY checkpoint that the device evicts (call before its slot and pages are freed). ``cold``: a
         checkpoint a chat's next turn continued (its longer successor serves the turn after) enters the host tier
         at its least-recently-used end: under pressure it goes first, before any checkpoint not yet continued
-        (with plain LRU the host tier of a multi-turn chat needs room for two checkpoints per conversation)."""
+        (with plain LRU the host tier of a multi-turn chat needs room for two checkpoints per conversation). A
+        checkpoint spilled ahead is not copied again: its copy enters the host tier, the slot freed at once."""
+        hc = self.ahead.pop(key, None)
+        if hc is not None:
+            if hc.token_ids != tuple(token_ids):      # (a key collision: that copy is not this checkpoint's)
+                hc.release()
+            else:
+                self.copier.freeing(hc)     # the slot and pages are written only after its gathers (long done)
+                self._host_put(hc, cold)
+                return
         on_disk = self.disk is not None and key in self.disk
         if (self.arena is None and (self.disk is None or on_disk)) or key in self.host:
             return
@@ -103,6 +125,7 @@ class CheckpointTiers:
                 hc.release()        # a later copy into the block is queued after whatever part of this one was
                 raise
             self._copied(hc)
+            self.stats.evictions_waited += 1
             self._host_put(hc, cold)
             return
         if on_disk:                     # no room above the disk, which has it
@@ -117,7 +140,40 @@ class CheckpointTiers:
             self.stats.dropped += 1
             return
         self._copied(hc)
+        self.stats.evictions_waited += 1
         self.disk.put(hc)
+
+    def spill_ahead(self, key: bytes, token_ids: tuple[int, ...], slot: int, table: PageTable) -> bool:
+        """Copy a READY device checkpoint to the host tier's memory ahead of its eviction (issued, not waited for:
+        the slot stays READY and is never written meanwhile). False when it needs none (already copied, in the
+        host tier, no host tier) or the arena has no room even after evicting the host tier's LRU."""
+        if self.arena is None or key in self.ahead or key in self.host:
+            return False
+        pages = self._covering(table, len(token_ids))
+        hc = self._room(key, token_ids, len(pages), ahead=True)
+        if hc is None:
+            return False
+        try:
+            self.copier.copy_down(hc, slot, pages, free=False)
+        except BaseException:
+            hc.release()
+            raise
+        self._copied(hc)
+        self.stats.spills_ahead += 1
+        self.ahead[key] = hc
+        self._flying.append(hc)
+        return True
+
+    def ahead_in_flight(self) -> int:
+        """Ahead copies whose transfers down are still running (non-blocking queries of those not yet seen done)."""
+        self._flying = [hc for hc in self._flying if not hc.copied()]
+        return len(self._flying)
+
+    def drop_ahead(self, key: bytes) -> None:
+        """Forget the ahead copy of ``key`` (its device checkpoint left the device without a spill)."""
+        hc = self.ahead.pop(key, None)
+        if hc is not None:
+            hc.release()    # a later copy down into the block is queued after this one on the same stream
 
     def _covering(self, table: PageTable, n: int) -> list[int]:
         """The pages that hold a checkpoint's ``n`` tokens: what it is copied down with. A table published after
@@ -130,14 +186,21 @@ class CheckpointTiers:
         self.stats.spills += 1
         self.stats.add_bytes("d2h", hc.nbytes)
 
-    def _room(self, key: bytes, token_ids: tuple[int, ...], num_pages: int) -> HostCheckpoint | None:
-        """Host tensors in an arena block, evicting the host tier's LRU until one fits; None when none does now."""
+    def _room(self, key: bytes, token_ids: tuple[int, ...], num_pages: int, ahead: bool = False
+              ) -> HostCheckpoint | None:
+        """Host tensors in an arena block, evicting the host tier's LRU until one fits, then (an eviction's spill)
+        discarding ahead copies, oldest first; None when none fits now. ``ahead`` (a spill ahead): the host tier's
+        LRU is evicted only while the arena lacks the bytes, never for a hole that fits: until the eviction, the
+        restores in between free blocks beside the holes (first fit over a tier filled in LRU order works like a
+        ring), and evicting for fragmentation early pushed out checkpoints the later eviction would have kept
+        (``benchmarks/bench_checkpoint_tiers.py --device cpu``: later turns' hit rate 100 % -> 68 %; evicting
+        only cold, continued, checkpoints for it: 78 %)."""
         need = self.copier.bytes_of(num_pages)
         if need > self.arena.capacity:
             return None
         coming = 0          # bytes of the victims sent to disk here: back once the writer has read them, not now
         hc = self.copier.empty(key, token_ids, num_pages)
-        while hc is None and self.host and coming < need:
+        while hc is None and self.host and coming < need and not (ahead and self._free_bytes() >= need):
             _, old = self.host.popitem(last=False)
             self._host_forget(old)
             if self.disk is None:
@@ -146,7 +209,13 @@ class CheckpointTiers:
                 self.disk.put(old)
                 coming += old.footprint if old.block is not None else 0
             hc = self.copier.empty(key, token_ids, num_pages)
+        while hc is None and not ahead and self.ahead and coming < need:
+            self.drop_ahead(next(iter(self.ahead)))
+            hc = self.copier.empty(key, token_ids, num_pages)
         return hc
+
+    def _free_bytes(self) -> int:
+        return self.arena.capacity - self.arena.used
 
     def _host_put(self, hc: HostCheckpoint, cold: bool = False) -> None:
         """Into the host tier (its block already held)."""
@@ -221,8 +290,8 @@ class CheckpointTiers:
         return False
 
     def _land(self, r: Restore) -> None:
-        """The copy up is queued: its block goes back to the arena now (the next copy into it runs on the copier's
-        stream after this copy's reads; tests/engine/test_checkpoint_tiers_gpu.py checks it on the device), the
+        """The copy up is queued: its block goes back to the arena now (the next copy down into it waits for this
+        copy's reads: ``Copier._reads``; tests/engine/test_checkpoint_tiers_gpu.py checks it on the device), the
         restore's latency is counted when its event completes."""
         r.hc.release()
         if r.event is None:
@@ -284,7 +353,15 @@ class CheckpointTiers:
         if self.disk is None:
             return
         for i, (key, token_ids, slot, table) in enumerate(resident):
-            if key not in self.disk:
+            ahead = self.ahead.pop(key, None)
+            if key in self.disk:
+                if ahead is not None:
+                    ahead.release()
+            elif ahead is not None and ahead.token_ids == tuple(token_ids):
+                self.disk.put(ahead)            # copied down already: the writer waits for it, then releases it
+            else:
+                if ahead is not None:
+                    ahead.release()
                 hc = self.copier.snapshot(key, token_ids, slot, self._covering(table, len(token_ids)))
                 self.stats.add_bytes("d2h", hc.nbytes)
                 self.disk.put(hc)
@@ -307,14 +384,16 @@ class CheckpointTiers:
         if arena is None:
             return
         self._retire(wait=True)
-        if self.copier.stream is not None:
-            self.copier.stream.synchronize()      # no copy into or out of the arena still queued
+        self.copier.synchronize()                 # no copy into or out of the arena still queued
         if self.disk is not None:
             self.disk.flush()                     # the writer has read (and released) what it was given
         while self.host:
             _, hc = self.host.popitem(last=False)
             self._host_forget(hc)
             hc.release()
+        while self.ahead:
+            self.ahead.popitem()[1].release()
+        self._flying.clear()
         self.copier.arena = None
         arena.close()
 

@@ -215,6 +215,40 @@ class CheckpointCache:
     def kv_of(self, entry: Checkpoint) -> tuple[int, PageTable]:
         return entry.slot, self.pages[entry.key]
 
+    def spill_ahead(self, slots: int, pages: int = 0) -> int:
+        """The free-slot watermark (a host tier only): while fewer than ``slots`` state slots (or ``pages`` KV
+        pages) would be free after evicting the LRU victims already copied down, copy the next victims to host
+        memory now (issued, not waited for), so the eviction that takes their slot later costs no copy. Their
+        device copies stay READY (a hit still hits on the device): copy down early, free lazily. At most
+        ``max(slots, 1)`` copies ahead in flight (they queue on the copier's stream down, before any eviction's
+        spill). Ahead copies of checkpoints that left the device without a spill are dropped first. Returns the
+        copies issued."""
+        t = self.tiers
+        if t is None or t.arena is None:
+            return 0
+        for key in [k for k in t.ahead if k not in self.pages]:
+            t.drop_ahead(key)
+        free_s, free_p = self.state.num_free, self.page_pool.num_free
+        budget = max(slots, 1) - t.ahead_in_flight()
+        made = 0
+        for e in list(self._victims_until(slots - free_s, pages - free_p)):
+            if e.key in t.ahead:
+                continue
+            if made >= budget or not t.spill_ahead(e.key, e.token_ids, e.slot, self.pages[e.key]):
+                break           # enough in flight, or no room in the host tier: the next pass
+            made += 1
+        return made
+
+    def _victims_until(self, slots: int, pages: int):
+        """The LRU victims whose eviction would free ``slots`` slots and ``pages`` pages (a table's pages, shared
+        ones included: an estimate)."""
+        for e in self.index.victims():
+            if slots <= 0 and pages <= 0:
+                return
+            yield e
+            slots -= 1
+            pages -= len(self.pages[e.key].pages)
+
     def evict(self, n: int) -> bool:
         """Evict up to n unreferenced READY checkpoints (LRU), freeing their state slots and KV pages."""
         if self.tiers is not None:          # copied down before the slots and pages are freed (checkpoint_copy.py)

@@ -13,6 +13,8 @@
   on the GPU).
 - **CUDA graphs**: their private pool holds the largest captured step's intermediates (graphs are captured on first
   use, after the pools exist), estimated the same way without the logits.
+- **Runtime** (CUDA): workspaces and allocator slack (``RUNTIME_RESERVE`` / ``MEASURED_RESERVE``), plus with a
+  checkpoint tier the copies' two staging buffers (:func:`tier_staging`, 2 x 128 MiB).
 
 :func:`resolve_pools` returns the EngineConfig with ``num_pages`` / ``num_slots`` filled in and the plan (for the
 banner); a model or a size that does not fit raises ``MemoryPlanError`` naming the field.
@@ -24,6 +26,7 @@ from dataclasses import replace
 
 import torch
 
+from gdnserve.engine.cache.checkpoint_copy import STAGE_BYTES
 from gdnserve.engine.cache.host_memory import meminfo_available
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.execution.graph_inputs import BUCKETS
@@ -42,6 +45,13 @@ RUNTIME_RESERVE = 1 << 30           # CUDA, analytic plans: cuBLAS / Triton work
 MEASURED_RESERVE = 512 << 20        # CUDA, measured plans: the workspaces are in the measurement; slack only
 SAFETY = 1.25                       # on the analytic estimates: allocator rounding, temporaries not modelled
 CHUNK = 64                          # the chunked GDN prefill's chunk (a state per chunk in fp32)
+
+
+def tier_staging(cfg: EngineConfig) -> int:
+    """Device bytes of the checkpoint tiers' copies (CUDA): one staging buffer per direction
+    (engine/cache/checkpoint_copy.py: spills and restores on their own streams), allocated at the first copy of
+    each; 0 without a tier."""
+    return 2 * STAGE_BYTES if cfg.checkpoint_host_memory_gb or cfg.checkpoint_dir is not None else 0
 
 
 def device_budget(device: torch.device, cfg: EngineConfig, resident: int = 0) -> Budget:
@@ -197,8 +207,9 @@ def resolve_pools(cfg: EngineConfig, model_cfg, dtype: torch.dtype, device: torc
         activations = estimate_activations(model_cfg, cfg, dtype, tp, all_logits=cuda or pages is None
                                            or slots is None)
     budget = device_budget(device, cfg, resident)    # after the warm-up: its workspaces are in use
+    reserve = (MEASURED_RESERVE if measured else RUNTIME_RESERVE) + tier_staging(cfg) if cuda else 0
     demand = Demand(weights=weights, activations=activations, graphs=estimate_graphs(model_cfg, cfg, dtype, device),
-                    runtime=(MEASURED_RESERVE if measured else RUNTIME_RESERVE) if cuda else 0, measured=measured)
+                    runtime=reserve, measured=measured)
     p = plan(budget, demand, page_bytes=pc.bytes_per_page, slot_bytes=slot_bytes, page_size=cfg.page_size,
              max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs, num_pages=pages, num_slots=slots)
     return replace(cfg, num_pages=p.num_pages, num_slots=p.num_slots), p

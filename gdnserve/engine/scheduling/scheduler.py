@@ -84,6 +84,7 @@ class Scheduler:
                     break
                 ck.poll(wait=True)
                 self._fill(batch)
+            self._spill_ahead()
         except Exception as e:      # noqa: BLE001  the engine rolls the step back and isolates its culprit
             batch.error = e
             return batch
@@ -91,6 +92,18 @@ class Scheduler:
             self.stats.idle_steps += 1
         batch.ready = self._ready_slots(batch)
         return batch
+
+    def _spill_ahead(self) -> None:
+        """The free-slot watermark (``checkpoint_spill_ahead`` W, a host tier on): after this step's admissions,
+        copy the LRU checkpoints down in the background until W state slots and the pages of the running requests
+        plus the next waiting request's prompt could be freed without a copy (kv_cache.CheckpointCache.spill_ahead):
+        the next hit's restore or admission then evicts for free."""
+        w, ck = self.cfg.checkpoint_spill_ahead, self.kv.checkpoint_cache
+        if not w or ck.tiers is None or ck.tiers.arena is None:
+            return
+        nxt = next((j for j in self.waiting if isinstance(j, Request)), None)
+        pages = self.pages_for_running() + (self.kv.pages_for(len(nxt.prompt_ids)) if nxt is not None else 0)
+        ck.spill_ahead(w, min(pages, self.kv.pages.num_pages))
 
     def _ready_slots(self, batch: StepBatch) -> frozenset[int]:
         """The READY checkpoint slots among those the step's prefills write or start from: what the plan's
