@@ -266,8 +266,8 @@ def test_warm_up_captures_the_steady_mixed_keys(seed):
     seqs = [[x.new_seq() for x in rs] for _ in range(3)]
     outs = [x.step([PrefillItem(seqs[0][i], list(range(5)))], []) for i, x in enumerate(rs)]
     n1 = r.graphs.stats["capture"]
-    outs = [x.step([PrefillItem(seqs[1][i], [random.randrange(256) for _ in range(T - 1)])],
-                   [(seqs[0][i], 7)]) for i, x in enumerate(rs)]
+    toks = [random.randrange(256) for _ in range(T - 1)]          # the same prompt for both runners
+    outs = [x.step([PrefillItem(seqs[1][i], toks)], [(seqs[0][i], 7)]) for i, x in enumerate(rs)]
     torch.cuda.synchronize()
     assert r.graphs.stats["capture"] == n1, "a steady-state mixed step captured after the warm-up"
     assert torch.equal(outs[0], outs[1])
