@@ -202,5 +202,8 @@ def test_engine_prefill_beside_verifies_equals_plain_greedy(reference, draft, mo
         assert e.counts.spec_accepted > 0
         if graphs:
             assert e.runner.graphs.stats["mixed_verify"] > 0
+            # a request one token from max_tokens verifies too (keeping one token): no step mixes decodes with
+            # verifies, so none falls back to the eager path
+            assert e.runner.graphs.stats["fallback"] == 0, e.runner.graphs.stats
         assert e.runner.state.check_integrity() == [] and e.runner.pages.check_integrity() == []
     assert seen[0] == seen[1]

@@ -208,11 +208,12 @@ class Scheduler:
 
     def speculates(self, req: Request, s) -> bool:
         """Single-sample requests without logprobs, stop strings or a seed (a seeded request's tokens are tied
-        to per-step generators) verify k drafts per step when room is left."""
+        to per-step generators) verify k drafts per step while their verify fits the context. One token from
+        ``max_tokens`` they verify too (the acceptance keeps what the sample may still emit: one token, its state
+        exactly that far): a decode row beside verifies would send the whole step to the eager path."""
         p, k = req.params, self.cfg.spec_k
         return (k > 0 and (p.greedy or p.seed is None) and len(req.samples) == 1 and p.logprobs is None
-                and not p.stop and p.max_tokens - len(s.token_ids) > 1
-                and len(req.prompt_ids) + len(s.token_ids) + k + 1 < self.cfg.max_model_len)
+                and not p.stop and len(req.prompt_ids) + len(s.token_ids) + k + 1 < self.cfg.max_model_len)
 
     def _continue_chunks(self, batch: StepBatch, chunks: list[Request], rem: list[int], left: int) -> int:
         """The next chunk of each long prompt (an OWN_SLOT continuation), or of a checkpoint prefix (into the
