@@ -45,7 +45,7 @@ def downs(r: Rig, monkeypatch) -> list[tuple[bytes, bool]]:
 
 def exact_blocks(r: Rig) -> bool:
     """The arena holds exactly the host tier's and the ahead copies' blocks, none shared."""
-    blocks = [hc.block for hc in [*r.tiers.host.values(), *r.tiers.ahead.values()]]
+    blocks = [b for hc in [*r.tiers.host.values(), *r.tiers.ahead.values()] for b in hc.blocks]
     spans = sorted((b.offset, b.offset + b.size) for b in blocks)
     return r.arena.used == sum(b.size for b in blocks) and all(a[1] <= b[0] for a, b in pairwise(spans))
 
@@ -130,19 +130,44 @@ def test_ahead_copies_push_out_the_host_lru_for_bytes_never_each_other_and_an_ev
     assert same(r.snap(r.restore(IDS[3])), r.data[IDS[3]])
 
 
-def test_an_ahead_copy_never_evicts_for_a_hole_only_for_bytes(tmp_path):
-    """Free bytes enough but no hole that fits: a spill ahead evicts nothing (the restores before the eviction may
-    free a neighbour; evicting for fragmentation early cost later turns' hits), the eviction itself does."""
-    r = ahead_rig(tmp_path, host_ckpts=4, num_pages=72)
+def _two_holes(r):
+    """The arena of four one-block checkpoints with blocks 1 and 3 freed (two blocks free, none adjacent), and a
+    device checkpoint of two blocks' bytes (a chat's growing checkpoint: no one hole holds it)."""
     hcs = [r.copier.empty(bytes([i]) * 16, (i,), 1) for i in range(4)]
     assert [hc.block.offset for hc in hcs] == [0, r.per, 2 * r.per, 3 * r.per]     # one block each, the arena full
     for hc in hcs:
         r.tiers._host_put(hc)
     for hc in (hcs[1], hcs[3]):
-        r.tiers.claim(hc.key, "host").release()      # holes at blocks 1 and 3: two blocks free, none adjacent
+        r.tiers.claim(hc.key, "host").release()
     n = next(n for n in range(2, 72) if r.copier.bytes_of(n) == 2 * r.per)
-    big = tuple(range(1000, 1000 + n * 4))           # a checkpoint of two blocks
+    big = tuple(range(1000, 1000 + n * 4))
     r.make(big)
+    return hcs, big
+
+
+def test_an_ahead_copy_takes_the_holes_as_extents(tmp_path):
+    """Free bytes enough but no hole that fits (the contiguous arena spilled nothing ahead here): the copy ahead
+    takes both holes as two extents and evicts nothing; the eviction frees the slot without a copy; the restore
+    from the two extents is bit-identical."""
+    r = ahead_rig(tmp_path, host_ckpts=4, num_pages=72)
+    hcs, big = _two_holes(r)
+    assert r.ck.spill_ahead(4) == 1 and len(r.tiers.host) == 2
+    hc = r.tiers.ahead[checkpoint_key(big)]
+    assert [b.offset for b in hc.blocks] == [r.per, 3 * r.per] and hc.block is None and len(hc.spans) == 2
+    assert r.arena.used == r.arena.capacity and exact_blocks(r)
+    r.ck.evict(1)
+    assert r.where(big) == "host" and r.stats.evictions_waited == 0 and all(h.key in r.tiers.host for h in
+                                                                            (hcs[0], hcs[2]))
+    assert same(r.snap(r.restore(big)), r.data[big]) and exact_blocks(r)
+
+
+def test_an_ahead_copy_never_evicts_for_a_hole_only_for_bytes(tmp_path, monkeypatch):
+    """Free bytes enough but no room (here: extents not allowed): a spill ahead evicts nothing (the restores
+    before the eviction may free a neighbour; evicting for fragmentation early cost later turns' hits), the
+    eviction itself does."""
+    monkeypatch.setattr(checkpoint_copy, "MAX_EXTENTS", 1)
+    r = ahead_rig(tmp_path, host_ckpts=4, num_pages=72)
+    hcs, big = _two_holes(r)
     assert r.ck.spill_ahead(4) == 0 and len(r.tiers.host) == 2 and not r.tiers.ahead
     r.ck.evict(1)                                    # the eviction evicts the host LRU: blocks 0 + 1 merge
     assert r.where(big) == "host" and hcs[0].key not in r.tiers.host and exact_blocks(r)
@@ -244,7 +269,7 @@ def test_a_restore_waits_for_its_copy_down_and_a_copy_down_for_the_copies_up_rea
     reading, done = FakeEvent(), FakeEvent(done=True)
     cp._reads = [(0, 8192, reading), (8192, 12288, done), (16384, 20480, FakeEvent())]
     s = FakeStream()
-    cp._fence(s, HostCheckpoint(b"a" * 16, (1,), {}, block=Block(4096, 8192)), to_host=True)
+    cp._fence(s, HostCheckpoint(b"a" * 16, (1,), {}, blocks=(Block(4096, 8192),)), to_host=True)
     assert s.waited == [reading]                     # overlapping and still queued: waited; the done one pruned
     assert [r[:2] for r in cp._reads] == [(0, 8192), (16384, 20480)]
     s = FakeStream()
@@ -302,7 +327,7 @@ def test_the_engine_spills_ahead_and_later_turns_match_a_recompute(ref):
     tiers = on.kv.checkpoint_cache.tiers
     assert set(tiers.ahead) <= set(on.kv.checkpoint_cache.pages) and on.index.check_integrity() == []
     on.evict_checkpoints(len(on.index))
-    assert not tiers.ahead and tiers.arena.used == sum(hc.block.size for hc in tiers.host.values())
+    assert not tiers.ahead and tiers.arena.used == sum(hc.footprint for hc in tiers.host.values())
     arena = tiers.arena
     on.close()
     off.close()

@@ -150,7 +150,7 @@ class Rig:
 
     def no_leak(self) -> bool:
         """The arena holds exactly the host tier's blocks (none lost, none shared)."""
-        blocks = [hc.block for hc in self.tiers.host.values()]
+        blocks = [b for hc in self.tiers.host.values() for b in hc.blocks]
         spans = sorted((b.offset, b.offset + b.size) for b in blocks)
         return self.arena.used == sum(b.size for b in blocks) and all(a[1] <= b[0] for a, b in pairwise(spans))
 
@@ -339,6 +339,67 @@ def late_restores(r: Rig, monkeypatch) -> list[LateEvent]:
 
     monkeypatch.setattr(r.copier, "restore", late)
     return events
+
+
+def _fragmented(st, pg, pages: int):
+    """An arena of four one-page blocks with blocks 0 and 2 freed (two one-page holes, not adjacent) and a copier
+    over it, for a checkpoint of ``pages`` pages that needs two pages of the arena: no hole holds it whole."""
+    assert block_size(Copier(st, pg).layout_bytes(pages)) == 2 * 4096
+    arena = HostArena(4 * 4096, pinned=False)
+    fill = [arena.alloc(1) for _ in range(4)]
+    arena.free(fill[0])
+    arena.free(fill[2])
+    assert arena.alloc(2 * 4096) is None                # the contiguous allocator finds no hole
+    return arena, Copier(st, pg, arena=arena), fill
+
+
+# pieces straddle the extents' boundary: into the host tensors (None), per piece and page run (160 B), one batch
+@pytest.mark.parametrize("stage", [None, 160, 2**20])
+def test_a_checkpoint_in_two_extents_of_a_fragmented_arena_restores_bit_identical(stage):
+    st, pg = pools(num_pages=72)
+    src, dst = list(range(70, 6, -1)), list(range(64))
+    arena, cp, fill = _fragmented(st, pg, len(src))
+    cp.stage_bytes = stage or 0
+    want = [bits(st.conv_pools[:, 1]), bits(st.ssm_pools[:, 1]), bits(pg.k_pools[:, src]), bits(pg.v_pools[:, src])]
+    plain = cp.snapshot(b"k" * 16, (1, 2), 1, src)     # the same checkpoint in a plain allocation
+    hc = cp.empty(b"k" * 16, (1, 2), len(src))
+    assert [(b.offset, b.size) for b in hc.blocks] == [(0, 4096), (2 * 4096, 4096)] and hc.block is None
+    assert arena.used == 4 * 4096 and hc.footprint == cp.bytes_of(len(src)) and cp.fits(hc)
+    cp.copy_down(hc, 1, src)
+    got = hc.host_tensors()
+    assert list(got) == list(cp.names) and all(torch.equal(bits(got[n]), bits(plain.tensors[n])) for n in got)
+    for t in (st.conv_pools[:, 3], st.ssm_pools[:, 3], pg.k_pools[:, dst], pg.v_pools[:, dst]):
+        t.fill_(float("nan"))
+    assert cp.restore(hc, 3, dst) is None
+    after = [bits(st.conv_pools[:, 3]), bits(st.ssm_pools[:, 3]), bits(pg.k_pools[:, dst]), bits(pg.v_pools[:, dst])]
+    assert same(after, want)
+    assert checkpoint_disk.encode(hc, "f" * 64) == checkpoint_disk.encode(plain, "f" * 64)   # the same file
+    hc.release()
+    hc.release()
+    assert arena.used == 2 * 4096 and not hc.blocks
+    again = cp.empty(b"x" * 16, (1,), len(src))      # the extents go back and are reused
+    assert [b.offset for b in again.blocks] == [0, 2 * 4096]
+    arena.free(fill[1])
+    arena.free(fill[3])
+    again.release()
+    assert arena.used == 0 and arena.largest_free == arena.capacity
+
+
+def test_a_checkpoint_in_extents_round_trips_through_the_disk_tier(tmp_path):
+    st, pg = pools(num_pages=72)
+    src = list(range(64))
+    arena, cp, _ = _fragmented(st, pg, len(src))
+    hc = cp.empty(b"k" * 16, (5, 6, 7), len(src))
+    cp.copy_down(hc, 2, src)
+    want = {n: bits(t) for n, t in hc.host_tensors().items()}
+    disk = DiskTier(tmp_path, 2**20, "f" * 64, names=cp.names)
+    disk._io.shutdown(wait=True)
+    disk._io = Inline()
+    disk.put(hc)                                       # written, its two blocks released by the writer
+    assert arena.used == 2 * 4096 and not hc.blocks and len(disk) == 1
+    back = disk.load(b"k" * 16).result()
+    assert back is not None and back.token_ids == (5, 6, 7) and cp.fits(back)
+    assert all(torch.equal(bits(back.tensors[n]), want[n]) for n in want)
 
 
 def test_an_arena_copier_carves_checkpoints_and_releases_them_once():
@@ -608,7 +669,7 @@ def test_later_turns_hit_from_the_host_tier_with_recomputed_outputs(ref):
 
 def arena_holds_the_host_tier(tiers) -> bool:
     """Arena bytes in use == the host tier's blocks, which do not overlap (nothing with the writer or a copy up)."""
-    blocks = sorted((hc.block.offset, hc.block.size) for hc in tiers.host.values())
+    blocks = sorted((b.offset, b.size) for hc in tiers.host.values() for b in hc.blocks)
     return tiers.arena.used == sum(n for _, n in blocks) and all(o + n <= p for (o, n), (p, _) in pairwise(blocks))
 
 
@@ -712,7 +773,7 @@ def test_a_failed_copy_down_gives_its_block_back(tmp_path):
     r.copier.copy_down = _boom
     with pytest.raises(RuntimeError, match="out of memory"):
         r.ck.evict(1)
-    assert r.arena.used == sum(hc.block.size for hc in r.tiers.host.values())
+    assert r.arena.used == sum(hc.footprint for hc in r.tiers.host.values())
 
 
 def test_a_failed_restore_puts_the_claimed_copy_back(tmp_path):
@@ -727,7 +788,7 @@ def test_a_failed_restore_puts_the_claimed_copy_back(tmp_path):
     with pytest.raises(RuntimeError, match="out of memory"):
         r.ck.lookup(IDS[0])
     assert r.where(IDS[0]) == "host" and r.ck.index.stats()["entries_pending"] == 0
-    assert r.arena.used == sum(hc.block.size for hc in r.tiers.host.values())
+    assert r.arena.used == sum(hc.footprint for hc in r.tiers.host.values())
     assert (r.pg.num_free, r.st.num_free) >= free       # what was evicted for it stays free, nothing held
     r.copier.restore = real
     e = r.restore(IDS[0])

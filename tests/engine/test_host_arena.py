@@ -122,6 +122,86 @@ def test_random_sequences_match_a_page_bitmap(seed):
         assert a.largest_free == longest * P
 
 
+def test_extents_hold_a_growing_checkpoint_where_no_one_hole_does():
+    """A chat's checkpoints grow each turn: the holes the older ones leave are each a page short. ``alloc`` finds
+    none; ``alloc_extents`` takes the largest hole and the smallest that covers the rest, sorted by offset."""
+    a = HostArena(12 * P, pinned=False)
+    b = [a.alloc(3 * P), a.alloc(P), a.alloc(2 * P), a.alloc(P), a.alloc(4 * P), a.alloc(P)]   # 0-2 3 4-5 6 7-10 11
+    for i in (0, 2, 4):
+        a.free(b[i])                                          # holes of 3 at 0, 2 at 4, 4 at 7
+    assert a.alloc(5 * P) is None and a.largest_free == 4 * P
+    got = a.alloc_extents(5 * P, 8)
+    assert [(x.offset, x.size) for x in got] == [(4 * P, P), (7 * P, 4 * P)]   # the hole of 2 covers the rest
+    assert a.used == a.capacity - 4 * P and a.largest_free == 3 * P          # the hole of 3 stays whole
+    for x in got:
+        a.free(x)
+    assert a.used == 3 * P and a.largest_free == 4 * P
+
+
+def test_extents_prefer_one_block_and_respect_the_cap_and_the_free_bytes():
+    a = HostArena(8 * P, pinned=False)
+    one = a.alloc_extents(3 * P, 8)
+    assert len(one) == 1 and (one[0].offset, one[0].size) == (0, 3 * P)       # a hole fits: one block, first fit
+    b = [a.alloc(P) for _ in range(5)]                       # 3..7
+    a.free(b[0])
+    a.free(b[2])
+    a.free(b[4])                                              # three one-page holes at 3, 5, 7
+    assert a.alloc_extents(4 * P, 8) is None                  # 3 pages free: never more than the free bytes
+    assert a.alloc_extents(3 * P, 2) is None                  # three holes needed, two allowed
+    assert a.alloc_extents(2 * P, 1) is None and a.used == 5 * P      # nothing held by a refusal
+    got = a.alloc_extents(3 * P, 3)
+    assert [(x.offset, x.size) for x in got] == [(3 * P, P), (5 * P, P), (7 * P, P)] and a.used == a.capacity
+    for x in got:                                             # extents are ordinary blocks: freed one by one,
+        a.free(x)                                             # merged, reused
+    with pytest.raises(ValueError, match="freed twice"):
+        a.free(got[1])
+    a.free(b[1])
+    a.free(b[3])
+    a.free(one[0])
+    assert a.used == 0 and a.alloc_extents(8 * P, 8)[0].size == 8 * P
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_extents_match_a_page_bitmap(seed):
+    """Random alloc_extents / free: the blocks never overlap, sum to the rounded size, at most the cap; a request
+    is refused only when the free pages (or the cap's largest holes) do not hold it."""
+    rng = random.Random(seed)
+    pages = rng.randint(8, 48)
+    a = HostArena(pages * P, pinned=False)
+    taken = [False] * pages
+    live: list[list[Block]] = []
+    for _ in range(300):
+        if live and rng.random() < 0.45:
+            for b in live.pop(rng.randrange(len(live))):
+                a.free(b)
+                for p in range(b.offset // P, (b.offset + b.size) // P):
+                    taken[p] = False
+        else:
+            nbytes, cap = rng.randint(1, 8 * P), rng.randint(1, 4)
+            need = block_size(nbytes) // P
+            holes, run = [], 0
+            for t in [*taken, True]:
+                if t and run:
+                    holes.append(run)
+                run = 0 if t else run + 1
+            holes.sort(reverse=True)
+            fits = sum(holes[:cap]) >= need
+            got = a.alloc_extents(nbytes, cap)
+            assert (got is not None) == fits, (need, cap, holes)
+            if got is None:
+                continue
+            assert sum(b.size for b in got) == need * P and len(got) <= cap
+            assert [b.offset for b in got] == sorted(b.offset for b in got)
+            if need <= holes[0]:
+                assert len(got) == 1
+            for b in got:
+                for p in range(b.offset // P, (b.offset + b.size) // P):
+                    assert not taken[p]
+                    taken[p] = True
+            live.append(got)
+        assert a.used == sum(taken) * P
+
+
 def test_threads_free_while_another_allocates():
     a = HostArena(64 * P, pinned=False)
     held: list[Block] = []

@@ -42,7 +42,11 @@ freed its slot). The exact scheme (docs/architecture.md "Checkpoint tiers"), eac
 On CPU the copies are synchronous (events None) and the host tensors are ordinary memory.
 
 Host memory (``empty``): with an arena (host_arena.py, the host tier's one buffer pinned at start-up) a checkpoint's
-buffer is a block of it, None when it has no room: no allocation in the step loop. Without one (a Copier of its
+buffer is a block of it, None when it has no room: no allocation in the step loop. Where no one hole holds it
+(a chat's checkpoints grow each turn: the holes older ones leave are a few pages short) the buffer is cut across up
+to ``MAX_EXTENTS`` blocks (``HostArena.alloc_extents``), its bytes laid end to end (``HostCheckpoint.spans``); the
+pieces are the same, and a piece that crosses an extent boundary crosses PCIe as one transfer per extent
+(``_segments``; the staging batches unchanged), so a checkpoint in one block is copied exactly as before. Without one (a Copier of its
 own, ``snapshot``, the shutdown flush) a fresh allocation, pinned on CUDA. ``HostCheckpoint.release`` gives the
 block back, once, when no CPU thread reads it any more: GPU copies into a reused block are ordered after the
 earlier GPU copies out of it (one stream down, ``_reads`` against the stream up); threads that read the tensors
@@ -62,22 +66,33 @@ from gdnserve.engine.cache.state_pool import StatePool
 TENSORS = ("conv", "ssm", "k", "v")        # every checkpoint's; the registered rows go between ssm and k
 PAGED = ("k", "v")
 STAGE_BYTES = 128 * 2**20       # the device staging buffer of each direction of the copies (CUDA only)
+MAX_EXTENTS = 8                 # arena blocks one checkpoint may take (host_arena.py ``alloc_extents``)
 
 
 @dataclass(slots=True, eq=False)
 class HostCheckpoint:
     """One checkpoint off the device. ``length``: tokens it covers (= its page table's positions);
-    ``tensors``: name -> host tensor (module docstring); ``event``: the device -> host copy (None: complete);
-    ``gathered``: its last gathers on the device (None: complete, or the current stream already waits on it);
-    ``block``: its buffer's block of ``arena`` (None: a plain allocation, or released)."""
+    ``tensors``: name -> host tensor (module docstring; for a checkpoint held in several arena extents, tensors on
+    the ``meta`` device that only say the shapes and dtypes: its bytes are ``spans``, read them with
+    ``host_tensors``); ``event``: the device -> host copy (None: complete); ``gathered``: its last gathers on the
+    device (None: complete, or the current stream already waits on it); ``blocks``: its buffer's blocks of ``arena``
+    (empty: a plain allocation, or released); ``spans``: with more than one block, their views in order, which
+    hold the checkpoint's one buffer (``Copier._layout``) end to end."""
     key: bytes
     token_ids: tuple[int, ...]
     tensors: dict[str, torch.Tensor]
     event: object | None = None
-    footprint: int = field(default=0)     # host bytes it holds (its block, or its allocation as the allocator rounds)
-    block: Block | None = None
+    footprint: int = field(default=0)     # host bytes it holds (its blocks, or its allocation as the allocator rounds)
+    blocks: tuple[Block, ...] = ()
     arena: HostArena | None = None
     gathered: object | None = None
+    spans: tuple[torch.Tensor, ...] = ()
+    offsets: dict[str, int] = field(default_factory=dict)   # with spans: name -> byte offset in the buffer
+
+    @property
+    def block(self) -> Block | None:
+        """Its one block (None: a plain allocation, released, or held in several extents: ``blocks``)."""
+        return self.blocks[0] if len(self.blocks) == 1 else None
 
     @property
     def length(self) -> int:
@@ -91,6 +106,34 @@ class HostCheckpoint:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def read(self, start: int, end: int) -> list[tuple[int, int, torch.Tensor]]:
+        """Bytes ``[start, end)`` of the buffer (with ``spans``) as (from, to, uint8 host view) per span crossed,
+        ``from``/``to`` relative to ``start``."""
+        out, base = [], 0
+        for span in self.spans:
+            n = span.numel()
+            a, b = max(start, base), min(end, base + n)
+            if a < b:
+                out.append((a - start, b - start, span[a - base:b - base]))
+            base += n
+            if base >= end:
+                break
+        return out
+
+    def host_tensors(self) -> dict[str, torch.Tensor]:
+        """name -> host tensor with the checkpoint's values: ``tensors`` itself, or (several extents) each tensor
+        put together from its spans (a copy; the disk writer's, tests')."""
+        if not self.spans:
+            return self.tensors
+        out = {}
+        for name, meta in self.tensors.items():
+            n = meta.numel() * meta.element_size()
+            flat = torch.empty(n, dtype=torch.uint8)
+            for a, b, view in self.read(self.offsets[name], self.offsets[name] + n):
+                flat[a:b].copy_(view)
+            out[name] = flat.view(meta.dtype).view(meta.shape)
+        return out
+
     def copied(self) -> bool:
         """Whether the device -> host copy is done (a non-blocking query)."""
         return self.event is None or self.event.query()
@@ -102,10 +145,10 @@ class HostCheckpoint:
             self.event = None
 
     def release(self) -> None:
-        """Give the arena block back (once; nothing for a plain allocation). Only when nothing will read or write
-        the tensors any more: the next checkpoint copied down may take the block."""
-        block, self.block = self.block, None
-        if block is not None:
+        """Give the arena blocks back (once; nothing for a plain allocation). Only when nothing will read or write
+        the tensors any more: the next checkpoint copied down may take the blocks."""
+        blocks, self.blocks = self.blocks, ()
+        for block in blocks:
             self.arena.free(block)
 
 
@@ -201,22 +244,29 @@ class Copier:
 
     def empty(self, key: bytes, token_ids: tuple[int, ...], num_pages: int, pooled: bool = True
               ) -> HostCheckpoint | None:
-        """Host tensors for a checkpoint of ``num_pages`` pages, contents undefined, views into one buffer: a block
-        of the arena (``pooled`` and an arena given; None when it has no room), else a fresh allocation (pinned on
-        CUDA; one per checkpoint, not four: the pinned caching allocator rounds each up to a power of two)."""
+        """Host tensors for a checkpoint of ``num_pages`` pages, contents undefined, views into one buffer: blocks
+        of the arena (``pooled`` and an arena given; None when it has no room; one block where a hole fits it, else
+        up to ``MAX_EXTENTS``, its buffer cut across them: ``spans``), else a fresh allocation (pinned on CUDA; one
+        per checkpoint, not four: the pinned caching allocator rounds each up to a power of two)."""
         layout, total = self._layout(num_pages)
-        block = None
+        blocks: list[Block] = []
         if pooled and self.arena is not None:
-            block = self.arena.alloc(total)
-            if block is None:
+            blocks = self.arena.alloc_extents(total, MAX_EXTENTS)
+            if blocks is None:
                 return None
-            buf, held = self.arena.view(block), block.size
+            held = sum(b.size for b in blocks)
+            if len(blocks) > 1:     # no one buffer to view: the tensors say shapes, the spans hold the bytes
+                tensors = {n: torch.empty(shape, dtype=dt, device="meta") for n, (shape, dt, _) in layout.items()}
+                return HostCheckpoint(key, token_ids, tensors, footprint=held, blocks=tuple(blocks), arena=self.arena,
+                                      spans=tuple(self.arena.view(b) for b in blocks),
+                                      offsets={n: o for n, (_, _, o) in layout.items()})
+            buf = self.arena.view(blocks[0])
         else:
             buf, held = torch.empty(total, dtype=torch.uint8, pin_memory=self.cuda), footprint(total, self.cuda)
         tensors = {n: buf[o:o + math.prod(shape) * dt.itemsize].view(dt).view(shape)
                    for n, (shape, dt, o) in layout.items()}
-        return HostCheckpoint(key, token_ids, tensors, footprint=held, block=block,
-                              arena=self.arena if block is not None else None)
+        return HostCheckpoint(key, token_ids, tensors, footprint=held, blocks=tuple(blocks),
+                              arena=self.arena if blocks else None)
 
     def layout_bytes(self, num_pages: int) -> int:
         """Bytes of the one buffer of a checkpoint of ``num_pages`` pages (its tensors, each 64-byte aligned)."""
@@ -270,8 +320,21 @@ class Copier:
         return pieces(per, layers, hc.num_pages, page_bytes, self.stage_bytes or 1 << 62)   # no stage: whole tensors
 
     def _host(self, hc: HostCheckpoint, p: Piece) -> torch.Tensor:
+        """Piece ``p``'s host tensor (a ``meta`` one, shape and dtype only, for a checkpoint in spans)."""
         t = hc.tensors[p.name][p.l0:p.l1]
         return t if p.name not in PAGED or (p.i0 == 0 and p.i1 == hc.num_pages) else t[:, p.i0:p.i1]
+
+    def _segments(self, hc: HostCheckpoint, p: Piece) -> list[tuple[int, int, torch.Tensor]]:
+        """Piece ``p``'s host bytes as (from, to, uint8 host view), from / to relative to the piece: one segment,
+        or one per arena extent the piece crosses (a checkpoint in spans). Each is one transfer."""
+        host = self._host(hc, p)
+        n = host.numel() * host.element_size()
+        if not n:
+            return []
+        if not hc.spans:
+            return [(0, n, host.reshape(-1).view(torch.uint8))]
+        start = hc.offsets[p.name] + host.storage_offset() * host.element_size()
+        return hc.read(start, start + n)
 
     def _device(self, p: Piece, slot: int, idx: torch.Tensor):
         """(read, write) of piece ``p`` on the device (``idx``: the checkpoint's pages, on the device): ``read(out)``
@@ -322,18 +385,32 @@ class Copier:
         if not to_host:
             if hc.event is not None:
                 stream.wait_event(hc.event)
-        elif hc.block is not None:
-            a, b = hc.block.offset, hc.block.offset + hc.block.size
-            for start, end, event in self._reads:
-                if start < b and a < end:
-                    stream.wait_event(event)
+        else:
+            for block in hc.blocks:
+                a, b = block.offset, block.offset + block.size
+                for start, end, event in self._reads:
+                    if start < b and a < end:
+                        stream.wait_event(event)
 
     def _copy(self, hc: HostCheckpoint, slot: int, pages: list[int], to_host: bool) -> object | None:
         if not self.stage_bytes:            # CPU: gather / scatter straight into / out of the host tensors
             idx = self._page_index(pages)
             for p in self._pieces(hc):
                 read, write = self._device(p, slot, idx)
-                read(self._host(hc, p)) if to_host else write(self._host(hc, p))
+                host, segs = self._host(hc, p), self._segments(hc, p)
+                if not hc.spans:
+                    read(host) if to_host else write(host)
+                    continue
+                tmp = torch.empty(host.shape, dtype=host.dtype)     # a piece across extents (CPU only)
+                raw = tmp.reshape(-1).view(torch.uint8)
+                if to_host:
+                    read(tmp)
+                    for a, b, view in segs:
+                        view.copy_(raw[a:b])
+                else:
+                    for a, b, view in segs:
+                        raw[a:b].copy_(view)
+                    write(tmp)
             return None
         items = self._pieces(hc)
         if not self.cuda:                   # CPU with a staging buffer (tests): the same batches, synchronous
@@ -356,8 +433,8 @@ class Copier:
             hc.event, hc.gathered = event, gathered or event    # the caller orders the current stream (freeing)
         else:
             current.wait_event(event)       # the restored rows are read only after the scatter
-            if hc.block is not None:        # its block may go back to the arena now: a copy down into it waits
-                self._reads.append((hc.block.offset, hc.block.offset + hc.block.size, event))
+            for block in hc.blocks:         # its blocks may go back to the arena now: a copy down into them waits
+                self._reads.append((block.offset, block.offset + block.size, event))
         return event
 
     def _run_batch(self, hc: HostCheckpoint, batch: list[tuple[Piece, torch.Tensor]], slot: int, idx: torch.Tensor,
@@ -373,10 +450,14 @@ class Copier:
                 gathered = torch.cuda.Event()
                 gathered.record(self.down)
             for p, view in batch:
-                self._host(hc, p).copy_(view, non_blocking=nb)
+                raw = view.reshape(-1).view(torch.uint8)
+                for a, b, host in self._segments(hc, p):
+                    host.copy_(raw[a:b], non_blocking=nb)
             return gathered
         for p, view in batch:
-            view.copy_(self._host(hc, p), non_blocking=nb)
+            raw = view.reshape(-1).view(torch.uint8)
+            for a, b, host in self._segments(hc, p):
+                raw[a:b].copy_(host, non_blocking=nb)
         for p, view in batch:
             self._device(p, slot, idx)[1](view)
         return None

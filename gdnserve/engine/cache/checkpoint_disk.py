@@ -10,6 +10,8 @@ offset in the payload and byte count; the checksum covers everything before it. 
 checkpoint's (checkpoint_copy.py: conv, ssm, the state pool's registered rows such as ``mtp_hidden``, k, v); a file
 must hold exactly the names the tier was built with (``names``, the copier's). Version 2 added the registered rows
 (version 1 files, which had none, are ignored: an MTP checkpoint without its hidden would draft from a stale one).
+A host checkpoint held in several arena extents (host_arena.py ``alloc_extents``) is written in the same format
+(its tensors put together from the extents): the file never depended on how the host memory was cut.
 A file is only ever seen whole: it is written to ``*.tmp`` and renamed. At start-up each file's header is read and its size checked against the
 header (a truncated file is ignored, with one log line); the checksum is checked when a checkpoint is loaded (a
 corrupt file is ignored with one log line and removed, and the lookup misses). A file whose fingerprint or
@@ -62,7 +64,7 @@ def _checksum(data: bytes | memoryview) -> bytes:
 def encode(hc: HostCheckpoint, fingerprint: str) -> bytes:
     """The file's bytes for ``hc`` (its device -> host copy must be complete)."""
     tensors, payload, off = [], [], 0
-    for name, t in hc.tensors.items():
+    for name, t in hc.host_tensors().items():       # (put together from its arena extents where it has several)
         t = t.contiguous()
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()
         tensors.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),

@@ -19,8 +19,9 @@ or in the host tier is not copied again. An ahead copy takes its arena block lik
 tier's LRU, older than anything on the device, never another ahead copy); an eviction's spill that finds no room
 once the host tier is empty discards ahead copies (oldest first: the device still holds them) before it drops.
 
-Host memory: a spill takes a block of the arena, evicting the host tier's LRU until one fits (no allocation in the
-step loop). A block goes back to the arena (``HostCheckpoint.release``) only when nothing reads it any more; GPU
+Host memory: a spill takes a block of the arena (or, where no one hole holds it, up to ``MAX_EXTENTS`` extents:
+host_arena.py ``alloc_extents``; "block" below means its blocks), evicting the host tier's LRU until it fits (no
+allocation in the step loop). A block goes back to the arena (``HostCheckpoint.release``) only when nothing reads it any more; GPU
 copies are ordered by the copier's streams (checkpoint_copy.py), CPU threads are not:
 
 - evicted with no disk tier: at once (a later copy down into the block is queued after the one that filled it,
@@ -190,11 +191,11 @@ class CheckpointTiers:
               ) -> HostCheckpoint | None:
         """Host tensors in an arena block, evicting the host tier's LRU until one fits, then (an eviction's spill)
         discarding ahead copies, oldest first; None when none fits now. ``ahead`` (a spill ahead): the host tier's
-        LRU is evicted only while the arena lacks the bytes, never for a hole that fits: until the eviction, the
-        restores in between free blocks beside the holes (first fit over a tier filled in LRU order works like a
-        ring), and evicting for fragmentation early pushed out checkpoints the later eviction would have kept
-        (``benchmarks/bench_checkpoint_tiers.py --device cpu``: later turns' hit rate 100 % -> 68 %; evicting
-        only cold, continued, checkpoints for it: 78 %)."""
+        LRU is evicted only while the arena lacks the bytes, never for a hole that fits: evicting for fragmentation
+        early pushed out checkpoints the later eviction would have kept (``benchmarks/bench_checkpoint_tiers.py
+        --device cpu``: later turns' hit rate 100 % -> 68 %; evicting only cold, continued, checkpoints for it:
+        78 %). Free bytes are room since a checkpoint may take several holes (``alloc_extents``): only a request
+        past ``MAX_EXTENTS`` holes finds bytes and no room."""
         need = self.copier.bytes_of(num_pages)
         if need > self.arena.capacity:
             return None
@@ -207,7 +208,7 @@ class CheckpointTiers:
                 old.release()
             else:
                 self.disk.put(old)
-                coming += old.footprint if old.block is not None else 0
+                coming += old.footprint if old.blocks else 0
             hc = self.copier.empty(key, token_ids, num_pages)
         while hc is None and not ahead and self.ahead and coming < need:
             self.drop_ahead(next(iter(self.ahead)))

@@ -9,6 +9,14 @@ cudaHostAlloc inside the engine's step loop (the first turn of a multi-turn benc
 
 Blocks: sizes rounded up to ``ALIGN`` (4 KiB: a page), first fit over a free list sorted by offset, a freed block
 merged with its free neighbours. Thread-safe: the disk writer thread frees blocks it has finished reading.
+
+Extents (``alloc_extents``): a checkpoint may be held in a short list of blocks instead of one. A chat's checkpoints
+grow every turn, so the hole an evicted older one leaves is a few pages short for the next: with one contiguous
+block per checkpoint an arena sized tightly was full and fragmented by turn 3 and a spill ahead (which evicts only
+for bytes) found no hole (``benchmarks/bench_checkpoint_tiers.py --device cpu``: 59 of 274 spills ahead). One
+block where one fits (first fit, as ``alloc``: the copies stay as few as before), else the largest holes, the last
+piece from the smallest hole that covers the rest, at most ``max_extents`` blocks: any free bytes hold a
+checkpoint, and moving pinned data to compact the arena (bandwidth) is never needed.
 """
 from __future__ import annotations
 
@@ -128,17 +136,56 @@ class HostArena:
         with self._lock:
             if self.closed:
                 raise RuntimeError("HostArena.alloc: the arena is closed")
-            for i, (off, size) in enumerate(self._free):
+            for i, (_, size) in enumerate(self._free):
                 if size >= need:
-                    if size == need:
-                        del self._free[i]
-                    else:
-                        self._free[i] = (off + need, size - need)
-                    block = Block(off, need)
-                    self._live[off] = block
-                    self._used += need
-                    return block
+                    return self._take(i, need)
         return None
+
+    def alloc_extents(self, nbytes: int, max_extents: int) -> list[Block] | None:
+        """Blocks of ``block_size(nbytes)`` bytes in all, sorted by offset: one at the lowest offset where it fits,
+        else the largest free holes and the smallest hole that covers the rest (at most ``max_extents`` blocks);
+        None when the free bytes, or ``max_extents`` holes, do not hold it."""
+        if nbytes <= 0:
+            raise ValueError(f"nbytes: {nbytes}, must be > 0")
+        need = block_size(nbytes)
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("HostArena.alloc_extents: the arena is closed")
+            if self.capacity - self._used < need:
+                return None
+            first = next((i for i, (_, size) in enumerate(self._free) if size >= need), None)
+            if first is not None:
+                return [self._take(first, need)]
+            by_size = sorted(range(len(self._free)), key=lambda i: -self._free[i][1])
+            picks, rest = [], need
+            for i in by_size:
+                if len(picks) == max_extents - 1:
+                    break
+                picks.append((i, self._free[i][1]))
+                rest -= self._free[i][1]
+                tail = [j for j in by_size if j not in {p for p, _ in picks} and self._free[j][1] >= rest]
+                if tail:            # the smallest hole that covers the rest (keeps the large ones whole)
+                    picks.append((min(tail, key=lambda j: self._free[j][1]), rest))
+                    break
+            else:
+                return None
+            if sum(n for _, n in picks) != need or len(picks) > max_extents:
+                return None
+            # carve from the highest index down: a hole taken whole leaves the list, shifting those after it
+            blocks = [self._take(i, n) for i, n in sorted(picks, reverse=True)]
+            return sorted(blocks, key=lambda b: b.offset)
+
+    def _take(self, i: int, need: int) -> Block:
+        """``need`` bytes from the start of free hole ``i`` (under the lock)."""
+        off, size = self._free[i]
+        if size == need:
+            del self._free[i]
+        else:
+            self._free[i] = (off + need, size - need)
+        block = Block(off, need)
+        self._live[off] = block
+        self._used += need
+        return block
 
     def free(self, block: Block) -> None:
         """Give ``block`` back, merged with the free space on either side. A block not allocated here (or freed
