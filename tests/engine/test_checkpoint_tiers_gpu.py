@@ -11,6 +11,8 @@ and the engine with CUDA graphs on.
   restore of a checkpoint whose copy down is still in flight reads it after that copy; a restore into the slot an
   eviction's spill just freed lands after the spill's gathers (both exact); a copy down into the block a queued
   copy up still reads waits for it.
+- Extents: a checkpoint cut across two blocks of a fragmented pinned arena is exact both ways (pieces across the
+  boundary, several staging batches), and a copy down into its extents waits for their queued copy up.
 - The engine (embedded model, bf16, CUDA graphs on) with 6 state slots and a host tier: later turns of conversations
   whose checkpoints were evicted hit from the host and give the greedy tokens of an engine that kept them all on
   the GPU (the same checkpoint state, the same kernels); nothing leaks (state, pages, arena blocks); close unpins.
@@ -256,3 +258,42 @@ def test_engine_with_graphs_hits_from_the_host_tier_with_the_resident_outputs():
     arena = tiers.arena
     tiered.close()
     assert arena.closed and tiers.arena is None
+
+
+def test_a_checkpoint_in_extents_is_exact_and_its_extents_are_fenced():
+    """A fragmented pinned arena: a checkpoint no one hole holds takes two extents; its copies down and up (pieces
+    cut across the extent boundary, small staging buffer: several batches) are bit-exact, and a copy down into one
+    of its extents while its copy up is still queued waits for that copy up's reads (``Copier._reads`` per
+    extent)."""
+    st, pg = _pools()
+    per = block_size(Copier(st, pg).layout_bytes(5))
+    half = -(-per // 2 // 4096) * 4096
+    arena = HostArena(4 * half, pinned=True)
+    fill = [arena.alloc(half) for _ in range(4)]
+    arena.free(fill[0])
+    arena.free(fill[2])                                # two holes of half a checkpoint, not adjacent
+    cp = Copier(st, pg, stage_bytes=3 * 2**16 + 4096, arena=arena)
+    src = [7, 8, 9, 3, 40]
+    want = _snap(st, pg, 2, src)
+    hc = cp.empty(b"a" * 16, (1,), 5)
+    assert len(hc.blocks) == 2 and hc.block is None and all(s.is_pinned() for s in hc.spans)
+    cp.copy_down(hc, 2, src)
+    hc.wait()
+    got = hc.host_tensors()
+    assert _same([bits(got[n]) for n in ("conv", "ssm", "k", "v")], want)
+    with torch.cuda.stream(cp.up):
+        torch.cuda._sleep(200_000_000)
+    ev = cp.restore(hc, 4, [30, 31, 32, 33, 34])       # held behind the sleep on the stream up
+    hc.release()
+    other = cp.empty(b"o" * 16, (2,), 5)               # the same two extents, at once
+    assert [b.offset for b in other.blocks] == [0, 2 * half]
+    cp.copy_down(other, 3, [10, 11, 12, 13, 14])       # must not overwrite them before the copy up read them
+    ev.synchronize()
+    other.wait()
+    assert _same(_snap(st, pg, 4, [30, 31, 32, 33, 34]), want)
+    torch.cuda.synchronize()
+    other.release()
+    for b in (fill[1], fill[3]):
+        arena.free(b)
+    assert arena.used == 0
+    arena.close()

@@ -1,7 +1,9 @@
 """HostArena (engine/cache/host_arena.py), the host checkpoint tier's one buffer: first-fit blocks of 4 KiB
 multiples, freed blocks merged with their neighbours, double frees refused, exhaustion answered with None, random
 alloc / free sequences against a page bitmap (the reference: which pages are taken), the pinning path (registered in
-place, or torch's pinned allocator when registration fails) and threads freeing while another allocates."""
+place, or torch's pinned allocator when registration fails) and threads freeing while another allocates. Extents
+(``alloc_extents``): a growing checkpoint held by holes none of which fits it, one block where one does, the cap
+and the free bytes respected, random sequences against the bitmap."""
 from __future__ import annotations
 
 import logging
