@@ -332,7 +332,7 @@ class Copier:
         if not n:
             return []
         if not hc.spans:
-            return [(0, n, host.reshape(-1).view(torch.uint8))]
+            return [(0, n, host.view(-1).view(torch.uint8))]     # (a view: pieces are contiguous)
         start = hc.offsets[p.name] + host.storage_offset() * host.element_size()
         return hc.read(start, start + n)
 
@@ -450,12 +450,12 @@ class Copier:
                 gathered = torch.cuda.Event()
                 gathered.record(self.down)
             for p, view in batch:
-                raw = view.reshape(-1).view(torch.uint8)
+                raw = view.view(-1).view(torch.uint8)
                 for a, b, host in self._segments(hc, p):
                     host.copy_(raw[a:b], non_blocking=nb)
             return gathered
         for p, view in batch:
-            raw = view.reshape(-1).view(torch.uint8)
+            raw = view.view(-1).view(torch.uint8)
             for a, b, host in self._segments(hc, p):
                 raw[a:b].copy_(host, non_blocking=nb)
         for p, view in batch:
