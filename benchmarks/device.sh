@@ -45,6 +45,8 @@
 #                replaces it), and MTP k = 3 at a 60 % oracle acceptance at C = 1, 16 (HTTP_MTP_ARGS replaces it)
 #   engine[:s]   python -m benchmarks.bench_engine_overhead --device cuda (engine decode step vs the bare step at
 #                B = 1, 64, 256 on the full-size random model; ENGINE_ARGS adds flags)
+#   pserve[:s]   python -m benchmarks.profile_serve (the RFC throughput pass per mode, PSERVE_MODES (none,fused): step
+#                times, per-kernel GPU time, busy_share = kernels / wall: issue 26's GPU busy share)
 #   solo[:s]     python -m benchmarks.solo_probe --shape full (batched vs alone under engine variants that switch one
 #                mechanism off each: overlap, graphs, mixed graphs, automatic checkpoints, chunking; SOLO_ARGS adds flags)
 #   tiers[:s]    python -m benchmarks.bench_checkpoint_tiers --device cuda --random full --time-budget s (default 540):
@@ -163,6 +165,9 @@ for arg in "$@"; do
     engine)  timeout "${b:-240}" python3 -m benchmarks.bench_engine_overhead --device cuda --out "$OUT" ${ENGINE_ARGS:-} \
                > "$OUT/bench_engine_overhead.log" 2>&1; echo "bench_engine_overhead rc=$?"
              tail -12 "$OUT/bench_engine_overhead.log" ;;
+    pserve)  timeout "${b:-300}" python3 -m benchmarks.profile_serve --out "$OUT/profile_serve_h200.json" \
+               --modes ${PSERVE_MODES:-none,fused} > "$OUT/profile_serve.log" 2>&1; echo "profile_serve rc=$?"
+             grep '^{' "$OUT/profile_serve.log" | cut -c1-400 ;;
     solo)    timeout "${b:-420}" python3 -m benchmarks.solo_probe --shape full --device cuda --out "$OUT" \
                --time-budget $(( ${b:-420} - 60 )) ${SOLO_ARGS:-} > "$OUT/solo_probe.log" 2>&1; echo "solo_probe rc=$?"
              tail -14 "$OUT/solo_probe.log" ;;

@@ -6,7 +6,8 @@ Uses only bench_serve's make_plan / make_engine / drive and random_model's build
 against an older checkout (PYTHONPATH=that tree) to compare commits side by side. For each mode: the
 latency warm-up (1 group) and two throughput-shaped warm-ups (16 groups each), then one timed pass (per step
 wall time, device synchronised around every step) and one profiled pass (torch.profiler, CUDA kernels summed
-by name over the pass). Prints JSON lines and writes the whole result to --out.
+by name over the pass; ``busy_share``: their sum / the timed pass's wall, issue 26's GPU busy share). Prints JSON
+lines and writes the whole result to --out.
 
 ``--stub`` (CPU, no device): the host path alone — the CUDA plan's RFC workload (16 groups, 8,192-token steps)
 through the prefill / mixed graph path run graph-shaped with the model's forward replaced by zeros, so what is
@@ -206,6 +207,9 @@ def main() -> int:
             drive(engine, wl.make_groups(wl.groups, vocab, rng), mode, params, f"wt{i}")
         r = timed_pass(engine, wl.make_groups(wl.groups, vocab, rng), mode, params, "t")
         r["kernels"] = kernel_table(engine, wl.make_groups(wl.groups, vocab, rng), mode, params, "p", a.top)
+        # issue 26's GPU busy share: the kernels' summed time over a pass of the same groups / the timed pass's
+        # wall (the profiled pass's own wall carries the profiler's overhead)
+        r["busy_share"] = round(r["kernels"][0][2] / (1e3 * r["wall_ms"]), 3)
         if a.host:
             import cProfile
             import io
@@ -224,7 +228,8 @@ def main() -> int:
         r["graph_stats"] = dict(g.stats) if g is not None and hasattr(g, "stats") else None
         r["mixed_picks"] = picks[-8:]
         res[mode] = r
-        print(json.dumps({"tag": a.tag, "mode": mode, "qps": round(r["qps"], 1), "steps_ms": r["steps_ms"],
+        print(json.dumps({"tag": a.tag, "mode": mode, "qps": round(r["qps"], 1), "busy_share": r["busy_share"],
+                          "steps_ms": r["steps_ms"],
                           "graph_stats": r["graph_stats"], "mixed_picks": r["mixed_picks"]}), flush=True)
         for row in r["kernels"][:a.top]:
             print(f"  {a.tag} {mode} {row[2]:>10.1f} us {row[1]:>6d}  {row[0]}")
