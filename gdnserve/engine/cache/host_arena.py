@@ -130,27 +130,22 @@ class HostArena:
 
     def alloc(self, nbytes: int) -> Block | None:
         """A block of ``block_size(nbytes)`` bytes at the lowest offset where it fits; None when none does."""
-        if nbytes <= 0:
-            raise ValueError(f"nbytes: {nbytes}, must be > 0")
-        need = block_size(nbytes)
-        with self._lock:
-            if self.closed:
-                raise RuntimeError("HostArena.alloc: the arena is closed")
-            for i, (_, size) in enumerate(self._free):
-                if size >= need:
-                    return self._take(i, need)
-        return None
+        blocks = self._alloc(nbytes, 1, "alloc")
+        return blocks[0] if blocks else None
 
     def alloc_extents(self, nbytes: int, max_extents: int) -> list[Block] | None:
         """Blocks of ``block_size(nbytes)`` bytes in all, sorted by offset: one at the lowest offset where it fits,
         else the largest free holes and the smallest hole that covers the rest (at most ``max_extents`` blocks);
         None when the free bytes, or ``max_extents`` holes, do not hold it."""
+        return self._alloc(nbytes, max_extents, "alloc_extents")
+
+    def _alloc(self, nbytes: int, max_extents: int, who: str) -> list[Block] | None:
         if nbytes <= 0:
             raise ValueError(f"nbytes: {nbytes}, must be > 0")
         need = block_size(nbytes)
         with self._lock:
             if self.closed:
-                raise RuntimeError("HostArena.alloc_extents: the arena is closed")
+                raise RuntimeError(f"HostArena.{who}: the arena is closed")
             if self.capacity - self._used < need:
                 return None
             first = next((i for i, (_, size) in enumerate(self._free) if size >= need), None)
@@ -163,13 +158,14 @@ class HostArena:
                     break
                 picks.append((i, self._free[i][1]))
                 rest -= self._free[i][1]
-                tail = [j for j in by_size if j not in {p for p, _ in picks} and self._free[j][1] >= rest]
+                taken = {p for p, _ in picks}
+                tail = [j for j in by_size if j not in taken and self._free[j][1] >= rest]
                 if tail:            # the smallest hole that covers the rest (keeps the large ones whole)
                     picks.append((min(tail, key=lambda j: self._free[j][1]), rest))
                     break
             else:
                 return None
-            if sum(n for _, n in picks) != need or len(picks) > max_extents:
+            if sum(n for _, n in picks) != need:      # max_extents - 1 holes taken, none covers the rest
                 return None
             # carve from the highest index down: a hole taken whole leaves the list, shifting those after it
             blocks = [self._take(i, n) for i, n in sorted(picks, reverse=True)]
