@@ -33,6 +33,7 @@ import math
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -40,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import jsonfmt
+from benchmarks.bench_decode_b1 import graph_us
 from gdnserve.ops.gemv import SkinnyConfig, skinny_linear, skinny_triton
 from gdnserve.ops.numerics import rel_rms
 
@@ -96,27 +98,6 @@ def committed(table: dict, N: int, K: int, M: int) -> SkinnyConfig | None:
         if M <= bound:
             return cfg if cfg.dot or M <= skinny_triton.FMA_MAX_M else None
     return None
-
-
-def graph_us(fn: Callable[[int], Any], calls: int = CALLS, reps: int = REPS) -> float:
-    """µs per call of ``fn(i)``, ``calls`` of them back to back in one CUDA graph; median over ``reps`` replays."""
-    fn(0)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(ts)[len(ts) // 2]
 
 
 def wall_us(fn: Callable[[int], Any], calls: int = 1, reps: int = 1) -> float:
@@ -270,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = tuple(s for s in shapes if f"{s[0]}x{s[1]}" in a.shapes.split(","))
     ms = MS if a.ms is None else tuple(int(m) for m in a.ms.split(","))
     table = dict(skinny_triton.TABLE)
-    timer = graph_us if dev.type == "cuda" and not a.quick else wall_us
+    timer = partial(graph_us, reps=REPS) if dev.type == "cuda" and not a.quick else wall_us
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -283,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                            "torch": torch.__version__, "git": (g or {}).get("commit", "?"),
                            "timing": (f"CUDA graph of max({CALLS}, copies) calls, median of {REPS} replays, L2 not "
                                       f"flushed, W rotated over copies >= {ROTATE >> 20} MB per shape"
-                                      if timer is graph_us
+                                      if timer is not wall_us
                                       else "wall clock of one call (smoke run)"),
                            "rows": []}
     stem = out / f"skinny_m4_{device_slug(dev)}"
