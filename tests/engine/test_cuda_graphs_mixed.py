@@ -159,19 +159,24 @@ def test_long_sequence_over_the_table_width_steps_eagerly(seed):
     assert p.g.graphs.stats["mixed_eager"] == 1 and p.g.graphs.stats["fallback"] == 1
 
 
-def test_triton_kernels_mixed_step(seed):
-    """The Triton kernels (interpreted on the CPU) on a padded mixed step: sentinel chunk rows, zero-length and
-    padding GDN sequences, kv_len-0 attention padding, parents; live rows and every pool byte as the eager
-    Triton step (close: the kernels take other launch shapes), nothing else written."""
-    p = Pair(backend="triton")
-    layers = [m for r in (p.g, p.e) for m in r.model.gdn_layers() + r.model.attention_layers()]
+def triton_mixed_step(p: Pair, layers: list) -> None:
+    """A first prefill with ``layers`` on the PyTorch path (faster than interpreted), then a padded mixed step (a
+    prefill, a same-step consumer of it, a decode) through their Triton kernels, both runners compared (close)."""
     a, b = p.new(), p.new()
-    for m in layers:                                               # the first prefill on the PyTorch path (faster)
+    for m in layers:
         m.backend = "torch"
     p.step([item(a, toks(5))], exact=False)
     for m in layers:
         m.backend = "triton"
     p.step([item(b, toks(3)), item(p.new(), toks(2), producer=0)], [(a, 7)], exact=False)
+
+
+def test_triton_kernels_mixed_step(seed):
+    """The Triton kernels (interpreted on the CPU) on a padded mixed step: sentinel chunk rows, zero-length and
+    padding GDN sequences, kv_len-0 attention padding, parents; live rows and every pool byte as the eager
+    Triton step (close: the kernels take other launch shapes), nothing else written."""
+    p = Pair(backend="triton")
+    triton_mixed_step(p, [m for r in (p.g, p.e) for m in r.model.gdn_layers() + r.model.attention_layers()])
     assert p.g.graphs.stats["mixed_eager"] == 2
 
 
@@ -236,13 +241,7 @@ def test_triton_kernels_mtp_mixed_step(seed):
     with a producer's duplicated copy-on-write rows, padding rows skipped; live rows, pools and hidden rows as the
     eager Triton step's (close: other launch shapes)."""
     p = Pair(backend="triton", mode="replay", k=3, spec_draft="mtp")
-    layers = [m for r in (p.g, p.e) for m in [*r.model.gdn_layers(), *r.model.attention_layers(), r.mtp.head.attention]]
-    a, b = p.new(), p.new()
-    for m in layers:                                               # the first prefill on the PyTorch path (faster)
-        m.backend = "torch"
-    p.step([item(a, toks(5))], exact=False)
-    for m in layers:
-        m.backend = "triton"
-    p.step([item(b, toks(3)), item(p.new(), toks(2), producer=0)], [(a, 7)], exact=False)
+    triton_mixed_step(p, [m for r in (p.g, p.e)
+                          for m in [*r.model.gdn_layers(), *r.model.attention_layers(), r.mtp.head.attention]])
     torch.testing.assert_close(p.g.mtp.hidden[:-1], p.e.mtp.hidden[:-1], rtol=1e-4, atol=1e-5)
     assert p.g.graphs.stats["mixed_eager"] == 2
