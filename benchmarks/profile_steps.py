@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mtp", type=int, default=0, metavar="K",
                     help="an MTP head and k = K drafts (replay mode): cases verify:B run its verify steps (draft + "
                          "target + feed, one graph), each followed by accepting every token")
+    ap.add_argument("--fold-max-tokens", type=int, default=None,
+                    help="the MoE blocks' fold_max_tokens (layers/moe.py FOLD_MAX_TOKENS) for this run")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
     full = a.layers is None and a.experts is None
@@ -106,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.mtp:
         hf_cfg["mtp_num_hidden_layers"] = 1
     model = build_random_model(hf_cfg, dev, torch.bfloat16)
+    if a.fold_max_tokens is not None:
+        for m in model.modules():
+            if hasattr(m, "fold_max_tokens"):
+                m.fold_max_tokens = a.fold_max_tokens
     if a.fp8:
         from gdnserve.models.loader import quantize_model_fp8_
         quantize_model_fp8_(model)
