@@ -191,6 +191,26 @@ def restore_vs_recompute(e: LLMEngine, k: int, device: torch.device) -> list[dic
     return out
 
 
+def link_rate(nbytes: int, device: torch.device, reps: int = 5) -> dict[str, float] | None:
+    """The PCIe link's rate for one transfer of ``nbytes`` each way between pinned host memory and the device
+    (median of ``reps``): what a restore or spill of that size could reach. None off CUDA."""
+    if device.type != "cuda" or nbytes <= 0:
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    out = {}
+    for name, dst, src in (("h2d_gbps", dev, host), ("d2h_gbps", host, dev)):
+        ts = []
+        for _ in range(reps):
+            sync(device)
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            sync(device)
+            ts.append(time.perf_counter() - t0)
+        out[name] = nbytes / statistics.median(ts) / 1e9
+    return out
+
+
 def later(rows: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
     return [r for r in rows if r["mode"] == mode and r["turn"] > 1]
 
@@ -213,6 +233,10 @@ def markdown(res: dict[str, Any]) -> str:
         for r in res["restore"]:
             lines.append(f"| {r['tokens']} | {r['mbytes']:.1f} | {r['restore_ms']:.2f} | {r['recompute_ms']:.2f} | "
                          f"{r['ratio']:.3f} | {r['restore_gbps']:.1f} | {r['spill_ms']:.2f} |")
+        if res.get("link"):
+            lk = res["link"]
+            lines += ["", f"The link, one pinned transfer of the median checkpoint's bytes (median of 5): host -> "
+                          f"device {lk['h2d_gbps']:.1f} GB/s, device -> host {lk['d2h_gbps']:.1f} GB/s."]
     sp = res.get("spills", {})
     if sp:
         lines += ["", f"Tier on, spill ahead {res.get('spill_ahead')}: {sp['spills']} spills, {sp['spills_ahead']} "
@@ -289,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     if time.perf_counter() < deadline:
         restore = restore_vs_recompute(e, plan.samples, device)
     plan.host_gb = host_gb
+    link = link_rate(int(statistics.median(r["mbytes"] for r in restore) * 1e6), device) if restore else None
     on, off = later(rows, "on"), later(rows, "off")
     med = lambda rs, k: statistics.median(r[k] for r in rs) if rs else float("nan")
     targets = {"hit_rate_on": (sum(r["hit_rate"] * r["requests"] for r in on) / max(1, sum(r["requests"] for r in on))),
@@ -298,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     res = {"device": device.type, "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
            "versions": f"torch {torch.__version__}, triton {triton.__version__}, model random-{args.random} {dtype}",
            "plan": plan.__dict__, "gpu_capacity": capacity, "host_gb": host_gb, "rows": rows, "restore": restore,
-           "targets": targets, "spill_ahead": e.config.checkpoint_spill_ahead,
+           "targets": targets, "link": link, "spill_ahead": e.config.checkpoint_spill_ahead,
            "spills": {k: snap.get(k, 0) for k in ("spills", "spills_ahead", "evictions_waited", "dropped")}}
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"checkpoint_tier_{'h200' if cuda and 'H200' in res['device_name'] else device.type}"

@@ -41,6 +41,28 @@ def kernels_per_call(fn, cuda: bool) -> int | None:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
+@torch.no_grad()
+def to_fp8(moe: SparseMoE) -> None:
+    """``moe`` as an FP8 release's block (models.loader.quantize_model_fp8_'s steps for one block): the shared
+    expert's two layers and the routed experts in 128x128 blocks, then the shared expert folded again."""
+    from gdnserve.ops.quant import quantize_weight
+    moe.unfold_shared()
+    for layer, nb in ((moe.shared_expert.gate_up_proj, 2), (moe.shared_expert.down_proj, None)):
+        w = layer.weight.data
+        if nb:
+            layer.to_fp8(nb)
+            layer.weight.data = w[w.shape[0]:].clone()       # no dense tail
+        else:
+            layer.to_fp8()
+        layer.qweight.data, layer.weight_scale_inv.data = quantize_weight(w)
+    gu, dn, n = moe.experts_gate_up.data, moe.experts_down.data, moe.local_intermediate
+    moe.to_fp8()
+    (qg, sg), (qu, su), (qd, sd) = (quantize_weight(t) for t in (gu[:, :n], gu[:, n:], dn))
+    moe.experts_gate_up.data, moe.experts_gate_up_scale_inv.data = torch.cat([qg, qu], 1), torch.cat([sg, su], 1)
+    moe.experts_down.data, moe.experts_down_scale_inv.data = qd, sd.contiguous()
+    assert moe.fold_shared() and moe.experts_scales is not None
+
+
 def block(E: int, dev: torch.device, H: int = H, I: int = I) -> SparseMoE:
     moe = SparseMoE(H, E, K, I, I, True).to(device=dev, dtype=torch.bfloat16).eval()
     gen = torch.Generator(device=dev).manual_seed(E)
@@ -62,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (Triton interpreted; use small shapes)")
     ap.add_argument("--hidden", type=int, default=H)
     ap.add_argument("--intermediate", type=int, default=I)
+    ap.add_argument("--fp8", action="store_true", help="the block quantized to block FP8 (models.loader."
+                    "quantize_model_fp8_, the shared expert folded again); rel-RMS against the bf16 block's f64 copy")
     a = ap.parse_args(argv)
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
@@ -69,14 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     moe = block(E, dev, hidden, inter)
     ref64 = copy.deepcopy(moe).double()
     ref64.backend = "torch"
+    if a.fp8:
+        to_fp8(moe)
     rows = []
     for T in map(int, a.tokens.split(",")):
         gen = torch.Generator(device=dev).manual_seed(T)
         xs = [torch.randn(T, hidden, device=dev, generator=gen).bfloat16() for _ in range(2)]
         with torch.no_grad():
-            hit = int(torch.unique(moe.route(xs[0])[1]).numel())
+            hit = int(torch.unique(ref64.route(xs[0].double())[1]).numel())
             want = ref64(xs[0][:8].double())
-        bytes_ = (hit + 1) * 3 * hidden * inter * 2 + (E + 1) * hidden * 2
+        bytes_ = (hit + 1) * 3 * hidden * inter * (1 if a.fp8 else 2) + (E + 1) * hidden * 2
         outs = {}
         for name, fold in (("unfolded", 0), ("folded", 1 << 30)):
             moe.fold_max_tokens = fold          # forced either way (the default folds up to FOLD_MAX_TOKENS)
@@ -95,12 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                         text=True).stdout.strip() or "unknown"
     name = torch.cuda.get_device_name(dev) if cuda else f"CPU smoke run ({platform.machine()}, Triton interpreted)"
+    fmt = "block FP8 (e4m3, 128x128 scales; router bf16)" if a.fp8 else "bf16"
     lines = [f"# MoE block, shared expert folded into the grouped GEMM vs unfolded — {name}",
              "",
              f"torch {torch.__version__}, Python {platform.python_version()}; commit {commit}; command "
-             f"`python -m benchmarks.bench_moe_shared --tokens {a.tokens} --experts {E}"
+             f"`python -m benchmarks.bench_moe_shared --tokens {a.tokens} --experts {E}" + (" --fp8" if a.fp8 else "")
              + (f" --device {a.device} --hidden {hidden} --intermediate {inter}" if not cuda else "") + "`.",
-             f"Block: hidden {hidden}, {E} experts of {inter}, top-{K}, shared expert {inter}, bf16, Triton backend, fused router. "
+             f"Block: hidden {hidden}, {E} experts of {inter}, top-{K}, shared expert {inter}, {fmt}, Triton backend, fused router. "
              "GPU µs per block call from a CUDA-graph replay, median [P10–P90]; kernels per call from torch.profiler; "
              "TB/s = (router + distinct experts hit + shared) weight bytes / median.", "",
              "| T | experts hit | unfolded µs | kernels | folded µs | kernels | speed-up | folded TB/s | "

@@ -15,3 +15,15 @@ def test_smoke(tmp_path, device):
     assert [(r["T"], r["variant"]) for r in rows] == [(3, "unfolded"), (3, "folded")]
     assert rows[1]["rel_rms_vs_unfolded"] < 1e-2 and rows[1]["rel_rms_vs_f64"] < 1e-2
     assert "| 3 |" in out.read_text()
+
+
+def test_smoke_fp8(tmp_path, device):
+    """--fp8: the block in block FP8 (the shared expert folded again), folded and unfolded within FP8 rounding."""
+    out = tmp_path / "moe_shared_fp8.md"
+    assert bench_moe_shared.main(["--device", device.type, "--tokens", "2", "--experts", "9", "--hidden", "128",
+                                  "--intermediate", "128", "--iters", "1", "--out", str(out), "--commit", "x",
+                                  "--fp8"]) == 0
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert [(r["T"], r["variant"]) for r in rows] == [(2, "unfolded"), (2, "folded")]
+    assert rows[1]["rel_rms_vs_unfolded"] < 5e-2 and rows[1]["rel_rms_vs_f64"] < 0.15
+    assert "block FP8" in out.read_text()
