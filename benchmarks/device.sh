@@ -43,6 +43,9 @@
 #   http_fp8[:s] http_mtp[:s]   the same benchmark again in the same call (its files carry --tag, so the runs do not
 #                overwrite each other): issue 27's peers' workload in FP8 at C = 1, 16, 256, max (HTTP_FP8_ARGS
 #                replaces it), and MTP k = 3 at a 60 % oracle acceptance at C = 1, 16 (HTTP_MTP_ARGS replaces it)
+#   moeshared[:s] python -m benchmarks.bench_moe_shared, bf16 then --fp8 (the shared expert folded vs unfolded at
+#                MOESHARED_TOKENS, default 1,2,4,8,16,24,32,64: where layers/moe.py's FOLD_MAX_TOKENS(_FP8) come from;
+#                each under a timeout of s, default 120)
 #   engine[:s]   python -m benchmarks.bench_engine_overhead --device cuda (engine decode step vs the bare step at
 #                B = 1, 64, 256 on the full-size random model; ENGINE_ARGS adds flags)
 #   pserve[:s]   python -m benchmarks.profile_serve (the RFC throughput pass per mode, PSERVE_MODES (none,fused): step
@@ -162,6 +165,12 @@ for arg in "$@"; do
                --time-budget $(( ${b:-180} - 20 )) ${FUSED_ARGS:-} \
                > "$OUT/bench_decode_fused.log" 2>&1; echo "bench_decode_fused rc=$?"
              tail -14 "$OUT/bench_decode_fused.log" ;;
+    moeshared) for f in "" --fp8; do
+               n=moe_shared${f:+_fp8}_h200      # the results' names (bench_moe_shared writes .md and .json)
+               timeout "${b:-120}" python3 -m benchmarks.bench_moe_shared $f --commit "${GDNSERVE_CODE_COMMIT:-unknown}" \
+                 --tokens "${MOESHARED_TOKENS:-1,2,4,8,16,24,32,64}" --out "$OUT/$n.md" \
+                 > "$OUT/bench_$n.log" 2>&1; echo "bench_moe_shared $f rc=$?"
+               grep -h "^| [0-9]" "$OUT/$n.md" | cut -c1-200; done ;;
     engine)  timeout "${b:-240}" python3 -m benchmarks.bench_engine_overhead --device cuda --out "$OUT" ${ENGINE_ARGS:-} \
                > "$OUT/bench_engine_overhead.log" 2>&1; echo "bench_engine_overhead rc=$?"
              tail -12 "$OUT/bench_engine_overhead.log" ;;
