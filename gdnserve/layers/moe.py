@@ -64,12 +64,13 @@ from gdnserve.ops.moe.router import route, route_torch
 from gdnserve.ops.quant import fp8_linear
 
 FP8_BLOCK = 128
-# Steps of at most this many tokens run the folded block (module docstring). Measured on the H200 (E = 256,
-# bf16, the grouped GEMM tiles of 4ef3585, benchmarks/results/moe_shared_h200.md): folded faster at every T from 1
-# to 16 (1.56x at T = 1, 1.39x at 4, 1.25x at 16), even at T = 24 (1.01x): up to 16 tokens the shared expert's
-# rows are one 16-row block, past it each block re-streams its weights. FP8 blocks: not measured at T > 1, so 1.
+# Steps of at most this many tokens run the folded block (module docstring). Measured on the H200 (E = 256, the
+# grouped GEMM tiles of 34c239f, benchmarks/results/moe_shared_h200.md and moe_shared_fp8_h200.md): folded at least
+# as fast at every T from 1 to 16 (bf16 1.70x at T = 1, 1.33x at 4, 1.01x at 8, 1.22x at 16; block FP8 1.41x,
+# 1.16x, 1.06x, 1.36x), even from 24 to 32, slower at 64 (0.95x / 0.98x): up to 16 tokens the shared expert's rows
+# are one 16-row block, past it each block re-streams its weights.
 FOLD_MAX_TOKENS = 16
-FOLD_MAX_TOKENS_FP8 = 1
+FOLD_MAX_TOKENS_FP8 = 16
 
 
 def _cdiv(a: int, b: int) -> int:
