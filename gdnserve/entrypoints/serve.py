@@ -41,6 +41,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"concurrently running sequences (default {_D.max_num_seqs})")
     m.add_argument("--max-model-len", type=int, default=_D.max_model_len,
                    help=f"prompt + generated tokens per sequence (default {_D.max_model_len})")
+    m.add_argument("--max-step-tokens", "--max-num-batched-tokens", type=int, default=_D.max_step_tokens,
+                   dest="max_step_tokens",
+                   help=f"prompt tokens one step prefills, beside its decodes (default {_D.max_step_tokens}; vLLM's "
+                        "--max-num-batched-tokens): larger steps cut a long prompt's steps and TTFT, the memory plan "
+                        "measures the activation peak of a step this large")
     m.add_argument("--gpu-memory-utilization", type=float, default=_D.gpu_memory_utilization, metavar="F",
                    help=f"share of the GPU's memory the engine may use: weights, activations, CUDA graphs, and KV "
                         f"pages + state slots sized to fill the rest (default {_D.gpu_memory_utilization}; on CPU the "
@@ -150,7 +155,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 # EngineConfig fields set by a flag of the same name (--max-num-seqs -> max_num_seqs; --no-cuda-graphs and
 # --no-auto-checkpoints store into cuda_graphs / auto_checkpoints). A command has the flags it offers.
-ENGINE_FLAGS = ("prefill_mode", "max_num_seqs", "max_model_len", "num_pages", "num_slots", "spec_k", "spec_mode",
+ENGINE_FLAGS = ("prefill_mode", "max_num_seqs", "max_model_len", "max_step_tokens", "num_pages", "num_slots", "spec_k", "spec_mode",
                 "spec_draft", "cuda_graphs", "auto_checkpoints", "tensor_parallel_size", "gpu_memory_utilization",
                 "memory_budget_gb", "overlap",
                 "checkpoint_host_memory_gb", "checkpoint_spill_ahead", "checkpoint_dir", "checkpoint_dir_max_gb")

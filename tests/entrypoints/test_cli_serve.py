@@ -194,7 +194,7 @@ def test_engine_flags_out_of_range_name_the_flag():
     """A flag the engine config refuses: one line naming the flag (and the config field), exit 2 (exit 1 and the
     field alone before), before any model load."""
     for flags, flag in [(["--max-num-seqs", "0"], "--max-num-seqs"), (["--spec-k", "-1"], "--spec-k"),
-                        (["--max-model-len", "0"], "--max-model-len")]:
+                        (["--max-model-len", "0"], "--max-model-len"), (["--max-step-tokens", "0"], "--max-step-tokens")]:
         one_line_error(run_cli("serve", "--device", "cpu", "--port", "0", *flags), 2, f"gdnserve serve: {flag}: ")
 
 
@@ -207,9 +207,12 @@ def test_every_command_maps_its_flags_through_one_engine_config(monkeypatch, cap
     assert cli.main(["serve", "--replicas", "2", "--device", "cpu", "--port", "0", "--max-num-seqs", "0"]) == 2
     err = capsys.readouterr().err
     assert "gdnserve serve: --max-num-seqs: max_num_seqs must be an int >= 1" in err or "needs Ray Serve" in err
-    args = cli.build_parser().parse_args(["serve", "--max-num-seqs", "3", "--no-cuda-graphs", "--spec-k", "2"])
+    args = cli.build_parser().parse_args(["serve", "--max-num-seqs", "3", "--no-cuda-graphs", "--spec-k", "2",
+                                          "--max-step-tokens", "8192"])
     cfg = serve.engine_config(args, num_pages=77)
-    assert (cfg.max_num_seqs, cfg.cuda_graphs, cfg.spec_k, cfg.num_pages) == (3, False, 2, 77)
+    assert (cfg.max_num_seqs, cfg.cuda_graphs, cfg.spec_k, cfg.num_pages, cfg.max_step_tokens) == (3, False, 2, 77, 8192)
+    vllm = cli.build_parser().parse_args(["serve", "--max-num-batched-tokens", "2048"])     # vLLM's name
+    assert serve.engine_config(vllm).max_step_tokens == 2048
     assert cfg.overlap is None and not cfg.overlapped("cuda")            # --spec-k: the serial loop
     no = serve.engine_config(cli.build_parser().parse_args(["serve", "--no-overlap"]))
     on = serve.engine_config(cli.build_parser().parse_args(["serve", "--overlap"]))
