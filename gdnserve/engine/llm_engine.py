@@ -349,10 +349,10 @@ class LLMEngine:
         accepted = []
         if batch.verified:
             v0 = r + len(batch.decodes)
-            counts, toks = self.outputs.accept(logits[v0:], batch.verified, self.runner.drafts,
-                                               lambda dev: self.sampler.generator(dev))
+            counts, toks, lps = self.outputs.accept(logits[v0:], batch.verified, self.runner.drafts,
+                                                    lambda dev: self.sampler.generator(dev))
             self.runner.accept([(s.seq, len(t)) for (_, s), t in zip(batch.verified, toks)], counts)
-            accepted = list(zip(batch.verified, toks))
+            accepted = [(v, (t, lp)) for v, t, lp in zip(batch.verified, toks, lps)]
         if batch.waves:
             self.outputs.score_results(batch, first, logits)
         batch.first_rows = first
@@ -380,11 +380,13 @@ class LLMEngine:
                     elif kind == "tok":
                         self.outputs.append(req, a, b[0], b[1], b[2], out)
                     else:
+                        toks, lps = b
                         out.verified += 1
-                        out.drafts_accepted += len(b) - 1
-                        for tok in b:
-                            if a.finish_reason is None:
-                                self.outputs.append(req, a, tok, None, None, out)
+                        out.drafts_accepted += len(toks) - 1
+                        for j, tok in enumerate(toks):
+                            if a.finish_reason is None:     # tokens past a stop (EOS, stop string) are dropped
+                                lp, d = lps[j] if lps is not None else (None, None)
+                                self.outputs.append(req, a, tok, lp, d, out)
             except Exception as e:   # noqa: BLE001
                 out.failed.append((req, f"{type(e).__name__}: {e}"))
         return out

@@ -60,7 +60,9 @@ class OutputProcessor:
         """Acceptance of the verify rows: greedy requests by exact match with the target's argmax, sampled ones by
         rejection sampling against the sampler's filtered distribution. Each row keeps its accepted drafts plus
         one target token, capped by what the sample may still emit (max_tokens, context length), so the state
-        holds exactly the tokens the sample gets. Returns (device counts [B] int64, host token lists)."""
+        holds exactly the tokens the sample gets. Returns (device counts [B] int64, host token lists, per row
+        None or each kept token's (logprob, logprobs dict) for a request that asked for logprobs: the raw logits'
+        log-softmax at that verify position, as a decode step reports it)."""
         B, L, dev = len(verified), self.spec_k + 1, logits.device
         lg = logits.view(B, L, -1)
         num = torch.empty(B, dtype=torch.int64, device=dev)
@@ -80,8 +82,35 @@ class OutputProcessor:
             num[ix], emitted[ix] = n, e
         room = torch.tensor([self._room(r, s) for r, s in verified], dtype=torch.int64).to(dev, non_blocking=True)
         num = torch.minimum(num, room - 1)           # tokens kept = num + 1 <= room
+        want = [i for i, (r, _) in enumerate(verified) if r.params.logprobs is not None]
+        lp = None
+        if want:        # only the rows that asked: a [rows x L, vocab] log-sum-exp per step
+            ix = torch.tensor(want, device=dev)
+            top = max(verified[i][0].params.logprobs for i in want)
+            lp = token_logprobs(lg[ix].reshape(len(want) * L, -1), emitted[ix].clamp(min=0).reshape(-1), top)
         toks = emitted_tokens(num, emitted)
-        return num + 1, toks
+        return num + 1, toks, self._spec_logprobs(verified, want, toks, lp, L)
+
+    @staticmethod
+    def _spec_logprobs(verified: list, want: list[int], toks: list[list[int]], lp, L: int) -> list:
+        """Per verify row None, or (logprob, {token: logprob, top ...}) for each token it keeps."""
+        out: list = [None] * len(verified)
+        if not want:
+            return out
+        chosen, ids, vals = lp
+        chosen = chosen.tolist()
+        ids, vals = (ids.tolist(), vals.tolist()) if ids is not None else (None, None)
+        for w, i in enumerate(want):
+            n = verified[i][0].params.logprobs
+            row = []
+            for j, tok in enumerate(toks[i]):
+                f = w * L + j
+                d = {tok: chosen[f]}
+                if ids is not None and n:
+                    d.update(zip(ids[f][:n], vals[f][:n]))
+                row.append((chosen[f], d))
+            out[i] = row
+        return out
 
     def _room(self, req: Request, s: Sample) -> int:
         return max(1, min(req.params.max_tokens - len(s.token_ids),

@@ -56,3 +56,43 @@ def test_sampled_requests_speculate_too(reference):
     assert llm.engine.counts.spec_drafted > 0
     outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 10 and o.finished for o in outs)
+
+
+def test_stop_strings_and_logprobs_speculate():
+    """Requests with stop strings or logprobs verify drafts too (they decoded one token a step before): the same
+    tokens, text, finish reason and logprobs as without speculation, the tokens after a stop string inside an
+    accepted run dropped."""
+    plain = LLM(device="cpu", auto_checkpoints=False)
+    base = plain.generate(PROMPTS, GREEDY)
+    # a stop string that each output reaches a few characters in, so it can end the sample in the middle of a
+    # multi-token acceptance
+    stops = [o.outputs[0].text[5:7] for o in base]
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[st] if st.strip() else None,
+                             logprobs=2) for st in stops]
+    params += [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=n) for n in (0, 1, 3, 5, 2)]
+    PROMPTS2 = PROMPTS * 2
+    want = [plain.generate([p], sp)[0] for p, sp in zip(PROMPTS2, params)]
+    assert {len(w.outputs[0].token_ids) for w in want[:5]} < {1, 2, 3, 4, 5, 6, 7, 8} and all(
+        len(w.outputs[0].token_ids) == 24 for w in want[5:])        # the stops end early, the rest run to 24
+    for mode in ("replay", "intermediate"):
+        llm = LLM(device="cpu", spec_k=3, spec_mode=mode)
+        got = [o for p, sp in zip(PROMPTS2, params) for o in llm.generate([p], sp)]
+        assert llm.engine.counts.spec_drafted > 0 and llm.engine.counts.spec_accepted > 0
+        for g, w in zip(got, want):
+            go, wo = g.outputs[0], w.outputs[0]
+            assert (go.token_ids, go.text, go.finish_reason) == (wo.token_ids, wo.text, wo.finish_reason)
+            assert len(go.logprobs) == len(wo.logprobs) == len(go.token_ids)
+            for gd, wd, tok in zip(go.logprobs, wo.logprobs, go.token_ids):
+                assert tok in gd and set(gd) == set(wd) and len(gd) <= 6
+                assert all(abs(gd[t] - wd[t]) < 1e-4 for t in gd)
+            assert abs(go.cumulative_logprob - wo.cumulative_logprob) < 1e-3
+        # all ten in one batch (verify steps that mix rows with and without logprobs, and rows that stop)
+        e, outs = llm.engine, {}
+        rids = [e.add_request(None, w.prompt_token_ids, sp) for w, sp in zip(want, params)]
+        while len(outs) < len(rids):
+            outs.update((o.request_id, o) for o in e.step() if o.finished)
+        for rid, w in zip(rids, want):
+            go, wo = outs[rid].outputs[0], w.outputs[0]
+            assert (go.token_ids, go.text, go.finish_reason) == (wo.token_ids, wo.text, wo.finish_reason)
+            assert [set(d) for d in go.logprobs] == [set(d) for d in wo.logprobs]
+        assert llm.engine.runner.state.check_integrity() == [] and llm.engine.runner.pages.check_integrity() == []

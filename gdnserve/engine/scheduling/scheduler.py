@@ -207,13 +207,14 @@ class Scheduler:
                 batch.dec_owners.append((req, s))
 
     def speculates(self, req: Request, s) -> bool:
-        """Single-sample requests without logprobs, stop strings or a seed (a seeded request's tokens are tied
-        to per-step generators) verify k drafts per step while their verify fits the context. One token from
-        ``max_tokens`` they verify too (the acceptance keeps what the sample may still emit: one token, its state
-        exactly that far): a decode row beside verifies would send the whole step to the eager path."""
+        """Single-sample requests without a seed (a seeded request's tokens are tied to per-step generators)
+        verify k drafts per step while their verify fits the context; logprobs come from the verify rows, and a
+        stop string (like EOS) that ends the sample inside an accepted run drops the tokens after it. One token
+        from ``max_tokens`` they verify too (the acceptance keeps what the sample may still emit: one token, its
+        state exactly that far): a decode row beside verifies would send the whole step to the eager path."""
         p, k = req.params, self.cfg.spec_k
-        return (k > 0 and (p.greedy or p.seed is None) and len(req.samples) == 1 and p.logprobs is None
-                and not p.stop and len(req.prompt_ids) + len(s.token_ids) + k + 1 < self.cfg.max_model_len)
+        return (k > 0 and (p.greedy or p.seed is None) and len(req.samples) == 1
+                and len(req.prompt_ids) + len(s.token_ids) + k + 1 < self.cfg.max_model_len)
 
     def _continue_chunks(self, batch: StepBatch, chunks: list[Request], rem: list[int], left: int) -> int:
         """The next chunk of each long prompt (an OWN_SLOT continuation), or of a checkpoint prefix (into the
