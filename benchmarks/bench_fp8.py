@@ -150,23 +150,16 @@ def _alt_row(row: dict[str, Any], x: torch.Tensor, q: torch.Tensor, s: torch.Ten
         no_gemv = op.Fp8LinearConfig(gemv_max_m=0)
         _timed(row, "alt_us", lambda t: fp8_linear(x, t[0], t[1], tail=t[2], config=no_gemv), sets, dev, quick)
         if M == 1:
-            saved = op.GEMV_QUANT_IN_KERNEL
-            fused = op.gemv_quantizes_inside(M, *q.shape)
+            fused = op.gemv_quantizes_inside(M, *q.shape, op.linear_config(x.device))
             row["alt2"] = "GEMV, x quantized " + ("by its own launch" if fused else "in the GEMV (1 launch)")
-            op.GEMV_QUANT_IN_KERNEL = not fused
-            try:
-                _timed(row, "alt2_us", lambda t: fp8_linear(x, t[0], t[1], tail=t[2]), sets, dev, quick)
-            finally:
-                op.GEMV_QUANT_IN_KERNEL = saved
+            other = op.Fp8LinearConfig(gemv_quant_inside=not fused)
+            _timed(row, "alt2_us", lambda t: fp8_linear(x, t[0], t[1], tail=t[2], config=other), sets, dev, quick)
     elif M >= sm.MIN_M:
-        on = sm.use_scaled_mm(x, q.shape[0])
+        on = op.linear_config(x.device).scaled_mm and sm.use_scaled_mm(x, q.shape[0])
         row["alt"] = "triton GEMM" if on else "cuBLAS _scaled_mm"
-        sm.ENABLED = not sm.ENABLED
-        try:
-            if sm.use_scaled_mm(x, q.shape[0]) or on:
-                _timed(row, "alt_us", lambda t: fp8_linear(x, t[0], t[1], tail=t[2]), sets, dev, quick)
-        finally:
-            sm.ENABLED = not sm.ENABLED
+        flipped = op.Fp8LinearConfig(scaled_mm=not on)
+        if on or sm.use_scaled_mm(x, q.shape[0]):
+            _timed(row, "alt_us", lambda t: fp8_linear(x, t[0], t[1], tail=t[2], config=flipped), sets, dev, quick)
 
 
 def moe_rows(dev: torch.device, quick: bool, log: Callable[[str], None]) -> list[dict[str, Any]]:
@@ -352,11 +345,9 @@ def model_rows(dev: torch.device, quick: bool, layers: int | None, experts: int 
     each batch (B = 1; ``full``: 1, 16, 64, 256 at context 128) and a 1 x L prefill, timed as bench_model times
     them (perf_counter around a step, device synchronised; median and P10-P90), with the decode byte floor
     (bench_model.decode_bytes: FP8 weights count one byte) at the measured copy rate."""
-    from benchmarks.bench_model import Plan, decode_bytes, ours_decode, ours_prefill
-    from benchmarks.random_model import build_random_model, config_for
-    from benchmarks.timing import measure_ceilings, percentiles
-    from gdnserve.engine.execution.model_runner import ModelRunner, RunnerConfig
-    from gdnserve.models.loader import quantize_model_fp8_
+    from benchmarks.bench_model import Plan
+    from benchmarks.random_model import config_for
+    from benchmarks.timing import measure_ceilings
     cuda = dev.type == "cuda"
     cfg = config_for(dev, layers, experts, full=full)
     L = 4096 if cuda else 32
@@ -365,36 +356,46 @@ def model_rows(dev: torch.device, quick: bool, layers: int | None, experts: int 
     copy_tbps = measure_ceilings(dev, quick=True)["copy_TBps"] if cuda else None
     rows = []
     op = importlib.import_module("gdnserve.ops.quant.fp8_linear")
-    default_qx = op.GEMV_QUANT_IN_KERNEL
     for fmt in formats:
         if fmt not in ("bf16", "fp8", "fp8-qx", "fp8-q2"):
             raise ValueError(f"--formats: unknown format {fmt!r} (bf16, fp8, fp8-qx, fp8-q2)")
-        op.GEMV_QUANT_IN_KERNEL = {"fp8-qx": True, "fp8-q2": False}.get(fmt, default_qx)
-        torch.manual_seed(0)
-        model = build_random_model(cfg, dev, torch.bfloat16 if cuda else torch.float32)
-        fp8_layers = quantize_model_fp8_(model) if fmt.startswith("fp8") else []
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        runner = ModelRunner(model, RunnerConfig(num_slots=max(batches) + 2, page_size=16, num_pages=4096,
-                                                 graph_max_tokens=L, max_model_len=2 * L))
-        row: dict[str, Any] = {"format": fmt, "layers": cfg["num_hidden_layers"], "experts": cfg["num_experts"],
-                               "weight_GB": weight_bytes / 1e9, "fp8_layers": len(fp8_layers), "decode": {}}
-        for B in batches:
-            t = percentiles([v * 1e3 for v in ours_decode(runner, B, plan, dev)["times"]])
-            floor = decode_bytes(model, B, plan.context) / (copy_tbps * 1e12) * 1e3 if copy_tbps else None
-            row["decode"][str(B)] = {"ms": t, "floor_ms": floor, "tok_s": B / t["p50"] * 1e3}
-            log(json.dumps({"format": fmt, "case": f"decode B={B}", **row["decode"][str(B)]}))    # (partial runs)
-        row["decode_B1_ms"] = row["decode"]["1"]["ms"]["p50"]
-        t = percentiles([v * 1e3 for v in ours_prefill(runner, torch.randint(0, cfg["vocab_size"], (1, L)), plan,
-                                                       dev)["times"]])
-        row["prefill_ms"], row["prefill_p10_p90"] = t["p50"], [t["p10"], t["p90"]]
-        row["prefill_tok_s"], row["prefill_len"] = L / row["prefill_ms"] * 1e3, L
-        log(json.dumps(row))
-        rows.append(row)
-        runner = model = None       # free before the next format is built
-        op.GEMV_QUANT_IN_KERNEL = default_qx
+        with op.override(**({"fp8-qx": {"gemv_quant_inside": True}, "fp8-q2": {"gemv_quant_inside": False}}
+                            .get(fmt, {}))):
+            rows.append(_model_row(fmt, cfg, dev, batches, plan, copy_tbps, L, log))
         if cuda:
             torch.cuda.empty_cache()
     return rows
+
+
+def _model_row(fmt: str, cfg: dict, dev: torch.device, batches: tuple, plan, copy_tbps, L: int, log) -> dict[str, Any]:
+    """One format's decode and prefill rows (a whole model built, quantized and timed)."""
+    from benchmarks.bench_model import decode_bytes, ours_decode, ours_prefill
+    from benchmarks.random_model import build_random_model
+    from benchmarks.timing import percentiles
+    from gdnserve.engine.execution.model_runner import ModelRunner, RunnerConfig
+    from gdnserve.models.loader import quantize_model_fp8_
+    cuda = dev.type == "cuda"
+    torch.manual_seed(0)
+    model = build_random_model(cfg, dev, torch.bfloat16 if cuda else torch.float32)
+    fp8_layers = quantize_model_fp8_(model) if fmt.startswith("fp8") else []
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    runner = ModelRunner(model, RunnerConfig(num_slots=max(batches) + 2, page_size=16, num_pages=4096,
+                                             graph_max_tokens=L, max_model_len=2 * L))
+    row: dict[str, Any] = {"format": fmt, "layers": cfg["num_hidden_layers"], "experts": cfg["num_experts"],
+                           "weight_GB": weight_bytes / 1e9, "fp8_layers": len(fp8_layers), "decode": {}}
+    for B in batches:
+        t = percentiles([v * 1e3 for v in ours_decode(runner, B, plan, dev)["times"]])
+        floor = decode_bytes(model, B, plan.context) / (copy_tbps * 1e12) * 1e3 if copy_tbps else None
+        row["decode"][str(B)] = {"ms": t, "floor_ms": floor, "tok_s": B / t["p50"] * 1e3}
+        log(json.dumps({"format": fmt, "case": f"decode B={B}", **row["decode"][str(B)]}))    # (partial runs)
+    row["decode_B1_ms"] = row["decode"]["1"]["ms"]["p50"]
+    t = percentiles([v * 1e3 for v in ours_prefill(runner, torch.randint(0, cfg["vocab_size"], (1, L)), plan,
+                                                   dev)["times"]])
+    row["prefill_ms"], row["prefill_p10_p90"] = t["p50"], [t["p10"], t["p90"]]
+    row["prefill_tok_s"], row["prefill_len"] = L / row["prefill_ms"] * 1e3, L
+    log(json.dumps(row))
+    del runner, model           # free before the next format is built
+    return row
 
 
 def _p(r: dict[str, Any], key: str, fmt: str = ".1f") -> str:

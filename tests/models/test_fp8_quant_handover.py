@@ -56,7 +56,7 @@ def run(folder, ids, device):
 
 
 def test_handover_is_bit_identical(fp8_folder, device, monkeypatch):
-    monkeypatch.setattr(fp8_linear_mod, "GEMV_QUANT_IN_KERNEL", False)    # M = 1: the GEMV's own launch
+    monkeypatch.setattr(fp8_linear_mod, "QX_MAX_WEIGHTS", 0)    # M = 1: the GEMV's own launch (every weight)
     calls = []
     real = gemm_mod.quantize_act_triton
     monkeypatch.setattr(gemm_mod, "quantize_act_triton", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))

@@ -95,10 +95,9 @@ def test_op_dispatches_small_m_to_gemv(device, monkeypatch):
     monkeypatch.setattr(k, "fp8_gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
     q, s = weights(256, 384, device)
     tail = torch.randn(8, 384, device=device) * 0.05
-    cfg = op.Fp8LinearConfig(gemv_max_m=4)
     # where x is quantized is decided at M = 1 only (gemv_quantizes_inside): M = 4 and 5 run once
     for fused, sizes in ((False, (1, 4, 5)), (True, (1,)), (None, (1,))):   # None: by the weight's size (inside)
-        monkeypatch.setattr(op, "GEMV_QUANT_IN_KERNEL", fused)
+        cfg = op.Fp8LinearConfig(gemv_max_m=4, gemv_quant_inside=fused)
         for M in sizes:
             x = torch.randn(M, 400, device=device)[:, :384]
             y = fp8_linear(x, q, s, tail=tail, backend="triton", config=cfg)

@@ -1,6 +1,6 @@
 """Block-FP8 linear (ops/quant): the 128x128 weight quantization round-trips within e4m3's resolution; the
-Triton GEMM (each orientation, split-K — called directly: the op sends M <= 16 to the skinny kernel,
-tests/ops/test_fp8_skinny.py; Triton's CPU interpreter in CI — its fp8 cast and dot are made
+Triton GEMM (each orientation, split-K — called directly: the op sends M = 1 to the GEMV, tests/ops/test_fp8_gemv.py;
+Triton's CPU interpreter in CI — its fp8 cast and dot are made
 exact by ops/quant/tl_fp8.py — and the GPU on the device) and the dequantizing PyTorch path against a float64 reference of the same
 quantized math, at odd M, N multiple and not multiple of 128, K with a partial last block; activation
 quantization identical in both paths; a dense tail; bad weights refused."""
@@ -30,9 +30,9 @@ def qweights(N, K, device):
     return weights(N, K, device)[1:]
 
 
-def tail_reference(x, q, s, tail, quant_act=True):
+def tail_reference(x, q, s, tail):
     """The float64 reference of ``fp8_linear`` with a dense tail (None: without)."""
-    ref = fp8_linear_float64(x, q, s, quant_act=quant_act)
+    ref = fp8_linear_float64(x, q, s)
     return ref if tail is None else torch.cat([ref, x.double() @ tail.double().T], 1)
 
 

@@ -51,7 +51,7 @@ def test_add_rms_norm_quant(backend, N, with_res, device):
 @pytest.mark.parametrize("M", [1, 2, 5, 16])
 @pytest.mark.parametrize("N,K", [(256, 384), (200, 300)])
 def test_fp8_linear_takes_xq(M, N, K, device, monkeypatch):
-    monkeypatch.setattr(fp8_linear_mod, "GEMV_QUANT_IN_KERNEL", False)     # M = 1: the two-launch GEMV
+    monkeypatch.setattr(fp8_linear_mod, "QX_MAX_WEIGHTS", 0)                 # M = 1: the two-launch GEMV
     x = torch.randn(M, K, device=device).to(torch.bfloat16)
     q, s = quantize_weight(torch.randn(N, K, device=device) * 0.05)
     tail = (torch.randn(4, K, device=device) * 0.05).to(torch.bfloat16) if M % 2 else None
@@ -67,13 +67,14 @@ def test_quantizes_input_follows_the_branches(device, monkeypatch):
     x8 = torch.randn(8, 256, device=device).to(torch.bfloat16)
     assert not quantizes_input(x1, 256, backend="torch") and not quantizes_input(x8, 256, backend="torch")
     assert quantizes_input(x8, 256, backend="triton")
-    assert not quantizes_input(x8, 256, backend="triton", quant_act=False)      # weight-only: no quantization
     assert not quantizes_input(x8[:0], 256, backend="triton")
     assert not quantizes_input(x1, 256, backend="triton")                       # small weight: quantized inside
     monkeypatch.setattr(fp8_linear_mod, "QX_MAX_WEIGHTS", 1000)
     assert quantizes_input(x1, 256, backend="triton")                           # large weight: its own launch
-    monkeypatch.setattr(fp8_linear_mod, "SKINNY_MAX_M", 16)
-    assert not quantizes_input(x8, 256, backend="triton")                       # the skinny kernel
+    cfg = fp8_linear_mod.Fp8LinearConfig(gemv_quant_inside=True)
+    assert not quantizes_input(x1, 256, backend="triton", config=cfg)         # inside, whatever the size
+    with fp8_linear_mod.override(gemv_max_m=0):
+        assert quantizes_input(x1, 256, backend="triton")                       # M = 1 through the GEMM
 
 
 def test_bad_xq_refused(device):

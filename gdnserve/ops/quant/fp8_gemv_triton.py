@@ -6,7 +6,7 @@ bf16 one (``ops/gemv``, 68-89 % of the copy rate on the H200): one program = ``B
 the whole of K in ``BK``-wide steps, thousands of programs, so each SM keeps many independent weight loads in
 flight. x is quantized ONCE per call by its own launch (``quantize_act_triton``: e4m3 + one float32 scale per
 token and group of 128 — the block scheme), never per program: re-quantizing x in every program's registers
-(the one-launch ``fp8_skinny_triton``) costs more arithmetic than the dot itself and measured 2.5-6x slower.
+(the one-launch skinny kernel, deleted: docs/kernels.md) cost more arithmetic than the dot itself, 2.5-6x slower.
 
 Per K step: the e4m3 weight tile ``[BN, BK]`` upcast to float32 (exact) times, per token, the column factors
 ``qx · sx[group] · sw[row block, group]`` (BN divides 128, so the program's rows share one weight-block row and

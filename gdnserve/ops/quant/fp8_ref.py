@@ -90,17 +90,13 @@ def qdq_act(x: torch.Tensor, group: int = BLOCK) -> torch.Tensor:
     return dequantize_act(*quantize_act(x, group), group)
 
 
-def fp8_linear_torch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, quant_act: bool = True) -> torch.Tensor:
-    """x [M, K] · dequant(q, s)ᵀ with x quantized per token-group first (``quant_act=False``: weight-only, x
-    as is); float32 math (float64 for float64 x: a model loaded in float64 is the float64 reference of the
-    quantized math), x.dtype out."""
+def fp8_linear_torch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """x [M, K] · dequant(q, s)ᵀ with x quantized per token-group first; float32 math (float64 for float64 x: a
+    model loaded in float64 is the float64 reference of the quantized math), x.dtype out."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    xa = qdq_act(x) if quant_act else x
-    return F.linear(xa.to(acc), dequantize_weight(q, s, acc)).to(x.dtype)
+    return F.linear(qdq_act(x).to(acc), dequantize_weight(q, s, acc)).to(x.dtype)
 
 
-def fp8_linear_float64(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, quant_act: bool = True) -> torch.Tensor:
-    """Float64 reference of the same quantized math (activations quantized as above unless ``quant_act``
-    is False)."""
-    xa = qdq_act(x) if quant_act else x
-    return F.linear(xa.double(), dequantize_weight(q, s, torch.float64))
+def fp8_linear_float64(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Float64 reference of the same quantized math (activations quantized as above)."""
+    return F.linear(qdq_act(x).double(), dequantize_weight(q, s, torch.float64))

@@ -9,7 +9,7 @@ the quantization kernel writes them transposed), the weight scales ``sw.t()`` (`
 
 ``available(device)`` probes it once per device (a small call held to the float32 reference of the same
 math); the probe never runs during CUDA-graph capture (it syncs): until a probe has run there, callers take
-the Triton GEMM. Used for ``M >= MIN_M`` when ``ENABLED`` (see ``fp8_linear``); M and the K-block count must
+the Triton GEMM. Used for ``M >= MIN_M`` when the dispatch's ``scaled_mm`` is on (``fp8_linear``); M and the K-block count must
 be multiples of 4 (the scale vectors' 16-byte alignment), N a multiple of 128 — other shapes take the Triton
 GEMM.
 """
@@ -19,7 +19,6 @@ import torch
 
 from gdnserve.ops.quant.fp8_ref import BLOCK
 
-ENABLED = True
 MIN_M = 512
 _probed: dict[int, bool] = {}
 
@@ -75,6 +74,6 @@ def available(dev: torch.device) -> bool:
 
 def use_scaled_mm(x: torch.Tensor, N: int) -> bool:
     M, K = x.shape
-    return (ENABLED and x.is_cuda and x.dtype == torch.bfloat16 and M >= MIN_M and shape_ok(M, N, K)
+    return (x.is_cuda and x.dtype == torch.bfloat16 and M >= MIN_M and shape_ok(M, N, K)
             and available(x.device))
 
