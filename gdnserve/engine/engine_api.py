@@ -60,7 +60,9 @@ class GenerateRequest:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    """One sample so far. ``logprobs[i]`` belongs to ``token_ids[i]`` (None when not asked for)."""
+    """One sample so far. ``logprobs[i]`` belongs to ``token_ids[i]`` (None when not asked for).
+    ``cumulative_logprob``: the sum of the tokens' logprobs; None for a speculating request that did not ask for
+    logprobs (its verified tokens' logprobs are not computed)."""
     index: int
     text: str
     token_ids: list[int]

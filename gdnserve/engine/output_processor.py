@@ -121,7 +121,9 @@ class OutputProcessor:
         """One generated token: logprobs (append-only), stop rules, new text."""
         p = req.params
         s.token_ids.append(tok)
-        if lp is not None:
+        if lp is None:          # a verified token of a request without logprobs: the sum is no longer known
+            s.cumulative_logprob = None
+        elif s.cumulative_logprob is not None:
             s.cumulative_logprob += lp
         if p.logprobs is not None:
             if s.logprobs is None:

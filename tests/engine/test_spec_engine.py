@@ -47,6 +47,17 @@ def test_spec_decode_equals_plain_greedy(reference, mode, k):
     assert e.runner.state.check_integrity() == [] and e.runner.pages.check_integrity() == []
 
 
+def test_cumulative_logprob_is_none_once_a_token_was_verified_without_logprobs():
+    """A speculating request that did not ask for logprobs reports no cumulative logprob (its verified tokens'
+    logprobs are not computed) rather than a partial sum; with logprobs, or without speculation, the sum."""
+    plain = LLM(device="cpu", auto_checkpoints=False).generate(PROMPTS[:2], GREEDY)
+    llm = LLM(device="cpu", spec_k=2)
+    spec = llm.generate(PROMPTS[:2], GREEDY)
+    assert llm.engine.counts.spec_drafted > 0
+    assert all(o.outputs[0].cumulative_logprob is None for o in spec)
+    assert all(o.outputs[0].cumulative_logprob < 0 for o in plain)
+
+
 def test_sampled_requests_speculate_too(reference):
     """Rejection sampling in the engine: with top_k = 1 the filtered distribution is one-hot, so sampled spec
     decoding must reproduce greedy exactly; with real sampling every request still completes."""

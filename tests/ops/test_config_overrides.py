@@ -68,3 +68,23 @@ def test_moe_decode_override_reaches_the_launch(monkeypatch, device):
                              torch.tensor([[0, 2]], device=device), torch.stack(qg),
                              torch.stack(qd), torch.stack(sg), torch.stack(sd), config=cfg)
     assert seen[0][1] == (T * k, I // 16) and seen[-1][1] == (T, H // 128)
+
+
+def test_fp8_linear_override_sets_fields_for_the_block_only():
+    """``fp8_linear.override``: fields on top of the device's row for every call without config=, restored after
+    the block (also after an error); an unknown field is refused by name."""
+    from gdnserve.ops.quant.fp8_linear import DEFAULT, linear_config, override
+    cpu = torch.device("cpu")
+    with override(gemv_max_m=0, scaled_mm=False):
+        assert (linear_config(cpu).gemv_max_m, linear_config(cpu).scaled_mm) == (0, False)
+        with override(gemv_max_m=2):
+            assert (linear_config(cpu).gemv_max_m, linear_config(cpu).scaled_mm) == (2, False)
+        assert linear_config(cpu).gemv_max_m == 0
+    assert linear_config(cpu) == DEFAULT
+    with pytest.raises(RuntimeError):
+        with override(gemv_quant_inside=True):
+            raise RuntimeError("boom")
+    assert linear_config(cpu) == DEFAULT
+    with pytest.raises(ValueError, match="bogus"):
+        with override(bogus=1):
+            pass

@@ -29,7 +29,7 @@ class Sample:
     seq: SeqState | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float] | None] | None = None
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = 0.0   # None once a verified token came without its logprob (speculation)
     text: str = ""
     finish_reason: str | None = None
 

@@ -6,13 +6,14 @@ given GPU always computes the same bits for the same sequence, whatever batch it
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
 from dataclasses import dataclass
 
 import torch
+
+from gdnserve.ops.overrides import override_fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,16 +104,6 @@ def chunk_config(device: torch.device) -> ChunkConfig:
     return dataclasses.replace(base, **_OVERRIDES) if _OVERRIDES else base
 
 
-@contextlib.contextmanager
 def override(**fields):
     """Temporarily replace config fields on every device (tests, tuning)."""
-    bad = set(fields) - {f.name for f in dataclasses.fields(ChunkConfig)}
-    if bad:
-        raise ValueError(f"override: unknown ChunkConfig fields {sorted(bad)}")
-    old = dict(_OVERRIDES)
-    _OVERRIDES.update(fields)
-    try:
-        yield
-    finally:
-        _OVERRIDES.clear()
-        _OVERRIDES.update(old)
+    return override_fields(ChunkConfig, _OVERRIDES, fields)

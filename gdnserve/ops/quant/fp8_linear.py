@@ -27,7 +27,6 @@ a producer quantizes only where it saves one).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
@@ -37,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from gdnserve.ops.backend import Backend, resolve
+from gdnserve.ops.overrides import override_fields
 from gdnserve.ops.quant.fp8_ref import BLOCK, cdiv, fp8_linear_torch
 
 if TYPE_CHECKING:
@@ -77,20 +77,10 @@ def linear_config(device: torch.device) -> Fp8LinearConfig:
     return dataclasses.replace(row, **_OVERRIDES) if _OVERRIDES else row
 
 
-@contextlib.contextmanager
 def override(**fields):
     """Temporarily replace Fp8LinearConfig fields for every call without a ``config=`` (a variant timed end to
     end through a whole model, tests); ValueError for a field the config does not have."""
-    bad = set(fields) - {f.name for f in dataclasses.fields(Fp8LinearConfig)}
-    if bad:
-        raise ValueError(f"override: unknown Fp8LinearConfig fields {sorted(bad)}")
-    old = dict(_OVERRIDES)
-    _OVERRIDES.update(fields)
-    try:
-        yield
-    finally:
-        _OVERRIDES.clear()
-        _OVERRIDES.update(old)
+    return override_fields(Fp8LinearConfig, _OVERRIDES, fields)
 
 
 @lru_cache(maxsize=None)
