@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import sys
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -46,6 +48,14 @@ def _loc_to_param(loc: Sequence[int | str]) -> str:
     return out
 
 
+def _long_number_field(body: bytes) -> str | None:
+    """The key whose value is an integer literal too long for ``int`` (the first such), None if it is not one
+    ``"key": digits`` (e.g. inside an array)."""
+    limit = sys.get_int_max_str_digits()
+    m = re.search(rb'"([^"\\]{1,64})"\s*:\s*-?\d{%d}' % (limit + 1), body) if limit else None
+    return m.group(1).decode("utf-8", "replace") if m else None
+
+
 def parse_request(body: bytes, model: type[BaseModel], limits: Limits = DEFAULT_LIMITS) -> Any:
     """``model`` from a JSON body; malformed JSON, nesting deeper than ``limits.max_json_depth``, more arrays
     and objects than ``limits.max_json_containers``, a string that is not valid Unicode (a lone surrogate), a
@@ -66,6 +76,10 @@ def parse_request(body: bytes, model: type[BaseModel], limits: Limits = DEFAULT_
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
+    except ValueError:      # an integer literal past Python's int conversion limit (a 500 before)
+        field = _long_number_field(body)
+        raise APIError(f"{field or 'the request body'} holds a number of more than {sys.get_int_max_str_digits()} "
+                       "digits", field, code="number_too_long") from None
     except RecursionError:  # nesting the bracket count did not see (inside a malformed string): still the client's
         raise APIError("the request body is not valid JSON: nested too deep", code="json_too_deep") from None
     if not isinstance(data, dict):

@@ -100,6 +100,17 @@ def test_nesting_depth_400(http):
     assert r.status_code == 200, r.text
 
 
+def test_a_number_too_long_for_int_is_a_400_naming_its_field(http):
+    """An integer literal past Python's int conversion limit (4,300 digits) was a 500 (json.loads's ValueError):
+    a 400 naming the field, or the body when the number is not a field's value."""
+    hdr = {"content-type": "application/json"}
+    err = error(http.post(C, content=b'{"prompt": "x", "max_tokens": ' + b"9" * 9_000 + b"}", headers=hdr), 400,
+                "max_tokens", "number_too_long")
+    assert "4300 digits" in err["message"]
+    error(http.post(C, content=b'{"prompt": [1, ' + b"7" * 5_000 + b"]}", headers=hdr), 400, None, "number_too_long")
+    assert http.post(C, json={"prompt": "x", "max_tokens": 1}).status_code == 200      # the server serves on
+
+
 def test_too_many_arrays_and_objects_400(http):
     # counted before parsing: before the (later) check of the number of prompts
     err = error(http.post(C, json={"prompt": [[1]] * 20}), 400, None, "json_too_many_containers")
