@@ -9,7 +9,15 @@ from __future__ import annotations
 import torch
 
 from gdnserve.engine.engine_api import CandidateScore, CompletionOutput, RequestOutput
-from gdnserve.engine.execution.sampler import Sampler, SamplingTensors, stop_check, stop_holdback, token_logprobs
+from gdnserve.engine.execution.sampler import (
+    Sampler,
+    SamplingTensors,
+    logsumexp_rows,
+    stop_check,
+    stop_holdback,
+    token_logprobs,
+    token_logprobs_rows,
+)
 from gdnserve.engine.scheduling.request import Request, Sample
 from gdnserve.engine.scheduling.step_batch import Processed, Sampled, StepBatch
 from gdnserve.speculative.acceptance import emitted_tokens, greedy_accept, rejection_sample
@@ -159,8 +167,8 @@ class OutputProcessor:
         out: list[dict[int, float] | None] = [None] * (lead + 1)
         if rows:                                               # a one-token prompt has nothing to score
             target = req.prompt_ids[lead + 1:]
-            lp, ids, vals = token_logprobs(logits[torch.tensor(rows, device=logits.device)],
-                                           torch.tensor(target, device=logits.device), req.params.prompt_logprobs)
+            lp, ids, vals = token_logprobs_rows(logits, torch.tensor(rows, device=logits.device),
+                                                torch.tensor(target, device=logits.device), req.params.prompt_logprobs)
             lp = lp.tolist()
             top = (ids.tolist(), vals.tolist()) if ids is not None else None
             for j, tok in enumerate(target):
@@ -194,8 +202,8 @@ class OutputProcessor:
                 last.append(first[item] + len(c))
         dev = logits.device
         R = torch.tensor(rows, device=dev)
-        # log-softmax at the targets without copying the [rows, vocab] block: gather, minus each row's logsumexp
-        lp = logits[R, torch.tensor(targets, device=dev)] - logits.logsumexp(-1)[R]
+        # log-softmax at the targets without a [rows, vocab] temporary: gather, minus each row's logsumexp (blocked)
+        lp = logits[R, torch.tensor(targets, device=dev)] - logsumexp_rows(logits, R)
         idx = torch.repeat_interleave(torch.arange(len(seg), device=dev), torch.tensor(seg, device=dev))
         sums = torch.zeros(len(seg), dtype=lp.dtype, device=dev).index_add_(0, idx, lp)
         parts = [sums.double()]

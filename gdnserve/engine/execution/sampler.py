@@ -105,6 +105,32 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int =
     return chosen, ids, values - lse[:, None]
 
 
+ROW_BLOCK = 512     # rows of a [rows, vocab] temporary at a time in the all-rows paths (prompt logprobs, scores):
+                    # 512 x 248,320 fp32 = 0.5 GB, where a whole 4,096-token step's rows took ~4 GB per temporary
+
+
+def logsumexp_rows(logits: torch.Tensor, rows: torch.Tensor, block: int = ROW_BLOCK) -> torch.Tensor:
+    """``logits[rows].logsumexp(-1)`` ([N] for ``rows: [N] int64``), ``block`` rows at a time: its temporaries
+    (the gathered rows, their exponentials) stay block-sized instead of [N, vocab]."""
+    if rows.numel() <= block:
+        return logits[rows].logsumexp(-1)
+    return torch.cat([logits[rows[i:i + block]].logsumexp(-1) for i in range(0, rows.numel(), block)])
+
+
+def token_logprobs_rows(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, num_top: int = 0,
+                        block: int = ROW_BLOCK) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``token_logprobs(logits[rows], token_ids, num_top)``, ``block`` rows at a time (the memory plan's activation
+    peak measures this, memory_budget.measure_activations)."""
+    if rows.numel() <= block:
+        return token_logprobs(logits[rows], token_ids, num_top)
+    parts = [token_logprobs(logits[rows[i:i + block]], token_ids[i:i + block], num_top)
+             for i in range(0, rows.numel(), block)]
+    chosen = torch.cat([p[0] for p in parts])
+    if parts[0][1] is None:
+        return chosen, None, None
+    return chosen, torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
+
+
 def _keep_threshold(x: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Per row, the smallest scaled logit kept by top-k then top-p: [B]. Comparing by value (not by
     sorted rank) keeps every token tied with the last kept one, so the result never depends on

@@ -7,7 +7,7 @@
   device (nothing allocated; an FP8 checkpoint's layers become FP8 first, as the loader makes them).
 - **Activations**: the peak of the largest step, a prefill of ``max_step_tokens`` tokens with every row's logits
   (prompt logprobs and scoring ask for them; intake refuses such a prompt or candidate above max_step_tokens, as
-  they are not chunked), the rows gathered and their log-sum-exp, plus sampling. On CUDA, when the pools are
+  they are not chunked), their log-softmax ``sampler.ROW_BLOCK`` rows at a time, plus sampling. On CUDA, when the pools are
   sized, it is measured as nano-vllm does (a warm-up step on small temporary pools, ``max_memory_allocated``);
   otherwise :func:`estimate_activations` bounds it from the config, conservatively (tests/engine compare the two
   on the GPU).
@@ -31,6 +31,7 @@ from gdnserve.engine.cache.host_memory import meminfo_available
 from gdnserve.engine.config import EngineConfig
 from gdnserve.engine.execution.graph_inputs import BUCKETS
 from gdnserve.engine.execution.model_runner import pool_configs, spec_bytes_per_slot
+from gdnserve.engine.execution.sampler import ROW_BLOCK
 from gdnserve.engine.memory.memory_plan import (
     Budget,
     Demand,
@@ -150,9 +151,10 @@ def estimate_activations(model_cfg, cfg: EngineConfig, dtype: torch.dtype, tp: i
     if logits:
         vocab, sampled = c.vocab_size, cfg.max_num_seqs * (cfg.spec_k + 1)
         R = T if all_logits else min(T, sampled)
-        # the logits in the activation dtype and fp32; then (prompt logprobs) the fp32 rows gathered beside them
-        # and their log-sum-exp's [R, vocab] temporary, or the sampler's sort
-        peak = max(peak, R * vocab * (act + 4), R * vocab * 4 + max(2 * R * vocab * 4, sampled * vocab * 28))
+        # the logits in the activation dtype and fp32; then (prompt logprobs) a block of the fp32 rows gathered
+        # beside them and its log-sum-exp's temporary (sampler.ROW_BLOCK rows at a time), or the sampler's sort
+        B = min(R, ROW_BLOCK)
+        peak = max(peak, R * vocab * (act + 4), R * vocab * 4 + max(2 * B * vocab * 4, sampled * vocab * 28))
     return int((3 * T * h * act + peak) * SAFETY)
 
 
@@ -219,16 +221,16 @@ def resolve_pools(cfg: EngineConfig, model_cfg, dtype: torch.dtype, device: torc
 def measure_activations(model, cfg: EngineConfig) -> int:
     """Peak bytes of the largest step above what is allocated before it (nano-vllm's warm-up): one eager prefill
     of max_step_tokens random tokens (sequences of at most max_model_len) with every row's logits, then what prompt
-    logprobs compute from them (the rows gathered, their log-sum-exp, the top logprobs), on temporary pools just
-    large enough; plus the sampler's sort over max_num_seqs x (spec_k + 1) rows beyond that log-sum-exp (its
-    temporaries are not in the forward). No step holds more rows of logits: a prompt_logprobs prompt or a score
+    logprobs compute from them (a block of rows gathered, its log-sum-exp, the top logprobs, ROW_BLOCK rows at a
+    time), on temporary pools just large enough; plus the sampler's sort over max_num_seqs x (spec_k + 1) rows
+    beyond that block's log-sum-exp (its temporaries are not in the forward). No step holds more rows of logits: a prompt_logprobs prompt or a score
     candidate longer than max_step_tokens is refused at intake (they are not chunked)."""
     from gdnserve.engine.cache.sequence import PrefillItem
     from gdnserve.engine.execution.model_runner import (
         ModelRunner,
         build_pools,
     )
-    from gdnserve.engine.execution.sampler import token_logprobs
+    from gdnserve.engine.execution.sampler import token_logprobs_rows
     from gdnserve.engine.sampling_params import MAX_LOGPROBS
     dev = model.embed_tokens.weight.device
     T, L, ps = cfg.max_step_tokens, cfg.max_model_len, cfg.page_size
@@ -251,9 +253,9 @@ def measure_activations(model, cfg: EngineConfig) -> int:
              for n in lens]
     logits = runner.step(items, [])
     rows = torch.arange(logits.shape[0] - 1, device=dev)
-    # what prompt logprobs compute (output_processor.prompt_logprobs): the rows gathered (a copy beside the
-    # logits), their log-sum-exp and top MAX_LOGPROBS
-    token_logprobs(logits[rows], rows % vocab, MAX_LOGPROBS)
+    # what prompt logprobs compute (output_processor.prompt_logprobs): the rows' log-softmax at their targets and
+    # top MAX_LOGPROBS, ROW_BLOCK rows at a time (sampler.token_logprobs_rows)
+    token_logprobs_rows(logits, rows, rows % vocab, MAX_LOGPROBS)
     torch.cuda.synchronize(dev)
     peak = torch.cuda.max_memory_allocated(dev) - base
     del logits, rows, items, runner
@@ -264,7 +266,7 @@ def measure_activations(model, cfg: EngineConfig) -> int:
     gc.collect()
     torch.cuda.empty_cache()
     sampled = cfg.max_num_seqs * (cfg.spec_k + 1) * vocab * 28
-    return peak + max(0, sampled - T * vocab * 4)
+    return peak + max(0, sampled - min(T, ROW_BLOCK) * vocab * 4)
 
 
 def check_before_load(cfg: EngineConfig, model: str | None, dtype: torch.dtype,
