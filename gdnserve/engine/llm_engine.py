@@ -368,15 +368,23 @@ class LLMEngine:
             per_req.setdefault(req, []).append(("tok", s, tok))
         for (req, s), toks in accepted:
             per_req.setdefault(req, []).append(("spec", s, toks))
+        chunked = {i for i, *_ in batch.prompt_chunks}
         for i, (it, o) in enumerate(zip(batch.items, batch.owners)):
-            if o is not None and it.all_logits and o[1].index == 0 and o[0].params.prompt_logprobs is not None:
+            if o is not None and it.all_logits and o[1].index == 0 and o[0].params.prompt_logprobs is not None \
+                    and i not in chunked:
                 per_req.setdefault(o[0], []).insert(0, ("prompt", i, None))
+        for i, req, start, last in batch.prompt_chunks:
+            if self.requests.get(req.request_id) is req:
+                per_req.setdefault(req, []).insert(0, ("prompt_chunk", i, (start, last)))
         for req, work in per_req.items():
-            out.touched.append(req)
+            if any(kind != "prompt_chunk" or b[1] for kind, _, b in work):    # (a middle chunk emits nothing)
+                out.touched.append(req)
             try:
                 for kind, a, b in work:
                     if kind == "prompt":
                         self.outputs.prompt_logprobs(batch, batch.first_rows, logits, a)
+                    elif kind == "prompt_chunk":
+                        self.outputs.prompt_logprobs_chunk(batch, batch.first_rows, logits, a, req, *b)
                     elif kind == "tok":
                         self.outputs.append(req, a, b[0], b[1], b[2], out)
                     else:

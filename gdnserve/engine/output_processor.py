@@ -178,6 +178,30 @@ class OutputProcessor:
                 out.append(d)
         req.prompt_logprobs = out
 
+    def prompt_logprobs_chunk(self, batch: StepBatch, first: list[int], logits: torch.Tensor, i: int, req: Request,
+                              start: int, last: bool) -> None:
+        """The ``prompt_logprobs`` of one chunk of a long prompt (item i: prompt positions start .. start + n - 1,
+        every row's logits): row j predicts prompt token start + j + 1, the next chunk's first token included; the
+        last chunk's last row predicts the first generated token instead. The first chunk starts the list (the
+        first token has none), the others extend it: the same values as one unchunked step's, up to the GEMM
+        shapes' rounding."""
+        n = len(batch.items[i].tokens)
+        rows = n - 1 if last else n
+        out = [None] if start == 0 else list(req.prompt_logprobs or [])
+        if rows:
+            target = req.prompt_ids[start + 1:start + 1 + rows]
+            dev = logits.device
+            lp, ids, vals = token_logprobs_rows(logits, torch.arange(first[i], first[i] + rows, device=dev),
+                                                torch.tensor(target, device=dev), req.params.prompt_logprobs)
+            lp = lp.tolist()
+            top = (ids.tolist(), vals.tolist()) if ids is not None else None
+            for j, tok in enumerate(target):
+                d = {tok: lp[j]}
+                if top is not None:
+                    d.update(zip(top[0][j], top[1][j]))
+                out.append(d)
+        req.prompt_logprobs = out
+
     def output(self, req: Request) -> RequestOutput:
         stop = req.params.stop
         outs = [CompletionOutput(s.index, s.text if s.finish_reason or not stop

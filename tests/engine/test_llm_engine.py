@@ -357,3 +357,34 @@ def test_a_long_prompt_planned_in_both_passes_counts_one_lookup():
     _lookups_counted(e, "seed", [rng.randrange(3, 250) for _ in range(20)])
     delta = _lookups_counted(e, "long", [rng.randrange(3, 250) for _ in range(300)])
     assert sum(v for k, v in delta.items() if k.startswith("misses_")) == 1
+
+
+@pytest.mark.parametrize("step_tokens", [64, 100])
+def test_prompt_logprobs_of_a_long_prompt_come_chunk_by_chunk(step_tokens):
+    """A single-sample prompt longer than max_step_tokens with prompt_logprobs prefills chunk by chunk, each chunk
+    keeping its rows' logits (it was refused at intake): its prompt logprobs, tokens and logprobs equal one
+    unchunked step's, beside other requests and with a chunk boundary inside the prompt at any position; a middle
+    chunk emits no output of its own."""
+    text = "A long prompt whose logprobs are scored in several chunks; " * 6
+    p = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=2, logprobs=1)
+    one = LLM(device="cpu", auto_checkpoints=False, max_step_tokens=4096)
+    want = one.generate(text, p)[0]
+    ids = want.prompt_token_ids
+    assert len(ids) > 3 * step_tokens
+    chunked = LLM(device="cpu", auto_checkpoints=False, max_step_tokens=step_tokens, max_num_seqs=4)
+    e = chunked.engine
+    rid = e.add_request(None, text, p)
+    other = e.add_request(None, "short one", GREEDY)
+    seen, steps = [], 0
+    while e.has_unfinished():
+        steps += 1
+        seen += [o for o in e.step() if o.request_id == rid]
+    got = seen[-1]
+    assert steps > 3 and all(o.outputs[0].token_ids for o in seen)      # no output before its first token
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert len(got.prompt_logprobs) == len(want.prompt_logprobs) == len(ids) and got.prompt_logprobs[0] is None
+    for g, w, tok in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:], ids[1:]):
+        assert tok in g and set(g) == set(w)
+        assert all(abs(g[t] - w[t]) < 1e-4 for t in g)
+    assert e.runner.state.check_integrity() == [] and e.runner.pages.check_integrity() == []
+    del other

@@ -284,17 +284,20 @@ def test_a_tensor_parallel_rank_0_keeps_the_workers_sizes():
 
 
 def test_steps_with_every_rows_logits_stay_within_max_step_tokens():
-    """prompt_logprobs prompts and score candidates are not chunked and keep every row's logits: above
-    max_step_tokens (the step the plan prices) intake refuses them, naming the field and the flag; at it they run."""
+    """Score candidates, and prompt_logprobs prompts of n > 1 samples or with a checkpoint marker, are not chunked
+    and keep every row's logits: above max_step_tokens (the step the plan prices) intake refuses them, naming the
+    field and the flag; at it they run. A single-sample prompt_logprobs prompt is chunked (below)."""
     from gdnserve.engine.sampling_params import SamplingParams
     from gdnserve.engine.scheduling.request import RequestError
     e = LLMEngine(build_builtin_model(), ByteTokenizer(), EngineConfig(max_step_tokens=64, max_model_len=512,
                                                                       num_pages=128, max_num_seqs=4))
     plp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0)
-    with pytest.raises(RequestError, match=r"^prompt_logprobs: a prompt of 65 tokens .* max_step_tokens = 64 "
-                                           r"\(--max-step-tokens\)") as err:
-        e.add_request(None, [5] * 65, plp)
-    assert err.value.param == "prompt_logprobs"
+    for params, mark in ((SamplingParams(max_tokens=1, prompt_logprobs=0, n=2), None), (plp, 30)):
+        with pytest.raises(RequestError, match=r"^prompt_logprobs: a prompt of 65 tokens with n > 1 or a checkpoint "
+                                               r"marker .* max_step_tokens = 64 \(--max-step-tokens\)") as err:
+            e.add_request(None, [5] * 65, params, checkpoint_at=mark)
+        assert err.value.param == "prompt_logprobs"
+    e.add_request(None, [5] * 65, plp)                 # one sample, no marker: chunked
     with pytest.raises(RequestError, match=r"^candidates\[1\]: .* \(65 tokens\) .* max_step_tokens = 64") as err:
         e.add_score([1, 2, 3], [[4] * 8, [4] * 64])
     assert err.value.param == "candidates[1]"

@@ -6,8 +6,8 @@
 - **Weights**: the model's parameters and buffers, counted on the loaded model, or before loading on the meta
   device (nothing allocated; an FP8 checkpoint's layers become FP8 first, as the loader makes them).
 - **Activations**: the peak of the largest step, a prefill of ``max_step_tokens`` tokens with every row's logits
-  (prompt logprobs and scoring ask for them; intake refuses such a prompt or candidate above max_step_tokens, as
-  they are not chunked), their log-softmax ``sampler.ROW_BLOCK`` rows at a time, plus sampling. On CUDA, when the pools are
+  (prompt logprobs and scoring ask for them; a single-sample prompt_logprobs prompt is chunked, intake refuses the
+  others and score candidates above max_step_tokens), their log-softmax ``sampler.ROW_BLOCK`` rows at a time, plus sampling. On CUDA, when the pools are
   sized, it is measured as nano-vllm does (a warm-up step on small temporary pools, ``max_memory_allocated``);
   otherwise :func:`estimate_activations` bounds it from the config, conservatively (tests/engine compare the two
   on the GPU).
@@ -224,7 +224,7 @@ def measure_activations(model, cfg: EngineConfig) -> int:
     logprobs compute from them (a block of rows gathered, its log-sum-exp, the top logprobs, ROW_BLOCK rows at a
     time), on temporary pools just large enough; plus the sampler's sort over max_num_seqs x (spec_k + 1) rows
     beyond that block's log-sum-exp (its temporaries are not in the forward). No step holds more rows of logits: a prompt_logprobs prompt or a score
-    candidate longer than max_step_tokens is refused at intake (they are not chunked)."""
+    candidate longer than max_step_tokens is chunked (single-sample prompt logprobs) or refused at intake."""
     from gdnserve.engine.cache.sequence import PrefillItem
     from gdnserve.engine.execution.model_runner import (
         ModelRunner,

@@ -247,7 +247,8 @@ class Admission:
         busy with chunks) runs its prefix chunk by chunk into the PENDING checkpoint (one that fits a step waits for
         one instead, to run with its same-pass consumers)."""
         n = len(req.samples)
-        if pl.cost <= max(p.budget, MIN_CHUNK) or req.params.prompt_logprobs is not None:
+        if pl.cost <= max(p.budget, MIN_CHUNK) or (req.params.prompt_logprobs is not None
+                                                   and not (pl.key is None and n == 1)):
             return
         if pl.key is None and n == 1:
             pl.chunk = pl.cost = max(p.budget, MIN_CHUNK)
@@ -365,7 +366,10 @@ class Admission:
         for smp in req.samples:
             smp.seq = self.kv.new_seq()
             if pl.chunk is not None:           # nothing is sampled until the last chunk
-                batch.add(PrefillItem(smp.seq, list(ids[start:start + pl.chunk]), start_from=ckpt))
+                idx = batch.add(PrefillItem(smp.seq, list(ids[start:start + pl.chunk]), start_from=ckpt,
+                                            all_logits=want_all))
+                if want_all:                   # its prompt logprobs come chunk by chunk (a fresh prompt: start 0)
+                    batch.prompt_chunks.append((idx, req, start, False))
             elif pl.prod_chunk is not None:
                 continue                       # the slot waits for the READY prefix
             elif pl.key is None:

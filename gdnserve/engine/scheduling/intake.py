@@ -76,12 +76,14 @@ def make_request(cfg: EngineConfig, tokenizer, vocab_size: int, request_id: str,
     if len(ids) + params.max_tokens > cfg.max_model_len:
         raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                            f"context length {cfg.max_model_len}")
-    if params.prompt_logprobs is not None and len(ids) > cfg.max_step_tokens:
-        # such a prompt runs in one step (not chunked) keeping every position's logits: the memory plan prices
-        # steps of max_step_tokens rows of logits, no more
-        raise RequestError(f"prompt_logprobs: a prompt of {len(ids)} tokens runs in one step with every position's "
-                           f"logits, more than max_step_tokens = {cfg.max_step_tokens} (--max-step-tokens), the "
-                           "largest step the memory plan prices", "prompt_logprobs")
+    if params.prompt_logprobs is not None and len(ids) > cfg.max_step_tokens and (
+            params.n > 1 or checkpoint_at is not None):
+        # a single-sample prompt is prefilled (and scored) chunk by chunk; n samples' fork or a marked prefix run in
+        # one step keeping every position's logits: the memory plan prices steps of max_step_tokens rows, no more
+        raise RequestError(f"prompt_logprobs: a prompt of {len(ids)} tokens with n > 1 or a checkpoint marker runs "
+                           f"in one step with every position's logits, more than max_step_tokens = "
+                           f"{cfg.max_step_tokens} (--max-step-tokens), the largest step the memory plan prices",
+                           "prompt_logprobs")
     if checkpoint_at is not None and not 0 < checkpoint_at < len(ids):
         raise RequestError(f"checkpoint_at must be inside the prompt (0 < c < {len(ids)}), got {checkpoint_at}")
     n = params.n

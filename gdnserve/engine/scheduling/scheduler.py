@@ -234,7 +234,11 @@ class Scheduler:
                 continue
             smp = req.samples[0]
             last = req.num_computed == len(req.prompt_ids)
-            batch.add(PrefillItem(smp.seq, req.prompt_ids[start:start + n]), (req, smp) if last else None)
+            want_all = req.params.prompt_logprobs is not None
+            idx = batch.add(PrefillItem(smp.seq, req.prompt_ids[start:start + n], all_logits=want_all),
+                            (req, smp) if last else None)
+            if want_all:
+                batch.prompt_chunks.append((idx, req, start, last))
         return left
 
     # ------------------------------------------------------------------ after the step

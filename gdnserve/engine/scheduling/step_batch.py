@@ -44,6 +44,8 @@ class StepBatch:
     first_rows: list[int] = field(default_factory=list)              # per item: its first logits row
     ready: frozenset[int] = frozenset()       # READY checkpoint slots among the slots the prefills write or read
     feed: list[tuple[int, int]] = field(default_factory=list)   # (decode index, row of the in-flight step's ids)
+    # chunks of a prompt_logprobs prompt: (item, request, the chunk's first prompt position, its last chunk?)
+    prompt_chunks: list[tuple[int, Job, int, bool]] = field(default_factory=list)
     settled: bool = False                     # its checkpoints / temporaries / references settled already
     error: Exception | None = None            # scheduling failed part-way: this batch so far is rolled back
 
