@@ -166,16 +166,8 @@ class OutputProcessor:
         lead = len(req.prompt_ids) - 1 - len(rows)             # positions covered only by a READY checkpoint
         out: list[dict[int, float] | None] = [None] * (lead + 1)
         if rows:                                               # a one-token prompt has nothing to score
-            target = req.prompt_ids[lead + 1:]
-            lp, ids, vals = token_logprobs_rows(logits, torch.tensor(rows, device=logits.device),
-                                                torch.tensor(target, device=logits.device), req.params.prompt_logprobs)
-            lp = lp.tolist()
-            top = (ids.tolist(), vals.tolist()) if ids is not None else None
-            for j, tok in enumerate(target):
-                d = {tok: lp[j]}
-                if top is not None:
-                    d.update(zip(top[0][j], top[1][j]))
-                out.append(d)
+            out += self._prompt_rows(logits, torch.tensor(rows, device=logits.device), req.prompt_ids[lead + 1:],
+                                     req.params.prompt_logprobs)
         req.prompt_logprobs = out
 
     def prompt_logprobs_chunk(self, batch: StepBatch, first: list[int], logits: torch.Tensor, i: int, req: Request,
@@ -189,18 +181,23 @@ class OutputProcessor:
         rows = n - 1 if last else n
         out = [None] if start == 0 else list(req.prompt_logprobs or [])
         if rows:
-            target = req.prompt_ids[start + 1:start + 1 + rows]
-            dev = logits.device
-            lp, ids, vals = token_logprobs_rows(logits, torch.arange(first[i], first[i] + rows, device=dev),
-                                                torch.tensor(target, device=dev), req.params.prompt_logprobs)
-            lp = lp.tolist()
-            top = (ids.tolist(), vals.tolist()) if ids is not None else None
-            for j, tok in enumerate(target):
-                d = {tok: lp[j]}
-                if top is not None:
-                    d.update(zip(top[0][j], top[1][j]))
-                out.append(d)
+            out += self._prompt_rows(logits, torch.arange(first[i], first[i] + rows, device=logits.device),
+                                     req.prompt_ids[start + 1:start + 1 + rows], req.params.prompt_logprobs)
         req.prompt_logprobs = out
+
+    @staticmethod
+    def _prompt_rows(logits: torch.Tensor, rows: torch.Tensor, target: list[int], num_top: int) -> list[dict]:
+        """Per row, {target token: its logprob, and the ``num_top`` largest}: one device-to-host read."""
+        lp, ids, vals = token_logprobs_rows(logits, rows, torch.tensor(target, device=logits.device), num_top)
+        lp = lp.tolist()
+        top = (ids.tolist(), vals.tolist()) if ids is not None else None
+        out = []
+        for j, tok in enumerate(target):
+            d = {tok: lp[j]}
+            if top is not None:
+                d.update(zip(top[0][j], top[1][j]))
+            out.append(d)
+        return out
 
     def output(self, req: Request) -> RequestOutput:
         stop = req.params.stop
