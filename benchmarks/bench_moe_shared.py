@@ -43,24 +43,12 @@ def kernels_per_call(fn, cuda: bool) -> int | None:
 
 @torch.no_grad()
 def to_fp8(moe: SparseMoE) -> None:
-    """``moe`` as an FP8 release's block (models.loader.quantize_model_fp8_'s steps for one block): the shared
+    """``moe`` as an FP8 release's block (``models.loader.quantize_model_fp8_``'s steps for one block): the shared
     expert's two layers and the routed experts in 128x128 blocks, then the shared expert folded again."""
-    from gdnserve.ops.quant import quantize_weight
+    from gdnserve.models.loader import quantize_experts_fp8_, quantize_linear_fp8_
     moe.unfold_shared()
-    for layer, nb in ((moe.shared_expert.gate_up_proj, 2), (moe.shared_expert.down_proj, None)):
-        w = layer.weight.data
-        if nb:
-            layer.to_fp8(nb)
-            layer.weight.data = w[w.shape[0]:].clone()       # no dense tail
-        else:
-            layer.to_fp8()
-        layer.qweight.data, layer.weight_scale_inv.data = quantize_weight(w)
-    gu, dn, n = moe.experts_gate_up.data, moe.experts_down.data, moe.local_intermediate
-    moe.to_fp8()
-    (qg, sg), (qu, su), (qd, sd) = (quantize_weight(t) for t in (gu[:, :n], gu[:, n:], dn))
-    moe.experts_gate_up.data, moe.experts_gate_up_scale_inv.data = torch.cat([qg, qu], 1), torch.cat([sg, su], 1)
-    moe.experts_down.data, moe.experts_down_scale_inv.data = qd, sd.contiguous()
-    assert moe.fold_shared() and moe.experts_scales is not None
+    assert quantize_linear_fp8_(moe.shared_expert.gate_up_proj) and quantize_linear_fp8_(moe.shared_expert.down_proj)
+    assert quantize_experts_fp8_(moe) and moe.fold_shared()
 
 
 def block(E: int, dev: torch.device, H: int = H, I: int = I) -> SparseMoE:

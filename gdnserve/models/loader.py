@@ -265,41 +265,57 @@ def quantize_model_fp8_(model: torch.nn.Module) -> list[str]:
     layer whose layout allows it becomes an FP8 layer (128x128 blocks, ``quantize_weight``) except the GDN
     in_proj's ``b`` / ``a`` rows (its dense tail); router, shared expert gate, embeddings, lm head and MTP
     ``fc`` stay dense. Returns the FP8 layers' names."""
-    from gdnserve.ops.quant import quantize_weight
     done = []
     for mod in model.modules():             # a folded shared expert (expert E) becomes its own MLP again
         if isinstance(mod, SparseMoE):
             mod.unfold_shared()
     for name in model_linears(model.cfg, getattr(model, "mtp", None) is not None):
         layer = model.get_submodule(name)
-        if layer.qweight is not None:
-            continue
-        w = layer.weight.data
-        if hasattr(layer, "blocks"):
-            nb = 4 if name.endswith("mixer.in_proj") else len(layer.blocks)     # [q k v z | b a]
-            if not layer.fp8_layout_ok(nb):
-                continue
-            rows = sum(layer.local_blocks[:nb])
-            layer.to_fp8(nb)
-            layer.weight.data = w[rows:].clone()
-        else:
-            if not layer.fp8_layout_ok():
-                continue
-            rows = w.shape[0]
-            layer.to_fp8()
-        q, sc = quantize_weight(w[:rows])
-        layer.qweight.data, layer.weight_scale_inv.data = q, sc
-        done.append(name)
+        if layer.qweight is None and quantize_linear_fp8_(layer, 4 if name.endswith("mixer.in_proj") else None):
+            done.append(name)                                                   # (in_proj: [q k v z | b a])
     for name, mod in model.named_modules():
-        if isinstance(mod, SparseMoE) and mod.experts_scales is None and mod.experts_fp8_ok():
-            gu, dn, I = mod.experts_gate_up.data, mod.experts_down.data, mod.local_intermediate
-            mod.to_fp8()
-            (qg, sg), (qu, su), (qd, sd) = (quantize_weight(t) for t in (gu[:, :I], gu[:, I:], dn))
-            mod.experts_gate_up.data, mod.experts_gate_up_scale_inv.data = torch.cat([qg, qu], 1), torch.cat([sg, su], 1)
-            mod.experts_down.data, mod.experts_down_scale_inv.data = qd, sd.contiguous()
+        if isinstance(mod, SparseMoE) and quantize_experts_fp8_(mod):
             done.append(name + ".experts")
     fold_shared_experts(model)              # as the loader does: an FP8 shared expert as expert E again
     return done
+
+
+@torch.no_grad()
+def quantize_linear_fp8_(layer: torch.nn.Module, nb: int | None = None) -> bool:
+    """One dense linear layer quantized in place to 128x128-block FP8 (``quantize_weight``); a fused layer's first
+    ``nb`` blocks (default: all), the rest kept dense as its tail. False (unchanged) where its layout does not allow
+    it."""
+    from gdnserve.ops.quant import quantize_weight
+    w = layer.weight.data
+    if hasattr(layer, "blocks"):
+        nb = len(layer.blocks) if nb is None else nb
+        if not layer.fp8_layout_ok(nb):
+            return False
+        rows = sum(layer.local_blocks[:nb])
+        layer.to_fp8(nb)
+        layer.weight.data = w[rows:].clone()
+    else:
+        if not layer.fp8_layout_ok():
+            return False
+        rows = w.shape[0]
+        layer.to_fp8()
+    layer.qweight.data, layer.weight_scale_inv.data = quantize_weight(w[:rows])
+    return True
+
+
+@torch.no_grad()
+def quantize_experts_fp8_(mod: SparseMoE) -> bool:
+    """A dense block's routed experts quantized in place to 128x128-block FP8 (gate and up blocks each, then
+    down). False (unchanged) where they are FP8 already or their layout does not allow it."""
+    from gdnserve.ops.quant import quantize_weight
+    if mod.experts_scales is not None or not mod.experts_fp8_ok():
+        return False
+    gu, dn, n = mod.experts_gate_up.data, mod.experts_down.data, mod.local_intermediate
+    mod.to_fp8()
+    (qg, sg), (qu, su), (qd, sd) = (quantize_weight(t) for t in (gu[:, :n], gu[:, n:], dn))
+    mod.experts_gate_up.data, mod.experts_gate_up_scale_inv.data = torch.cat([qg, qu], 1), torch.cat([sg, su], 1)
+    mod.experts_down.data, mod.experts_down_scale_inv.data = qd, sd.contiguous()
+    return True
 
 
 def _param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
