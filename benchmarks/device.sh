@@ -44,7 +44,7 @@
 #                overwrite each other): issue 27's peers' workload in FP8 at C = 1, 16, 256, max (HTTP_FP8_ARGS
 #                replaces it), and MTP k = 3 at a 60 % oracle acceptance at C = 1, 16 (HTTP_MTP_ARGS replaces it)
 #   moeshared[:s] python -m benchmarks.bench_moe_shared, bf16 then --fp8 (the shared expert folded vs unfolded at
-#                MOESHARED_TOKENS, default 1,2,4,8,16,24,32,64: where layers/moe.py's FOLD_MAX_TOKENS(_FP8) come from;
+#                MOESHARED_TOKENS, default 1,2,4,8,16,24,32,64: where layers/moe.py's FOLD_MAX_TOKENS comes from;
 #                each under a timeout of s, default 120)
 #   engine[:s]   python -m benchmarks.bench_engine_overhead --device cuda (engine decode step vs the bare step at
 #                B = 1, 64, 256 on the full-size random model; ENGINE_ARGS adds flags)

@@ -26,10 +26,10 @@ in the activation dtype; ``ops.moe.router``) and the grouped GEMM over E+1 exper
 the shared expert's output is rounded like a routed pair's (pair output in the activation dtype, the k+1
 sum in fp32, rounded once). Larger steps, and the PyTorch path, compute the shared expert as before (dense
 GEMMs, sigmoid gate, add) from views of row E with HF's ops and roundings: on the H200 the folded block is
-1.25-1.65x faster from T = 1 to 16 (33 vs 52 µs at T = 1, 11 -> 5 kernels; 186 vs 232 µs at T = 16) and even at
-T = 24; past 16 tokens the shared expert's rows take several 16-row blocks, each re-streaming its weights, and
-the extra pair per token enlarges the alignment (docs/kernels.md, ``benchmarks/results/moe_shared_h200.md``). ``unfold_shared`` restores the separate modules
-(``to_fp8`` and FP8 quantizing call it).
+1.01-1.70x faster from T = 1 to 16 (30 vs 51 µs at T = 1, 11 -> 5 kernels; 183 vs 224 µs at T = 16), even at
+T = 24-32; past 16 tokens the shared expert's rows take several 16-row blocks, each re-streaming its weights,
+and the extra pair per token enlarges the alignment (docs/kernels.md, ``benchmarks/results/moe_shared_h200.md``).
+``unfold_shared`` restores the separate modules (``to_fp8`` and FP8 quantizing call it).
 
 FP8 experts (``to_fp8``, block checkpoints): ``experts_gate_up`` / ``experts_down`` become e4m3 with float32
 scales per 128x128 block, ``experts_gate_up_scale_inv [E, 2·ceil(I/128), ceil(hidden/128)]`` (gate blocks
@@ -68,9 +68,8 @@ FP8_BLOCK = 128
 # grouped GEMM tiles of 34c239f, benchmarks/results/moe_shared_h200.md and moe_shared_fp8_h200.md): folded at least
 # as fast at every T from 1 to 16 (bf16 1.70x at T = 1, 1.33x at 4, 1.01x at 8, 1.22x at 16; block FP8 1.41x,
 # 1.16x, 1.06x, 1.36x), even from 24 to 32, slower at 64 (0.95x / 0.98x): up to 16 tokens the shared expert's rows
-# are one 16-row block, past it each block re-streams its weights.
+# are one 16-row block, past it each block re-streams its weights. The same in both formats.
 FOLD_MAX_TOKENS = 16
-FOLD_MAX_TOKENS_FP8 = 16
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -99,9 +98,7 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.backend = "auto"      # the routed experts' op (ops/moe): Triton grouped GEMM on CUDA, capturable
         self.fused = True          # on the Triton backend: the fused router (ops/moe/router: one launch at decode)
-        # ... and folded: steps up to this size run it as expert E (None: FOLD_MAX_TOKENS, FP8 experts
-        # FOLD_MAX_TOKENS_FP8)
-        self.fold_max_tokens: int | None = None
+        self.fold_max_tokens = FOLD_MAX_TOKENS   # ... and folded: steps up to this size run it as expert E
         # the decoder's post-attention norm folded into the router GEMM at one token (forward_prenorm); off unless
         # GDNSERVE_FUSED_NORM_ROUTER=1 until the H200 has timed it
         self.fused_norm_router = fused_norm_router_default()
@@ -219,13 +216,6 @@ class SparseMoE(nn.Module):
         self.gate.weight.data, self.gate.out_features = gw[:E].clone(), E
         self.shared_expert, self.shared_expert_gate, self.shared_folded = mlp, gate, False
 
-    def fold_limit(self) -> int:
-        """Steps of at most this many tokens run the folded block (``fold_max_tokens``, else the default of the
-        experts' format)."""
-        if self.fold_max_tokens is not None:
-            return self.fold_max_tokens
-        return FOLD_MAX_TOKENS_FP8 if self.experts_scales is not None else FOLD_MAX_TOKENS
-
     def routed_scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The routed experts' FP8 scales (a folded block's without row E), None for dense experts."""
         sc = self.experts_scales
@@ -243,7 +233,7 @@ class SparseMoE(nn.Module):
             # allocated at the first call (a prefill, before any decode graph is captured), kept: left at 0
             self._route_counter = new_counter(h.device)
         if (self.fused_norm_router and self.fused and h.shape[0] == 1 and self.shared_folded
-                and self.fold_limit() >= 1 and h.dtype in (torch.bfloat16, torch.float16)
+                and self.fold_max_tokens >= 1 and h.dtype in (torch.bfloat16, torch.float16)
                 and self.gate.weight.dtype == h.dtype and resolve_backend(self.backend, h) == "triton"):
             r, x, s = add_rms_norm_gemv_route(h, residual, norm.weight, norm.eps, self.gate.weight,
                                               self._route_counter, self.top_k, self.norm_topk_prob, True)
@@ -263,7 +253,7 @@ class SparseMoE(nn.Module):
             raise ValueError(f"x: expected [T, {self.hidden}], got {list(x.shape)}")
         E = self.num_experts
         triton = self.fused and resolve_backend(self.backend, x) == "triton"
-        if triton and self.shared_folded and x.shape[0] <= self.fold_limit():   # router GEMM, router, grouped GEMM
+        if triton and self.shared_folded and x.shape[0] <= self.fold_max_tokens:   # router GEMM, router, grouped GEMM
             r = route(dense_linear(x, self.gate.weight), self.top_k, self.norm_topk_prob, "triton", shared=True)
             out = moe_experts(x, r.weights, r.experts, self.experts_gate_up, self.experts_down, backend="triton",
                               scales=self.experts_scales, alignment=r.alignment)

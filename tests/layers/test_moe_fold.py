@@ -125,15 +125,14 @@ def test_folded_triton_equals_unfolded(T, dtype, renorm, device):
 
 def test_default_folds_only_small_steps(monkeypatch, device):
     """By default only steps of at most FOLD_MAX_TOKENS tokens take the folded path (H200: faster up to T = 16,
-    FP8 blocks up to FOLD_MAX_TOKENS_FP8); larger ones run the shared expert as its own MLP from the folded
-    weights."""
+    bf16 and FP8); larger ones run the shared expert as its own MLP from the folded weights."""
     seen = []
     route = moe_mod.route
     monkeypatch.setattr(moe_mod, "route", lambda *a, **kw: seen.append(kw.get("shared", False)) or route(*a, **kw))
     moe = random_block(device=device)
-    moe.fold_max_tokens = None                # the default of the format
+    assert SparseMoE(H, E, K, I, I, True).fold_max_tokens == moe_mod.FOLD_MAX_TOKENS     # the default
+    moe.fold_max_tokens = moe_mod.FOLD_MAX_TOKENS
     moe.fold_shared()
-    assert moe.fold_limit() == moe_mod.FOLD_MAX_TOKENS
     moe.backend = "triton"
     with torch.no_grad():
         for T in (moe_mod.FOLD_MAX_TOKENS, moe_mod.FOLD_MAX_TOKENS + 1):
