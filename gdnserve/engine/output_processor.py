@@ -12,7 +12,6 @@ from gdnserve.engine.engine_api import CandidateScore, CompletionOutput, Request
 from gdnserve.engine.execution.sampler import (
     Sampler,
     SamplingTensors,
-    logsumexp_rows,
     stop_check,
     stop_holdback,
     token_logprobs,
@@ -223,8 +222,7 @@ class OutputProcessor:
                 last.append(first[item] + len(c))
         dev = logits.device
         R = torch.tensor(rows, device=dev)
-        # log-softmax at the targets without a [rows, vocab] temporary: gather, minus each row's logsumexp (blocked)
-        lp = logits[R, torch.tensor(targets, device=dev)] - logsumexp_rows(logits, R)
+        lp = token_logprobs_rows(logits, R, torch.tensor(targets, device=dev))[0]   # log-softmax at the targets
         idx = torch.repeat_interleave(torch.arange(len(seg), device=dev), torch.tensor(seg, device=dev))
         sums = torch.zeros(len(seg), dtype=lp.dtype, device=dev).index_add_(0, idx, lp)
         parts = [sums.double()]

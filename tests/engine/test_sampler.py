@@ -358,10 +358,10 @@ def test_all_greedy_fast_path_equals_the_tensor_path(logprobs):
 
 @pytest.mark.parametrize("block", [1, 3, 7, 512])
 def test_row_blocked_logprobs_equal_the_whole_gather(block):
-    """token_logprobs_rows / logsumexp_rows (prompt logprobs, scores, the memory plan's measuring step) keep their
-    [rows, vocab] temporaries block-sized; per row they are the unblocked call's values (rows in any order,
-    repeated, fewer than a block, an odd last block)."""
-    from gdnserve.engine.execution.sampler import logsumexp_rows, token_logprobs_rows
+    """token_logprobs_rows (prompt logprobs, scores, the memory plan's measuring step) keeps its [rows, vocab]
+    temporaries block-sized; per row it is the unblocked call's values (rows in any order, repeated, fewer than a
+    block, an odd last block)."""
+    from gdnserve.engine.execution.sampler import token_logprobs_rows
     g = torch.Generator().manual_seed(block)
     logits = torch.randn(40, 97, generator=g) * 4
     rows = torch.tensor([5, 0, 39, 5, 17, 18, 2, 33, 11, 11, 25, 8, 30, 1, 9, 21, 3])
@@ -372,4 +372,6 @@ def test_row_blocked_logprobs_equal_the_whole_gather(block):
         for w, x in zip(want, got):
             assert (w is None and x is None) or torch.allclose(w.float(), x.float(), atol=1e-6, rtol=0)
         assert got[1] is None or torch.equal(got[1], want[1])
-    assert torch.allclose(logsumexp_rows(logits, rows, block=block), logits[rows].logsumexp(-1), atol=1e-6, rtol=0)
+    # the score path's use: the targets' log-softmax is the gathered logit minus the row's logsumexp
+    want = logits[rows, ids] - logits[rows].logsumexp(-1)
+    assert torch.allclose(token_logprobs_rows(logits, rows, ids, block=block)[0], want, atol=1e-6, rtol=0)

@@ -109,18 +109,11 @@ ROW_BLOCK = 512     # rows of a [rows, vocab] temporary at a time in the all-row
                     # 512 x 248,320 fp32 = 0.5 GB, where a whole 4,096-token step's rows took ~4 GB per temporary
 
 
-def logsumexp_rows(logits: torch.Tensor, rows: torch.Tensor, block: int = ROW_BLOCK) -> torch.Tensor:
-    """``logits[rows].logsumexp(-1)`` ([N] for ``rows: [N] int64``), ``block`` rows at a time: its temporaries
-    (the gathered rows, their exponentials) stay block-sized instead of [N, vocab]."""
-    if rows.numel() <= block:
-        return logits[rows].logsumexp(-1)
-    return torch.cat([logits[rows[i:i + block]].logsumexp(-1) for i in range(0, rows.numel(), block)])
-
-
 def token_logprobs_rows(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, num_top: int = 0,
                         block: int = ROW_BLOCK) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``token_logprobs(logits[rows], token_ids, num_top)``, ``block`` rows at a time (the memory plan's activation
-    peak measures this, memory_budget.measure_activations)."""
+    """``token_logprobs(logits[rows], token_ids, num_top)``, ``block`` rows at a time: the temporaries (the gathered
+    rows, their exponentials) stay block-sized instead of [N, vocab] (the memory plan's activation peak measures
+    this, memory_budget.measure_activations)."""
     if rows.numel() <= block:
         return token_logprobs(logits[rows], token_ids, num_top)
     parts = [token_logprobs(logits[rows[i:i + block]], token_ids[i:i + block], num_top)
