@@ -14,7 +14,6 @@ from gdnserve.engine.execution.sampler import (
     SamplingTensors,
     stop_check,
     stop_holdback,
-    token_logprobs,
     token_logprobs_rows,
 )
 from gdnserve.engine.scheduling.request import Request, Sample
@@ -91,10 +90,11 @@ class OutputProcessor:
         num = torch.minimum(num, room - 1)           # tokens kept = num + 1 <= room
         want = [i for i, (r, _) in enumerate(verified) if r.params.logprobs is not None]
         lp = None
-        if want:        # only the rows that asked: a [rows x L, vocab] log-sum-exp per step
+        if want:        # only the rows that asked, block by block (no [rows x L, vocab] gathered copy)
             ix = torch.tensor(want, device=dev)
+            rows = (ix[:, None] * L + torch.arange(L, device=dev)).reshape(-1)
             top = max(verified[i][0].params.logprobs for i in want)
-            lp = token_logprobs(lg[ix].reshape(len(want) * L, -1), emitted[ix].clamp(min=0).reshape(-1), top)
+            lp = token_logprobs_rows(logits, rows, emitted[ix].clamp(min=0).reshape(-1), top)
         toks = emitted_tokens(num, emitted)
         return num + 1, toks, self._spec_logprobs(verified, want, toks, lp, L)
 
