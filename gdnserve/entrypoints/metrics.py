@@ -134,9 +134,8 @@ class _TierCollector:
             for k, v in sorted(values.items()):
                 fam.add_metric([k], v)
             yield fam
-        yield CounterMetricFamily(P + "checkpoint_spills", "READY checkpoints copied down from the GPU (on eviction, or "
-                                  "ahead of it).",
-                                  value=snap["spills"])
+        yield CounterMetricFamily(P + "checkpoint_spills", "READY checkpoints copied down from the GPU (on eviction, "
+                                  "or ahead of it).", value=snap["spills"])
         yield CounterMetricFamily(P + "checkpoint_spills_ahead", "Of the spills: READY checkpoints copied down "
                                   "ahead of need (the free-slot watermark), freed later without a copy.",
                                   value=snap["spills_ahead"])

@@ -155,10 +155,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
 
 # EngineConfig fields set by a flag of the same name (--max-num-seqs -> max_num_seqs; --no-cuda-graphs and
 # --no-auto-checkpoints store into cuda_graphs / auto_checkpoints). A command has the flags it offers.
-ENGINE_FLAGS = ("prefill_mode", "max_num_seqs", "max_model_len", "max_step_tokens", "num_pages", "num_slots", "spec_k", "spec_mode",
-                "spec_draft", "cuda_graphs", "auto_checkpoints", "tensor_parallel_size", "gpu_memory_utilization",
-                "memory_budget_gb", "overlap",
-                "checkpoint_host_memory_gb", "checkpoint_spill_ahead", "checkpoint_dir", "checkpoint_dir_max_gb")
+ENGINE_FLAGS = ("prefill_mode", "max_num_seqs", "max_model_len", "max_step_tokens", "num_pages", "num_slots",
+                "spec_k", "spec_mode", "spec_draft", "cuda_graphs", "auto_checkpoints", "tensor_parallel_size",
+                "gpu_memory_utilization", "memory_budget_gb", "overlap", "checkpoint_host_memory_gb",
+                "checkpoint_spill_ahead", "checkpoint_dir", "checkpoint_dir_max_gb")
 
 
 def engine_config(args: argparse.Namespace, **fixed) -> EngineConfig:

@@ -42,15 +42,16 @@ freed its slot). The exact scheme (docs/architecture.md "Checkpoint tiers"), eac
 On CPU the copies are synchronous (events None) and the host tensors are ordinary memory.
 
 Host memory (``empty``): with an arena (host_arena.py, the host tier's one buffer pinned at start-up) a checkpoint's
-buffer is a block of it, None when it has no room: no allocation in the step loop. Where no one hole holds it
-(a chat's checkpoints grow each turn: the holes older ones leave are a few pages short) the buffer is cut across up
-to ``MAX_EXTENTS`` blocks (``HostArena.alloc_extents``), its bytes laid end to end (``HostCheckpoint.spans``); the
+buffer is a block of it, None when it has no room: no allocation in the step loop. Where no one hole holds it (a
+chat's checkpoints grow each turn: the holes older ones leave are a few pages short) the buffer is cut across up to
+``MAX_EXTENTS`` blocks (``HostArena.alloc_extents``), its bytes laid end to end (``HostCheckpoint.spans``); the
 pieces are the same, and a piece that crosses an extent boundary crosses PCIe as one transfer per extent
-(``_segments``; the staging batches unchanged), so a checkpoint in one block is copied exactly as before. Without one (a Copier of its
-own, ``snapshot``, the shutdown flush) a fresh allocation, pinned on CUDA. ``HostCheckpoint.release`` gives the
-block back, once, when no CPU thread reads it any more: GPU copies into a reused block are ordered after the
-earlier GPU copies out of it (one stream down, ``_reads`` against the stream up); threads that read the tensors
-(the disk writer) release it when they are done (the release rules: checkpoint_tiers.py).
+(``_segments``; the staging batches unchanged), so a checkpoint in one block is copied exactly as before. Without
+one (a Copier of its own, ``snapshot``, the shutdown flush) a fresh allocation, pinned on CUDA.
+``HostCheckpoint.release`` gives the block back, once, when no CPU thread reads it any more: GPU copies into a
+reused block are ordered after the earlier GPU copies out of it (one stream down, ``_reads`` against the stream up);
+threads that read the tensors (the disk writer) release it when they are done (the release rules:
+checkpoint_tiers.py).
 """
 from __future__ import annotations
 

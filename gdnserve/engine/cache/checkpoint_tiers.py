@@ -21,8 +21,8 @@ once the host tier is empty discards ahead copies (oldest first: the device stil
 
 Host memory: a spill takes a block of the arena (or, where no one hole holds it, up to ``MAX_EXTENTS`` extents:
 host_arena.py ``alloc_extents``; "block" below means its blocks), evicting the host tier's LRU until it fits (no
-allocation in the step loop). A block goes back to the arena (``HostCheckpoint.release``) only when nothing reads it any more; GPU
-copies are ordered by the copier's streams (checkpoint_copy.py), CPU threads are not:
+allocation in the step loop). A block goes back to the arena (``HostCheckpoint.release``) only when nothing reads
+it any more; GPU copies are ordered by the copier's streams (checkpoint_copy.py), CPU threads are not:
 
 - evicted with no disk tier: at once (a later copy down into the block is queued after the one that filled it,
   on the same stream);

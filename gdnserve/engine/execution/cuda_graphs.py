@@ -254,9 +254,9 @@ class StepGraphs:
     def steady_keys(self) -> list[MixedKey]:
         """The mixed buckets a loaded server lives in: one or two prompts' chunks filling the step's token budget
         (the largest token bucket, queries of one segment up to all of it) beside the decodes (a speculative
-        runner: the verifies) of every batch bucket (and none), largest first. ``warm_up`` captures them so the first requests at each batch size do
-        not pay a capture (and the compiles it triggers) inside their TTFT; other mixed keys are captured when
-        first met, as before."""
+        runner: the verifies) of every batch bucket (and none), largest first. ``warm_up`` captures them so the
+        first requests at each batch size do not pay a capture (and the compiles it triggers) inside their TTFT;
+        other mixed keys are captured when first met, as before."""
         if self.mixed is None:
             return []
         T = self.tok_buckets[-1]
@@ -268,12 +268,12 @@ class StepGraphs:
     @torch.inference_mode()
     def warm_up(self) -> int:
         """Before serving (``ModelRunner.warm_up``): every decode / verify bucket and the steady-state mixed buckets
-        (``steady_keys``) captured (capture on; each capture compiles its kernels first). The MTP draft is no longer run at every batch size here (92 s on the H200 at
-        bucket 256): a step with verifies beside prefill drafts inside its mixed graph, at a bucket size, like a
-        verify-only step. Only a step with decodes and verifies together still drafts eagerly at its exact B (a
-        request that stops speculating for a step beside others that verify); the launch configs it meets compile
-        in that step. Writes no state (padding rows store no KV and read finite rows). Returns the graphs
-        captured."""
+        (``steady_keys``) captured (capture on; each capture compiles its kernels first). The MTP draft is no longer
+        run at every batch size here (92 s on the H200 at bucket 256): a step with verifies beside prefill drafts
+        inside its mixed graph, at a bucket size, like a verify-only step. Only a step with decodes and verifies
+        together still drafts eagerly at its exact B (a request that stops speculating for a step beside others that
+        verify); the launch configs it meets compile in that step. Writes no state (padding rows store no KV and
+        read finite rows). Returns the graphs captured."""
         n0 = self.stats["capture"]
         if self.capture:
             self.capture_all()

@@ -7,10 +7,10 @@
   device (nothing allocated; an FP8 checkpoint's layers become FP8 first, as the loader makes them).
 - **Activations**: the peak of the largest step, a prefill of ``max_step_tokens`` tokens with every row's logits
   (prompt logprobs and scoring ask for them; a single-sample prompt_logprobs prompt is chunked, intake refuses the
-  others and score candidates above max_step_tokens), their log-softmax ``sampler.ROW_BLOCK`` rows at a time, plus sampling. On CUDA, when the pools are
-  sized, it is measured as nano-vllm does (a warm-up step on small temporary pools, ``max_memory_allocated``);
-  otherwise :func:`estimate_activations` bounds it from the config, conservatively (tests/engine compare the two
-  on the GPU).
+  others and score candidates above max_step_tokens), their log-softmax ``sampler.ROW_BLOCK`` rows at a time, plus
+  sampling. On CUDA, when the pools are sized, it is measured as nano-vllm does (a warm-up step on small temporary
+  pools, ``max_memory_allocated``); otherwise :func:`estimate_activations` bounds it from the config, conservatively
+  (tests/engine compare the two on the GPU).
 - **CUDA graphs**: their private pool holds the largest captured step's intermediates (graphs are captured on first
   use, after the pools exist), estimated the same way without the logits.
 - **Runtime** (CUDA): workspaces and allocator slack (``RUNTIME_RESERVE`` / ``MEASURED_RESERVE``), plus with a
@@ -223,8 +223,9 @@ def measure_activations(model, cfg: EngineConfig) -> int:
     of max_step_tokens random tokens (sequences of at most max_model_len) with every row's logits, then what prompt
     logprobs compute from them (a block of rows gathered, its log-sum-exp, the top logprobs, ROW_BLOCK rows at a
     time), on temporary pools just large enough; plus the sampler's sort over max_num_seqs x (spec_k + 1) rows
-    beyond that block's log-sum-exp (its temporaries are not in the forward). No step holds more rows of logits: a prompt_logprobs prompt or a score
-    candidate longer than max_step_tokens is chunked (single-sample prompt logprobs) or refused at intake."""
+    beyond that block's log-sum-exp (its temporaries are not in the forward). No step holds more rows of logits:
+    a prompt_logprobs prompt or a score candidate longer than max_step_tokens is chunked (single-sample prompt
+    logprobs) or refused at intake."""
     from gdnserve.engine.cache.sequence import PrefillItem
     from gdnserve.engine.execution.model_runner import (
         ModelRunner,

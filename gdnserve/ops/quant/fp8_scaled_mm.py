@@ -7,11 +7,10 @@ Layouts cuBLAS wants: x e4m3 ``[M, K]`` row-major, W as ``qw.t()`` (``[K, N]`` c
 ``[N, K]`` row-major as is), the activation scales outer-dim-major (``[M, K/128]`` with stride ``(1, M)``:
 the quantization kernel writes them transposed), the weight scales ``sw.t()`` (``[K/128, N/128]``).
 
-``available(device)`` probes it once per device (a small call held to the float32 reference of the same
-math); the probe never runs during CUDA-graph capture (it syncs): until a probe has run there, callers take
-the Triton GEMM. Used for ``M >= MIN_M`` when the dispatch's ``scaled_mm`` is on (``fp8_linear``); M and the K-block count must
-be multiples of 4 (the scale vectors' 16-byte alignment), N a multiple of 128 — other shapes take the Triton
-GEMM.
+``available(device)`` probes it once per device (a small call held to the float32 reference of the same math); the
+probe never runs during CUDA-graph capture (it syncs): until a probe has run there, callers take the Triton GEMM.
+Used for ``M >= MIN_M`` when the dispatch's ``scaled_mm`` is on (``fp8_linear``); M and the K-block count must be
+multiples of 4 (the scale vectors' 16-byte alignment), N a multiple of 128 — other shapes take the Triton GEMM.
 """
 from __future__ import annotations
 
